@@ -1,0 +1,94 @@
+"""Flower ClientApp: read the message, call the core, reply. No math here."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from dpfedavg.config import RunConfig
+from dpfedavg.core import GradFn, Stream, make_rng, private_client_update
+from dpfedavg.protocol import (
+    ARRAYS,
+    CLEAN_UPDATE_KEY,
+    CONFIG,
+    DIAGNOSTICS,
+    METRICS,
+    UPDATE_KEY,
+    RoundInstructions,
+    from_array_record,
+    to_array_record,
+)
+from dpfedavg.tasks import Task, build_task
+
+app = ClientApp()
+
+
+def _partition(context: Context) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` from the SuperNode's ``--node-config``."""
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except KeyError as err:
+        raise RuntimeError(
+            f"this SuperNode has no {err} in its node config; start it with "
+            '--node-config "partition-id=I num-partitions=N"'
+        ) from None
+
+
+@lru_cache(maxsize=4)
+def _config(items: tuple[tuple[str, object], ...]) -> RunConfig:
+    return RunConfig.from_run_config(dict(items))
+
+
+@lru_cache(maxsize=4)
+def _task(cfg: RunConfig) -> Task:
+    return build_task(cfg)
+
+
+@lru_cache(maxsize=4096)
+def _grad_fn(cfg: RunConfig, client_id: int) -> GradFn:
+    """Client ``i``'s objective, built once per process and reused every round."""
+    return _task(cfg).client_grad_fn(client_id)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Report this node's client id so the server can sample by client."""
+    pid, num = _partition(context)
+    return Message(RecordDict({METRICS: MetricRecord({"partition-id": pid, "num-partitions": num})}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Alg. 1 / Alg. 2 lines 4-10 for this client: reply with ``g + zeta``."""
+    cfg = _config(tuple(sorted(context.run_config.items())))
+    client_id, _ = _partition(context)
+    ins = RoundInstructions.from_config_record(msg.content[CONFIG])
+    w = from_array_record(msg.content[ARRAYS])
+    result = private_client_update(
+        w,
+        _grad_fn(cfg, client_id),
+        lr=ins.local_lr,
+        num_steps=ins.local_steps,
+        algorithm=ins.algorithm,  # type: ignore[arg-type]
+        clip=ins.clip,
+        noise_std=ins.noise_std,
+        rng=make_rng(ins.noise_seed, Stream.NOISE, client_id),
+    )
+    content = RecordDict(
+        {
+            ARRAYS: to_array_record(result.noisy, UPDATE_KEY),
+            METRICS: MetricRecord(
+                {
+                    "num-examples": 1,
+                    "partition-id": client_id,
+                    "update-norm": result.update_norm,
+                    "clipped": int(result.update_norm > ins.clip),
+                }
+            ),
+        }
+    )
+    if ins.diagnostics:
+        content[DIAGNOSTICS] = to_array_record(result.clean, CLEAN_UPDATE_KEY)
+    return Message(content, reply_to=msg)

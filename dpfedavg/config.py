@@ -1,0 +1,251 @@
+"""Run configuration: one frozen dataclass, validated at the boundary.
+
+Flower hands the app a flat ``run_config`` dict with kebab-case keys (the
+defaults live in ``pyproject.toml`` under ``[tool.flwr.app.config]``;
+``--run-config`` overrides them). :func:`RunConfig.from_run_config` turns it
+into a typed :class:`RunConfig` or raises one :class:`ConfigError` that names
+every bad key, its value and what is allowed, before any expensive start-up.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from dpfedavg.core.types import ALGORITHMS
+
+__all__ = ["ConfigError", "Option", "OPTIONS", "RunConfig", "SERVER_LR_FOLLOWS_LOCAL", "describe_options"]
+
+#: ``server-lr`` value meaning ``beta_k = eta_k`` (the paper's choice in §4.4 and §5).
+SERVER_LR_FOLLOWS_LOCAL = "eta"
+
+#: Noise multiplier giving (epsilon, delta) = (5, 1e-6) for the default run
+#: (K = 500 rounds, full participation q = 1) by dp-accounting's PLD
+#: accountant; ``tests/test_config.py`` recomputes it.
+DEFAULT_NOISE_MULTIPLIER = 21.9146
+
+
+class ConfigError(ValueError):
+    """A run configuration is invalid. The message names each key, value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One run_config key: its type, default, paper symbol and allowed values."""
+
+    key: str
+    kind: type
+    default: Any
+    symbol: str
+    help: str
+    allowed: str = ""
+    check: Callable[[Any], bool] | None = None
+    choices: tuple[Any, ...] | None = None
+
+    @property
+    def attr(self) -> str:
+        """The dataclass field name (snake_case)."""
+        return self.key.replace("-", "_")
+
+
+def _positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def _non_negative(x: float) -> bool:
+    return math.isfinite(x) and x >= 0
+
+
+def _task_names() -> tuple[str, ...]:
+    from dpfedavg.tasks import TASKS  # local import: tasks import core only
+
+    return tuple(TASKS)
+
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+#: Every run_config key. Task-specific keys are marked in ``help``.
+OPTIONS: tuple[Option, ...] = (
+    Option("task", str, "quadratic", "-", "objective and data", choices=None),
+    Option("algorithm", str, "norm", "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP", choices=ALGORITHMS),
+    Option("num-rounds", int, 500, "K", "communication rounds", "an integer >= 1", lambda x: x >= 1),
+    Option("local-steps", int, 20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1),
+    Option("local-lr", float, 0.003, "eta_0", "initial local learning rate", "a float > 0", _positive),
+    Option("lr-decay", float, 1.0, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: _positive(x) and x <= 1),
+    Option("server-lr", float, SERVER_LR_FOLLOWS_LOCAL, "beta_k", "global step; \"eta\" means beta_k = eta_k", f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"', _positive),
+    Option("server-momentum", float, 0.0, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: _non_negative(x) and x < 1),
+    Option("num-clients", int, 100, "n", "number of clients (= supernodes)", "an integer >= 1", lambda x: x >= 1),
+    Option("clients-per-round", float, 100.0, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", _positive),
+    Option("clip", float, 50.0, "C", "clipping threshold (clip) / scaling factor (norm)", "a float > 0", _positive),
+    Option("noise-multiplier", float, DEFAULT_NOISE_MULTIPLIER, "z", "std of the summed noise / C; sigma = z C / r", "a float >= 0", _non_negative),
+    Option("seed", int, 0, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0),
+    Option("diagnostics", bool, False, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)"),
+    Option("output-dir", str, "outputs", "-", "results root; relative paths are relative to the SuperLink's working directory", "a non-empty path", lambda x: bool(x.strip())),
+    Option("run-name", str, "", "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x))),
+    Option("node-wait-timeout", float, 300.0, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),
+    Option("round-timeout", float, 3600.0, "-", "seconds a round waits for replies", "a float > 0", _positive),
+    # Task-specific keys (ignored by tasks that do not use them).
+    Option("init", str, "I1", "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2")),
+    Option("dim", int, 200, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1),
+)
+
+_BY_KEY = {opt.key: opt for opt in OPTIONS}
+
+
+def describe_options() -> list[tuple[str, str, str, str]]:
+    """``(key, default, symbol, help)`` rows for docs and ``--help`` output."""
+    return [(o.key, repr(o.default), o.symbol, o.help) for o in OPTIONS]
+
+
+def _coerce(opt: Option, value: Any) -> tuple[Any, str | None]:
+    """Return ``(typed value, None)`` or ``(None, error text)``."""
+    if opt.key == "server-lr" and value == SERVER_LR_FOLLOWS_LOCAL:
+        return None, None
+    kind = opt.kind
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        want = opt.allowed or ("true or false" if kind is bool else f"a {kind.__name__}")
+        return None, f"'{opt.key}' = {value!r} ({type(value).__name__}): expected {want}"
+    choices = opt.choices
+    if opt.key == "task":
+        choices = _task_names()
+    if choices is not None and value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        more = f" (did you mean {hint[0]!r}?)" if hint else ""
+        return None, f"'{opt.key}' = {value!r}: allowed values are {allowed}{more}"
+    if opt.check is not None and not opt.check(value):
+        return None, f"'{opt.key}' = {value!r}: expected {opt.allowed}"
+    return value, None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated run configuration (snake_case fields mirror the kebab-case keys)."""
+
+    task: str = "quadratic"
+    algorithm: str = "norm"
+    num_rounds: int = 500
+    local_steps: int = 20
+    local_lr: float = 0.003
+    lr_decay: float = 1.0
+    server_lr: float | None = None  # None: beta_k = eta_k
+    server_momentum: float = 0.0
+    num_clients: int = 100
+    clients_per_round: float = 100.0
+    clip: float = 50.0
+    noise_multiplier: float = DEFAULT_NOISE_MULTIPLIER
+    seed: int = 0
+    diagnostics: bool = False
+    output_dir: str = "outputs"
+    run_name: str = ""
+    node_wait_timeout: float = 300.0
+    round_timeout: float = 3600.0
+    init: str = "I1"
+    dim: int = 200
+
+    @property
+    def sampling_rate(self) -> float:
+        """``q = r / n``: each client's per-round inclusion probability."""
+        return self.clients_per_round / self.num_clients
+
+    @property
+    def dp_enabled(self) -> bool:
+        """True when the run adds noise (algorithm clip/norm and z > 0)."""
+        return self.algorithm != "none" and self.noise_multiplier > 0
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The kebab-case dict this config came from (``server-lr`` None -> "eta")."""
+        out: dict[str, Any] = {}
+        for opt in OPTIONS:
+            value = getattr(self, opt.attr)
+            if opt.key == "server-lr" and value is None:
+                value = SERVER_LR_FOLLOWS_LOCAL
+            out[opt.key] = value
+        return out
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any], *, allow_missing: bool = True) -> RunConfig:
+        """Validate a flat kebab-case ``run_config`` and build the config.
+
+        Parameters
+        ----------
+        run_config:
+            Flower's ``context.run_config`` (or any dict of kebab-case keys).
+        allow_missing:
+            Fill keys that are absent with the defaults (Flower always passes
+            every key from ``pyproject.toml``; Python users may pass a subset).
+
+        Raises
+        ------
+        ConfigError
+            Listing every unknown key (with a "did you mean"), every value of
+            the wrong type or out of range, and every inconsistent combination.
+        """
+        errors: list[str] = []
+        values: dict[str, Any] = {}
+        for key in run_config:
+            if key not in _BY_KEY:
+                hint = difflib.get_close_matches(key, list(_BY_KEY), n=1)
+                more = f" (did you mean '{hint[0]}'?)" if hint else ""
+                errors.append(f"unknown key '{key}'{more}")
+        for opt in OPTIONS:
+            if opt.key not in run_config:
+                if not allow_missing:
+                    errors.append(f"missing key '{opt.key}'")
+                continue
+            value, err = _coerce(opt, run_config[opt.key])
+            if err:
+                errors.append(err)
+            else:
+                values[opt.attr] = value
+        if not errors:
+            cfg = cls(**values)
+            errors.extend(cfg._cross_check())
+            if not errors:
+                return cfg
+        raise ConfigError("invalid run config: " + "; ".join(errors))
+
+    def _cross_check(self) -> list[str]:
+        errors = []
+        if self.clients_per_round > self.num_clients:
+            errors.append(
+                f"'clients-per-round' = {self.clients_per_round:g} exceeds 'num-clients' = {self.num_clients}: "
+                "expected 0 < r <= n"
+            )
+        return errors
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A validated copy with some fields changed (snake_case names)."""
+        merged = self.to_run_config()
+        for name, value in changes.items():
+            key = name.replace("_", "-")
+            if key == "server-lr" and value is None:
+                value = SERVER_LR_FOLLOWS_LOCAL
+            merged[key] = value
+        return RunConfig.from_run_config(merged)
+
+
+def _check_defaults_consistent() -> None:
+    """The Option table and the dataclass defaults must agree (import-time guard)."""
+    defaults = {f.name: f.default for f in fields(RunConfig)}
+    for opt in OPTIONS:
+        expected = None if (opt.key == "server-lr" and opt.default == SERVER_LR_FOLLOWS_LOCAL) else opt.default
+        if defaults.get(opt.attr, object()) != expected:
+            raise AssertionError(f"default of {opt.key} differs between OPTIONS and RunConfig")
+
+
+_check_defaults_consistent()

@@ -1,0 +1,51 @@
+"""Pure numpy math of DP-FedAvg / DP-NormFedAvg, shared by every engine.
+
+No Flower import here: the Flower apps, the batched engine and the tests all
+call these functions.
+"""
+
+from dpfedavg.core.dp import (
+    bound_sensitivity,
+    client_noise_std,
+    clip,
+    gaussian_noise,
+    normalize,
+    server_noise_std,
+)
+from dpfedavg.core.local import ClientUpdate, client_update, local_steps, private_client_update
+from dpfedavg.core.seeding import Stream, make_rng, round_noise_seed
+from dpfedavg.core.server import (
+    aggregate_fixed_denominator,
+    local_lr_at,
+    momentum_step,
+    poisson_sample,
+    random_iterate_round,
+    server_lr_at,
+)
+from dpfedavg.core.types import ALGORITHMS, Algorithm, GradFn, Vector
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "ClientUpdate",
+    "GradFn",
+    "Stream",
+    "Vector",
+    "aggregate_fixed_denominator",
+    "bound_sensitivity",
+    "client_noise_std",
+    "client_update",
+    "clip",
+    "gaussian_noise",
+    "local_lr_at",
+    "local_steps",
+    "make_rng",
+    "momentum_step",
+    "normalize",
+    "poisson_sample",
+    "private_client_update",
+    "random_iterate_round",
+    "round_noise_seed",
+    "server_lr_at",
+    "server_noise_std",
+]

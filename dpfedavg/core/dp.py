@@ -1,0 +1,94 @@
+"""Sensitivity bounding and Gaussian noise (Alg. 1/2, lines 9-10).
+
+Pure numpy; no Flower import. Every engine (Flower ClientApp, batched engine,
+tests) calls these functions so the math lives in exactly one place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpfedavg.core.types import Algorithm, Vector
+
+__all__ = [
+    "clip",
+    "normalize",
+    "bound_sensitivity",
+    "gaussian_noise",
+    "client_noise_std",
+    "server_noise_std",
+]
+
+
+def _check_scale(c: float) -> None:
+    if not c > 0:
+        raise ValueError(f"the clipping threshold / scaling factor C must be > 0, got {c!r}")
+
+
+def clip(u: Vector, c: float) -> Vector:
+    """Clip ``u`` to norm at most ``c``: ``clip(u, C) = u * min(1, C / ||u||)``.
+
+    Paper eq. (clip-def), used in Alg. 1 line 9. ``clip(0, C) = 0``.
+    """
+    _check_scale(c)
+    norm = float(np.linalg.norm(u))
+    if norm <= c:
+        return u.copy()
+    return u * (c / norm)
+
+
+def normalize(u: Vector, c: float) -> Vector:
+    """Scale ``u`` to norm exactly ``c``: ``norm(u, C) = C * u / ||u||`` (Alg. 2 line 9).
+
+    The paper defines ``norm`` on ``R^d \\ {0}`` only. We define
+    ``normalize(0, C) = 0``: it is finite (never NaN), it keeps the sensitivity
+    bound ``||g|| <= C`` that the privacy analysis needs, and it is what
+    ``clip`` returns for the zero update, so both algorithms agree on a client
+    whose local steps did not move (e.g. it already sits at its optimum).
+    """
+    _check_scale(c)
+    norm = float(np.linalg.norm(u))
+    if norm == 0.0:
+        return np.zeros_like(u)
+    return u * (c / norm)
+
+
+def bound_sensitivity(u: Vector, algorithm: Algorithm, c: float) -> Vector:
+    """Return ``g`` for the given algorithm: ``clip``, ``norm`` or ``none`` (``g = u``)."""
+    if algorithm == "clip":
+        return clip(u, c)
+    if algorithm == "norm":
+        return normalize(u, c)
+    if algorithm == "none":
+        return u.copy()
+    raise ValueError(f"unknown algorithm {algorithm!r}; allowed: 'clip', 'norm', 'none'")
+
+
+def gaussian_noise(dim: int, std: float, rng: np.random.Generator, dtype: np.dtype | type = np.float64) -> Vector:
+    """Draw ``zeta ~ N(0, std^2 I_dim)`` from the explicit generator ``rng``.
+
+    ``std = 0`` returns exact zeros without consuming randomness.
+    """
+    if std < 0:
+        raise ValueError(f"noise std must be >= 0, got {std!r}")
+    if std == 0.0:
+        return np.zeros(dim, dtype=dtype)
+    return (rng.standard_normal(dim) * std).astype(dtype, copy=False)
+
+
+def server_noise_std(noise_multiplier: float, c: float, clients_per_round: float) -> float:
+    """``sigma = z C / r``: the std of the noise in the *average* ``a_k`` (Alg. 1 line 12).
+
+    ``z`` is the noise multiplier: std of the noise in the *sum* divided by the
+    sensitivity ``C`` of the sum.
+    """
+    return noise_multiplier * c / clients_per_round
+
+
+def client_noise_std(noise_multiplier: float, c: float, clients_per_round: float) -> float:
+    """Per-client noise std ``sqrt(r) * sigma = z C / sqrt(r)`` (Alg. 1 line 10).
+
+    Each of the (expected) ``r`` clients adds ``N(0, r sigma^2 I)``; the sum of
+    ``r`` of them carries ``N(0, (zC)^2 I)`` and their average ``N(0, sigma^2 I)``.
+    """
+    return noise_multiplier * c / float(np.sqrt(clients_per_round))

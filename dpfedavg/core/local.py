@@ -1,0 +1,75 @@
+"""Client-side local training and the private client update (Alg. 1/2, lines 4-10)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dpfedavg.core.dp import bound_sensitivity, gaussian_noise
+from dpfedavg.core.types import Algorithm, GradFn, Vector
+
+__all__ = ["local_steps", "client_update", "ClientUpdate", "private_client_update"]
+
+
+def local_steps(w: Vector, grad_fn: GradFn, lr: float, num_steps: int) -> Vector:
+    """Run ``E = num_steps`` full-batch gradient steps from ``w`` (Alg. 1 lines 5-7).
+
+    ``w_{k,tau+1} = w_{k,tau} - eta_k * grad f_i(w_{k,tau})``; returns ``w_{k,E}``.
+    The input ``w`` is not modified.
+    """
+    if num_steps < 1:
+        raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
+    if not lr > 0:
+        raise ValueError(f"local learning rate eta_k must be > 0, got {lr!r}")
+    w_local = np.array(w, copy=True)
+    for _ in range(num_steps):
+        w_local -= lr * grad_fn(w_local)
+    return w_local
+
+
+def client_update(w: Vector, grad_fn: GradFn, lr: float, num_steps: int) -> Vector:
+    """Client update ``u = (w_k - w_{k,E}) / eta_k`` (Alg. 1 line 9)."""
+    return (w - local_steps(w, grad_fn, lr, num_steps)) / lr
+
+
+@dataclass(frozen=True)
+class ClientUpdate:
+    """What one sampled client produces in one round.
+
+    Attributes
+    ----------
+    noisy:
+        ``g + zeta``: the only thing a client sends in normal operation (line 10).
+    clean:
+        ``g`` (clipped / normalized update, no noise). Research diagnostics only.
+    update_norm:
+        ``||u||`` before clipping / normalization.
+    """
+
+    noisy: Vector
+    clean: Vector
+    update_norm: float
+
+
+def private_client_update(
+    w: Vector,
+    grad_fn: GradFn,
+    *,
+    lr: float,
+    num_steps: int,
+    algorithm: Algorithm,
+    clip: float,
+    noise_std: float,
+    rng: np.random.Generator,
+) -> ClientUpdate:
+    """Alg. 1 / Alg. 2 lines 4-10 for one client.
+
+    ``u`` from ``E`` local steps, ``g = clip(u, C)`` (``clip``), ``g = C u/||u||``
+    (``norm``) or ``g = u`` (``none``), then ``g + zeta`` with
+    ``zeta ~ N(0, noise_std^2 I)`` drawn from ``rng``.
+    """
+    u = client_update(w, grad_fn, lr, num_steps)
+    g = bound_sensitivity(u, algorithm, clip)
+    zeta = gaussian_noise(g.shape[0], noise_std, rng, dtype=g.dtype)
+    return ClientUpdate(noisy=g + zeta, clean=g, update_norm=float(np.linalg.norm(u)))

@@ -1,0 +1,385 @@
+"""DP-FedAvg / DP-NormFedAvg as a Flower (Message API) strategy.
+
+:class:`DPFedAvg` subclasses Flower's :class:`~flwr.serverapp.strategy.FedAvg`
+and keeps its round loop (``Strategy.start``); it replaces the two defaults
+that are wrong for user-level DP:
+
+* sampling: Flower's ``sample_nodes`` draws a fixed-size ``random.sample``;
+  Alg. 1 line 3 samples every client independently with ``q = r/n``
+  (Poisson sampling, which the privacy accountant's amplification assumes);
+* aggregation: ``FedAvg.aggregate_train`` averages by ``num-examples`` over the
+  replies received; Alg. 1 line 12 divides the sum by the fixed expected
+  cohort size ``r``.
+
+It also applies server momentum and the schedules ``eta_k``, ``beta_k``, and
+keeps the uniformly random iterate ``w_{k~}`` that Alg. 1 line 13 returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+
+from dpfedavg.config import RunConfig
+from dpfedavg.core import (
+    Stream,
+    aggregate_fixed_denominator,
+    client_noise_std,
+    local_lr_at,
+    make_rng,
+    momentum_step,
+    poisson_sample,
+    random_iterate_round,
+    round_noise_seed,
+    server_lr_at,
+)
+from dpfedavg.core.types import Vector
+from dpfedavg.protocol import (
+    ARRAYS,
+    CLEAN_UPDATE_KEY,
+    CONFIG,
+    DIAGNOSTICS,
+    METRICS,
+    UPDATE_KEY,
+    RoundInstructions,
+    from_array_record,
+    to_array_record,
+)
+
+__all__ = ["DPFedAvg", "FederationError", "RoundStats"]
+
+logger = logging.getLogger(__name__)
+
+
+class FederationError(RuntimeError):
+    """The connected SuperNodes do not match the run (count, partition ids)."""
+
+
+@dataclass
+class RoundStats:
+    """Per-round training statistics (one row of ``metrics.csv``, training part)."""
+
+    round: int
+    num_sampled: int
+    num_received: int = 0
+    num_failed: int = 0
+    num_rejected: int = 0
+    eta: float = float("nan")
+    beta: float = float("nan")
+    frac_clipped: float = float("nan")
+    mean_update_norm: float = float("nan")
+    snr: float = float("nan")
+    rejected_reasons: list[str] = field(default_factory=list)
+
+    def as_metrics(self) -> dict[str, float]:
+        """Numeric fields for the MetricRecord / CSV."""
+        return {
+            "num_sampled": self.num_sampled,
+            "num_received": self.num_received,
+            "num_failed": self.num_failed,
+            "num_rejected": self.num_rejected,
+            "eta": self.eta,
+            "beta": self.beta,
+            "frac_clipped": self.frac_clipped,
+            "mean_update_norm": self.mean_update_norm,
+            "snr": self.snr,
+        }
+
+
+class DPFedAvg(FedAvg):
+    """DP-FedAvg (``algorithm='clip'``, Alg. 1), DP-NormFedAvg (``'norm'``, Alg. 2) or FedAvg (``'none'``).
+
+    Parameters
+    ----------
+    cfg:
+        The validated run configuration (K, E, eta_0, gamma, beta, mu, n, r,
+        C, z, seed, ...).
+    dim:
+        Length of the flat model vector ``w``.
+    sleep:
+        Injected for tests: how to wait between polls of the Grid.
+    """
+
+    def __init__(self, cfg: RunConfig, dim: int, *, sleep: Callable[[float], None] = time.sleep) -> None:
+        super().__init__(fraction_train=cfg.sampling_rate, fraction_evaluate=0.0, min_available_nodes=cfg.num_clients)
+        self.cfg = cfg
+        self.dim = dim
+        self._sleep = sleep
+        #: client id (partition-id) -> Flower node id; filled by :meth:`discover_clients`.
+        self.node_of_client: dict[int, int] = {}
+        #: Flower node id -> client id.
+        self.client_of_node: dict[int, int] = {}
+        self.momentum: Vector = np.zeros(dim)
+        #: ``k~``: the 0-based round whose iterate ``w_{k~}`` is Alg. 1's output.
+        self.random_round: int = random_iterate_round(cfg.num_rounds, make_rng(cfg.seed, Stream.ITERATE))
+        self.random_iterate: Vector | None = None
+        self.history: dict[int, RoundStats] = {}
+        self._current: Vector | None = None
+        self._sampled: dict[int, int] = {}  # node id -> client id, this round
+
+    # ------------------------------------------------------------------ info
+    @property
+    def client_noise_std(self) -> float:
+        """Per-client noise std ``z C / sqrt(r)`` (0 for ``algorithm='none'``)."""
+        if self.cfg.algorithm == "none":
+            return 0.0
+        return client_noise_std(self.cfg.noise_multiplier, self.cfg.clip, self.cfg.clients_per_round)
+
+    def summary(self) -> None:
+        """Log the DP configuration (called by ``Strategy.start``)."""
+        cfg = self.cfg
+        name = {"clip": "DP-FedAvg (clipping, Alg. 1)", "norm": "DP-NormFedAvg (Alg. 2)", "none": "FedAvg (no DP)"}
+        logger.info("\t├── Algorithm: %s", name[cfg.algorithm])
+        logger.info(
+            "\t├── Poisson sampling: n=%d, r=%g, q=%.4g; aggregation divides by r",
+            cfg.num_clients,
+            cfg.clients_per_round,
+            cfg.sampling_rate,
+        )
+        if cfg.algorithm != "none":
+            logger.info(
+                "\t├── C=%g, z=%g, per-client noise std=%.4g (sigma=%.4g on the average)",
+                cfg.clip,
+                cfg.noise_multiplier,
+                self.client_noise_std,
+                cfg.noise_multiplier * cfg.clip / cfg.clients_per_round,
+            )
+        beta = "eta_k" if cfg.server_lr is None else f"{cfg.server_lr:g}"
+        logger.info(
+            "\t└── E=%d, eta_0=%g, gamma=%g, beta=%s, mu=%g, random iterate k~=%d",
+            cfg.local_steps,
+            cfg.local_lr,
+            cfg.lr_decay,
+            beta,
+            cfg.server_momentum,
+            self.random_round,
+        )
+
+    # ------------------------------------------------------------ discovery
+    def discover_clients(self, grid: Grid, timeout: float | None = None) -> dict[int, int]:
+        """Wait for all ``n`` SuperNodes and learn each one's ``partition-id``.
+
+        Sampling is over client ids (partition ids ``0..n-1``), the same ids
+        the batched engine and the reference implementation use, so a node's
+        identity must be known before round 1. One node is asked first so that
+        a federation of the wrong size fails fast instead of waiting out the
+        timeout.
+
+        Raises
+        ------
+        FederationError
+            Wrong number of SuperNodes, missing/duplicate partition ids, or not
+            all ``n`` nodes registered within ``timeout`` seconds.
+        """
+        n = self.cfg.num_clients
+        timeout = self.cfg.node_wait_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        node_ids = self._wait_for_nodes(grid, 1, deadline)
+        first = self._query_partitions(grid, node_ids[:1], deadline)
+        (pid, num_partitions), = first.values()
+        if num_partitions != n:
+            raise FederationError(
+                f"the federation has num-partitions={num_partitions} SuperNodes but the run has num-clients={n}; "
+                f'start it with --federation-config "num-supernodes={n}" (simulation) '
+                f"or give every SuperNode --node-config \"partition-id=I num-partitions={n}\" (deployment)"
+            )
+        node_ids = self._wait_for_nodes(grid, n, deadline)
+        if len(node_ids) > n:
+            raise FederationError(f"{len(node_ids)} SuperNodes are connected but num-clients={n}")
+        replies = self._query_partitions(grid, node_ids, deadline)
+        mapping: dict[int, int] = {}
+        for node_id, (pid, num_partitions) in replies.items():
+            if num_partitions != n or not 0 <= pid < n:
+                raise FederationError(
+                    f"node {node_id} reports partition-id={pid}, num-partitions={num_partitions}; "
+                    f"expected 0 <= partition-id < {n} and num-partitions={n}"
+                )
+            if pid in mapping:
+                raise FederationError(f"partition-id={pid} is reported by two nodes ({mapping[pid]} and {node_id})")
+            mapping[pid] = node_id
+        missing = sorted(set(range(n)) - set(mapping))
+        if missing:
+            raise FederationError(f"no node answered for partition ids {missing[:10]}{'...' if len(missing) > 10 else ''}")
+        self.node_of_client = mapping
+        self.client_of_node = {node: pid for pid, node in mapping.items()}
+        logger.info("All %d clients registered (partition ids 0..%d)", n, n - 1)
+        return mapping
+
+    def _wait_for_nodes(self, grid: Grid, count: int, deadline: float) -> list[int]:
+        last_log = 0.0
+        while True:
+            node_ids = sorted(grid.get_node_ids())
+            if len(node_ids) >= count:
+                return node_ids
+            now = time.monotonic()
+            if now > deadline:
+                raise FederationError(
+                    f"only {len(node_ids)} of {count} SuperNodes registered within "
+                    f"node-wait-timeout={self.cfg.node_wait_timeout:g}s"
+                )
+            if now - last_log > 5.0:
+                logger.info("Waiting for SuperNodes: %d of %d registered", len(node_ids), count)
+                last_log = now
+            self._sleep(0.2)
+
+    def _query_partitions(self, grid: Grid, node_ids: list[int], deadline: float) -> dict[int, tuple[int, int]]:
+        messages = [
+            Message(content=RecordDict({CONFIG: ConfigRecord({"query": "partition"})}), message_type=MessageType.QUERY, dst_node_id=nid)
+            for nid in node_ids
+        ]
+        out: dict[int, tuple[int, int]] = {}
+        for reply in grid.send_and_receive(messages, timeout=max(1.0, deadline - time.monotonic())):
+            src = reply.metadata.src_node_id
+            if reply.has_error():
+                raise FederationError(f"node {src} failed to report its partition id: {reply.error.reason}")
+            metrics = reply.content[METRICS]
+            out[src] = (int(metrics["partition-id"]), int(metrics["num-partitions"]))
+        if len(out) < len(node_ids):
+            raise FederationError(f"only {len(out)} of {len(node_ids)} SuperNodes answered the partition-id query")
+        return out
+
+    # -------------------------------------------------------------- training
+    def start(  # type: ignore[override]
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int | None = None,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Discover the clients, then run Flower's round loop for ``K`` rounds."""
+        if num_rounds is not None and num_rounds != self.cfg.num_rounds:
+            raise ValueError(f"num_rounds={num_rounds} differs from the config's num-rounds={self.cfg.num_rounds}")
+        if not self.node_of_client:
+            self.discover_clients(grid)
+        return super().start(
+            grid=grid,
+            initial_arrays=initial_arrays,
+            num_rounds=self.cfg.num_rounds,
+            timeout=self.cfg.round_timeout if timeout is None else timeout,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+        )
+
+    def sample_clients(self, server_round: int) -> np.ndarray:
+        """Client ids sampled in ``server_round`` (1-based): Poisson with ``q = r/n``."""
+        rng = make_rng(self.cfg.seed, Stream.SAMPLING, server_round - 1)
+        return poisson_sample(self.cfg.num_clients, self.cfg.sampling_rate, rng)
+
+    def instructions(self, server_round: int) -> RoundInstructions:
+        """The train config of ``server_round``: ``eta_k``, ``E``, ``C``, noise std and seed."""
+        k = server_round - 1
+        return RoundInstructions(
+            server_round=server_round,
+            local_lr=local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay),
+            local_steps=self.cfg.local_steps,
+            algorithm=self.cfg.algorithm,
+            clip=self.cfg.clip,
+            noise_std=self.client_noise_std,
+            noise_seed=round_noise_seed(self.cfg.seed, k),
+            diagnostics=self.cfg.diagnostics,
+        )
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Poisson-sample the clients and send them ``w_k`` and the round's instructions."""
+        if not self.node_of_client:
+            self.discover_clients(grid)
+        k = server_round - 1
+        w = from_array_record(arrays).astype(np.float64)
+        if w.shape != (self.dim,):
+            raise ValueError(f"global model has shape {w.shape}, expected ({self.dim},)")
+        self._current = w
+        if k == self.random_round:
+            self.random_iterate = w.copy()
+        clients = self.sample_clients(server_round)
+        self._sampled = {self.node_of_client[int(c)]: int(c) for c in clients}
+        stats = RoundStats(round=server_round, num_sampled=len(clients))
+        stats.eta = local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay)
+        stats.beta = server_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay, self.cfg.server_lr)
+        self.history[server_round] = stats
+        if not len(clients):
+            logger.warning("Round %d: Poisson sampling selected no client; a_k = 0 this round", server_round)
+            return []
+        train_config = ConfigRecord(dict(config))
+        for key, value in self.instructions(server_round).to_config_record().items():
+            train_config[key] = value
+        record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
+        return self._construct_messages(record, sorted(self._sampled), MessageType.TRAIN)
+
+    def _parse_reply(self, msg: Message) -> tuple[int, Vector, dict[str, Any], Vector | None]:
+        """``(client id, g + zeta, metrics, clean g or None)``; ``ValueError`` if malformed."""
+        src = msg.metadata.src_node_id
+        if src not in self._sampled:
+            raise ValueError(f"reply from node {src}, which was not sampled this round")
+        content = msg.content
+        try:
+            update = from_array_record(content[ARRAYS], UPDATE_KEY)
+            metrics = dict(content[METRICS])
+        except KeyError as err:
+            raise ValueError(f"reply lacks {err}") from None
+        if update.shape != (self.dim,):
+            raise ValueError(f"update has shape {update.shape}, expected ({self.dim},)")
+        if not np.issubdtype(update.dtype, np.floating):
+            raise ValueError(f"update has dtype {update.dtype}, expected a float type")
+        if not np.all(np.isfinite(update)):
+            raise ValueError("update contains NaN or Inf")
+        clean = None
+        if self.cfg.diagnostics:
+            try:
+                clean = from_array_record(content[DIAGNOSTICS], CLEAN_UPDATE_KEY)
+            except KeyError:
+                raise ValueError("diagnostics is on but the reply has no clean update") from None
+            if clean.shape != (self.dim,):
+                raise ValueError(f"clean update has shape {clean.shape}, expected ({self.dim},)")
+        return self._sampled[src], update.astype(np.float64), metrics, clean
+
+    def aggregate_train(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``a_k = (1/r) sum (g_i + zeta_i)``, then ``m_{k+1} = mu m_k + a_k``, ``w_{k+1} = w_k - beta_k m_{k+1}``."""
+        if self._current is None:
+            raise RuntimeError("aggregate_train called before configure_train")
+        stats = self.history[server_round]
+        valid, failed = self._check_and_log_replies(list(replies), is_train=True, validate=False)
+        stats.num_failed = len(failed)
+        parsed = []
+        for msg in valid:
+            try:
+                parsed.append(self._parse_reply(msg))
+            except ValueError as err:
+                stats.num_rejected += 1
+                stats.rejected_reasons.append(str(err))
+                logger.warning("Round %d: rejected reply from node %d: %s", server_round, msg.metadata.src_node_id, err)
+        parsed.sort(key=lambda item: item[0])  # fixed summation order: by client id
+        stats.num_received = len(parsed)
+
+        r = self.cfg.clients_per_round
+        a = aggregate_fixed_denominator((upd for _, upd, _, _ in parsed), r, self.dim)
+        w_new, self.momentum = momentum_step(self._current, self.momentum, a, stats.beta, self.cfg.server_momentum)
+
+        if parsed:
+            norms = np.array([float(m.get("update-norm", np.nan)) for _, _, m, _ in parsed])
+            stats.mean_update_norm = float(np.mean(norms))
+            stats.frac_clipped = float(np.mean(norms > self.cfg.clip))
+        if self.cfg.diagnostics:
+            clean_mean = aggregate_fixed_denominator((c for *_, c in parsed), r, self.dim)
+            noise_norm = float(np.linalg.norm(a - clean_mean))
+            signal_norm = float(np.linalg.norm(clean_mean))
+            stats.snr = signal_norm / noise_norm if noise_norm > 0 else float("inf")
+        self._current = None
+        return to_array_record(w_new), MetricRecord(stats.as_metrics())

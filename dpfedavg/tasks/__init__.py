@@ -1,0 +1,35 @@
+"""Task registry. Adding a task means adding a module here, nothing in the strategy."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from dpfedavg.tasks.base import Task
+
+if TYPE_CHECKING:
+    from dpfedavg.config import RunConfig
+
+
+def _quadratic(cfg: RunConfig) -> Task:
+    from dpfedavg.tasks.quadratic import QuadraticTask
+
+    return QuadraticTask(cfg)
+
+
+#: name -> factory(cfg) -> Task. Factories import lazily so that heavy task
+#: dependencies are only loaded when that task runs.
+TASKS: dict[str, Callable[[RunConfig], Task]] = {
+    "quadratic": _quadratic,
+}
+
+
+def build_task(cfg: RunConfig) -> Task:
+    """Build the task named by ``cfg.task``."""
+    try:
+        factory = TASKS[cfg.task]
+    except KeyError:
+        raise ValueError(f"unknown task {cfg.task!r}; allowed: {', '.join(TASKS)}") from None
+    return factory(cfg)
+
+
+__all__ = ["TASKS", "Task", "build_task"]

@@ -1,0 +1,36 @@
+"""The Task protocol: an objective, its data and its metrics, independent of the strategy."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from dpfedavg.core.types import GradFn, Vector
+
+__all__ = ["Task"]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the strategy and the clients need from a task.
+
+    A task is built from the validated :class:`~dpfedavg.config.RunConfig`
+    (``Task(cfg)``) and must be deterministic in ``cfg.seed``: the server and
+    every client rebuild the same task independently. Building a task must be
+    cheap; anything heavy belongs in :meth:`client_grad_fn` (one client) or
+    :meth:`evaluate` (server only), computed lazily.
+    """
+
+    name: str
+    num_clients: int
+    dim: int
+    #: Names of the server-side metrics returned by :meth:`evaluate` (CSV columns).
+    metric_names: tuple[str, ...]
+
+    def initial_weights(self) -> Vector:
+        """``w_0`` as a flat float vector of length ``dim``."""
+
+    def client_grad_fn(self, client_id: int) -> GradFn:
+        """The full-batch gradient of ``f_i`` for client ``i``; builds only that client's data."""
+
+    def evaluate(self, w: Vector) -> dict[str, float]:
+        """Server-side metrics of the global model ``w`` (keys: :attr:`metric_names`)."""

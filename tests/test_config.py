@@ -1,0 +1,110 @@
+"""Run config: defaults agree with pyproject.toml, bad input gets one clear error."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from dpfedavg.config import OPTIONS, ConfigError, RunConfig
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def _app_config() -> dict:
+    return tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
+
+
+def test_pyproject_defaults_equal_the_dataclass_defaults() -> None:
+    from_toml = RunConfig.from_run_config(_app_config(), allow_missing=False)
+    assert from_toml == RunConfig()
+    assert set(_app_config()) == {opt.key for opt in OPTIONS}
+
+
+def test_every_pyproject_key_has_a_comment_naming_its_meaning() -> None:
+    section = PYPROJECT.read_text().split("[tool.flwr.app.config]")[1].splitlines()
+    checked = 0
+    for line in section:
+        if line.startswith("["):
+            break
+        if "=" in line:
+            assert "#" in line, f"config line without a comment: {line}"
+            checked += 1
+    assert checked == len(OPTIONS)
+
+
+def test_default_noise_multiplier_gives_epsilon_5_at_delta_1e6_over_the_default_run() -> None:
+    """z is the PLD-accounted value for (5, 1e-6) over the default K at q = r/n."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    cfg = RunConfig()
+    accountant = pld_privacy_accountant.PLDAccountant()
+    event = dp_accounting.GaussianDpEvent(cfg.noise_multiplier)
+    if cfg.sampling_rate < 1:
+        event = dp_accounting.PoissonSampledDpEvent(cfg.sampling_rate, event)
+    accountant.compose(event, cfg.num_rounds)
+    assert accountant.get_epsilon(1e-6) == pytest.approx(5.0, abs=0.01)
+
+
+def test_types_are_coerced_and_server_lr_eta_means_follow_local() -> None:
+    cfg = RunConfig.from_run_config({"clip": 40, "server-lr": "eta", "clients-per-round": 20})
+    assert cfg.clip == 40.0 and isinstance(cfg.clip, float)
+    assert cfg.server_lr is None
+    assert RunConfig.from_run_config({"server-lr": 0.5}).server_lr == 0.5
+    assert cfg.to_run_config()["server-lr"] == "eta"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        ({"algorithm": "clipp"}, ["'algorithm' = 'clipp'", "'clip', 'norm', 'none'", "did you mean 'clip'"]),
+        ({"task": "quadratc"}, ["'task' = 'quadratc'", "did you mean 'quadratic'"]),
+        ({"clip": 0.0}, ["'clip' = 0.0", "a float > 0"]),
+        ({"clip": -3}, ["'clip' = -3.0", "a float > 0"]),
+        ({"clients-per-round": 101.0}, ["'clients-per-round' = 101", "0 < r <= n"]),
+        ({"clients-per-round": 0.0}, ["'clients-per-round' = 0.0", "0 < r <= num-clients"]),
+        ({"clients-per-round": -5.0}, ["'clients-per-round' = -5.0"]),
+        ({"local-steps": 0}, ["'local-steps' = 0", "an integer >= 1"]),
+        ({"local-steps": 2.5}, ["'local-steps' = 2.5", "an integer >= 1"]),
+        ({"local-lr": -0.1}, ["'local-lr' = -0.1", "a float > 0"]),
+        ({"server-lr": -1.0}, ["'server-lr' = -1.0", 'a float > 0 or "eta"']),
+        ({"server-lr": "beta"}, ["'server-lr' = 'beta'"]),
+        ({"lr-decay": 1.5}, ["'lr-decay' = 1.5", "(0, 1]"]),
+        ({"server-momentum": 1.0}, ["'server-momentum' = 1.0", "[0, 1)"]),
+        ({"noise-multiplier": -1.0}, ["'noise-multiplier' = -1.0", ">= 0"]),
+        ({"num-rounds": 0}, ["'num-rounds' = 0"]),
+        ({"seed": -1}, ["'seed' = -1"]),
+        ({"init": "I3"}, ["'init' = 'I3'", "'I1', 'I2'"]),
+        ({"diagnostics": "yes"}, ["'diagnostics' = 'yes'", "true or false"]),
+        ({"run-name": "../escape"}, ["'run-name' = '../escape'"]),
+        ({"nois-multiplier": 1.0}, ["unknown key 'nois-multiplier'", "did you mean 'noise-multiplier'"]),
+    ],
+)
+def test_bad_input_names_key_value_and_what_is_allowed(overrides: dict, fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_run_config(overrides)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_all_errors_are_reported_in_one_message() -> None:
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_run_config({"clip": 0.0, "local-steps": 0, "algorithm": "x"})
+    message = str(info.value)
+    assert message.count(";") == 2
+    assert "'clip'" in message and "'local-steps'" in message and "'algorithm'" in message
+
+
+def test_missing_keys_rejected_when_required() -> None:
+    with pytest.raises(ConfigError, match="missing key 'seed'"):
+        RunConfig.from_run_config({k: v for k, v in _app_config().items() if k != "seed"}, allow_missing=False)
+
+
+def test_replace_validates() -> None:
+    cfg = RunConfig().replace(num_clients=10, clients_per_round=5.0)
+    assert cfg.sampling_rate == 0.5
+    with pytest.raises(ConfigError):
+        cfg.replace(clients_per_round=11.0)

@@ -1,0 +1,239 @@
+"""Core math: clip/normalize, local steps, noise, Poisson sampling, aggregation, momentum."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from dpfedavg.core import (
+    Stream,
+    aggregate_fixed_denominator,
+    bound_sensitivity,
+    client_noise_std,
+    client_update,
+    clip,
+    gaussian_noise,
+    local_lr_at,
+    local_steps,
+    make_rng,
+    momentum_step,
+    normalize,
+    poisson_sample,
+    private_client_update,
+    random_iterate_round,
+    server_lr_at,
+    server_noise_std,
+)
+from dpfedavg.tasks.quadratic import make_client
+
+RNG = np.random.default_rng(1234)
+
+
+# --------------------------------------------------------------- clip / norm
+@pytest.mark.parametrize("scale", [0.01, 0.5, 0.999, 1.0, 1.001, 3.0, 1e6])
+def test_clip_norm_and_direction(scale: float) -> None:
+    c = 7.0
+    direction = RNG.standard_normal(50)
+    direction /= np.linalg.norm(direction)
+    u = direction * c * scale
+    g = clip(u, c)
+    expected_norm = min(c, c * scale)
+    assert np.linalg.norm(g) == pytest.approx(expected_norm, rel=1e-12)
+    assert np.dot(g, direction) / np.linalg.norm(g) == pytest.approx(1.0, rel=1e-12)
+    if scale <= 1.0:
+        np.testing.assert_array_equal(g, u)  # below the threshold clip is the identity
+
+
+@pytest.mark.parametrize("scale", [1e-9, 0.01, 0.5, 1.0, 3.0, 1e6])
+def test_normalize_norm_is_exactly_c_and_direction_kept(scale: float) -> None:
+    c = 7.0
+    direction = RNG.standard_normal(50)
+    direction /= np.linalg.norm(direction)
+    g = normalize(direction * c * scale, c)
+    assert np.linalg.norm(g) == pytest.approx(c, rel=1e-12)
+    np.testing.assert_allclose(g / c, direction, rtol=1e-10, atol=1e-12)
+
+
+def test_zero_update_is_defined_for_both_and_never_nan() -> None:
+    u = np.zeros(20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a division by zero would warn
+        g_norm = normalize(u, 5.0)
+        g_clip = clip(u, 5.0)
+    np.testing.assert_array_equal(g_norm, np.zeros(20))
+    np.testing.assert_array_equal(g_clip, np.zeros(20))
+
+
+def test_clip_and_normalize_do_not_modify_input() -> None:
+    u = RNG.standard_normal(10) * 100
+    before = u.copy()
+    clip(u, 1.0)
+    normalize(u, 1.0)
+    np.testing.assert_array_equal(u, before)
+
+
+@pytest.mark.parametrize("c", [0.0, -1.0, float("nan")])
+def test_bad_threshold_raises(c: float) -> None:
+    with pytest.raises(ValueError, match="C must be > 0"):
+        clip(np.ones(3), c)
+    with pytest.raises(ValueError, match="C must be > 0"):
+        normalize(np.ones(3), c)
+
+
+def test_bound_sensitivity_dispatch() -> None:
+    u = np.array([3.0, 4.0])  # norm 5
+    np.testing.assert_allclose(bound_sensitivity(u, "clip", 10.0), u)
+    np.testing.assert_allclose(bound_sensitivity(u, "norm", 10.0), 2 * u)
+    np.testing.assert_allclose(bound_sensitivity(u, "none", 1.0), u)
+    with pytest.raises(ValueError, match="allowed: 'clip', 'norm', 'none'"):
+        bound_sensitivity(u, "median", 1.0)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- local steps
+@pytest.mark.parametrize("num_steps", [1, 2, 20])
+def test_local_steps_match_closed_form_on_quadratic(num_steps: int) -> None:
+    """On f_i(w) = 1/2 (w - w*)^T Q (w - w*): w_E - w* = (I - eta Q)^E (w_0 - w*)."""
+    client = make_client(seed=3, client_id=5, dim=40)
+    q = client.hessian
+    w0 = RNG.standard_normal(40)
+    eta = 0.3
+    w_e = local_steps(w0, client.grad, eta, num_steps)
+    closed = client.w_star + np.linalg.matrix_power(np.eye(40) - eta * q, num_steps) @ (w0 - client.w_star)
+    np.testing.assert_allclose(w_e, closed, rtol=1e-10, atol=1e-12)
+    # u = (w_0 - w_E)/eta, line 9
+    np.testing.assert_allclose(client_update(w0, client.grad, eta, num_steps), (w0 - closed) / eta, rtol=1e-8, atol=1e-10)
+
+
+def test_one_local_step_update_is_the_gradient() -> None:
+    client = make_client(seed=0, client_id=0, dim=30)
+    w0 = RNG.standard_normal(30)
+    np.testing.assert_allclose(client_update(w0, client.grad, 0.01, 1), client.grad(w0), rtol=1e-10)
+
+
+def test_local_steps_reject_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="E must be >= 1"):
+        local_steps(np.zeros(2), lambda w: w, 0.1, 0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        local_steps(np.zeros(2), lambda w: w, -0.1, 1)
+
+
+# ---------------------------------------------------------------------- noise
+def test_gaussian_noise_std_and_mean() -> None:
+    std = 3.5
+    x = gaussian_noise(400_000, std, np.random.default_rng(0))
+    # tolerances: ~7 standard errors (SE of std ~ std/sqrt(2N) = 0.004, of mean ~ 0.0055)
+    assert x.std() == pytest.approx(std, abs=0.03)
+    assert abs(x.mean()) < 0.04
+
+
+def test_zero_noise_is_exact_zero() -> None:
+    np.testing.assert_array_equal(gaussian_noise(5, 0.0, np.random.default_rng(0)), np.zeros(5))
+
+
+def test_noise_is_reproducible_from_explicit_generator() -> None:
+    a = gaussian_noise(10, 1.0, make_rng(7, Stream.NOISE, 3))
+    b = gaussian_noise(10, 1.0, make_rng(7, Stream.NOISE, 3))
+    c = gaussian_noise(10, 1.0, make_rng(7, Stream.NOISE, 4))
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c)
+
+
+def test_per_client_noise_sums_to_z_c_and_averages_to_sigma() -> None:
+    """Alg. 1 line 10: r clients each add N(0, r sigma^2 I); the mean carries sigma = zC/r."""
+    z, c, r, d = 1.7, 4.0, 25, 20_000
+    std = client_noise_std(z, c, r)
+    assert std == pytest.approx(np.sqrt(r) * server_noise_std(z, c, r))
+    total = sum(gaussian_noise(d, std, make_rng(11, Stream.NOISE, i)) for i in range(r))
+    # SE of the std estimate: std/sqrt(2d) = 0.5% -> 3% is ~6 SE
+    assert total.std() == pytest.approx(z * c, rel=0.03)
+    assert (total / r).std() == pytest.approx(z * c / r, rel=0.03)
+
+
+def test_private_client_update_pipeline() -> None:
+    client = make_client(seed=1, client_id=2, dim=25)
+    w = RNG.standard_normal(25)
+    out = private_client_update(
+        w, client.grad, lr=0.01, num_steps=5, algorithm="norm", clip=2.0, noise_std=0.5, rng=make_rng(0, Stream.NOISE, 2)
+    )
+    u = client_update(w, client.grad, 0.01, 5)
+    assert out.update_norm == pytest.approx(np.linalg.norm(u))
+    np.testing.assert_allclose(out.clean, normalize(u, 2.0))
+    np.testing.assert_allclose(out.noisy - out.clean, gaussian_noise(25, 0.5, make_rng(0, Stream.NOISE, 2)))
+
+
+# ------------------------------------------------------------------- sampling
+@pytest.mark.parametrize(("n", "q"), [(100, 0.3), (1000, 0.02), (50, 0.9)])
+def test_poisson_counts_are_binomial(n: int, q: float) -> None:
+    """|S_k| ~ Binomial(n, q): check mean and variance over many rounds (fixed seed).
+
+    With R rounds the standard error of the mean is sqrt(nq(1-q)/R) and that of
+    the variance about var*sqrt(2/R); tolerances are 5 standard errors.
+    """
+    rounds = 4000
+    counts = np.array([len(poisson_sample(n, q, make_rng(42, Stream.SAMPLING, k))) for k in range(rounds)])
+    mean, var = n * q, n * q * (1 - q)
+    assert counts.mean() == pytest.approx(mean, abs=5 * np.sqrt(var / rounds))
+    assert counts.var(ddof=1) == pytest.approx(var, abs=5 * var * np.sqrt(2 / rounds))
+
+
+def test_poisson_each_client_has_probability_q() -> None:
+    n, q, rounds = 40, 0.25, 8000
+    hits = np.zeros(n)
+    for k in range(rounds):
+        hits[poisson_sample(n, q, make_rng(5, Stream.SAMPLING, k))] += 1
+    se = np.sqrt(q * (1 - q) / rounds)
+    assert np.all(np.abs(hits / rounds - q) < 5 * se)
+
+
+def test_poisson_can_sample_nobody_and_everybody() -> None:
+    rng = np.random.default_rng(0)
+    assert poisson_sample(10, 0.0, rng).size == 0
+    np.testing.assert_array_equal(poisson_sample(10, 1.0, rng), np.arange(10))
+    with pytest.raises(ValueError):
+        poisson_sample(10, 1.5, rng)
+
+
+# ---------------------------------------------------------------- aggregation
+def test_aggregation_divides_by_fixed_r_not_by_count() -> None:
+    updates = [np.full(3, 1.0), np.full(3, 2.0), np.full(3, 6.0)]
+    a = aggregate_fixed_denominator(updates, clients_per_round=10.0, dim=3)
+    np.testing.assert_allclose(a, np.full(3, 0.9))  # 9/10, not 9/3
+    np.testing.assert_array_equal(aggregate_fixed_denominator([], 10.0, 3), np.zeros(3))
+
+
+def test_momentum_recursion() -> None:
+    """m_{k+1} = mu m_k + a_k, w_{k+1} = w_k - beta_k m_{k+1}; unrolled by hand."""
+    a_seq = [RNG.standard_normal(4) for _ in range(5)]
+    betas = [0.5, 0.4, 0.3, 0.2, 0.1]
+    mu = 0.8
+    w, m = np.ones(4), np.zeros(4)
+    for a, beta in zip(a_seq, betas):
+        w, m = momentum_step(w, m, a, beta, mu)
+    expected_w = np.ones(4)
+    for k, beta in enumerate(betas):
+        m_k = sum(mu ** (k - j) * a_seq[j] for j in range(k + 1))
+        expected_w = expected_w - beta * m_k
+    np.testing.assert_allclose(w, expected_w, rtol=1e-12)
+
+
+def test_zero_momentum_is_algorithm_1() -> None:
+    w, a = RNG.standard_normal(3), RNG.standard_normal(3)
+    w_new, m_new = momentum_step(w, np.full(3, 99.0), a, 0.1, 0.0)
+    np.testing.assert_allclose(w_new, w - 0.1 * a)
+    np.testing.assert_allclose(m_new, a)
+
+
+def test_schedules() -> None:
+    assert local_lr_at(0, 0.1, 0.99) == pytest.approx(0.1)
+    assert local_lr_at(10, 0.1, 0.99) == pytest.approx(0.1 * 0.99**10)
+    assert server_lr_at(10, 0.1, 0.99, None) == pytest.approx(0.1 * 0.99**10)  # beta_k = eta_k
+    assert server_lr_at(10, 0.1, 0.99, 0.5) == 0.5
+
+
+def test_random_iterate_round_is_uniform() -> None:
+    k = np.array([random_iterate_round(5, make_rng(s, Stream.ITERATE)) for s in range(5000)])
+    assert k.min() == 0 and k.max() == 4
+    counts = np.bincount(k, minlength=5) / len(k)
+    assert np.all(np.abs(counts - 0.2) < 5 * np.sqrt(0.2 * 0.8 / len(k)))

@@ -1,0 +1,323 @@
+"""Strategy-level tests, no Ray: DPFedAvg driven through an in-process Grid."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+
+from dpfedavg import server_app
+from dpfedavg.client_app import app as client_app
+from dpfedavg.config import RunConfig
+from dpfedavg.core import Stream, make_rng, poisson_sample
+from dpfedavg.protocol import ARRAYS, CONFIG, METRICS, UPDATE_KEY, RoundInstructions, to_array_record
+from dpfedavg.strategies import DPFedAvg, FederationError
+from dpfedavg.testing import InProcessGrid
+from reference import run_reference_for
+
+DIM = 6
+
+
+def small_cfg(**overrides) -> RunConfig:
+    base = {"num-clients": 10, "clients-per-round": 5.0, "num-rounds": 4, "dim": DIM, "noise-multiplier": 0.0}
+    base.update(overrides)
+    return RunConfig.from_run_config(base)
+
+
+def constant_client(value_of: Callable[[int], float], drop: set[int] = frozenset()) -> Callable:
+    """A ClientApp stand-in replying g + zeta = value_of(partition) * ones, or nothing if dropped."""
+
+    def fn(msg: Message, context: Context) -> Message | None:
+        pid = int(context.node_config["partition-id"])
+        if msg.metadata.message_type == "query":
+            return client_app(msg, context)
+        if pid in drop:
+            return None
+        content = RecordDict(
+            {
+                ARRAYS: to_array_record(np.full(DIM, value_of(pid)), UPDATE_KEY),
+                METRICS: MetricRecord({"num-examples": 1, "update-norm": float(pid), "clipped": 0}),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    return fn
+
+
+def one_round(strategy: DPFedAvg, grid: InProcessGrid, w: np.ndarray, server_round: int = 1):
+    messages = list(strategy.configure_train(server_round, to_array_record(w), _cfg_record(), grid))
+    replies = grid.send_and_receive(messages)
+    arrays, metrics = strategy.aggregate_train(server_round, replies)
+    return messages, arrays["w"].numpy(), metrics
+
+
+def _cfg_record():
+    from flwr.app import ConfigRecord
+
+    return ConfigRecord()
+
+
+# ------------------------------------------------------------- sampling/config
+def test_configure_train_samples_poisson_by_client_and_sends_round_config() -> None:
+    cfg = small_cfg(**{"noise-multiplier": 2.0, "clip": 3.0, "lr-decay": 0.5, "local-lr": 0.1})
+    grid = InProcessGrid(constant_client(lambda pid: 1.0), 10, cfg.to_run_config())
+    strategy = DPFedAvg(cfg, dim=DIM)
+    strategy.discover_clients(grid)
+    for server_round in (1, 2, 3):
+        messages = list(strategy.configure_train(server_round, to_array_record(np.zeros(DIM)), _cfg_record(), grid))
+        expected = poisson_sample(10, 0.5, make_rng(cfg.seed, Stream.SAMPLING, server_round - 1))
+        got = sorted(strategy.client_of_node[m.metadata.dst_node_id] for m in messages)
+        assert got == expected.tolist()
+        ins = RoundInstructions.from_config_record(messages[0].content[CONFIG])
+        assert ins.local_lr == pytest.approx(0.1 * 0.5 ** (server_round - 1))  # eta_k
+        assert ins.noise_std == pytest.approx(2.0 * 3.0 / np.sqrt(5.0))  # z C / sqrt(r)
+        assert (ins.local_steps, ins.algorithm, ins.clip) == (20, "norm", 3.0)
+        strategy.aggregate_train(server_round, grid.send_and_receive(messages))
+
+
+def test_sampling_does_not_depend_on_node_ids() -> None:
+    """Same seed, different node ids / order -> the same clients are sampled."""
+    cfg = small_cfg()
+    picks = []
+    for grid_seed in (0, 1):
+        grid = InProcessGrid(constant_client(lambda pid: 1.0), 10, cfg.to_run_config(), seed=grid_seed)
+        strategy = DPFedAvg(cfg, dim=DIM)
+        strategy.discover_clients(grid)
+        messages = strategy.configure_train(1, to_array_record(np.zeros(DIM)), _cfg_record(), grid)
+        picks.append(sorted(strategy.client_of_node[m.metadata.dst_node_id] for m in messages))
+    assert picks[0] == picks[1]
+
+
+# ---------------------------------------------------------------- aggregation
+def test_fixed_denominator_r_with_dropouts() -> None:
+    cfg = small_cfg(**{"clients-per-round": 10.0, "local-lr": 0.1})  # q = 1: everyone sampled
+    dropped = {2, 5, 7}
+    grid = InProcessGrid(constant_client(lambda pid: pid + 1.0, drop=dropped), 10, cfg.to_run_config())
+    strategy = DPFedAvg(cfg, dim=DIM)
+    strategy.discover_clients(grid)
+    w0 = np.ones(DIM)
+    _, w1, metrics = one_round(strategy, grid, w0)
+    received = [pid + 1.0 for pid in range(10) if pid not in dropped]
+    np.testing.assert_allclose(w1, w0 - 0.1 * sum(received) / 10.0)  # / r, not / 7
+    assert metrics["num_sampled"] == 10 and metrics["num_received"] == 7
+
+
+def test_empty_round_keeps_going(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = small_cfg(**{"clients-per-round": 0.01, "num-rounds": 3})  # q = 0.001
+    grid = InProcessGrid(constant_client(lambda pid: 1.0), 10, cfg.to_run_config())
+    strategy = DPFedAvg(cfg, dim=DIM)
+    strategy.discover_clients(grid)
+    assert strategy.sample_clients(1).size == 0
+    with caplog.at_level(logging.WARNING, logger="dpfedavg"):
+        logging.getLogger("dpfedavg").propagate = True
+        try:
+            messages, w1, metrics = one_round(strategy, grid, np.ones(DIM))
+        finally:
+            logging.getLogger("dpfedavg").propagate = False
+    assert messages == []
+    np.testing.assert_array_equal(w1, np.ones(DIM))
+    assert metrics["num_sampled"] == 0
+    assert "selected no client" in caplog.text
+
+
+def test_server_momentum_recursion_through_strategy() -> None:
+    mu, beta = 0.8, 0.05
+    cfg = small_cfg(**{"clients-per-round": 10.0, "server-momentum": mu, "server-lr": beta})
+    grid = InProcessGrid(constant_client(lambda pid: float(pid)), 10, cfg.to_run_config())
+    strategy = DPFedAvg(cfg, dim=DIM)
+    strategy.discover_clients(grid)
+    a = sum(range(10)) / 10.0  # every round a_k = 4.5 * ones
+    w = np.zeros(DIM)
+    for k in range(1, 5):
+        _, w, _ = one_round(strategy, grid, w, k)
+    # m_k = a (1 + mu + ... + mu^(k-1)); w_4 = -beta * sum_k m_k
+    expected = -beta * sum(a * sum(mu**j for j in range(k)) for k in range(1, 5))
+    np.testing.assert_allclose(w, np.full(DIM, expected), rtol=1e-12)
+
+
+# ----------------------------------------------------------------- discovery
+def test_wrong_federation_size_fails_fast_with_the_fix() -> None:
+    cfg = small_cfg()
+    grid = InProcessGrid(client_app, 2, cfg.to_run_config())  # e.g. flwr's default of 2 supernodes
+    with pytest.raises(FederationError, match='num-supernodes=10'):
+        DPFedAvg(cfg, dim=DIM).discover_clients(grid, timeout=5)
+
+
+def test_duplicate_partition_ids_rejected() -> None:
+    cfg = small_cfg()
+    grid = InProcessGrid(client_app, 10, cfg.to_run_config(), partition_ids=[0, 1, 2, 3, 4, 5, 6, 7, 8, 8])
+    with pytest.raises(FederationError, match="partition-id=8 is reported by two nodes"):
+        DPFedAvg(cfg, dim=DIM).discover_clients(grid, timeout=5)
+
+
+def test_waits_for_late_nodes_and_times_out_clearly() -> None:
+    cfg = small_cfg()
+
+    class LateGrid(InProcessGrid):
+        polls = 0
+
+        def get_node_ids(self):
+            LateGrid.polls += 1
+            ids = list(self.contexts)
+            return ids[: min(len(ids), 3 * LateGrid.polls)]
+
+    strategy = DPFedAvg(cfg, dim=DIM, sleep=lambda s: None)
+    mapping = strategy.discover_clients(LateGrid(client_app, 10, cfg.to_run_config()), timeout=5)
+    assert sorted(mapping) == list(range(10)) and LateGrid.polls >= 4
+
+    class StuckGrid(InProcessGrid):
+        def get_node_ids(self):
+            return list(self.contexts)[:4]
+
+    with pytest.raises(FederationError, match="only 4 of 10 SuperNodes registered"):
+        DPFedAvg(cfg, dim=DIM, sleep=lambda s: None).discover_clients(StuckGrid(client_app, 10, cfg.to_run_config()), timeout=0.05)
+
+
+# ---------------------------------------------------------- bad client replies
+def test_failed_and_malformed_replies_are_counted_not_fatal() -> None:
+    cfg = small_cfg(**{"clients-per-round": 10.0, "local-lr": 1.0})
+
+    def fn(msg: Message, context: Context) -> Message | None:
+        pid = int(context.node_config["partition-id"])
+        if msg.metadata.message_type == "query":
+            return client_app(msg, context)
+        if pid == 0:
+            raise RuntimeError("boom")
+        vec = np.ones(DIM)
+        if pid == 1:
+            vec = np.ones(DIM + 1)  # wrong shape
+        if pid == 2:
+            vec = np.full(DIM, np.nan)
+        if pid == 3:
+            return Message(RecordDict({METRICS: MetricRecord({"x": 1})}), reply_to=msg)  # no arrays
+        content = RecordDict({ARRAYS: to_array_record(vec, UPDATE_KEY), METRICS: MetricRecord({"update-norm": 1.0})})
+        return Message(content, reply_to=msg)
+
+    grid = InProcessGrid(fn, 10, cfg.to_run_config())
+    strategy = DPFedAvg(cfg, dim=DIM)
+    strategy.discover_clients(grid)
+    _, w1, metrics = one_round(strategy, grid, np.zeros(DIM))
+    assert metrics["num_failed"] == 1 and metrics["num_rejected"] == 3 and metrics["num_received"] == 6
+    np.testing.assert_allclose(w1, -np.full(DIM, 6 / 10))
+    reasons = " ".join(strategy.history[1].rejected_reasons)
+    assert "shape" in reasons and "NaN" in reasons and "lacks" in reasons
+
+
+# ------------------------------------------------------------------ client app
+def _train_message(cfg: RunConfig, w: np.ndarray, algorithm: str) -> Message:
+    strategy = DPFedAvg(cfg.replace(algorithm=algorithm), dim=DIM)
+    record = RecordDict({ARRAYS: to_array_record(w), CONFIG: strategy.instructions(3).to_config_record()})
+    return Message(record, dst_node_id=5, message_type="train")
+
+
+def test_clip_and_norm_add_the_same_noise_vectors() -> None:
+    """Paper §4.4: in each run both algorithms see the exact same noise vectors."""
+    cfg = small_cfg(**{"noise-multiplier": 1.0, "clip": 0.5})
+    ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 4, "num-partitions": 10}, state=RecordDict(), run_config=cfg.to_run_config())
+    w = np.random.default_rng(0).standard_normal(DIM)
+    noise = {}
+    for algorithm in ("clip", "norm"):
+        cfg_d = cfg.replace(diagnostics=True)
+        ctx.run_config = cfg_d.to_run_config()
+        reply = client_app(_train_message(cfg_d, w, algorithm), ctx)
+        noisy = reply.content[ARRAYS][UPDATE_KEY].numpy()
+        clean = reply.content["diagnostics"]["clean-update"].numpy()
+        assert np.linalg.norm(clean) <= 0.5 + 1e-12
+        noise[algorithm] = noisy - clean
+        assert reply.content[METRICS]["partition-id"] == 4
+    np.testing.assert_allclose(noise["clip"], noise["norm"], rtol=1e-12)
+    assert np.linalg.norm(noise["clip"]) > 0
+
+
+def test_client_without_partition_id_fails_clearly() -> None:
+    cfg = small_cfg()
+    ctx = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config=cfg.to_run_config())
+    with pytest.raises(RuntimeError, match="partition-id"):
+        client_app(_train_message(cfg, np.zeros(DIM), "norm"), ctx)
+
+
+# ------------------------------------------------------- whole run vs reference
+CASES = {
+    "norm-noise-full": {"algorithm": "norm", "noise-multiplier": 3.0, "clients-per-round": 10.0},
+    "norm-no-noise": {"algorithm": "norm", "noise-multiplier": 0.0, "clients-per-round": 10.0},
+    "clip-noise-poisson-momentum": {
+        "algorithm": "clip",
+        "noise-multiplier": 1.5,
+        "clients-per-round": 4.0,
+        "server-momentum": 0.8,
+        "lr-decay": 0.9,
+        "clip": 20.0,
+    },
+    "none-poisson-const-beta": {"algorithm": "none", "clients-per-round": 6.0, "server-lr": 0.01, "init": "I2"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_in_process_run_matches_numpy_reference(case: str, tmp_path) -> None:
+    cfg = RunConfig.from_run_config(
+        {"num-clients": 12, "num-rounds": 6, "dim": 30, "seed": 3, "output-dir": str(tmp_path), "run-name": case, **CASES[case]}
+    )
+    out = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg)
+    ref = run_reference_for(cfg)
+    model = np.load(out / "model.npz")
+    np.testing.assert_allclose(model["w_final"], ref.w_final, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(model["w_random_iterate"], ref.w_random_iterate, rtol=1e-6, atol=1e-9)
+    assert int(model["random_iterate_round"]) == ref.random_iterate_round
+    assert np.linalg.norm(ref.w_final - ref.trajectory[0]) > 1e-3  # the run moved
+
+
+def test_snr_diagnostic_is_signal_over_noise_norm(tmp_path) -> None:
+    cfg = RunConfig.from_run_config(
+        {"num-clients": 8, "clients-per-round": 8.0, "num-rounds": 1, "dim": 20, "noise-multiplier": 0.5,
+         "diagnostics": True, "output-dir": str(tmp_path), "run-name": "snr"}
+    )
+    grid = InProcessGrid(client_app, 8, cfg.to_run_config())
+    strategy = DPFedAvg(cfg, dim=20)
+    strategy.discover_clients(grid)
+    w0 = np.ones(20)
+    messages = list(strategy.configure_train(1, to_array_record(w0), _cfg_record(), grid))
+    replies = list(grid.send_and_receive(messages))
+    _, metrics = strategy.aggregate_train(1, replies)
+    noisy = sum(r.content[ARRAYS][UPDATE_KEY].numpy() for r in replies) / 8
+    clean = sum(r.content["diagnostics"]["clean-update"].numpy() for r in replies) / 8
+    assert metrics["snr"] == pytest.approx(np.linalg.norm(clean) / np.linalg.norm(noisy - clean), rel=1e-9)
+
+
+# ------------------------------------------------------------------ server app
+def test_server_app_bad_config_logs_one_error_line(tmp_path) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("dpfedavg")
+    logger.addHandler(handler)
+    try:
+        ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
+                      run_config={"algorithm": "median", "clip": -1.0, "output-dir": str(tmp_path)})
+        server_app.main(grid=None, context=ctx)  # type: ignore[arg-type]
+    finally:
+        logger.removeHandler(handler)
+    errors = [r for r in records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    assert "'algorithm' = 'median'" in errors[0].getMessage() and "'clip' = -1.0" in errors[0].getMessage()
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing written
+
+
+def test_results_files_and_columns(tmp_path) -> None:
+    import csv
+    import json
+
+    cfg = small_cfg(**{"output-dir": str(tmp_path), "run-name": "cols", "noise-multiplier": 1.0})
+    out = server_app.run(InProcessGrid(client_app, 10, cfg.to_run_config()), cfg)
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [int(r["round"]) for r in rows] == list(range(cfg.num_rounds + 1))
+    for col in ("round", "num_sampled", "suboptimality", "snr", "dist_to_opt", "frac_clipped"):
+        assert col in rows[0]
+    config = json.loads((out / "config.json").read_text())
+    assert config["run_config"]["clip"] == cfg.clip and config["derived"]["q"] == 0.5
+    assert config["derived"]["sigma"] == pytest.approx(1.0 * 50.0 / 5.0)
+    assert "flwr" in config["versions"]
+    model = np.load(out / "model.npz")
+    assert model["w_final"].shape == (DIM,) and model["w_random_iterate"].shape == (DIM,)

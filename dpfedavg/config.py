@@ -224,7 +224,7 @@ class RunConfig:
         if self.clients_per_round > self.num_clients:
             errors.append(
                 f"'clients-per-round' = {self.clients_per_round:g} exceeds 'num-clients' = {self.num_clients}: "
-                "expected 0 < r <= n"
+                "expected 0 < r <= n (set clients-per-round together with num-clients; r = n is full participation)"
             )
         return errors
 

@@ -1,0 +1,147 @@
+"""Run the app through the real `flwr run` CLI against a private local SuperLink.
+
+The SuperLink is started here (the same command `flwr run` would use for its
+managed local SuperLink) on free ports, with a temporary ``FLWR_HOME`` and a
+short ``RAY_TMPDIR``, so the tests never touch a user's SuperLink. `flwr run`
+finds it through ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``. Every process it
+started (SuperLink, SuperExec, simulation, Ray) is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalSuperLink:
+    """A private simulation SuperLink for tests."""
+
+    def __init__(self, workdir: Path, *, runtime_dependency_install: bool = False) -> None:
+        self.workdir = Path(workdir)
+        self.home = self.workdir / "flwr_home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
+        self.http_port = _free_port()
+        self.control_port = _free_port()
+        self.env = dict(os.environ)
+        self.env.update(
+            FLWR_HOME=str(self.home),
+            FLWR_TELEMETRY_ENABLED="0",
+            FLWR_DISABLE_UPDATE_CHECK="1",
+            FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(self.http_port),
+            FLWR_LOCAL_CONTROL_API_PORT=str(self.control_port),
+            RAY_TMPDIR=str(self.ray_tmp),
+            RAY_USAGE_STATS_ENABLED="0",
+            PYTHONUNBUFFERED="1",
+        )
+        if not runtime_dependency_install:
+            self.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+        self.log_path = self.home / "superlink.log"
+        self.process: subprocess.Popen | None = None
+        self._known: dict[int, psutil.Process] = {}
+
+    def start(self, timeout: float = 60.0) -> None:
+        command = [
+            str(BIN / "flower-superlink"),
+            "--insecure",
+            "--simulation",
+            "--isolation",
+            "subprocess",
+            "--control-api-address",
+            f"127.0.0.1:{self.control_port}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.http_port),
+            "--database",
+            str(self.home / "state.db"),
+            "--log-file",
+            str(self.log_path),
+        ]
+        self.process = subprocess.Popen(
+            command, env=self.env, cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"flower-superlink exited with {self.process.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=0.5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"flower-superlink did not become healthy within {timeout}s; see {self.log_path}")
+
+    def _remember_descendants(self) -> None:
+        if self.process is None:
+            return
+        try:
+            root = psutil.Process(self.process.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                self._known[proc.pid] = proc
+        except psutil.NoSuchProcess:
+            pass
+
+    def flwr_run(self, run_config: str = "", federation_config: str = "", timeout: float = 600.0) -> subprocess.CompletedProcess:
+        """`flwr run <repo> --stream` with the given overrides; returns the finished CLI process."""
+        command = [str(BIN / "flwr"), "run", str(ROOT), "--stream"]
+        if run_config:
+            command += ["--run-config", run_config]
+        if federation_config:
+            command += ["--federation-config", federation_config]
+        proc = subprocess.Popen(
+            command, env=self.env, cwd=self.workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            self._remember_descendants()  # Ray workers may be re-parented once the run ends
+            if time.monotonic() > deadline:
+                proc.kill()
+                out = proc.communicate()[0]
+                raise TimeoutError(f"flwr run did not finish within {timeout}s:\n{out[-5000:]}")
+            time.sleep(0.5)
+        out = proc.communicate()[0]
+        return subprocess.CompletedProcess(command, proc.returncode, out, "")
+
+    def stop(self) -> None:
+        """Terminate every process this SuperLink started (by PID), then the SuperLink."""
+        self._remember_descendants()
+        procs = [p for p in self._known.values() if p.is_running()]
+        for proc in procs:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+    def leftover_pids(self) -> list[int]:
+        """PIDs of processes started by this SuperLink that still run (should be empty after stop)."""
+        return [pid for pid, p in self._known.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

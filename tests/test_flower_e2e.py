@@ -1,0 +1,133 @@
+"""End-to-end: the real `flwr run` CLI, a local SuperLink and the Ray simulation engine.
+
+Slow (each run starts a Ray simulation, ~15-25 s); marked ``slow`` and run in CI.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpfedavg.config import RunConfig
+from flower_harness import LocalSuperLink
+from reference import run_reference_for
+
+pytestmark = pytest.mark.slow
+
+REQUIRED_COLUMNS = ("round", "num_sampled", "suboptimality", "snr", "dist_to_opt", "frac_clipped")
+SMALL_FED = "num-supernodes=10 client-resources-num-cpus=1"
+
+
+@pytest.fixture(scope="module")
+def superlink(tmp_path_factory: pytest.TempPathFactory):
+    link = LocalSuperLink(tmp_path_factory.mktemp("superlink"))
+    link.start()
+    try:
+        yield link
+    finally:
+        link.stop()
+        assert link.leftover_pids() == [], "processes survived stop()"
+
+
+def _overrides(values: dict) -> str:
+    parts = []
+    for key, value in values.items():
+        if isinstance(value, str):
+            parts.append(f"{key}='{value}'")
+        elif isinstance(value, bool):
+            parts.append(f"{key}={'true' if value else 'false'}")
+        else:
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def _run(superlink: LocalSuperLink, tmp_path: Path, name: str, values: dict, federation: str = SMALL_FED):
+    values = {"output-dir": str(tmp_path), "run-name": name, **values}
+    result = superlink.flwr_run(_overrides(values), federation)
+    return result, tmp_path / name
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return list(csv.DictReader((run_dir / "metrics.csv").open()))
+
+
+@pytest.mark.parametrize("noise", [0.0, 2.0], ids=["noise-off", "noise-on"])
+def test_flower_simulation_matches_numpy_reference(superlink: LocalSuperLink, tmp_path: Path, noise: float) -> None:
+    """10 clients, Poisson sampling, momentum: final weights equal plain numpy Alg. 1/2 within 1e-6."""
+    values = {
+        "num-clients": 10,
+        "clients-per-round": 6.0,
+        "num-rounds": 4,
+        "dim": 40,
+        "seed": 11,
+        "noise-multiplier": noise,
+        "server-momentum": 0.5,
+        "lr-decay": 0.95,
+        "algorithm": "norm",
+        "clip": 30.0,
+    }
+    result, run_dir = _run(superlink, tmp_path, f"ref-{noise}", values)
+    assert (run_dir / "model.npz").exists(), result.stdout[-4000:]
+    cfg = RunConfig.from_run_config(values)
+    ref = run_reference_for(cfg)
+    model = np.load(run_dir / "model.npz")
+    np.testing.assert_allclose(model["w_final"], ref.w_final, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(model["w_random_iterate"], ref.w_random_iterate, rtol=1e-6, atol=1e-9)
+    # the per-round trajectory too, through the logged distance to the optimum
+    from dpfedavg.tasks import build_task
+
+    task = build_task(cfg)
+    dists = [float(r["dist_to_opt"]) for r in _rows(run_dir)]
+    expected = [task.evaluate(w)["dist_to_opt"] for w in ref.trajectory]
+    np.testing.assert_allclose(dists, expected, rtol=1e-6)
+
+
+def test_default_run_smoke(superlink: LocalSuperLink, tmp_path: Path) -> None:
+    """The README's default (quadratic, norm, C=50, I1, eta=0.003, n=r=100) for a few rounds."""
+    t0 = time.monotonic()
+    result, run_dir = _run(superlink, tmp_path, "default", {"num-rounds": 3}, "num-supernodes=100 client-resources-num-cpus=1")
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    rows = _rows(run_dir)
+    assert [int(r["round"]) for r in rows] == [0, 1, 2, 3]
+    assert all(col in rows[0] for col in REQUIRED_COLUMNS)
+    assert all(int(r["num_sampled"]) == 100 for r in rows[1:])  # full participation
+    assert re.search(r"round 3/3 \| sampled 100, received 100", out)
+    assert f"metrics in {run_dir / 'metrics.csv'}" in out.replace("\n", "")
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["run_config"]["algorithm"] == "norm" and config["run_config"]["clip"] == 50.0
+    assert time.monotonic() - t0 < 300
+
+
+@pytest.mark.parametrize("algorithm", ["clip", "none"])
+def test_other_algorithms_run(superlink: LocalSuperLink, tmp_path: Path, algorithm: str) -> None:
+    values = {"algorithm": algorithm, "clip": 50.0, "num-clients": 10, "clients-per-round": 10.0, "num-rounds": 2}
+    result, run_dir = _run(superlink, tmp_path, algorithm, values)
+    rows = _rows(run_dir)
+    assert len(rows) == 3, result.stdout[-4000:]
+    assert all(col in rows[0] for col in REQUIRED_COLUMNS)
+    if algorithm == "none":
+        assert "NO DIFFERENTIAL PRIVACY" in result.stdout
+
+
+def test_bad_config_is_one_error_line_without_traceback(superlink: LocalSuperLink, tmp_path: Path) -> None:
+    result, run_dir = _run(superlink, tmp_path, "bad", {"algorithm": "clipp", "clip": -1.0, "num-clients": 10})
+    errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, result.stdout[-4000:]
+    assert "'algorithm' = 'clipp'" in errors[0] and "'clip' = -1.0" in errors[0]
+    assert "Traceback" not in result.stdout
+    assert not run_dir.exists()
+
+
+def test_wrong_number_of_supernodes_is_a_clear_error(superlink: LocalSuperLink, tmp_path: Path) -> None:
+    result, run_dir = _run(superlink, tmp_path, "wrongsize", {"num-clients": 10, "clients-per-round": 10.0}, "num-supernodes=3 client-resources-num-cpus=1")
+    errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "num-supernodes=10" in errors[0], result.stdout[-4000:]
+    assert "Traceback" not in result.stdout

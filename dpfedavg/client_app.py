@@ -9,6 +9,7 @@ from flwr.clientapp import ClientApp
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import GradFn, Stream, make_rng, private_client_update
+from dpfedavg.runtime import setup_app_process
 from dpfedavg.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -62,6 +63,7 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Alg. 1 / Alg. 2 lines 4-10 for this client: reply with ``g + zeta``."""
+    setup_app_process()
     cfg = _config(tuple(sorted(context.run_config.items())))
     client_id, _ = _partition(context)
     ins = RoundInstructions.from_config_record(msg.content[CONFIG])

@@ -25,6 +25,7 @@ TRAIN_COLUMNS: tuple[str, ...] = (
     "num_sampled",
     "num_received",
     "num_failed",
+    "num_dropped",
     "num_rejected",
     "eta",
     "beta",
@@ -76,7 +77,7 @@ class RunRecorder:
     def __init__(self, directory: Path, metric_names: Sequence[str]) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.columns = ("round", *TRAIN_COLUMNS[:6], *metric_names, *TRAIN_COLUMNS[6:], "elapsed_s")
+        self.columns = ("round", *TRAIN_COLUMNS[:7], *metric_names, *TRAIN_COLUMNS[7:], "elapsed_s")
         self.metrics_path = self.directory / "metrics.csv"
         self.config_path = self.directory / "config.json"
         self.model_path = self.directory / "model.npz"

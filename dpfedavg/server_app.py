@@ -13,7 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import server_noise_std
-from dpfedavg.logging_utils import use_flower_console
+from dpfedavg.runtime import setup_app_process
 from dpfedavg.protocol import from_array_record, to_array_record
 from dpfedavg.results import RunRecorder, package_versions
 from dpfedavg.strategies import DPFedAvg, FederationError
@@ -103,7 +103,7 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local") -> Path:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Validate ``run_config``, then :func:`run`. Bad config or federation: one ERROR line."""
-    use_flower_console()
+    setup_app_process()
     try:
         cfg = RunConfig.from_run_config(context.run_config)
     except ConfigError as err:

@@ -102,7 +102,7 @@ def test_fixed_denominator_r_with_dropouts() -> None:
     _, w1, metrics = one_round(strategy, grid, w0)
     received = [pid + 1.0 for pid in range(10) if pid not in dropped]
     np.testing.assert_allclose(w1, w0 - 0.1 * sum(received) / 10.0)  # / r, not / 7
-    assert metrics["num_sampled"] == 10 and metrics["num_received"] == 7
+    assert metrics["num_sampled"] == 10 and metrics["num_received"] == 7 and metrics["num_dropped"] == 3
 
 
 def test_empty_round_keeps_going(caplog: pytest.LogCaptureFixture) -> None:
@@ -201,6 +201,7 @@ def test_failed_and_malformed_replies_are_counted_not_fatal() -> None:
     strategy.discover_clients(grid)
     _, w1, metrics = one_round(strategy, grid, np.zeros(DIM))
     assert metrics["num_failed"] == 1 and metrics["num_rejected"] == 3 and metrics["num_received"] == 6
+    assert metrics["num_dropped"] == 0
     np.testing.assert_allclose(w1, -np.full(DIM, 6 / 10))
     reasons = " ".join(strategy.history[1].rejected_reasons)
     assert "shape" in reasons and "NaN" in reasons and "lacks" in reasons

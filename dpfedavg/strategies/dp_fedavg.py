@@ -71,6 +71,7 @@ class RoundStats:
     num_sampled: int
     num_received: int = 0
     num_failed: int = 0
+    num_dropped: int = 0
     num_rejected: int = 0
     eta: float = float("nan")
     beta: float = float("nan")
@@ -85,6 +86,7 @@ class RoundStats:
             "num_sampled": self.num_sampled,
             "num_received": self.num_received,
             "num_failed": self.num_failed,
+            "num_dropped": self.num_dropped,
             "num_rejected": self.num_rejected,
             "eta": self.eta,
             "beta": self.beta,
@@ -357,6 +359,9 @@ class DPFedAvg(FedAvg):
         stats = self.history[server_round]
         valid, failed = self._check_and_log_replies(list(replies), is_train=True, validate=False)
         stats.num_failed = len(failed)
+        stats.num_dropped = max(0, stats.num_sampled - len(valid) - len(failed))
+        if stats.num_dropped:
+            logger.warning("Round %d: %d sampled clients did not reply (dropouts)", server_round, stats.num_dropped)
         parsed = []
         for msg in valid:
             try:

@@ -1,0 +1,39 @@
+"""Process set-up for the Flower apps: logging through Flower, single-threaded BLAS.
+
+Library modules log with ``logging.getLogger(__name__)``; :func:`setup_app_process`
+routes those records through Flower's console handler, so they are printed
+(and streamed by ``flwr run --stream``) next to Flower's own lines.
+
+It also limits BLAS to one thread. In a Flower simulation the ServerApp
+runs in a thread of the process that starts Ray at the same moment; a
+multi-threaded OpenBLAS call there (e.g. the quadratic task's ``lstsq``) was
+seen to hang forever in about one start in five on the 2-core machine. The
+per-client math is small (parallelism comes from the Ray actors), so one BLAS
+thread per process costs nothing measurable.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["setup_app_process"]
+
+_done = False
+
+
+def setup_app_process(level: int = logging.INFO) -> logging.Logger:
+    """Idempotent: attach Flower's console handler to ``dpfedavg`` and use 1 BLAS thread."""
+    global _done
+    from flwr.supercore.logger import console_handler
+
+    pkg_logger = logging.getLogger("dpfedavg")
+    pkg_logger.setLevel(level)
+    if console_handler not in pkg_logger.handlers:
+        pkg_logger.addHandler(console_handler)
+    pkg_logger.propagate = False
+    if not _done:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=1, user_api="blas")
+        _done = True
+    return pkg_logger

@@ -9,7 +9,6 @@ from flwr.clientapp import ClientApp
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import GradFn, Stream, make_rng, private_client_update
-from dpfedavg.runtime import setup_app_process
 from dpfedavg.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -21,6 +20,7 @@ from dpfedavg.protocol import (
     from_array_record,
     to_array_record,
 )
+from dpfedavg.runtime import setup_app_process
 from dpfedavg.tasks import Task, build_task
 
 app = ClientApp()

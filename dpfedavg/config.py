@@ -18,7 +18,7 @@ from typing import Any
 
 from dpfedavg.core.types import ALGORITHMS
 
-__all__ = ["ConfigError", "Option", "OPTIONS", "RunConfig", "SERVER_LR_FOLLOWS_LOCAL", "describe_options"]
+__all__ = ["ConfigError", "Option", "OPTIONS", "RunConfig", "SERVER_LR_FOLLOWS_LOCAL"]
 
 #: ``server-lr`` value meaning ``beta_k = eta_k`` (the paper's choice in §4.4 and §5).
 SERVER_LR_FOLLOWS_LOCAL = "eta"
@@ -75,34 +75,115 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 #: Every run_config key. Task-specific keys are marked in ``help``.
 OPTIONS: tuple[Option, ...] = (
     Option("task", str, "quadratic", "-", "objective and data", choices=None),
-    Option("algorithm", str, "norm", "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP", choices=ALGORITHMS),
+    Option(
+        "algorithm",
+        str,
+        "norm",
+        "-",
+        "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP",
+        choices=ALGORITHMS,
+    ),
     Option("num-rounds", int, DEFAULT_NUM_ROUNDS, "K", "communication rounds", "an integer >= 1", lambda x: x >= 1),
-    Option("local-steps", int, 20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1),
+    Option(
+        "local-steps", int, 20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1
+    ),
     Option("local-lr", float, 0.003, "eta_0", "initial local learning rate", "a float > 0", _positive),
-    Option("lr-decay", float, 1.0, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: _positive(x) and x <= 1),
-    Option("server-lr", float, SERVER_LR_FOLLOWS_LOCAL, "beta_k", "global step; \"eta\" means beta_k = eta_k", f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"', _positive),
-    Option("server-momentum", float, 0.0, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: _non_negative(x) and x < 1),
+    Option(
+        "lr-decay",
+        float,
+        1.0,
+        "gamma",
+        "eta_k = eta_0 * gamma^k",
+        "a float in (0, 1]",
+        lambda x: _positive(x) and x <= 1,
+    ),
+    Option(
+        "server-lr",
+        float,
+        SERVER_LR_FOLLOWS_LOCAL,
+        "beta_k",
+        'global step; "eta" means beta_k = eta_k',
+        f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"',
+        _positive,
+    ),
+    Option(
+        "server-momentum",
+        float,
+        0.0,
+        "mu",
+        "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly",
+        "a float in [0, 1)",
+        lambda x: _non_negative(x) and x < 1,
+    ),
     Option("num-clients", int, 100, "n", "number of clients (= supernodes)", "an integer >= 1", lambda x: x >= 1),
-    Option("clients-per-round", float, 100.0, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", _positive),
+    Option(
+        "clients-per-round",
+        float,
+        100.0,
+        "r",
+        "expected clients per round; q = r/n",
+        "a number with 0 < r <= num-clients",
+        _positive,
+    ),
     Option("clip", float, 50.0, "C", "clipping threshold (clip) / scaling factor (norm)", "a float > 0", _positive),
-    Option("noise-multiplier", float, DEFAULT_NOISE_MULTIPLIER, "z", "std of the summed noise / C; sigma = z C / r", "a float >= 0", _non_negative),
+    Option(
+        "noise-multiplier",
+        float,
+        DEFAULT_NOISE_MULTIPLIER,
+        "z",
+        "std of the summed noise / C; sigma = z C / r",
+        "a float >= 0",
+        _non_negative,
+    ),
     Option("seed", int, 0, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0),
-    Option("diagnostics", bool, False, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)"),
-    Option("output-dir", str, "outputs", "-", "results root; relative paths are relative to the SuperLink's working directory", "a non-empty path", lambda x: bool(x.strip())),
-    Option("run-name", str, "", "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x))),
-    Option("node-wait-timeout", float, 300.0, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),
+    Option(
+        "diagnostics",
+        bool,
+        False,
+        "-",
+        "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)",
+    ),
+    Option(
+        "output-dir",
+        str,
+        "outputs",
+        "-",
+        "results root; relative paths are relative to the SuperLink's working directory",
+        "a non-empty path",
+        lambda x: bool(x.strip()),
+    ),
+    Option(
+        "run-name",
+        str,
+        "",
+        "-",
+        'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>',
+        "empty or letters, digits, '.', '_', '-' (no '/')",
+        lambda x: x == "" or bool(_RUN_NAME.match(x)),
+    ),
+    Option(
+        "node-wait-timeout",
+        float,
+        300.0,
+        "-",
+        "seconds to wait for all n supernodes to register before round 1",
+        "a float > 0",
+        _positive,
+    ),
     Option("round-timeout", float, 3600.0, "-", "seconds a round waits for replies", "a float > 0", _positive),
     # Task-specific keys (ignored by tasks that do not use them).
-    Option("init", str, "I1", "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2")),
+    Option(
+        "init",
+        str,
+        "I1",
+        "w_0",
+        "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d",
+        choices=("I1", "I2"),
+    ),
     Option("dim", int, 200, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1),
 )
 
 _BY_KEY = {opt.key: opt for opt in OPTIONS}
-
-
-def describe_options() -> list[tuple[str, str, str, str]]:
-    """``(key, default, symbol, help)`` rows for docs and ``--help`` output."""
-    return [(o.key, repr(o.default), o.symbol, o.help) for o in OPTIONS]
 
 
 def _coerce(opt: Option, value: Any) -> tuple[Any, str | None]:

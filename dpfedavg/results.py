@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -96,8 +97,6 @@ class RunRecorder:
             csv.writer(fh).writerow([_fmt(row.get(col, float("nan"))) for col in self.columns])
 
     def write_model(self, **arrays: np.ndarray | int | float) -> None:
-        import io
-
         buf = io.BytesIO()
         np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})
         atomic_write_bytes(self.model_path, buf.getvalue())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +13,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import server_noise_std
-from dpfedavg.runtime import setup_app_process
 from dpfedavg.protocol import from_array_record, to_array_record
 from dpfedavg.results import RunRecorder, package_versions
+from dpfedavg.runtime import setup_app_process
 from dpfedavg.strategies import DPFedAvg, FederationError
 from dpfedavg.tasks import Task, build_task
 
@@ -26,7 +26,7 @@ app = ServerApp()
 
 def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
     """``<output-dir>/<run-name>``; the default name is ``<task>-<algorithm>-<UTC time>-<run id>``."""
-    name = cfg.run_name or f"{cfg.task}-{cfg.algorithm}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{run_id}"
+    name = cfg.run_name or f"{cfg.task}-{cfg.algorithm}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{run_id}"
     return Path(cfg.output_dir).expanduser().resolve() / name
 
 
@@ -50,7 +50,7 @@ def describe_run(cfg: RunConfig, task: Task, strategy: DPFedAvg, run_id: int | s
             "dp": cfg.dp_enabled,
         },
         "versions": package_versions(),
-        "started_utc": datetime.now(timezone.utc).isoformat(),
+        "started_utc": datetime.now(UTC).isoformat(),
     }
 
 
@@ -66,7 +66,9 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local") -> Path:
     if not cfg.dp_enabled:
         logger.warning(
             "NO DIFFERENTIAL PRIVACY: %s",
-            "algorithm='none'" if cfg.algorithm == "none" else "noise-multiplier = 0 (updates are clipped/normalized but not noised)",
+            "algorithm='none'"
+            if cfg.algorithm == "none"
+            else "noise-multiplier = 0 (updates are clipped/normalized but not noised)",
         )
     t0 = time.monotonic()
 

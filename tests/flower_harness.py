@@ -77,7 +77,12 @@ class LocalSuperLink:
             str(self.log_path),
         ]
         self.process = subprocess.Popen(
-            command, env=self.env, cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            command,
+            env=self.env,
+            cwd=self.workdir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -103,7 +108,9 @@ class LocalSuperLink:
         except psutil.NoSuchProcess:
             pass
 
-    def flwr_run(self, run_config: str = "", federation_config: str = "", timeout: float = 600.0) -> subprocess.CompletedProcess:
+    def flwr_run(
+        self, run_config: str = "", federation_config: str = "", timeout: float = 600.0
+    ) -> subprocess.CompletedProcess:
         """`flwr run <repo> --stream` with the given overrides; returns the finished CLI process."""
         command = [str(BIN / "flwr"), "run", str(ROOT), "--stream"]
         if run_config:

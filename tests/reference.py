@@ -40,7 +40,7 @@ def quadratic_data(seed: int, n: int, d: int) -> tuple[list[np.ndarray], list[np
 
 def quadratic_optimum(qs: list[np.ndarray], w_stars: list[np.ndarray]) -> np.ndarray:
     h = sum(qs)
-    b = sum(q @ w for q, w in zip(qs, w_stars))
+    b = sum(q @ w for q, w in zip(qs, w_stars, strict=True))
     return np.linalg.lstsq(h, b, rcond=None)[0]
 
 

@@ -103,7 +103,9 @@ def test_local_steps_match_closed_form_on_quadratic(num_steps: int) -> None:
     closed = client.w_star + np.linalg.matrix_power(np.eye(40) - eta * q, num_steps) @ (w0 - client.w_star)
     np.testing.assert_allclose(w_e, closed, rtol=1e-10, atol=1e-12)
     # u = (w_0 - w_E)/eta, line 9
-    np.testing.assert_allclose(client_update(w0, client.grad, eta, num_steps), (w0 - closed) / eta, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(
+        client_update(w0, client.grad, eta, num_steps), (w0 - closed) / eta, rtol=1e-8, atol=1e-10
+    )
 
 
 def test_one_local_step_update_is_the_gradient() -> None:
@@ -155,7 +157,14 @@ def test_private_client_update_pipeline() -> None:
     client = make_client(seed=1, client_id=2, dim=25)
     w = RNG.standard_normal(25)
     out = private_client_update(
-        w, client.grad, lr=0.01, num_steps=5, algorithm="norm", clip=2.0, noise_std=0.5, rng=make_rng(0, Stream.NOISE, 2)
+        w,
+        client.grad,
+        lr=0.01,
+        num_steps=5,
+        algorithm="norm",
+        clip=2.0,
+        noise_std=0.5,
+        rng=make_rng(0, Stream.NOISE, 2),
     )
     u = client_update(w, client.grad, 0.01, 5)
     assert out.update_norm == pytest.approx(np.linalg.norm(u))
@@ -209,7 +218,7 @@ def test_momentum_recursion() -> None:
     betas = [0.5, 0.4, 0.3, 0.2, 0.1]
     mu = 0.8
     w, m = np.ones(4), np.zeros(4)
-    for a, beta in zip(a_seq, betas):
+    for a, beta in zip(a_seq, betas, strict=True):
         w, m = momentum_step(w, m, a, beta, mu)
     expected_w = np.ones(4)
     for k, beta in enumerate(betas):

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from dpfedavg.config import RunConfig
 from flower_harness import LocalSuperLink
 from reference import run_reference_for
+
+from dpfedavg.config import RunConfig
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,9 @@ def test_flower_simulation_matches_numpy_reference(superlink: LocalSuperLink, tm
 def test_default_run_smoke(superlink: LocalSuperLink, tmp_path: Path) -> None:
     """The README's default (quadratic, norm, C=50, I1, eta=0.003, n=r=100) for a few rounds."""
     t0 = time.monotonic()
-    result, run_dir = _run(superlink, tmp_path, "default", {"num-rounds": 3}, "num-supernodes=100 client-resources-num-cpus=1")
+    result, run_dir = _run(
+        superlink, tmp_path, "default", {"num-rounds": 3}, "num-supernodes=100 client-resources-num-cpus=1"
+    )
     out = result.stdout
     assert result.returncode == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
@@ -127,7 +129,13 @@ def test_bad_config_is_one_error_line_without_traceback(superlink: LocalSuperLin
 
 
 def test_wrong_number_of_supernodes_is_a_clear_error(superlink: LocalSuperLink, tmp_path: Path) -> None:
-    result, run_dir = _run(superlink, tmp_path, "wrongsize", {"num-clients": 10, "clients-per-round": 10.0}, "num-supernodes=3 client-resources-num-cpus=1")
+    result, run_dir = _run(
+        superlink,
+        tmp_path,
+        "wrongsize",
+        {"num-clients": 10, "clients-per-round": 10.0},
+        "num-supernodes=3 client-resources-num-cpus=1",
+    )
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "num-supernodes=10" in errors[0], result.stdout[-4000:]
     assert "Traceback" not in result.stdout

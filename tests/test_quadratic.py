@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from reference import quadratic_data, quadratic_optimum
 
 from dpfedavg.config import RunConfig
 from dpfedavg.tasks import build_task
 from dpfedavg.tasks.quadratic import RANK, QuadraticTask, make_client
-from reference import quadratic_data, quadratic_optimum
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_optimum_is_stationary_and_suboptimality_nonnegative(task: QuadraticTask
 def test_objective_matches_dense_reference(task: QuadraticTask) -> None:
     qs, w_stars = quadratic_data(0, 100, 200)
     w = np.random.default_rng(1).standard_normal(200)
-    dense = np.mean([0.5 * (w - ws) @ q @ (w - ws) for q, ws in zip(qs, w_stars)])
+    dense = np.mean([0.5 * (w - ws) @ q @ (w - ws) for q, ws in zip(qs, w_stars, strict=True)])
     assert task.objective(w) == pytest.approx(dense, rel=1e-10)
     np.testing.assert_allclose(task.optimum[0], quadratic_optimum(qs, w_stars), rtol=1e-8, atol=1e-10)
 

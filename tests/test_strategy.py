@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from reference import run_reference_for
 
 from dpfedavg import server_app
 from dpfedavg.client_app import app as client_app
@@ -16,7 +17,6 @@ from dpfedavg.core import Stream, make_rng, poisson_sample
 from dpfedavg.protocol import ARRAYS, CONFIG, METRICS, UPDATE_KEY, RoundInstructions, to_array_record
 from dpfedavg.strategies import DPFedAvg, FederationError
 from dpfedavg.testing import InProcessGrid
-from reference import run_reference_for
 
 DIM = 6
 
@@ -142,7 +142,7 @@ def test_server_momentum_recursion_through_strategy() -> None:
 def test_wrong_federation_size_fails_fast_with_the_fix() -> None:
     cfg = small_cfg()
     grid = InProcessGrid(client_app, 2, cfg.to_run_config())  # e.g. flwr's default of 2 supernodes
-    with pytest.raises(FederationError, match='num-supernodes=10'):
+    with pytest.raises(FederationError, match="num-supernodes=10"):
         DPFedAvg(cfg, dim=DIM).discover_clients(grid, timeout=5)
 
 
@@ -173,7 +173,9 @@ def test_waits_for_late_nodes_and_times_out_clearly() -> None:
             return list(self.contexts)[:4]
 
     with pytest.raises(FederationError, match="only 4 of 10 SuperNodes registered"):
-        DPFedAvg(cfg, dim=DIM, sleep=lambda s: None).discover_clients(StuckGrid(client_app, 10, cfg.to_run_config()), timeout=0.05)
+        DPFedAvg(cfg, dim=DIM, sleep=lambda s: None).discover_clients(
+            StuckGrid(client_app, 10, cfg.to_run_config()), timeout=0.05
+        )
 
 
 # ---------------------------------------------------------- bad client replies
@@ -217,7 +219,13 @@ def _train_message(cfg: RunConfig, w: np.ndarray, algorithm: str) -> Message:
 def test_clip_and_norm_add_the_same_noise_vectors() -> None:
     """Paper §4.4: in each run both algorithms see the exact same noise vectors."""
     cfg = small_cfg(**{"noise-multiplier": 1.0, "clip": 0.5})
-    ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 4, "num-partitions": 10}, state=RecordDict(), run_config=cfg.to_run_config())
+    ctx = Context(
+        run_id=1,
+        node_id=5,
+        node_config={"partition-id": 4, "num-partitions": 10},
+        state=RecordDict(),
+        run_config=cfg.to_run_config(),
+    )
     w = np.random.default_rng(0).standard_normal(DIM)
     noise = {}
     for algorithm in ("clip", "norm"):
@@ -259,7 +267,15 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_in_process_run_matches_numpy_reference(case: str, tmp_path) -> None:
     cfg = RunConfig.from_run_config(
-        {"num-clients": 12, "num-rounds": 6, "dim": 30, "seed": 3, "output-dir": str(tmp_path), "run-name": case, **CASES[case]}
+        {
+            "num-clients": 12,
+            "num-rounds": 6,
+            "dim": 30,
+            "seed": 3,
+            "output-dir": str(tmp_path),
+            "run-name": case,
+            **CASES[case],
+        }
     )
     out = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg)
     ref = run_reference_for(cfg)
@@ -272,8 +288,16 @@ def test_in_process_run_matches_numpy_reference(case: str, tmp_path) -> None:
 
 def test_snr_diagnostic_is_signal_over_noise_norm(tmp_path) -> None:
     cfg = RunConfig.from_run_config(
-        {"num-clients": 8, "clients-per-round": 8.0, "num-rounds": 1, "dim": 20, "noise-multiplier": 0.5,
-         "diagnostics": True, "output-dir": str(tmp_path), "run-name": "snr"}
+        {
+            "num-clients": 8,
+            "clients-per-round": 8.0,
+            "num-rounds": 1,
+            "dim": 20,
+            "noise-multiplier": 0.5,
+            "diagnostics": True,
+            "output-dir": str(tmp_path),
+            "run-name": "snr",
+        }
     )
     grid = InProcessGrid(client_app, 8, cfg.to_run_config())
     strategy = DPFedAvg(cfg, dim=20)
@@ -295,8 +319,13 @@ def test_server_app_bad_config_logs_one_error_line(tmp_path) -> None:
     logger = logging.getLogger("dpfedavg")
     logger.addHandler(handler)
     try:
-        ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
-                      run_config={"algorithm": "median", "clip": -1.0, "output-dir": str(tmp_path)})
+        ctx = Context(
+            run_id=1,
+            node_id=1,
+            node_config={},
+            state=RecordDict(),
+            run_config={"algorithm": "median", "clip": -1.0, "output-dir": str(tmp_path)},
+        )
         server_app.main(grid=None, context=ctx)  # type: ignore[arg-type]
     finally:
         logger.removeHandler(handler)

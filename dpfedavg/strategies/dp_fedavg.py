@@ -111,7 +111,7 @@ class DPFedAvg(FedAvg):
     """
 
     def __init__(self, cfg: RunConfig, dim: int, *, sleep: Callable[[float], None] = time.sleep) -> None:
-        super().__init__(fraction_train=cfg.sampling_rate, fraction_evaluate=0.0, min_available_nodes=cfg.num_clients)
+        super().__init__(fraction_train=cfg.sampling_rate, min_available_nodes=cfg.num_clients)
         self.cfg = cfg
         self.dim = dim
         self._sleep = sleep
@@ -186,12 +186,12 @@ class DPFedAvg(FedAvg):
         deadline = time.monotonic() + timeout
         node_ids = self._wait_for_nodes(grid, 1, deadline)
         first = self._query_partitions(grid, node_ids[:1], deadline)
-        (pid, num_partitions), = first.values()
+        ((pid, num_partitions),) = first.values()
         if num_partitions != n:
             raise FederationError(
                 f"the federation has num-partitions={num_partitions} SuperNodes but the run has num-clients={n}; "
                 f'start it with --federation-config "num-supernodes={n}" (simulation) '
-                f"or give every SuperNode --node-config \"partition-id=I num-partitions={n}\" (deployment)"
+                f'or give every SuperNode --node-config "partition-id=I num-partitions={n}" (deployment)'
             )
         node_ids = self._wait_for_nodes(grid, n, deadline)
         if len(node_ids) > n:
@@ -209,7 +209,9 @@ class DPFedAvg(FedAvg):
             mapping[pid] = node_id
         missing = sorted(set(range(n)) - set(mapping))
         if missing:
-            raise FederationError(f"no node answered for partition ids {missing[:10]}{'...' if len(missing) > 10 else ''}")
+            raise FederationError(
+                f"no node answered for partition ids {missing[:10]}{'...' if len(missing) > 10 else ''}"
+            )
         self.node_of_client = mapping
         self.client_of_node = {node: pid for pid, node in mapping.items()}
         logger.info("All %d clients registered (partition ids 0..%d)", n, n - 1)
@@ -234,7 +236,11 @@ class DPFedAvg(FedAvg):
 
     def _query_partitions(self, grid: Grid, node_ids: list[int], deadline: float) -> dict[int, tuple[int, int]]:
         messages = [
-            Message(content=RecordDict({CONFIG: ConfigRecord({"query": "partition"})}), message_type=MessageType.QUERY, dst_node_id=nid)
+            Message(
+                content=RecordDict({CONFIG: ConfigRecord({"query": "partition"})}),
+                message_type=MessageType.QUERY,
+                dst_node_id=nid,
+            )
             for nid in node_ids
         ]
         out: dict[int, tuple[int, int]] = {}
@@ -320,6 +326,16 @@ class DPFedAvg(FedAvg):
             train_config[key] = value
         record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
         return self._construct_messages(record, sorted(self._sampled), MessageType.TRAIN)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """No client-side evaluation: the model is evaluated on the server (``evaluate_fn``).
+
+        Evaluating on clients would cost a second message round per round and,
+        on private data, would need its own privacy accounting.
+        """
+        return []
 
     def _parse_reply(self, msg: Message) -> tuple[int, Vector, dict[str, Any], Vector | None]:
         """``(client id, g + zeta, metrics, clean g or None)``; ``ValueError`` if malformed."""

@@ -18,7 +18,16 @@ from typing import Any
 
 from dpfedavg.core.types import ALGORITHMS
 
-__all__ = ["ConfigError", "Option", "OPTIONS", "RunConfig", "SERVER_LR_FOLLOWS_LOCAL"]
+__all__ = [
+    "ACCOUNTANTS",
+    "NOISE_MULTIPLIER_AUTO",
+    "NOISE_PLACEMENTS",
+    "OPTIONS",
+    "SERVER_LR_FOLLOWS_LOCAL",
+    "ConfigError",
+    "Option",
+    "RunConfig",
+]
 
 #: ``server-lr`` value meaning ``beta_k = eta_k`` (the paper's choice in §4.4 and §5).
 SERVER_LR_FOLLOWS_LOCAL = "eta"
@@ -27,10 +36,11 @@ SERVER_LR_FOLLOWS_LOCAL = "eta"
 #: command (install + run, 100 simulated clients) under 5 minutes on 2 cores.
 DEFAULT_NUM_ROUNDS = 200
 
-#: Noise multiplier giving (epsilon, delta) = (5, 1e-6) for the default run
-#: (K = 200 rounds, full participation q = 1) by dp-accounting's PLD
-#: accountant; ``tests/test_config.py`` recomputes it. (K = 500: 21.9146.)
-DEFAULT_NOISE_MULTIPLIER = 13.86
+#: ``noise-multiplier`` value meaning "calibrate z from epsilon and delta".
+NOISE_MULTIPLIER_AUTO = "auto"
+
+ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+NOISE_PLACEMENTS: tuple[str, ...] = ("client", "client-calibrated", "server")
 
 
 class ConfigError(ValueError):
@@ -49,6 +59,8 @@ class Option:
     allowed: str = ""
     check: Callable[[Any], bool] | None = None
     choices: tuple[Any, ...] | None = None
+    #: A string accepted instead of a number; it becomes ``None`` in the dataclass.
+    sentinel: str | None = None
 
     @property
     def attr(self) -> str:
@@ -73,122 +85,45 @@ def _task_names() -> tuple[str, ...]:
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 #: Every run_config key. Task-specific keys are marked in ``help``.
+# fmt: off
 OPTIONS: tuple[Option, ...] = (
-    Option("task", str, "quadratic", "-", "objective and data", choices=None),
-    Option(
-        "algorithm",
-        str,
-        "norm",
-        "-",
-        "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP",
-        choices=ALGORITHMS,
-    ),
+    Option("task", str, "quadratic", "-", "objective and data"),
+    Option("algorithm", str, "norm", "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP", choices=ALGORITHMS),  # noqa: E501
     Option("num-rounds", int, DEFAULT_NUM_ROUNDS, "K", "communication rounds", "an integer >= 1", lambda x: x >= 1),
-    Option(
-        "local-steps", int, 20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1
-    ),
+    Option("local-steps", int, 20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
     Option("local-lr", float, 0.003, "eta_0", "initial local learning rate", "a float > 0", _positive),
-    Option(
-        "lr-decay",
-        float,
-        1.0,
-        "gamma",
-        "eta_k = eta_0 * gamma^k",
-        "a float in (0, 1]",
-        lambda x: _positive(x) and x <= 1,
-    ),
-    Option(
-        "server-lr",
-        float,
-        SERVER_LR_FOLLOWS_LOCAL,
-        "beta_k",
-        'global step; "eta" means beta_k = eta_k',
-        f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"',
-        _positive,
-    ),
-    Option(
-        "server-momentum",
-        float,
-        0.0,
-        "mu",
-        "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly",
-        "a float in [0, 1)",
-        lambda x: _non_negative(x) and x < 1,
-    ),
+    Option("lr-decay", float, 1.0, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: _positive(x) and x <= 1),  # noqa: E501
+    Option("server-lr", float, SERVER_LR_FOLLOWS_LOCAL, "beta_k", 'global step; "eta" means beta_k = eta_k', f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"', _positive, sentinel=SERVER_LR_FOLLOWS_LOCAL),  # noqa: E501
+    Option("server-momentum", float, 0.0, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: _non_negative(x) and x < 1),  # noqa: E501
     Option("num-clients", int, 100, "n", "number of clients (= supernodes)", "an integer >= 1", lambda x: x >= 1),
-    Option(
-        "clients-per-round",
-        float,
-        100.0,
-        "r",
-        "expected clients per round; q = r/n",
-        "a number with 0 < r <= num-clients",
-        _positive,
-    ),
+    Option("clients-per-round", float, 100.0, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", _positive),  # noqa: E501
     Option("clip", float, 50.0, "C", "clipping threshold (clip) / scaling factor (norm)", "a float > 0", _positive),
-    Option(
-        "noise-multiplier",
-        float,
-        DEFAULT_NOISE_MULTIPLIER,
-        "z",
-        "std of the summed noise / C; sigma = z C / r",
-        "a float >= 0",
-        _non_negative,
-    ),
+    # privacy
+    Option("epsilon", float, 5.0, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target", "a float >= 0 (0 = no target)", _non_negative),  # noqa: E501
+    Option("delta", float, 1e-6, "delta", "delta of the reported (epsilon, delta)", "a float in (0, 1)", lambda x: math.isfinite(x) and 0 < x < 1),  # noqa: E501
+    Option("noise-multiplier", float, NOISE_MULTIPLIER_AUTO, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'a float >= 0 or "{NOISE_MULTIPLIER_AUTO}"', _non_negative, sentinel=NOISE_MULTIPLIER_AUTO),  # noqa: E501
+    Option("accountant", str, "pld", "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=ACCOUNTANTS),  # noqa: E501
+    Option("max-epsilon", float, 0.0, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", _non_negative),  # noqa: E501
+    Option("noise-placement", str, "client", "-", "client (Alg. 1 line 10), client-calibrated (clients add (zC)^2/|S_k|) or server (central DP)", choices=NOISE_PLACEMENTS),  # noqa: E501
+    # run
     Option("seed", int, 0, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0),
-    Option(
-        "diagnostics",
-        bool,
-        False,
-        "-",
-        "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)",
-    ),
-    Option(
-        "output-dir",
-        str,
-        "outputs",
-        "-",
-        "results root; relative paths are relative to the SuperLink's working directory",
-        "a non-empty path",
-        lambda x: bool(x.strip()),
-    ),
-    Option(
-        "run-name",
-        str,
-        "",
-        "-",
-        'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>',
-        "empty or letters, digits, '.', '_', '-' (no '/')",
-        lambda x: x == "" or bool(_RUN_NAME.match(x)),
-    ),
-    Option(
-        "node-wait-timeout",
-        float,
-        300.0,
-        "-",
-        "seconds to wait for all n supernodes to register before round 1",
-        "a float > 0",
-        _positive,
-    ),
+    Option("diagnostics", bool, False, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)"),  # noqa: E501
+    Option("output-dir", str, "outputs", "-", "results root; relative paths are relative to the SuperLink's working directory", "a non-empty path", lambda x: bool(x.strip())),  # noqa: E501
+    Option("run-name", str, "", "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x))),  # noqa: E501
+    Option("node-wait-timeout", float, 300.0, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),  # noqa: E501
     Option("round-timeout", float, 3600.0, "-", "seconds a round waits for replies", "a float > 0", _positive),
     # Task-specific keys (ignored by tasks that do not use them).
-    Option(
-        "init",
-        str,
-        "I1",
-        "w_0",
-        "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d",
-        choices=("I1", "I2"),
-    ),
+    Option("init", str, "I1", "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2")),  # noqa: E501
     Option("dim", int, 200, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1),
 )
+# fmt: on
 
 _BY_KEY = {opt.key: opt for opt in OPTIONS}
 
 
 def _coerce(opt: Option, value: Any) -> tuple[Any, str | None]:
     """Return ``(typed value, None)`` or ``(None, error text)``."""
-    if opt.key == "server-lr" and value == SERVER_LR_FOLLOWS_LOCAL:
+    if opt.sentinel is not None and value == opt.sentinel:
         return None, None
     kind = opt.kind
     if kind is bool:
@@ -232,7 +167,12 @@ class RunConfig:
     num_clients: int = 100
     clients_per_round: float = 100.0
     clip: float = 50.0
-    noise_multiplier: float = DEFAULT_NOISE_MULTIPLIER
+    epsilon: float = 5.0
+    delta: float = 1e-6
+    noise_multiplier: float | None = None  # None: calibrated from epsilon, delta
+    accountant: str = "pld"
+    max_epsilon: float = 0.0
+    noise_placement: str = "client"
     seed: int = 0
     diagnostics: bool = False
     output_dir: str = "outputs"
@@ -249,17 +189,15 @@ class RunConfig:
 
     @property
     def dp_enabled(self) -> bool:
-        """True when the run adds noise (algorithm clip/norm and z > 0)."""
-        return self.algorithm != "none" and self.noise_multiplier > 0
+        """True when the run adds noise: clip/norm with a target epsilon or a z > 0."""
+        return self.algorithm != "none" and (self.epsilon > 0 or bool(self.noise_multiplier))
 
     def to_run_config(self) -> dict[str, Any]:
         """The kebab-case dict this config came from (``server-lr`` None -> "eta")."""
         out: dict[str, Any] = {}
         for opt in OPTIONS:
             value = getattr(self, opt.attr)
-            if opt.key == "server-lr" and value is None:
-                value = SERVER_LR_FOLLOWS_LOCAL
-            out[opt.key] = value
+            out[opt.key] = opt.sentinel if (value is None and opt.sentinel is not None) else value
         return out
 
     @classmethod
@@ -306,6 +244,12 @@ class RunConfig:
 
     def _cross_check(self) -> list[str]:
         errors = []
+        if self.epsilon > 0 and self.noise_multiplier is not None:
+            errors.append(
+                f"'epsilon' = {self.epsilon:g} and 'noise-multiplier' = {self.noise_multiplier:g} are both set: "
+                "set epsilon (z is calibrated) or noise-multiplier (fixed z, reported epsilon) — "
+                "for a fixed z pass epsilon=0"
+            )
         if self.clients_per_round > self.num_clients:
             errors.append(
                 f"'clients-per-round' = {self.clients_per_round:g} exceeds 'num-clients' = {self.num_clients}: "
@@ -318,9 +262,8 @@ class RunConfig:
         merged = self.to_run_config()
         for name, value in changes.items():
             key = name.replace("_", "-")
-            if key == "server-lr" and value is None:
-                value = SERVER_LR_FOLLOWS_LOCAL
-            merged[key] = value
+            sentinel = _BY_KEY[key].sentinel if key in _BY_KEY else None
+            merged[key] = sentinel if (value is None and sentinel is not None) else value
         return RunConfig.from_run_config(merged)
 
 
@@ -328,7 +271,7 @@ def _check_defaults_consistent() -> None:
     """The Option table and the dataclass defaults must agree (import-time guard)."""
     defaults = {f.name: f.default for f in fields(RunConfig)}
     for opt in OPTIONS:
-        expected = None if (opt.key == "server-lr" and opt.default == SERVER_LR_FOLLOWS_LOCAL) else opt.default
+        expected = None if (opt.sentinel is not None and opt.default == opt.sentinel) else opt.default
         if defaults.get(opt.attr, object()) != expected:
             raise AssertionError(f"default of {opt.key} differs between OPTIONS and RunConfig")
 

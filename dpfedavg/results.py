@@ -33,6 +33,8 @@ TRAIN_COLUMNS: tuple[str, ...] = (
     "snr",
     "frac_clipped",
     "mean_update_norm",
+    "noise_multiplier",
+    "epsilon",
 )
 
 

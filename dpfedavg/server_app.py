@@ -16,7 +16,7 @@ from dpfedavg.core import server_noise_std
 from dpfedavg.protocol import from_array_record, to_array_record
 from dpfedavg.results import RunRecorder, package_versions
 from dpfedavg.runtime import setup_app_process
-from dpfedavg.strategies import DPFedAvg, FederationError
+from dpfedavg.strategies import DPFedAvg, FederationError, PrivacyPlan, plan_privacy
 from dpfedavg.tasks import Task, build_task
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,28 @@ def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
     return Path(cfg.output_dir).expanduser().resolve() / name
 
 
+def describe_privacy(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, Any]:
+    """The privacy set-up for ``config.json``."""
+    return {
+        "dp": plan.dp,
+        "noise_multiplier": plan.noise_multiplier,
+        "noise_multiplier_calibrated": plan.calibrated,
+        "target_epsilon": plan.target_epsilon,
+        "delta": plan.delta,
+        "q": plan.q,
+        "sigma": server_noise_std(plan.noise_multiplier, cfg.clip, cfg.clients_per_round),
+        "accountant": plan.accountant,
+        "noise_placement": plan.placement,
+        "max_epsilon": plan.max_epsilon,
+        "nominal_epsilon": plan.nominal_epsilon,
+        "privacy_unit": "one client's whole dataset (add/remove one client)",
+        "sensitivity_of_sum": cfg.clip,
+    }
+
+
 def describe_run(cfg: RunConfig, task: Task, strategy: DPFedAvg, run_id: int | str) -> dict[str, Any]:
     """The resolved config plus derived quantities, for ``config.json``."""
+    client_std, server_std = strategy.noise_stds(round(cfg.clients_per_round))
     return {
         "run_config": cfg.to_run_config(),
         "run_id": run_id,
@@ -41,34 +61,45 @@ def describe_run(cfg: RunConfig, task: Task, strategy: DPFedAvg, run_id: int | s
             "r": cfg.clients_per_round,
             "q": cfg.sampling_rate,
             "dim": task.dim,
-            "noise_multiplier": cfg.noise_multiplier if cfg.algorithm != "none" else 0.0,
-            "sigma": server_noise_std(cfg.noise_multiplier, cfg.clip, cfg.clients_per_round)
-            if cfg.algorithm != "none"
-            else 0.0,
-            "client_noise_std": strategy.client_noise_std,
-            "random_iterate_round": strategy.random_round,
-            "dp": cfg.dp_enabled,
+            "client_noise_std_at_r": client_std,
+            "server_noise_std": server_std,
         },
+        "privacy": describe_privacy(cfg, strategy.plan),
         "versions": package_versions(),
         "started_utc": datetime.now(UTC).isoformat(),
     }
 
 
-def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local") -> Path:
-    """Train with the strategy on ``grid`` and write results; returns the run directory."""
+def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPlan | None = None) -> Path:
+    """Train with the strategy on ``grid`` and write results; returns the run directory.
+
+    Raises :class:`ConfigError` (from the privacy plan) before anything is written.
+    """
+    plan = plan if plan is not None else plan_privacy(cfg)
     task = build_task(cfg)
     w0 = task.initial_weights()
-    strategy = DPFedAvg(cfg, dim=task.dim)
+    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan)
     out_dir = run_directory(cfg, run_id)
     recorder = RunRecorder(out_dir, task.metric_names)
-    recorder.write_config(describe_run(cfg, task, strategy, run_id))
+    description = describe_run(cfg, task, strategy, run_id)
+    recorder.write_config(description)
     logger.info("Results will be written to %s", out_dir)
-    if not cfg.dp_enabled:
+    if plan.dp:
+        logger.info(
+            "Privacy: z = %.5g (%s), %s accountant, delta = %g; nominal epsilon after %d rounds: %.4g",
+            plan.noise_multiplier,
+            f"calibrated for epsilon = {plan.target_epsilon:g}" if plan.calibrated else "given",
+            plan.accountant,
+            plan.delta,
+            plan.rounds,
+            plan.nominal_epsilon,
+        )
+    else:
         logger.warning(
             "NO DIFFERENTIAL PRIVACY: %s",
-            "algorithm='none'"
+            "algorithm='none' (epsilon, delta and noise-multiplier are not used)"
             if cfg.algorithm == "none"
-            else "noise-multiplier = 0 (updates are clipped/normalized but not noised)",
+            else "noise multiplier 0 (updates are clipped/normalized but not noised; epsilon is infinite)",
         )
     t0 = time.monotonic()
 
@@ -84,21 +115,40 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local") -> Path:
             logger.info("round %d/%d | %s", server_round, cfg.num_rounds, shown)
         else:
             logger.info(
-                "round %d/%d | sampled %d, received %d | %s | clipped %.0f%%",
+                "round %d/%d | sampled %d, received %d | %s | clipped %.0f%% | epsilon %.4g",
                 server_round,
                 cfg.num_rounds,
                 stats.num_sampled,
                 stats.num_received,
                 shown,
                 100 * stats.frac_clipped if stats.num_received else 0.0,
+                stats.epsilon,
             )
         return MetricRecord(metrics)
 
     result = strategy.start(grid=grid, initial_arrays=to_array_record(w0), evaluate_fn=evaluate_fn)
     w_final = from_array_record(result.arrays) if result.arrays is not None else w0
     w_random = strategy.random_iterate if strategy.random_iterate is not None else w0
-    recorder.write_model(w_final=w_final, w_random_iterate=w_random, random_iterate_round=strategy.random_round)
-    logger.info("Done: metrics in %s, model in %s", recorder.metrics_path, recorder.model_path)
+    k_random = strategy.random_round if strategy.random_round is not None else 0
+    recorder.write_model(w_final=w_final, w_random_iterate=w_random, random_iterate_round=k_random)
+    completed = len(strategy.history)
+    description["final"] = {
+        "epsilon": strategy.epsilon,
+        "delta": plan.delta,
+        "rounds_completed": completed,
+        "stopped_by_budget_before_round": strategy.stopped_before_round,
+        "random_iterate_round": k_random,
+        "finished_utc": datetime.now(UTC).isoformat(),
+    }
+    recorder.write_config(description)
+    logger.info(
+        "Done after %d rounds: (epsilon, delta) = (%.4g, %g); metrics in %s, model in %s",
+        completed,
+        strategy.epsilon,
+        plan.delta,
+        recorder.metrics_path,
+        recorder.model_path,
+    )
     return out_dir
 
 
@@ -108,10 +158,11 @@ def main(grid: Grid, context: Context) -> None:
     setup_app_process()
     try:
         cfg = RunConfig.from_run_config(context.run_config)
+        plan = plan_privacy(cfg)
     except ConfigError as err:
         logger.error("%s", err)
         return
     try:
-        run(grid, cfg, run_id=context.run_id)
+        run(grid, cfg, run_id=context.run_id, plan=plan)
     except FederationError as err:
         logger.error("federation does not match the run: %s", err)

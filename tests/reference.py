@@ -4,7 +4,8 @@ Written from the paper and the documented seeding contract
 (:mod:`dpfedavg.core.seeding`) only: it imports nothing from ``dpfedavg`` so
 that a bug in the package's core cannot cancel out in a comparison.
 Stream numbers: 0 task data (per client), 1 init, 2 sampling (per round),
-3 noise (per round seed, then per client), 4 random iterate.
+3 noise (per round seed, then per client), 4 random iterate (per round,
+reservoir sampling), 5 server noise (per round).
 """
 
 from __future__ import annotations
@@ -60,24 +61,29 @@ def run_reference(
     algorithm: str,
     clip: float,
     noise_multiplier: float,
+    noise_placement: str = "client",
 ) -> ReferenceResult:
     qs, w_stars = quadratic_data(seed, n, d)
     w_opt = quadratic_optimum(qs, w_stars)
     z = _rng(seed, 1).uniform(0.0, 1.0, size=d)
     w = w_opt + (z if init == "I1" else z / 5)
-    k_random = int(_rng(seed, 4).integers(0, num_rounds))
     q = clients_per_round / n
-    noise_std = 0.0 if algorithm == "none" else noise_multiplier * clip / np.sqrt(clients_per_round)
+    z = 0.0 if algorithm == "none" else noise_multiplier
     m = np.zeros(d)
-    w_random = None
+    w_random, k_random = None, -1
     trajectory = [w.copy()]
     for k in range(num_rounds):
-        if k == k_random:
-            w_random = w.copy()
+        if _rng(seed, 4, k).random() * (k + 1) < 1.0:  # reservoir: uniform over w_0..w_{K-1}
+            w_random, k_random = w.copy(), k
         eta = local_lr * lr_decay**k
         beta = eta if server_lr is None else server_lr
         sampled = np.flatnonzero(_rng(seed, 2, k).random(n) < q)
         noise_seed = int(_rng(seed, 3, k).integers(0, 2**63 - 1))
+        noise_std = {
+            "client": z * clip / np.sqrt(clients_per_round),
+            "client-calibrated": z * clip / np.sqrt(max(len(sampled), 1)),
+            "server": 0.0,
+        }[noise_placement]
         total = np.zeros(d)
         for i in sampled:  # Alg. 1 lines 4-11
             w_local = w.copy()
@@ -93,6 +99,8 @@ def run_reference(
                 g = u
             zeta = _rng(noise_seed, 3, int(i)).standard_normal(d) * noise_std if noise_std > 0 else 0.0
             total = total + g + zeta
+        if noise_placement == "server" and z > 0:
+            total = total + _rng(seed, 5, k).standard_normal(d) * z * clip
         a = total / clients_per_round  # line 12, fixed denominator r
         m = server_momentum * m + a
         w = w - beta * m
@@ -101,8 +109,13 @@ def run_reference(
     return ReferenceResult(w, w_random, k_random, trajectory)
 
 
-def run_reference_for(cfg) -> ReferenceResult:
-    """Run the reference with the fields of a ``dpfedavg.config.RunConfig``."""
+def run_reference_for(cfg, noise_multiplier: float | None = None) -> ReferenceResult:
+    """Run the reference with the fields of a ``dpfedavg.config.RunConfig``.
+
+    ``noise_multiplier`` defaults to the config's fixed one (pass the calibrated
+    z when the config has ``noise-multiplier = "auto"``).
+    """
+    z = cfg.noise_multiplier if noise_multiplier is None else noise_multiplier
     return run_reference(
         seed=cfg.seed,
         n=cfg.num_clients,
@@ -117,5 +130,6 @@ def run_reference_for(cfg) -> ReferenceResult:
         clients_per_round=cfg.clients_per_round,
         algorithm=cfg.algorithm,
         clip=cfg.clip,
-        noise_multiplier=cfg.noise_multiplier,
+        noise_multiplier=z or 0.0,
+        noise_placement=cfg.noise_placement,
     )

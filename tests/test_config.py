@@ -34,24 +34,23 @@ def test_every_pyproject_key_has_a_comment_naming_its_meaning() -> None:
     assert checked == len(OPTIONS)
 
 
-def test_default_noise_multiplier_gives_epsilon_5_at_delta_1e6_over_the_default_run() -> None:
-    """z is the PLD-accounted value for (5, 1e-6) over the default K at q = r/n."""
-    import dp_accounting
-    from dp_accounting.pld import pld_privacy_accountant
+def test_default_run_is_calibrated_to_epsilon_5_delta_1e6() -> None:
+    """The default run: z calibrated by PLD for (5, 1e-6) over K = 200 rounds at q = 1."""
+    from dpfedavg.strategies.accounting import epsilon_for, plan_privacy
 
     cfg = RunConfig()
-    accountant = pld_privacy_accountant.PLDAccountant()
-    event = dp_accounting.GaussianDpEvent(cfg.noise_multiplier)
-    if cfg.sampling_rate < 1:
-        event = dp_accounting.PoissonSampledDpEvent(cfg.sampling_rate, event)
-    accountant.compose(event, cfg.num_rounds)
-    assert accountant.get_epsilon(1e-6) == pytest.approx(5.0, abs=0.01)
+    plan = plan_privacy(cfg)
+    assert plan.calibrated and (plan.target_epsilon, plan.delta, plan.accountant) == (5.0, 1e-6, "pld")
+    assert plan.nominal_epsilon <= 5.0
+    assert epsilon_for(plan.noise_multiplier * 0.99, 1.0, cfg.num_rounds, 1e-6, "pld") > 5.0
+    assert plan.noise_multiplier == pytest.approx(13.86, rel=2e-3)  # the value quoted in the README
 
 
-def test_types_are_coerced_and_server_lr_eta_means_follow_local() -> None:
+def test_types_are_coerced_and_sentinels_mean_none() -> None:
     cfg = RunConfig.from_run_config({"clip": 40, "server-lr": "eta", "clients-per-round": 20})
     assert cfg.clip == 40.0 and isinstance(cfg.clip, float)
-    assert cfg.server_lr is None
+    assert cfg.server_lr is None and cfg.noise_multiplier is None
+    assert RunConfig.from_run_config({"noise-multiplier": 2, "epsilon": 0.0}).noise_multiplier == 2.0
     assert RunConfig.from_run_config({"server-lr": 0.5}).server_lr == 0.5
     assert cfg.to_run_config()["server-lr"] == "eta"
 
@@ -73,7 +72,15 @@ def test_types_are_coerced_and_server_lr_eta_means_follow_local() -> None:
         ({"server-lr": "beta"}, ["'server-lr' = 'beta'"]),
         ({"lr-decay": 1.5}, ["'lr-decay' = 1.5", "(0, 1]"]),
         ({"server-momentum": 1.0}, ["'server-momentum' = 1.0", "[0, 1)"]),
-        ({"noise-multiplier": -1.0}, ["'noise-multiplier' = -1.0", ">= 0"]),
+        ({"noise-multiplier": -1.0, "epsilon": 0.0}, ["'noise-multiplier' = -1.0", ">= 0"]),
+        ({"noise-multiplier": "automatic"}, ["'noise-multiplier' = 'automatic'", '"auto"']),
+        ({"noise-multiplier": 1.0}, ["'epsilon' = 5 and 'noise-multiplier' = 1 are both set", "epsilon=0"]),
+        ({"delta": 0.0}, ["'delta' = 0.0", "(0, 1)"]),
+        ({"delta": 1.0}, ["'delta' = 1.0", "(0, 1)"]),
+        ({"epsilon": -1.0}, ["'epsilon' = -1.0", ">= 0"]),
+        ({"max-epsilon": -2.0}, ["'max-epsilon' = -2.0"]),
+        ({"accountant": "moments"}, ["'accountant' = 'moments'", "'pld', 'rdp'"]),
+        ({"noise-placement": "clients"}, ["'noise-placement' = 'clients'", "did you mean 'client'"]),
         ({"num-rounds": 0}, ["'num-rounds' = 0"]),
         ({"seed": -1}, ["'seed' = -1"]),
         ({"init": "I3"}, ["'init' = 'I3'", "'I1', 'I2'"]),

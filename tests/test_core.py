@@ -15,6 +15,7 @@ from dpfedavg.core import (
     client_update,
     clip,
     gaussian_noise,
+    keep_random_iterate,
     local_lr_at,
     local_steps,
     make_rng,
@@ -22,7 +23,6 @@ from dpfedavg.core import (
     normalize,
     poisson_sample,
     private_client_update,
-    random_iterate_round,
     server_lr_at,
     server_noise_std,
 )
@@ -241,8 +241,19 @@ def test_schedules() -> None:
     assert server_lr_at(10, 0.1, 0.99, 0.5) == 0.5
 
 
-def test_random_iterate_round_is_uniform() -> None:
-    k = np.array([random_iterate_round(5, make_rng(s, Stream.ITERATE)) for s in range(5000)])
-    assert k.min() == 0 and k.max() == 4
-    counts = np.bincount(k, minlength=5) / len(k)
-    assert np.all(np.abs(counts - 0.2) < 5 * np.sqrt(0.2 * 0.8 / len(k)))
+def _reservoir_pick(num_rounds: int, seed: int) -> int:
+    kept = -1
+    for k in range(num_rounds):
+        if keep_random_iterate(k, make_rng(seed, Stream.ITERATE, k)):
+            kept = k
+    return kept
+
+
+@pytest.mark.parametrize("num_rounds", [1, 5])
+def test_reservoir_random_iterate_is_uniform(num_rounds: int) -> None:
+    """Alg. 1 line 13: k~ ~ unif[0, K-1]; 5000 seeds, 5-standard-error tolerance per round."""
+    picks = np.array([_reservoir_pick(num_rounds, s) for s in range(5000)])
+    assert picks.min() == 0 and picks.max() == num_rounds - 1
+    freq = np.bincount(picks, minlength=num_rounds) / len(picks)
+    p = 1 / num_rounds
+    assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / len(picks)))

@@ -20,7 +20,7 @@ from dpfedavg.config import RunConfig
 
 pytestmark = pytest.mark.slow
 
-REQUIRED_COLUMNS = ("round", "num_sampled", "suboptimality", "snr", "dist_to_opt", "frac_clipped")
+REQUIRED_COLUMNS = ("round", "num_sampled", "suboptimality", "snr", "dist_to_opt", "frac_clipped", "epsilon")
 SMALL_FED = "num-supernodes=10 client-resources-num-cpus=1"
 
 
@@ -66,6 +66,7 @@ def test_flower_simulation_matches_numpy_reference(superlink: LocalSuperLink, tm
         "num-rounds": 4,
         "dim": 40,
         "seed": 11,
+        "epsilon": 0.0,
         "noise-multiplier": noise,
         "server-momentum": 0.5,
         "lr-decay": 0.95,
@@ -101,10 +102,13 @@ def test_default_run_smoke(superlink: LocalSuperLink, tmp_path: Path) -> None:
     assert [int(r["round"]) for r in rows] == [0, 1, 2, 3]
     assert all(col in rows[0] for col in REQUIRED_COLUMNS)
     assert all(int(r["num_sampled"]) == 100 for r in rows[1:])  # full participation
-    assert re.search(r"round 3/3 \| sampled 100, received 100", out)
+    assert re.search(r"round 3/3 \| sampled 100, received 100 .* epsilon 4\.9", out)
     assert f"metrics in {run_dir / 'metrics.csv'}" in out.replace("\n", "")
     config = json.loads((run_dir / "config.json").read_text())
     assert config["run_config"]["algorithm"] == "norm" and config["run_config"]["clip"] == 50.0
+    # (5, 1e-6) calibrated over the K = 3 rounds of this run: the epsilon column ends at <= 5
+    epsilons = [float(r["epsilon"]) for r in rows[1:]]
+    assert 4.9 < epsilons[-1] <= 5.0 and config["final"]["epsilon"] == epsilons[-1]
     assert time.monotonic() - t0 < 300
 
 

@@ -13,16 +13,23 @@ from reference import run_reference_for
 from dpfedavg import server_app
 from dpfedavg.client_app import app as client_app
 from dpfedavg.config import RunConfig
-from dpfedavg.core import Stream, make_rng, poisson_sample
+from dpfedavg.core import Stream, make_rng, poisson_sample, round_noise_seed
 from dpfedavg.protocol import ARRAYS, CONFIG, METRICS, UPDATE_KEY, RoundInstructions, to_array_record
-from dpfedavg.strategies import DPFedAvg, FederationError
+from dpfedavg.strategies import DPFedAvg, FederationError, plan_privacy
 from dpfedavg.testing import InProcessGrid
 
 DIM = 6
 
 
 def small_cfg(**overrides) -> RunConfig:
-    base = {"num-clients": 10, "clients-per-round": 5.0, "num-rounds": 4, "dim": DIM, "noise-multiplier": 0.0}
+    base = {
+        "num-clients": 10,
+        "clients-per-round": 5.0,
+        "num-rounds": 4,
+        "dim": DIM,
+        "epsilon": 0.0,
+        "noise-multiplier": 0.0,
+    }
     base.update(overrides)
     return RunConfig.from_run_config(base)
 
@@ -72,6 +79,7 @@ def test_configure_train_samples_poisson_by_client_and_sends_round_config() -> N
         got = sorted(strategy.client_of_node[m.metadata.dst_node_id] for m in messages)
         assert got == expected.tolist()
         ins = RoundInstructions.from_config_record(messages[0].content[CONFIG])
+        assert ins.noise_seed == round_noise_seed(cfg.seed, server_round - 1)
         assert ins.local_lr == pytest.approx(0.1 * 0.5 ** (server_round - 1))  # eta_k
         assert ins.noise_std == pytest.approx(2.0 * 3.0 / np.sqrt(5.0))  # z C / sqrt(r)
         assert (ins.local_steps, ins.algorithm, ins.clip) == (20, "norm", 3.0)
@@ -212,7 +220,7 @@ def test_failed_and_malformed_replies_are_counted_not_fatal() -> None:
 # ------------------------------------------------------------------ client app
 def _train_message(cfg: RunConfig, w: np.ndarray, algorithm: str) -> Message:
     strategy = DPFedAvg(cfg.replace(algorithm=algorithm), dim=DIM)
-    record = RecordDict({ARRAYS: to_array_record(w), CONFIG: strategy.instructions(3).to_config_record()})
+    record = RecordDict({ARRAYS: to_array_record(w), CONFIG: strategy.instructions(3, 5).to_config_record()})
     return Message(record, dst_node_id=5, message_type="train")
 
 
@@ -252,6 +260,19 @@ def test_client_without_partition_id_fails_clearly() -> None:
 CASES = {
     "norm-noise-full": {"algorithm": "norm", "noise-multiplier": 3.0, "clients-per-round": 10.0},
     "norm-no-noise": {"algorithm": "norm", "noise-multiplier": 0.0, "clients-per-round": 10.0},
+    "norm-calibrated-eps2": {"algorithm": "norm", "epsilon": 2.0, "clients-per-round": 10.0},
+    "clip-client-calibrated": {
+        "algorithm": "clip",
+        "noise-multiplier": 2.0,
+        "noise-placement": "client-calibrated",
+        "clients-per-round": 5.0,
+    },
+    "norm-server-noise": {
+        "algorithm": "norm",
+        "noise-multiplier": 2.0,
+        "noise-placement": "server",
+        "clients-per-round": 5.0,
+    },
     "clip-noise-poisson-momentum": {
         "algorithm": "clip",
         "noise-multiplier": 1.5,
@@ -266,19 +287,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_in_process_run_matches_numpy_reference(case: str, tmp_path) -> None:
-    cfg = RunConfig.from_run_config(
-        {
-            "num-clients": 12,
-            "num-rounds": 6,
-            "dim": 30,
-            "seed": 3,
-            "output-dir": str(tmp_path),
-            "run-name": case,
-            **CASES[case],
-        }
-    )
-    out = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg)
-    ref = run_reference_for(cfg)
+    values = {"num-clients": 12, "num-rounds": 6, "dim": 30, "seed": 3, "epsilon": 0.0, **CASES[case]}
+    cfg = RunConfig.from_run_config({"output-dir": str(tmp_path), "run-name": case, **values})
+    plan = plan_privacy(cfg)
+    out = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg, plan=plan)
+    ref = run_reference_for(cfg, plan.noise_multiplier)
     model = np.load(out / "model.npz")
     np.testing.assert_allclose(model["w_final"], ref.w_final, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(model["w_random_iterate"], ref.w_random_iterate, rtol=1e-6, atol=1e-9)
@@ -294,6 +307,7 @@ def test_snr_diagnostic_is_signal_over_noise_norm(tmp_path) -> None:
             "num-rounds": 1,
             "dim": 20,
             "noise-multiplier": 0.5,
+            "epsilon": 0.0,
             "diagnostics": True,
             "output-dir": str(tmp_path),
             "run-name": "snr",
@@ -343,11 +357,14 @@ def test_results_files_and_columns(tmp_path) -> None:
     out = server_app.run(InProcessGrid(client_app, 10, cfg.to_run_config()), cfg)
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert [int(r["round"]) for r in rows] == list(range(cfg.num_rounds + 1))
-    for col in ("round", "num_sampled", "suboptimality", "snr", "dist_to_opt", "frac_clipped"):
+    for col in ("round", "num_sampled", "suboptimality", "snr", "dist_to_opt", "frac_clipped", "epsilon"):
         assert col in rows[0]
     config = json.loads((out / "config.json").read_text())
     assert config["run_config"]["clip"] == cfg.clip and config["derived"]["q"] == 0.5
-    assert config["derived"]["sigma"] == pytest.approx(1.0 * 50.0 / 5.0)
+    assert config["privacy"]["sigma"] == pytest.approx(1.0 * 50.0 / 5.0)
+    assert config["privacy"]["noise_multiplier"] == 1.0 and config["privacy"]["accountant"] == "pld"
+    assert config["final"]["rounds_completed"] == cfg.num_rounds
+    assert config["final"]["epsilon"] == pytest.approx(float(rows[-1]["epsilon"]))
     assert "flwr" in config["versions"]
     model = np.load(out / "model.npz")
     assert model["w_final"].shape == (DIM,) and model["w_random_iterate"].shape == (DIM,)

@@ -10,16 +10,17 @@ from dpfedavg.core.dp import (
     clip,
     gaussian_noise,
     normalize,
+    placement_noise_stds,
     server_noise_std,
 )
 from dpfedavg.core.local import ClientUpdate, client_update, local_steps, private_client_update
 from dpfedavg.core.seeding import Stream, make_rng, round_noise_seed
 from dpfedavg.core.server import (
     aggregate_fixed_denominator,
+    keep_random_iterate,
     local_lr_at,
     momentum_step,
     poisson_sample,
-    random_iterate_round,
     server_lr_at,
 )
 from dpfedavg.core.types import ALGORITHMS, Algorithm, GradFn, Vector
@@ -37,6 +38,8 @@ __all__ = [
     "client_update",
     "clip",
     "gaussian_noise",
+    "keep_random_iterate",
+    "placement_noise_stds",
     "local_lr_at",
     "local_steps",
     "make_rng",
@@ -44,7 +47,6 @@ __all__ = [
     "normalize",
     "poisson_sample",
     "private_client_update",
-    "random_iterate_round",
     "round_noise_seed",
     "server_lr_at",
     "server_noise_std",

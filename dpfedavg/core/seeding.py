@@ -24,7 +24,8 @@ class Stream(IntEnum):
     INIT = 1  #: the initial point w_0
     SAMPLING = 2  #: Poisson client sampling, keyed by round
     NOISE = 3  #: per-round noise seeds, keyed by round
-    ITERATE = 4  #: the random output iterate k~ (Alg. 1 line 13)
+    ITERATE = 4  #: the random output iterate k~ (Alg. 1 line 13), keyed by round
+    SERVER_NOISE = 5  #: noise the server adds (noise-placement = server), keyed by round
 
 
 def make_rng(seed: int, stream: Stream, *keys: int) -> np.random.Generator:

@@ -14,7 +14,7 @@ __all__ = [
     "momentum_step",
     "local_lr_at",
     "server_lr_at",
-    "random_iterate_round",
+    "keep_random_iterate",
 ]
 
 
@@ -65,6 +65,12 @@ def server_lr_at(round_index: int, lr0: float, decay: float, server_lr: float | 
     return server_lr
 
 
-def random_iterate_round(num_rounds: int, rng: np.random.Generator) -> int:
-    """``k~ ~ unif[0, K-1]``: the round whose iterate ``w_{k~}`` Alg. 1 line 13 returns."""
-    return int(rng.integers(0, num_rounds))
+def keep_random_iterate(round_index: int, rng: np.random.Generator) -> bool:
+    """Reservoir sampling of ``w_{k~}``: keep ``w_k`` instead of the iterate held so far w.p. ``1/(k+1)``.
+
+    Applied at every round ``k = 0, 1, ...``, the iterate held after rounds
+    ``0..m-1`` is uniform over ``w_0 .. w_{m-1}``: after a full run it is Alg. 1
+    line 13's ``w_{k~}``, ``k~ ~ unif[0, K-1]``, and after a run stopped early
+    by the privacy budget it is uniform over the rounds that ran.
+    """
+    return bool(rng.random() * (round_index + 1) < 1.0)

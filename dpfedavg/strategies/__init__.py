@@ -1,5 +1,15 @@
-"""Server strategies: DP-FedAvg / DP-NormFedAvg with Poisson sampling and fixed denominator."""
+"""Server strategies: DP-FedAvg / DP-NormFedAvg with Poisson sampling and fixed denominator, and accounting."""
 
-from dpfedavg.strategies.dp_fedavg import DPFedAvg, FederationError, RoundStats
+from dpfedavg.strategies.accounting import PrivacyPlan, RoundAccountant, RoundEvent, plan_privacy
+from dpfedavg.strategies.dp_fedavg import DPFedAvg, FederationError, PrivacyBudgetExhausted, RoundStats
 
-__all__ = ["DPFedAvg", "FederationError", "RoundStats"]
+__all__ = [
+    "DPFedAvg",
+    "FederationError",
+    "PrivacyBudgetExhausted",
+    "PrivacyPlan",
+    "RoundAccountant",
+    "RoundEvent",
+    "RoundStats",
+    "plan_privacy",
+]

@@ -32,12 +32,13 @@ from dpfedavg.config import RunConfig
 from dpfedavg.core import (
     Stream,
     aggregate_fixed_denominator,
-    client_noise_std,
+    gaussian_noise,
+    keep_random_iterate,
     local_lr_at,
     make_rng,
     momentum_step,
+    placement_noise_stds,
     poisson_sample,
-    random_iterate_round,
     round_noise_seed,
     server_lr_at,
 )
@@ -53,14 +54,26 @@ from dpfedavg.protocol import (
     from_array_record,
     to_array_record,
 )
+from dpfedavg.strategies.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
 
-__all__ = ["DPFedAvg", "FederationError", "RoundStats"]
+__all__ = ["DPFedAvg", "FederationError", "PrivacyBudgetExhausted", "RoundStats"]
 
 logger = logging.getLogger(__name__)
 
 
 class FederationError(RuntimeError):
     """The connected SuperNodes do not match the run (count, partition ids)."""
+
+
+class PrivacyBudgetExhausted(Exception):
+    """Raised before a round whose release would exceed ``max-epsilon``; the run stops cleanly."""
+
+    def __init__(self, server_round: int, epsilon_now: float, epsilon_next: float, budget: float) -> None:
+        super().__init__(
+            f"privacy budget max-epsilon={budget:g} reached: stopping before round {server_round} "
+            f"(epsilon spent {epsilon_now:.4g}; that round would bring it to {epsilon_next:.4g})"
+        )
+        self.server_round = server_round
 
 
 @dataclass
@@ -78,6 +91,8 @@ class RoundStats:
     frac_clipped: float = float("nan")
     mean_update_norm: float = float("nan")
     snr: float = float("nan")
+    noise_multiplier: float = float("nan")
+    epsilon: float = float("nan")
     rejected_reasons: list[str] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, float]:
@@ -93,6 +108,8 @@ class RoundStats:
             "frac_clipped": self.frac_clipped,
             "mean_update_norm": self.mean_update_norm,
             "snr": self.snr,
+            "noise_multiplier": self.noise_multiplier,
+            "epsilon": self.epsilon,
         }
 
 
@@ -110,34 +127,61 @@ class DPFedAvg(FedAvg):
         Injected for tests: how to wait between polls of the Grid.
     """
 
-    def __init__(self, cfg: RunConfig, dim: int, *, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dim: int,
+        *,
+        plan: PrivacyPlan | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         super().__init__(fraction_train=cfg.sampling_rate, min_available_nodes=cfg.num_clients)
         self.cfg = cfg
         self.dim = dim
+        #: Noise multiplier, target and budget (calibrated from epsilon unless given).
+        self.plan = plan if plan is not None else plan_privacy(cfg)
+        self.accountant = self.plan.new_accountant() if self.plan.dp else None
         self._sleep = sleep
         #: client id (partition-id) -> Flower node id; filled by :meth:`discover_clients`.
         self.node_of_client: dict[int, int] = {}
         #: Flower node id -> client id.
         self.client_of_node: dict[int, int] = {}
         self.momentum: Vector = np.zeros(dim)
-        #: ``k~``: the 0-based round whose iterate ``w_{k~}`` is Alg. 1's output.
-        self.random_round: int = random_iterate_round(cfg.num_rounds, make_rng(cfg.seed, Stream.ITERATE))
+        #: ``w_{k~}`` (Alg. 1 line 13), kept by reservoir sampling, and ``k~``.
         self.random_iterate: Vector | None = None
+        self.random_round: int | None = None
         self.history: dict[int, RoundStats] = {}
+        #: Server-side evaluation results by round (filled when ``start`` gets an ``evaluate_fn``).
+        self.evaluations: dict[int, MetricRecord] = {}
+        #: The latest global model (``w_k`` after the last aggregated round).
+        self.global_arrays: ArrayRecord | None = None
+        #: The round before which the privacy budget stopped the run, if it did.
+        self.stopped_before_round: int | None = None
         self._current: Vector | None = None
         self._sampled: dict[int, int] = {}  # node id -> client id, this round
 
     # ------------------------------------------------------------------ info
     @property
-    def client_noise_std(self) -> float:
-        """Per-client noise std ``z C / sqrt(r)`` (0 for ``algorithm='none'``)."""
-        if self.cfg.algorithm == "none":
-            return 0.0
-        return client_noise_std(self.cfg.noise_multiplier, self.cfg.clip, self.cfg.clients_per_round)
+    def noise_multiplier(self) -> float:
+        """``z`` of this run (0 without DP)."""
+        return self.plan.noise_multiplier
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon spent so far for ``delta`` (``inf`` without DP)."""
+        return self.accountant.epsilon if self.accountant is not None else float("inf")
+
+    def noise_stds(self, num_sampled: int) -> tuple[float, float]:
+        """``(per-client std, server std on the sum)`` of a round with ``num_sampled`` clients."""
+        if not self.plan.dp:
+            return 0.0, 0.0
+        return placement_noise_stds(
+            self.cfg.noise_placement, self.noise_multiplier, self.cfg.clip, self.cfg.clients_per_round, num_sampled
+        )
 
     def summary(self) -> None:
         """Log the DP configuration (called by ``Strategy.start``)."""
-        cfg = self.cfg
+        cfg, plan = self.cfg, self.plan
         name = {"clip": "DP-FedAvg (clipping, Alg. 1)", "norm": "DP-NormFedAvg (Alg. 2)", "none": "FedAvg (no DP)"}
         logger.info("\t├── Algorithm: %s", name[cfg.algorithm])
         logger.info(
@@ -146,23 +190,31 @@ class DPFedAvg(FedAvg):
             cfg.clients_per_round,
             cfg.sampling_rate,
         )
-        if cfg.algorithm != "none":
-            logger.info(
-                "\t├── C=%g, z=%g, per-client noise std=%.4g (sigma=%.4g on the average)",
-                cfg.clip,
-                cfg.noise_multiplier,
-                self.client_noise_std,
-                cfg.noise_multiplier * cfg.clip / cfg.clients_per_round,
+        if plan.dp:
+            how = (
+                f"calibrated for (epsilon={plan.target_epsilon:g}, delta={plan.delta:g}) over K={plan.rounds}"
+                if plan.calibrated
+                else f"given; nominal epsilon {plan.nominal_epsilon:.4g} at delta={plan.delta:g} over K={plan.rounds}"
             )
+            logger.info(
+                "\t├── C=%g, z=%.5g (%s, %s accountant), sigma=zC/r=%.4g, noise placement: %s",
+                cfg.clip,
+                plan.noise_multiplier,
+                how,
+                plan.accountant,
+                plan.noise_multiplier * cfg.clip / cfg.clients_per_round,
+                plan.placement,
+            )
+            if plan.max_epsilon is not None:
+                logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
         beta = "eta_k" if cfg.server_lr is None else f"{cfg.server_lr:g}"
         logger.info(
-            "\t└── E=%d, eta_0=%g, gamma=%g, beta=%s, mu=%g, random iterate k~=%d",
+            "\t└── E=%d, eta_0=%g, gamma=%g, beta=%s, mu=%g",
             cfg.local_steps,
             cfg.local_lr,
             cfg.lr_decay,
             beta,
             cfg.server_momentum,
-            self.random_round,
         )
 
     # ------------------------------------------------------------ discovery
@@ -265,27 +317,49 @@ class DPFedAvg(FedAvg):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Discover the clients, then run Flower's round loop for ``K`` rounds."""
+        """Discover the clients, then run Flower's round loop for ``K`` rounds.
+
+        If the privacy budget (``max-epsilon``) would be exceeded by the next
+        round, the loop stops before that round and the result holds the last
+        model; :attr:`stopped_before_round` says which round was not run.
+        """
         if num_rounds is not None and num_rounds != self.cfg.num_rounds:
             raise ValueError(f"num_rounds={num_rounds} differs from the config's num-rounds={self.cfg.num_rounds}")
         if not self.node_of_client:
             self.discover_clients(grid)
-        return super().start(
-            grid=grid,
-            initial_arrays=initial_arrays,
-            num_rounds=self.cfg.num_rounds,
-            timeout=self.cfg.round_timeout if timeout is None else timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
-        )
+        self.global_arrays = initial_arrays
+
+        def recording_evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            record = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
+            if record is not None:
+                self.evaluations[server_round] = record
+            return record
+
+        try:
+            return super().start(
+                grid=grid,
+                initial_arrays=initial_arrays,
+                num_rounds=self.cfg.num_rounds,
+                timeout=self.cfg.round_timeout if timeout is None else timeout,
+                train_config=train_config,
+                evaluate_config=evaluate_config,
+                evaluate_fn=recording_evaluate_fn if evaluate_fn is not None else None,
+            )
+        except PrivacyBudgetExhausted as stop:
+            logger.warning("%s", stop)
+            self.stopped_before_round = stop.server_round
+            return Result(
+                arrays=self.global_arrays,
+                train_metrics_clientapp={k: MetricRecord(v.as_metrics()) for k, v in self.history.items()},
+                evaluate_metrics_serverapp=dict(self.evaluations),
+            )
 
     def sample_clients(self, server_round: int) -> np.ndarray:
         """Client ids sampled in ``server_round`` (1-based): Poisson with ``q = r/n``."""
         rng = make_rng(self.cfg.seed, Stream.SAMPLING, server_round - 1)
         return poisson_sample(self.cfg.num_clients, self.cfg.sampling_rate, rng)
 
-    def instructions(self, server_round: int) -> RoundInstructions:
+    def instructions(self, server_round: int, num_sampled: int) -> RoundInstructions:
         """The train config of ``server_round``: ``eta_k``, ``E``, ``C``, noise std and seed."""
         k = server_round - 1
         return RoundInstructions(
@@ -294,10 +368,26 @@ class DPFedAvg(FedAvg):
             local_steps=self.cfg.local_steps,
             algorithm=self.cfg.algorithm,
             clip=self.cfg.clip,
-            noise_std=self.client_noise_std,
+            noise_std=self.noise_stds(num_sampled)[0],
             noise_seed=round_noise_seed(self.cfg.seed, k),
             diagnostics=self.cfg.diagnostics,
         )
+
+    def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
+        """The privacy event of a round with these counts (realized noise, see ``accounting``)."""
+        z_k = realized_noise_multiplier(
+            self.cfg.noise_placement, self.noise_multiplier, self.cfg.clients_per_round, num_sampled, num_included
+        )
+        return RoundEvent(self.cfg.sampling_rate, z_k)
+
+    def _check_budget(self, server_round: int, num_sampled: int) -> None:
+        """Stop before a round whose release, if every sampled client replies, would exceed the budget."""
+        budget = self.plan.max_epsilon
+        if budget is None or self.accountant is None:
+            return
+        projected = self.accountant.epsilon_after(self.round_event(num_sampled, num_sampled))
+        if projected > budget:
+            raise PrivacyBudgetExhausted(server_round, self.accountant.epsilon, projected, budget)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -309,20 +399,21 @@ class DPFedAvg(FedAvg):
         w = from_array_record(arrays).astype(np.float64)
         if w.shape != (self.dim,):
             raise ValueError(f"global model has shape {w.shape}, expected ({self.dim},)")
-        self._current = w
-        if k == self.random_round:
-            self.random_iterate = w.copy()
         clients = self.sample_clients(server_round)
+        self._check_budget(server_round, len(clients))
+        self._current = w
+        if keep_random_iterate(k, make_rng(self.cfg.seed, Stream.ITERATE, k)):
+            self.random_iterate, self.random_round = w.copy(), k
         self._sampled = {self.node_of_client[int(c)]: int(c) for c in clients}
         stats = RoundStats(round=server_round, num_sampled=len(clients))
         stats.eta = local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay)
         stats.beta = server_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay, self.cfg.server_lr)
         self.history[server_round] = stats
         if not len(clients):
-            logger.warning("Round %d: Poisson sampling selected no client; a_k = 0 this round", server_round)
+            logger.warning("Round %d: Poisson sampling selected no client", server_round)
             return []
         train_config = ConfigRecord(dict(config))
-        for key, value in self.instructions(server_round).to_config_record().items():
+        for key, value in self.instructions(server_round, len(clients)).to_config_record().items():
             train_config[key] = value
         record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
         return self._construct_messages(record, sorted(self._sampled), MessageType.TRAIN)
@@ -390,7 +481,13 @@ class DPFedAvg(FedAvg):
         stats.num_received = len(parsed)
 
         r = self.cfg.clients_per_round
-        a = aggregate_fixed_denominator((upd for _, upd, _, _ in parsed), r, self.dim)
+        total = aggregate_fixed_denominator((upd for _, upd, _, _ in parsed), 1.0, self.dim)
+        server_std = self.noise_stds(stats.num_sampled)[1]
+        if server_std > 0:  # noise-placement = server: the trusted server adds N(0, (zC)^2 I) once
+            total += gaussian_noise(
+                self.dim, server_std, make_rng(self.cfg.seed, Stream.SERVER_NOISE, server_round - 1)
+            )
+        a = total / r
         w_new, self.momentum = momentum_step(self._current, self.momentum, a, stats.beta, self.cfg.server_momentum)
 
         if parsed:
@@ -402,5 +499,12 @@ class DPFedAvg(FedAvg):
             noise_norm = float(np.linalg.norm(a - clean_mean))
             signal_norm = float(np.linalg.norm(clean_mean))
             stats.snr = signal_norm / noise_norm if noise_norm > 0 else float("inf")
+        if self.accountant is not None:
+            event = self.round_event(stats.num_sampled, stats.num_received)
+            stats.noise_multiplier = event.z if event.z is not None else float("nan")
+            stats.epsilon = self.accountant.compose(event)
+        else:
+            stats.noise_multiplier, stats.epsilon = 0.0, float("inf")
         self._current = None
-        return to_array_record(w_new), MetricRecord(stats.as_metrics())
+        self.global_arrays = to_array_record(w_new)
+        return self.global_arrays, MetricRecord(stats.as_metrics())

@@ -1,0 +1,318 @@
+"""Privacy accounting, calibration, noise placement, the budget stop and the privacy CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message
+
+from dpfedavg import server_app
+from dpfedavg.client_app import app as client_app
+from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.strategies import DPFedAvg
+from dpfedavg.strategies.accounting import (
+    RoundAccountant,
+    RoundEvent,
+    calibrate_noise_multiplier,
+    epsilon_for,
+    plan_privacy,
+    realized_noise_multiplier,
+)
+from dpfedavg.testing import InProcessGrid
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- calibration
+@pytest.mark.parametrize(
+    ("epsilon", "delta", "q", "rounds", "kind"),
+    [
+        (5.0, 1e-6, 1.0, 200, "pld"),  # the default quadratic run
+        (5.0, 1e-5, 0.2, 100, "pld"),  # FMNIST-like, eps = 5
+        (1.5, 1e-5, 0.2, 100, "rdp"),  # FMNIST-like, eps = 1.5
+        (2.0, 1e-5, 0.05, 50, "rdp"),
+    ],
+)
+def test_calibration_round_trip(epsilon: float, delta: float, q: float, rounds: int, kind: str) -> None:
+    z = calibrate_noise_multiplier(epsilon, delta, q, rounds, kind)
+    assert epsilon_for(z, q, rounds, delta, kind) <= epsilon
+    assert epsilon_for(0.99 * z, q, rounds, delta, kind) > epsilon
+
+
+def test_epsilon_is_monotone_in_rounds_and_in_q() -> None:
+    for kind in ("rdp", "pld"):
+        acc = RoundAccountant(kind, 1e-5)
+        eps = [acc.compose(RoundEvent(0.2, 1.5)) for _ in range(30)]
+        assert all(b > a for a, b in zip(eps, eps[1:], strict=False)), kind
+        by_q = [epsilon_for(1.5, q, 20, 1e-5, kind) for q in (0.01, 0.05, 0.2, 0.5, 1.0)]
+        assert all(b > a for a, b in zip(by_q, by_q[1:], strict=False)), kind
+
+
+def test_pld_is_tighter_than_rdp() -> None:
+    for q, z, k in [(0.2, 1.0, 100), (1.0, 13.86, 200), (0.01, 0.8, 1000)]:
+        assert epsilon_for(z, q, k, 1e-5, "pld") < epsilon_for(z, q, k, 1e-5, "rdp")
+
+
+@pytest.mark.parametrize(
+    ("q", "z", "steps", "delta"), [(0.2, 1.0, 100, 1e-5), (0.01, 1.1, 1000, 1e-5), (1.0, 13.86, 200, 1e-6)]
+)
+def test_rdp_agrees_with_opacus_within_5_percent(q: float, z: float, steps: int, delta: float) -> None:
+    """An independent implementation: Opacus' RDP accountant (same orders as dp-accounting's default)."""
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    orders = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]
+    eps_opacus, _ = get_privacy_spent(
+        orders=orders, rdp=compute_rdp(q=q, noise_multiplier=z, steps=steps, orders=orders), delta=delta
+    )
+    ours = epsilon_for(z, q, steps, delta, "rdp")
+    assert ours == pytest.approx(float(eps_opacus), rel=0.05)
+
+
+def test_accountant_rebuilds_from_history_and_peeks_without_composing() -> None:
+    for kind in ("rdp", "pld"):
+        acc = RoundAccountant(kind, 1e-5)
+        events = [RoundEvent(0.3, z) for z in (1.0, 1.0, 0.8, None, 1.0, 1.2)]
+        for e in events:
+            acc.compose(e)
+        peek = acc.epsilon_after(RoundEvent(0.3, 1.0))
+        assert acc.rounds == 6 and peek > acc.epsilon
+        rebuilt = RoundAccountant(kind, 1e-5, history=list(acc.history))
+        assert rebuilt.epsilon == pytest.approx(acc.epsilon, rel=1e-12)
+        assert acc.compose(RoundEvent(0.3, 1.0)) == pytest.approx(peek, rel=1e-12)
+
+
+def test_no_noise_is_infinite_epsilon_and_empty_rounds_are_free() -> None:
+    acc = RoundAccountant("pld", 1e-5)
+    acc.compose(RoundEvent(0.5, None))
+    assert acc.epsilon == 0.0
+    acc.compose(RoundEvent(0.5, 0.0))
+    assert math.isinf(acc.epsilon)
+
+
+def test_bad_privacy_parameters() -> None:
+    with pytest.raises(ValueError, match=r"q must be in \[0, 1\]"):
+        RoundEvent(1.2, 1.0)
+    with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
+        RoundAccountant("pld", 0.0)
+    with pytest.raises(ValueError, match="epsilon must be > 0"):
+        calibrate_noise_multiplier(0.0, 1e-5, 0.1, 10, "pld")
+    with pytest.raises(ConfigError, match="exceeded by the first round"):
+        plan_privacy(RunConfig(epsilon=0.0, noise_multiplier=0.5, max_epsilon=0.1))
+    with pytest.raises(ConfigError, match="adds no noise"):
+        plan_privacy(RunConfig(algorithm="none", max_epsilon=3.0))
+
+
+# ---------------------------------------------------------- realized accounting
+def test_realized_noise_multiplier_by_placement() -> None:
+    z, r = 2.0, 10.0
+    assert realized_noise_multiplier("client", z, r, 10, 10) == pytest.approx(z)
+    assert realized_noise_multiplier("client", z, r, 7, 5) == pytest.approx(z * math.sqrt(0.5))
+    assert realized_noise_multiplier("client-calibrated", z, r, 7, 7) == pytest.approx(z)
+    assert realized_noise_multiplier("client-calibrated", z, r, 8, 6) == pytest.approx(z * math.sqrt(6 / 8))
+    assert realized_noise_multiplier("server", z, r, 3, 0) == z
+    assert realized_noise_multiplier("client", z, r, 3, 0) is None
+
+
+def _run(tmp_path: Path, name: str, values: dict, client_fn=client_app):
+    cfg = RunConfig.from_run_config(
+        {"num-clients": 10, "dim": 20, "num-rounds": 5, "output-dir": str(tmp_path), "run-name": name, **values}
+    )
+    out = server_app.run(InProcessGrid(client_fn, cfg.num_clients, cfg.to_run_config()), cfg)
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    return cfg, out, rows
+
+
+def _dropping(dropped: set[int]):
+    def fn(msg: Message, context: Context):
+        if msg.metadata.message_type == "train" and int(context.node_config["partition-id"]) in dropped:
+            return None
+        return client_app(msg, context)
+
+    return fn
+
+
+@pytest.mark.parametrize("placement", ["client", "client-calibrated", "server"])
+def test_dropouts_are_accounted_honestly(tmp_path: Path, placement: str) -> None:
+    """With 3 of 10 clients dropping out every round, client placements spend strictly more than nominal."""
+    values = {"clients-per-round": 10.0, "epsilon": 0.0, "noise-multiplier": 3.0, "noise-placement": placement}
+    cfg, out, rows = _run(tmp_path, placement, values, _dropping({1, 4, 7}))
+    nominal = epsilon_for(3.0, 1.0, cfg.num_rounds, cfg.delta, "pld")
+    spent = float(rows[-1]["epsilon"])
+    assert all(int(r["num_dropped"]) == 3 for r in rows[1:])
+    if placement == "server":
+        assert spent == pytest.approx(nominal, rel=1e-9)
+    else:
+        assert spent > nominal * 1.05
+        assert float(rows[1]["noise_multiplier"]) == pytest.approx(3.0 * math.sqrt(7 / 10))
+    assert json.loads((out / "config.json").read_text())["final"]["epsilon"] == pytest.approx(spent)
+
+
+def test_client_placement_with_poisson_counts_below_r_is_worse_than_nominal(tmp_path: Path) -> None:
+    values = {"clients-per-round": 5.0, "epsilon": 0.0, "noise-multiplier": 2.0, "num-rounds": 8}
+    cfg, _, rows = _run(tmp_path, "poisson", values)
+    nominal = RoundAccountant("pld", cfg.delta)
+    realized = RoundAccountant("pld", cfg.delta)
+    for row in rows[1:]:
+        nominal.compose(RoundEvent(0.5, 2.0))
+        m = int(row["num_received"])
+        realized.compose(RoundEvent(0.5, 2.0 * math.sqrt(m / 5.0) if m else None))
+        assert float(row["epsilon"]) == pytest.approx(realized.epsilon, rel=1e-9)
+    counts = [int(r["num_received"]) for r in rows[1:]]
+    assert min(counts) < 5  # the seed gives some rounds below r ...
+    assert realized.epsilon != pytest.approx(nominal.epsilon, rel=1e-3)  # ... so the report is not the nominal one
+
+
+def _aggregate_noise(placement: str, rounds: int, seed: int) -> np.ndarray:
+    """Noise in the average a_k: a_k - (1/r) sum g_i, over several rounds (diagnostics on)."""
+    cfg = RunConfig.from_run_config(
+        {
+            "num-clients": 10,
+            "clients-per-round": 10.0,
+            "dim": 200,
+            "num-rounds": rounds,
+            "seed": seed,
+            "epsilon": 0.0,
+            "noise-multiplier": 1.5,
+            "noise-placement": placement,
+            "diagnostics": True,
+        }
+    )
+    grid = InProcessGrid(client_app, 10, cfg.to_run_config())
+    strategy = DPFedAvg(cfg, dim=200)
+    strategy.discover_clients(grid)
+    from dpfedavg.protocol import ARRAYS, to_array_record
+
+    samples = []
+    w = np.zeros(200)
+    for k in range(1, rounds + 1):
+        from flwr.app import ConfigRecord
+
+        messages = list(strategy.configure_train(k, to_array_record(w), ConfigRecord(), grid))
+        replies = list(grid.send_and_receive(messages))
+        arrays, _ = strategy.aggregate_train(k, replies)
+        clean = sum(r.content["diagnostics"]["clean-update"].numpy() for r in replies) / 10.0
+        a = (w - arrays["w"].numpy()) / strategy.history[k].beta  # w_{k+1} = w_k - beta a_k (mu = 0)
+        samples.append(a - clean)
+        assert ARRAYS in replies[0].content
+    return np.concatenate(samples)
+
+
+def test_server_and_client_calibrated_noise_have_the_same_distribution() -> None:
+    """Both put N(0, (zC/r)^2 I) in the average; KS tests with fixed seeds (p > 0.01)."""
+    from scipy import stats
+
+    sigma = 1.5 * 50.0 / 10.0
+    server = _aggregate_noise("server", rounds=15, seed=1)
+    calibrated = _aggregate_noise("client-calibrated", rounds=15, seed=2)
+    assert stats.ks_2samp(server, calibrated).pvalue > 0.01
+    for sample in (server, calibrated):
+        assert stats.kstest(sample / sigma, "norm").pvalue > 0.01
+        assert sample.std() == pytest.approx(sigma, rel=0.05)  # 3000 samples: SE of std ~1.3%
+
+
+# ------------------------------------------------------------------ reporting
+def test_quadratic_run_calibrated_to_epsilon_5_ends_at_or_below_5(tmp_path: Path) -> None:
+    values = {
+        "num-clients": 100,
+        "clients-per-round": 100.0,
+        "dim": 200,
+        "num-rounds": 12,
+        "epsilon": 5.0,
+        "delta": 1e-6,
+    }
+    _, out, rows = _run(tmp_path, "eps5", values)
+    eps = [float(r["epsilon"]) for r in rows[1:]]
+    assert all(b > a for a, b in zip(eps, eps[1:], strict=False))
+    assert 4.95 < eps[-1] <= 5.0
+    privacy = json.loads((out / "config.json").read_text())["privacy"]
+    assert privacy["noise_multiplier_calibrated"] and privacy["accountant"] == "pld" and privacy["delta"] == 1e-6
+    assert privacy["sigma"] == pytest.approx(privacy["noise_multiplier"] * 50.0 / 100.0)
+
+
+def test_budget_stops_cleanly_before_the_exceeding_round(tmp_path: Path) -> None:
+    values = {"clients-per-round": 10.0, "epsilon": 0.0, "noise-multiplier": 3.0, "max-epsilon": 4.0, "num-rounds": 20}
+    cfg, out, rows = _run(tmp_path, "budget", values)
+    eps = [float(r["epsilon"]) for r in rows[1:]]
+    completed = len(eps)
+    assert 1 <= completed < 20 and eps[-1] <= 4.0
+    assert epsilon_for(3.0, 1.0, completed + 1, cfg.delta, "pld") > 4.0  # the next round would have exceeded it
+    final = json.loads((out / "config.json").read_text())["final"]
+    assert final["stopped_by_budget_before_round"] == completed + 1 and final["rounds_completed"] == completed
+    model = np.load(out / "model.npz")
+    assert 0 <= int(model["random_iterate_round"]) < completed and model["w_final"].shape == (20,)
+
+
+def test_no_dp_is_said_loudly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    logger = logging.getLogger("dpfedavg")
+    logger.addHandler(caplog.handler)
+    try:
+        _, _, rows = _run(tmp_path, "nodp", {"clients-per-round": 10.0, "epsilon": 0.0, "noise-multiplier": 0.0})
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "NO DIFFERENTIAL PRIVACY" in caplog.text
+    assert all(math.isinf(float(r["epsilon"])) for r in rows[1:])
+
+
+# ------------------------------------------------------------------------ CLI
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run_sim.py"), *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_privacy_cli_json() -> None:
+    args = [
+        "privacy",
+        "--epsilon",
+        "5",
+        "--delta",
+        "1e-5",
+        "--num-clients",
+        "3000",
+        "--clients-per-round",
+        "600",
+        "--rounds",
+        "100",
+    ]
+    result = _cli(*args, "--accountant", "rdp", "--clip", "50", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {"noise_multiplier", "sigma", "epsilon_rdp", "epsilon_pld"} <= set(report)
+    z = report["noise_multiplier"]
+    assert report["epsilon_rdp"] <= 5.0 < epsilon_for(0.99 * z, 0.2, 100, 1e-5, "rdp")
+    assert report["epsilon_pld"] < report["epsilon_rdp"]
+    assert report["sigma"] == pytest.approx(z * 50 / 600)
+    human = _cli(*args)
+    assert human.returncode == 0 and "noise multiplier z" in human.stdout and "paper" in human.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--delta", "1.5"], "--delta = 1.5"),
+        (["--epsilon", "0"], "--epsilon = 0"),
+        (["--clients-per-round", "4000"], "exceeds --num-clients"),
+    ],
+)
+def test_privacy_cli_bad_flags(flags: list[str], fragment: str) -> None:
+    base = {
+        "--epsilon": "5",
+        "--delta": "1e-5",
+        "--num-clients": "3000",
+        "--clients-per-round": "600",
+        "--rounds": "10",
+    }
+    for i in range(0, len(flags), 2):
+        base[flags[i]] = flags[i + 1]
+    result = _cli("privacy", *[x for kv in base.items() for x in kv])
+    assert result.returncode == 2
+    assert fragment in result.stderr and "Traceback" not in result.stderr

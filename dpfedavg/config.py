@@ -187,11 +187,6 @@ class RunConfig:
         """``q = r / n``: each client's per-round inclusion probability."""
         return self.clients_per_round / self.num_clients
 
-    @property
-    def dp_enabled(self) -> bool:
-        """True when the run adds noise: clip/norm with a target epsilon or a z > 0."""
-        return self.algorithm != "none" and (self.epsilon > 0 or bool(self.noise_multiplier))
-
     def to_run_config(self) -> dict[str, Any]:
         """The kebab-case dict this config came from (``server-lr`` None -> "eta")."""
         out: dict[str, Any] = {}

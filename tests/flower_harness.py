@@ -57,6 +57,7 @@ class LocalSuperLink:
         self.log_path = self.home / "superlink.log"
         self.process: subprocess.Popen | None = None
         self._known: dict[int, psutil.Process] = {}
+        self._runs = 0
 
     def start(self, timeout: float = 60.0) -> None:
         command = [
@@ -117,18 +118,22 @@ class LocalSuperLink:
             command += ["--run-config", run_config]
         if federation_config:
             command += ["--federation-config", federation_config]
-        proc = subprocess.Popen(
-            command, env=self.env, cwd=self.workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        deadline = time.monotonic() + timeout
-        while proc.poll() is None:
-            self._remember_descendants()  # Ray workers may be re-parented once the run ends
-            if time.monotonic() > deadline:
-                proc.kill()
-                out = proc.communicate()[0]
-                raise TimeoutError(f"flwr run did not finish within {timeout}s:\n{out[-5000:]}")
-            time.sleep(0.5)
-        out = proc.communicate()[0]
+        # The CLI's output goes to a file: a pipe that is only read at the end would fill up
+        # (64 KiB) on a long run and block `flwr run` forever.
+        self._runs += 1
+        log_path = self.workdir / f"flwr-run-{self._runs}.log"
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(command, env=self.env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None:
+                self._remember_descendants()  # Ray workers may be re-parented once the run ends
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    proc.wait()
+                    out = log_path.read_text()
+                    raise TimeoutError(f"flwr run did not finish within {timeout}s:\n{out[-5000:]}")
+                time.sleep(0.5)
+        out = log_path.read_text()
         return subprocess.CompletedProcess(command, proc.returncode, out, "")
 
     def stop(self) -> None:

@@ -40,14 +40,18 @@ def main() -> None:
             fed = f"num-supernodes={n} client-resources-num-cpus={cpus}"
             t0 = time.monotonic()
             link.flwr_run(
-                f"num-rounds={args.rounds} num-clients={n} clients-per-round={float(n)} output-dir='{out}' run-name='b'",
+                f"num-rounds={args.rounds} num-clients={n} clients-per-round={float(n)} "
+                f"output-dir='{out}' run-name='b'",
                 fed,
             )
             wall = time.monotonic() - t0
             rows = list(csv.DictReader((out / "b" / "metrics.csv").open()))
             elapsed = [float(r["elapsed_s"]) for r in rows]
             per_round = statistics.median(b - a for a, b in zip(elapsed[5:], elapsed[6:], strict=False))
-            print(f"| `{fed}` | {per_round:.3f} | {per_round / n * 1000:.1f} | {elapsed[0]:.1f} | {wall:.1f} |", flush=True)
+            print(
+                f"| `{fed}` | {per_round:.3f} | {per_round / n * 1000:.1f} | {elapsed[0]:.1f} | {wall:.1f} |",
+                flush=True,
+            )
     finally:
         link.stop()
 

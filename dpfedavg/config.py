@@ -112,9 +112,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("run-name", str, "", "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x))),  # noqa: E501
     Option("node-wait-timeout", float, 300.0, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),  # noqa: E501
     Option("round-timeout", float, 3600.0, "-", "seconds a round waits for replies", "a float > 0", _positive),
+    Option("eval-every", int, 1, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
     # Task-specific keys (ignored by tasks that do not use them).
     Option("init", str, "I1", "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2")),  # noqa: E501
     Option("dim", int, 200, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1),
+    Option("data-dir", str, "", "-", 'real-data tasks: folder with local dataset files (offline use); "" = download', "a path or \"\""),  # noqa: E501
+    Option("cache-dir", str, "", "-", 'real-data tasks: where prepared features are cached; "" = ~/.cache/dpfedavg', "a path or \"\""),  # noqa: E501
+    Option("weight-decay", float, 1e-4, "lambda", "real-data tasks: L2 regularization (PyTorch weight_decay); paper: 1e-4", "a float >= 0", _non_negative),  # noqa: E501
+    Option("feature-image-size", int, 224, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32),  # noqa: E501
 )
 # fmt: on
 
@@ -179,8 +184,13 @@ class RunConfig:
     run_name: str = ""
     node_wait_timeout: float = 300.0
     round_timeout: float = 3600.0
+    eval_every: int = 1
     init: str = "I1"
     dim: int = 200
+    data_dir: str = ""
+    cache_dir: str = ""
+    weight_decay: float = 1e-4
+    feature_image_size: int = 224
 
     @property
     def sampling_rate(self) -> float:

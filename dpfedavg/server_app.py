@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
@@ -18,6 +19,7 @@ from dpfedavg.results import RunRecorder, package_versions
 from dpfedavg.runtime import setup_app_process
 from dpfedavg.strategies import DPFedAvg, FederationError, PrivacyPlan, plan_privacy
 from dpfedavg.tasks import Task, build_task
+from dpfedavg.tasks.datasets import DataUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -103,14 +105,19 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
         )
     t0 = time.monotonic()
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        metrics = task.evaluate(from_array_record(arrays))
+    evaluated: dict[int, dict[str, float]] = {}
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        due = server_round == 0 or server_round % cfg.eval_every == 0 or server_round > cfg.num_rounds - 5
+        metrics = task.evaluate(from_array_record(arrays)) if due else {}
+        if due:
+            evaluated[server_round] = metrics
         stats = strategy.history.get(server_round)
         row: dict[str, Any] = {"round": server_round, **metrics, "elapsed_s": round(time.monotonic() - t0, 3)}
         if stats is not None:
             row.update(stats.as_metrics())
         recorder.write_row(row)
-        shown = " | ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        shown = " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()) or "not evaluated"
         if stats is None:
             logger.info("round %d/%d | %s", server_round, cfg.num_rounds, shown)
         else:
@@ -124,7 +131,7 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
                 100 * stats.frac_clipped if stats.num_received else 0.0,
                 stats.epsilon,
             )
-        return MetricRecord(metrics)
+        return MetricRecord(metrics) if due else None
 
     result = strategy.start(grid=grid, initial_arrays=to_array_record(w0), evaluate_fn=evaluate_fn)
     w_final = from_array_record(result.arrays) if result.arrays is not None else w0
@@ -132,7 +139,10 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
     k_random = strategy.random_round if strategy.random_round is not None else 0
     recorder.write_model(w_final=w_final, w_random_iterate=w_random, random_iterate_round=k_random)
     completed = len(strategy.history)
+    last5 = [evaluated[k] for k in sorted(evaluated) if k > 0][-5:]
+    summary = {f"last5_{name}": float(np.mean([m[name] for m in last5])) for name in task.metric_names} if last5 else {}
     description["final"] = {
+        **summary,
         "epsilon": strategy.epsilon,
         "delta": plan.delta,
         "rounds_completed": completed,
@@ -141,6 +151,11 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
         "finished_utc": datetime.now(UTC).isoformat(),
     }
     recorder.write_config(description)
+    if summary:
+        headline = task.headline_metric
+        logger.info(
+            "%s averaged over the last %d evaluated rounds: %.4f", headline, len(last5), summary[f"last5_{headline}"]
+        )
     logger.info(
         "Done after %d rounds: (epsilon, delta) = (%.4g, %g); metrics in %s, model in %s",
         completed,
@@ -166,3 +181,5 @@ def main(grid: Grid, context: Context) -> None:
         run(grid, cfg, run_id=context.run_id, plan=plan)
     except FederationError as err:
         logger.error("federation does not match the run: %s", err)
+    except (ConfigError, DataUnavailableError) as err:
+        logger.error("%s", err)

@@ -143,3 +143,22 @@ def test_wrong_number_of_supernodes_is_a_clear_error(superlink: LocalSuperLink, 
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "num-supernodes=10" in errors[0], result.stdout[-4000:]
     assert "Traceback" not in result.stdout
+
+
+def test_digits_task_runs_offline_far_above_chance(superlink: LocalSuperLink, tmp_path: Path) -> None:
+    """A real dataset (scikit-learn's digits) end to end: DP-NormFedAvg at epsilon = 5."""
+    values = {
+        "task": "digits",
+        "algorithm": "norm",
+        "epsilon": 5.0,
+        "num-rounds": 30,
+        "eval-every": 10,
+        "cache-dir": str(tmp_path / "cache"),
+    }
+    result, run_dir = _run(superlink, tmp_path, "digits", values, "num-supernodes=100 client-resources-num-cpus=1")
+    assert (run_dir / "config.json").exists(), result.stdout[-4000:]
+    final = json.loads((run_dir / "config.json").read_text())["final"]
+    assert final["last5_test_accuracy"] > 0.5 and final["epsilon"] <= 5.0  # chance: 0.1
+    assert "test_accuracy averaged over the last 5 evaluated rounds" in result.stdout
+    rows = _rows(run_dir)
+    assert rows[15]["test_accuracy"] == "" and rows[10]["test_accuracy"] != ""  # eval-every 10

@@ -65,6 +65,24 @@ class FederationError(RuntimeError):
     """The connected SuperNodes do not match the run (count, partition ids)."""
 
 
+class _QuietFinalResults(logging.Filter):
+    """Drops Flower's end-of-run dump of every round's metrics.
+
+    ``Strategy.start`` logs the whole ``Result`` when it ends: about 15 lines
+    per round, thousands for a paper-length run, burying the summary. The same
+    numbers are in ``metrics.csv`` and in the returned ``Result``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Final results:"):
+            self.dropping = True
+        return not self.dropping
+
+
 class PrivacyBudgetExhausted(Exception):
     """Raised before a round whose release would exceed ``max-epsilon``; the run stops cleanly."""
 
@@ -335,6 +353,9 @@ class DPFedAvg(FedAvg):
                 self.evaluations[server_round] = record
             return record
 
+        quiet = _QuietFinalResults()
+        flwr_logger = logging.getLogger("flwr")
+        flwr_logger.addFilter(quiet)
         try:
             return super().start(
                 grid=grid,
@@ -353,6 +374,8 @@ class DPFedAvg(FedAvg):
                 train_metrics_clientapp={k: MetricRecord(v.as_metrics()) for k, v in self.history.items()},
                 evaluate_metrics_serverapp=dict(self.evaluations),
             )
+        finally:
+            flwr_logger.removeFilter(quiet)
 
     def sample_clients(self, server_round: int) -> np.ndarray:
         """Client ids sampled in ``server_round`` (1-based): Poisson with ``q = r/n``."""

@@ -17,10 +17,20 @@ def _quadratic(cfg: RunConfig) -> Task:
     return QuadraticTask(cfg)
 
 
+def _logistic(cfg: RunConfig) -> Task:
+    from dpfedavg.tasks.logistic import LogisticTask
+
+    return LogisticTask(cfg)
+
+
 #: name -> factory(cfg) -> Task. Factories import lazily so that heavy task
-#: dependencies are only loaded when that task runs.
+#: dependencies are only loaded when that task runs (torch only for CIFAR).
 TASKS: dict[str, Callable[[RunConfig], Task]] = {
     "quadratic": _quadratic,
+    "digits": _logistic,
+    "fmnist": _logistic,
+    "cifar10": _logistic,
+    "cifar100": _logistic,
 }
 
 

@@ -25,6 +25,8 @@ class Task(Protocol):
     dim: int
     #: Names of the server-side metrics returned by :meth:`evaluate` (CSV columns).
     metric_names: tuple[str, ...]
+    #: The metric the run summary reports, averaged over the last 5 evaluated rounds.
+    headline_metric: str
 
     def initial_weights(self) -> Vector:
         """``w_0`` as a flat float vector of length ``dim``."""

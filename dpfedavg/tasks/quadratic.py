@@ -64,6 +64,7 @@ class QuadraticTask:
 
     name = "quadratic"
     metric_names = ("suboptimality", "dist_to_opt", "objective")
+    headline_metric = "suboptimality"
 
     def __init__(self, cfg: RunConfig) -> None:
         self.seed = cfg.seed

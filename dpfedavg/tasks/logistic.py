@@ -1,0 +1,156 @@
+"""Multinomial logistic regression with weight decay on real data (paper §5, Table 1).
+
+``f_i(W, b) = (1/m) sum_j CE(softmax(W^T x_j + b), y_j) + (lambda/2) (||W||^2 + ||b||^2)``
+over client ``i``'s ``m`` examples, ``lambda`` = ``weight-decay`` (paper: 1e-4, as
+PyTorch's ``weight_decay`` on every parameter). The model is the flat vector
+``w = [vec(W), b]`` of length ``d c + c``, starting at zero. Full-batch gradients.
+
+The data (:mod:`dpfedavg.tasks.datasets`) is memory-mapped; the paper's shard
+split (:mod:`dpfedavg.tasks.partition`) is computed once per
+``(num-clients, seed)`` and cached beside it, so a client process reads only
+its own rows. The server evaluates test accuracy and loss and the training
+objective ``f = (1/n) sum_i f_i``.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.core.types import GradFn, Vector
+from dpfedavg.tasks.datasets import DATASETS, PreparedData, _locked, _save_npy, prepare_dataset
+from dpfedavg.tasks.partition import paper_shard_partition
+
+__all__ = ["LogisticTask", "softmax_cross_entropy"]
+
+#: Rows per chunk when the server evaluates on a whole split (bounds memory).
+EVAL_CHUNK = 8192
+
+
+def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(per-example CE, softmax probabilities)``, numerically stable."""
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    total = exp.sum(axis=1, keepdims=True)
+    probs = exp / total
+    ce = np.log(total[:, 0]) - shifted[np.arange(len(labels)), labels]
+    return ce, probs
+
+
+class _Client:
+    """Client ``i``'s objective on its own rows."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, num_classes: int, weight_decay: float) -> None:
+        self.x = np.ascontiguousarray(x, dtype=np.float64)
+        self.y = np.asarray(y, dtype=np.int64)
+        self.c = num_classes
+        self.lam = weight_decay
+        self.d = self.x.shape[1]
+
+    def _split(self, w: Vector) -> tuple[np.ndarray, np.ndarray]:
+        return w[: self.d * self.c].reshape(self.d, self.c), w[self.d * self.c :]
+
+    def grad(self, w: Vector) -> Vector:
+        """``grad f_i(w)``: ``X^T (p - Y) / m + lambda W`` and ``mean(p - Y) + lambda b``."""
+        weights, bias = self._split(w)
+        _, probs = softmax_cross_entropy(self.x @ weights + bias, self.y)
+        probs[np.arange(len(self.y)), self.y] -= 1.0
+        probs /= len(self.y)
+        g_w = self.x.T @ probs + self.lam * weights
+        g_b = probs.sum(axis=0) + self.lam * bias
+        return np.concatenate([g_w.ravel(), g_b])
+
+    def loss(self, w: Vector) -> float:
+        weights, bias = self._split(w)
+        ce, _ = softmax_cross_entropy(self.x @ weights + bias, self.y)
+        return float(ce.mean() + 0.5 * self.lam * (w @ w))
+
+
+class LogisticTask:
+    """Logistic regression on ``digits``, ``fmnist``, ``cifar10`` or ``cifar100``."""
+
+    metric_names = ("test_accuracy", "test_loss", "train_loss")
+    headline_metric = "test_accuracy"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.name = cfg.task
+        self.spec = DATASETS[cfg.task]
+        self.cfg = cfg
+        self.num_clients = cfg.num_clients
+        self.num_classes = self.spec.num_classes
+
+    # ------------------------------------------------------------------ data
+    @cached_property
+    def data(self) -> PreparedData:
+        """The prepared, memory-mapped dataset (prepared on first use)."""
+        cfg = self.cfg
+        return prepare_dataset(
+            self.name,
+            data_dir=cfg.data_dir or None,
+            cache_dir=cfg.cache_dir or None,
+            image_size=cfg.feature_image_size,
+        )
+
+    @cached_property
+    def partition(self) -> np.ndarray:
+        """``(n, m)`` training indices per client: the paper's shard split, cached on disk."""
+        directory: Path = self.data.directory
+        path = directory / f"partition-n{self.num_clients}-seed{self.cfg.seed}.npy"
+        if not path.exists():
+            with _locked(directory / ".partition.lock"):
+                if not path.exists():
+                    try:
+                        split = paper_shard_partition(self.data.train_y, self.num_clients, self.cfg.seed)
+                    except ValueError as err:
+                        raise ConfigError(f"invalid run config: 'num-clients' = {self.num_clients}: {err}") from None
+                    _save_npy(path, split)
+        return np.load(path, mmap_mode="r")
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.data.train_x.shape[1])
+
+    @property
+    def dim(self) -> int:
+        """``d c + c``."""
+        return self.feature_dim * self.num_classes + self.num_classes
+
+    def client(self, client_id: int) -> _Client:
+        if not 0 <= client_id < self.num_clients:
+            raise ValueError(f"client id {client_id} outside [0, {self.num_clients})")
+        rows = np.sort(np.asarray(self.partition[client_id]))
+        return _Client(self.data.train_x[rows], self.data.train_y[rows], self.num_classes, self.cfg.weight_decay)
+
+    def client_grad_fn(self, client_id: int) -> GradFn:
+        return self.client(client_id).grad
+
+    def initial_weights(self) -> Vector:
+        return np.zeros(self.dim)
+
+    # ------------------------------------------------------------ evaluation
+    def _scores(self, w: Vector, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """``(mean CE, accuracy)`` over a split, in chunks."""
+        d, c = self.feature_dim, self.num_classes
+        weights, bias = w[: d * c].reshape(d, c), w[d * c :]
+        ce_sum, correct = 0.0, 0
+        for start in range(0, len(y), EVAL_CHUNK):
+            xb = np.asarray(x[start : start + EVAL_CHUNK], dtype=np.float64)
+            logits = xb @ weights + bias
+            ce, _ = softmax_cross_entropy(logits, y[start : start + EVAL_CHUNK])
+            ce_sum += float(ce.sum())
+            correct += int((logits.argmax(axis=1) == y[start : start + EVAL_CHUNK]).sum())
+        return ce_sum / len(y), correct / len(y)
+
+    def evaluate(self, w: Vector) -> dict[str, float]:
+        """Test accuracy and loss, and the training objective ``f(w)`` over the clients' data."""
+        test_loss, test_acc = self._scores(w, self.data.test_x, self.data.test_y)
+        rows = np.sort(np.asarray(self.partition).ravel())
+        train_ce, _ = self._scores(w, self.data.train_x[rows], self.data.train_y[rows])
+        return {
+            "test_accuracy": test_acc,
+            "test_loss": test_loss,
+            "train_loss": train_ce + 0.5 * self.cfg.weight_decay * float(w @ w),
+        }

@@ -16,8 +16,8 @@ from dpfedavg.protocol import (
     DIAGNOSTICS,
     METRICS,
     UPDATE_KEY,
-    RoundInstructions,
     from_array_record,
+    instructions_from_config_record,
     to_array_record,
 )
 from dpfedavg.runtime import setup_app_process
@@ -66,7 +66,7 @@ def train(msg: Message, context: Context) -> Message:
     setup_app_process()
     cfg = _config(tuple(sorted(context.run_config.items())))
     client_id, _ = _partition(context)
-    ins = RoundInstructions.from_config_record(msg.content[CONFIG])
+    ins = instructions_from_config_record(msg.content[CONFIG])
     w = from_array_record(msg.content[ARRAYS])
     result = private_client_update(
         w,

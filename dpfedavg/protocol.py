@@ -7,12 +7,10 @@ Flower's examples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
-from dpfedavg.core.types import Vector
+from dpfedavg.core.types import RoundInstructions, Vector
 
 __all__ = [
     "MODEL_KEY",
@@ -23,8 +21,10 @@ __all__ = [
     "METRICS",
     "DIAGNOSTICS",
     "RoundInstructions",
-    "to_array_record",
     "from_array_record",
+    "instructions_from_config_record",
+    "instructions_to_config_record",
+    "to_array_record",
 ]
 
 #: RecordDict keys.
@@ -50,47 +50,31 @@ def from_array_record(record: ArrayRecord, key: str = MODEL_KEY) -> Vector:
     return record[key].numpy()
 
 
-@dataclass(frozen=True)
-class RoundInstructions:
-    """What the server tells each sampled client in round ``k`` (the train config).
+def instructions_to_config_record(ins: RoundInstructions) -> ConfigRecord:
+    """The train config the server sends with ``w_k``."""
+    return ConfigRecord(
+        {
+            "server-round": ins.server_round,
+            "local-lr": ins.local_lr,
+            "local-steps": ins.local_steps,
+            "algorithm": ins.algorithm,
+            "clip": ins.clip,
+            "noise-std": ins.noise_std,
+            "noise-seed": ins.noise_seed,
+            "diagnostics": ins.diagnostics,
+        }
+    )
 
-    ``noise_std`` is the per-client noise std ``z C / sqrt(r)`` (Alg. 1 line 10)
-    and ``noise_seed`` seeds the client's noise generator together with its
-    client id.
-    """
 
-    server_round: int
-    local_lr: float
-    local_steps: int
-    algorithm: str
-    clip: float
-    noise_std: float
-    noise_seed: int
-    diagnostics: bool
-
-    def to_config_record(self) -> ConfigRecord:
-        return ConfigRecord(
-            {
-                "server-round": self.server_round,
-                "local-lr": self.local_lr,
-                "local-steps": self.local_steps,
-                "algorithm": self.algorithm,
-                "clip": self.clip,
-                "noise-std": self.noise_std,
-                "noise-seed": self.noise_seed,
-                "diagnostics": self.diagnostics,
-            }
-        )
-
-    @classmethod
-    def from_config_record(cls, record: ConfigRecord) -> RoundInstructions:
-        return cls(
-            server_round=int(record["server-round"]),
-            local_lr=float(record["local-lr"]),
-            local_steps=int(record["local-steps"]),
-            algorithm=str(record["algorithm"]),
-            clip=float(record["clip"]),
-            noise_std=float(record["noise-std"]),
-            noise_seed=int(record["noise-seed"]),
-            diagnostics=bool(record["diagnostics"]),
-        )
+def instructions_from_config_record(record: ConfigRecord) -> RoundInstructions:
+    """The inverse of :func:`instructions_to_config_record` (on the client)."""
+    return RoundInstructions(
+        server_round=int(record["server-round"]),
+        local_lr=float(record["local-lr"]),
+        local_steps=int(record["local-steps"]),
+        algorithm=str(record["algorithm"]),
+        clip=float(record["clip"]),
+        noise_std=float(record["noise-std"]),
+        noise_seed=int(record["noise-seed"]),
+        diagnostics=bool(record["diagnostics"]),
+    )

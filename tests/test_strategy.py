@@ -14,7 +14,15 @@ from dpfedavg import server_app
 from dpfedavg.client_app import app as client_app
 from dpfedavg.config import RunConfig
 from dpfedavg.core import Stream, make_rng, poisson_sample, round_noise_seed
-from dpfedavg.protocol import ARRAYS, CONFIG, METRICS, UPDATE_KEY, RoundInstructions, to_array_record
+from dpfedavg.protocol import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    UPDATE_KEY,
+    instructions_from_config_record,
+    instructions_to_config_record,
+    to_array_record,
+)
 from dpfedavg.strategies import DPFedAvg, FederationError, plan_privacy
 from dpfedavg.testing import InProcessGrid
 
@@ -78,7 +86,7 @@ def test_configure_train_samples_poisson_by_client_and_sends_round_config() -> N
         expected = poisson_sample(10, 0.5, make_rng(cfg.seed, Stream.SAMPLING, server_round - 1))
         got = sorted(strategy.client_of_node[m.metadata.dst_node_id] for m in messages)
         assert got == expected.tolist()
-        ins = RoundInstructions.from_config_record(messages[0].content[CONFIG])
+        ins = instructions_from_config_record(messages[0].content[CONFIG])
         assert ins.noise_seed == round_noise_seed(cfg.seed, server_round - 1)
         assert ins.local_lr == pytest.approx(0.1 * 0.5 ** (server_round - 1))  # eta_k
         assert ins.noise_std == pytest.approx(2.0 * 3.0 / np.sqrt(5.0))  # z C / sqrt(r)
@@ -118,7 +126,7 @@ def test_empty_round_keeps_going(caplog: pytest.LogCaptureFixture) -> None:
     grid = InProcessGrid(constant_client(lambda pid: 1.0), 10, cfg.to_run_config())
     strategy = DPFedAvg(cfg, dim=DIM)
     strategy.discover_clients(grid)
-    assert strategy.sample_clients(1).size == 0
+    assert strategy.server.sample_clients(1).size == 0
     with caplog.at_level(logging.WARNING, logger="dpfedavg"):
         logging.getLogger("dpfedavg").propagate = True
         try:
@@ -220,7 +228,8 @@ def test_failed_and_malformed_replies_are_counted_not_fatal() -> None:
 # ------------------------------------------------------------------ client app
 def _train_message(cfg: RunConfig, w: np.ndarray, algorithm: str) -> Message:
     strategy = DPFedAvg(cfg.replace(algorithm=algorithm), dim=DIM)
-    record = RecordDict({ARRAYS: to_array_record(w), CONFIG: strategy.instructions(3, 5).to_config_record()})
+    config = instructions_to_config_record(strategy.server.instructions(3, 5))
+    record = RecordDict({ARRAYS: to_array_record(w), CONFIG: config})
     return Message(record, dst_node_id=5, message_type="train")
 
 

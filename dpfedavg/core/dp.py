@@ -25,16 +25,21 @@ def _check_scale(c: float) -> None:
         raise ValueError(f"the clipping threshold / scaling factor C must be > 0, got {c!r}")
 
 
+def _row_norms(u: np.ndarray) -> np.ndarray:
+    """``||u||`` of a vector, or of each row of a matrix (kept as a trailing axis of size 1)."""
+    return np.linalg.norm(u, axis=-1, keepdims=True)
+
+
 def clip(u: Vector, c: float) -> Vector:
     """Clip ``u`` to norm at most ``c``: ``clip(u, C) = u * min(1, C / ||u||)``.
 
-    Paper eq. (clip-def), used in Alg. 1 line 9. ``clip(0, C) = 0``.
+    Paper eq. (clip-def), used in Alg. 1 line 9. ``clip(0, C) = 0``. A 2-D
+    ``u`` is clipped row by row (one client update per row).
     """
     _check_scale(c)
-    norm = float(np.linalg.norm(u))
-    if norm <= c:
-        return u.copy()
-    return u * (c / norm)
+    norm = _row_norms(u)
+    scale = np.where(norm > c, c / np.where(norm > c, norm, 1.0), 1.0)
+    return u * scale
 
 
 def normalize(u: Vector, c: float) -> Vector:
@@ -44,17 +49,17 @@ def normalize(u: Vector, c: float) -> Vector:
     ``normalize(0, C) = 0``: it is finite (never NaN), it keeps the sensitivity
     bound ``||g|| <= C`` that the privacy analysis needs, and it is what
     ``clip`` returns for the zero update, so both algorithms agree on a client
-    whose local steps did not move (e.g. it already sits at its optimum).
+    whose local steps did not move (e.g. it already sits at its optimum). A
+    2-D ``u`` is normalized row by row.
     """
     _check_scale(c)
-    norm = float(np.linalg.norm(u))
-    if norm == 0.0:
-        return np.zeros_like(u)
-    return u * (c / norm)
+    norm = _row_norms(u)
+    scale = np.where(norm > 0, c / np.where(norm > 0, norm, 1.0), 0.0)
+    return u * scale
 
 
 def bound_sensitivity(u: Vector, algorithm: Algorithm, c: float) -> Vector:
-    """Return ``g`` for the given algorithm: ``clip``, ``norm`` or ``none`` (``g = u``)."""
+    """Return ``g`` for the given algorithm: ``clip``, ``norm`` or ``none`` (``g = u``); row-wise for 2-D ``u``."""
     if algorithm == "clip":
         return clip(u, c)
     if algorithm == "norm":

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -18,3 +19,31 @@ GradFn = Callable[[Vector], Vector]
 Algorithm = Literal["clip", "norm", "none"]
 
 ALGORITHMS: tuple[str, ...] = ("clip", "norm", "none")
+
+
+@dataclass(frozen=True)
+class RoundInstructions:
+    """What the server tells each sampled client in round ``k`` (the train config).
+
+    ``noise_std`` is the per-client noise std (``z C / sqrt(r)`` for
+    ``client`` placement, Alg. 1 line 10) and ``noise_seed`` seeds the client's
+    noise generator together with its client id.
+    """
+
+    server_round: int
+    local_lr: float
+    local_steps: int
+    algorithm: str
+    clip: float
+    noise_std: float
+    noise_seed: int
+    diagnostics: bool
+
+
+class ClientResult(NamedTuple):
+    """One client's contribution to a round, as the server uses it."""
+
+    client_id: int
+    noisy: Vector  # g + zeta
+    update_norm: float  # ||u|| before clipping / normalization
+    clean: Vector | None  # g, only with diagnostics

@@ -169,6 +169,9 @@ def _run_pld(event: RoundEvent, count: int) -> pld_lib.PrivacyLossDistribution:
 class RoundAccountant:
     """Composes one :class:`RoundEvent` per round and reports epsilon for ``delta``.
 
+    Composing is cheap; epsilon is computed when asked for (and cached until
+    the next round), so a caller that needs it only at the end pays once.
+
     Attributes
     ----------
     history:
@@ -188,9 +191,9 @@ class RoundAccountant:
         self._non_private = False
         self._rdp = np.zeros_like(_RDP_ORDERS, dtype=np.float64)
         self._pld_base: pld_lib.PrivacyLossDistribution | None = None  # all runs but the last
-        self._last: RoundEvent | None = None
-        self._last_count = 0
-        self._epsilon = 0.0
+        self._last: RoundEvent | None = None  # the current run of identical events ...
+        self._last_count = 0  # ... and its length
+        self._cached: tuple[int, float] | None = None  # (rounds, epsilon)
         for event in events:
             self.compose(event)
 
@@ -198,7 +201,9 @@ class RoundAccountant:
     @property
     def epsilon(self) -> float:
         """Epsilon spent so far (``inf`` after a round without noise, 0 before any round)."""
-        return self._epsilon
+        if self._cached is None or self._cached[0] != len(self.history):
+            self._cached = (len(self.history), self._epsilon_of(self._pld_base, self._last, self._last_count))
+        return self._cached[1]
 
     @property
     def rounds(self) -> int:
@@ -206,49 +211,62 @@ class RoundAccountant:
 
     def compose(self, event: RoundEvent, count: int = 1) -> float:
         """Add ``count`` rounds of ``event``; return the epsilon spent after them."""
-        state = self._after(event, count)
-        self._commit(state, event, count)
-        return self._epsilon
+        self._add(event, count)
+        return self.epsilon
 
     def epsilon_after(self, event: RoundEvent, count: int = 1) -> float:
         """The epsilon that composing ``event`` would give, without composing it."""
-        return self._after(event, count)[0]
-
-    # -------------------------------------------------------------- internals
-    def _after(self, event: RoundEvent, count: int) -> tuple:
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         if event.is_noop:
-            return (self._epsilon, None)
+            return self.epsilon
         if self._non_private or event.z == 0:
-            return (math.inf, None)
+            return math.inf
         if self.kind == "rdp":
-            rdp = self._rdp + count * _event_rdp(event.q, event.z)
-            eps, _ = rdp_privacy_accountant.compute_epsilon(_RDP_ORDERS, rdp, self.delta)
-            return (float(eps), rdp)
+            return self._rdp_epsilon(self._rdp + count * _event_rdp(event.q, event.z))
         base, last, last_count = self._pld_base, self._last, self._last_count
         if last is not None and last != event:
-            run = _run_pld(last, last_count)
-            base = run if base is None else base.compose(run)
-            last, last_count = None, 0
-        new_count = last_count + count
-        run = _run_pld(event, new_count)
-        total = run if base is None else base.compose(run)
-        return (float(total.get_epsilon_for_delta(self.delta)), (base, new_count))
+            base, last_count = self._fold(base, last, last_count), 0
+        return self._epsilon_of(base, event, last_count + count)
 
-    def _commit(self, state: tuple, event: RoundEvent, count: int) -> None:
-        eps, payload = state
+    # -------------------------------------------------------------- internals
+    def _add(self, event: RoundEvent, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
         self.history.extend([event] * count)
         if event.is_noop:
             return
-        if math.isinf(eps) and payload is None:
+        if event.z == 0:
             self._non_private = True
         elif self.kind == "rdp":
-            self._rdp = payload
+            self._rdp = self._rdp + count * _event_rdp(event.q, event.z)
+        elif self._last == event:
+            self._last_count += count
         else:
-            self._pld_base, self._last_count = payload
-            self._last = event
-        self._epsilon = eps
+            if self._last is not None:
+                self._pld_base = self._fold(self._pld_base, self._last, self._last_count)
+            self._last, self._last_count = event, count
+
+    @staticmethod
+    def _fold(base, event: RoundEvent, count: int):
+        run = _run_pld(event, count)
+        return run if base is None else base.compose(run)
+
+    def _rdp_epsilon(self, rdp: np.ndarray) -> float:
+        if not np.any(rdp):
+            return 0.0
+        eps, _ = rdp_privacy_accountant.compute_epsilon(_RDP_ORDERS, rdp, self.delta)
+        return float(eps)
+
+    def _epsilon_of(self, base, last: RoundEvent | None, count: int) -> float:
+        if self._non_private:
+            return math.inf
+        if self.kind == "rdp":
+            return self._rdp_epsilon(self._rdp)
+        if last is None or count == 0:
+            return 0.0 if base is None else float(base.get_epsilon_for_delta(self.delta))
+        total = self._fold(base, last, count)
+        return float(total.get_epsilon_for_delta(self.delta))
 
 
 def epsilon_for(noise_multiplier: float, q: float, rounds: int, delta: float, kind: str) -> float:

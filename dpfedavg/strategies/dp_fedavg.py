@@ -11,8 +11,10 @@ that are wrong for user-level DP:
   replies received; Alg. 1 line 12 divides the sum by the fixed expected
   cohort size ``r``.
 
-It also applies server momentum and the schedules ``eta_k``, ``beta_k``, and
-keeps the uniformly random iterate ``w_{k~}`` that Alg. 1 line 13 returns.
+The server math (sampling, aggregation, momentum, schedules, accounting, the
+random iterate) lives in :class:`~dpfedavg.strategies.server_loop.DPServer`,
+shared with the batched engine; this class adds what is Flower's: finding
+the clients among the SuperNodes, building messages and checking replies.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -29,19 +29,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import (
-    Stream,
-    aggregate_fixed_denominator,
-    gaussian_noise,
-    keep_random_iterate,
-    local_lr_at,
-    make_rng,
-    momentum_step,
-    placement_noise_stds,
-    poisson_sample,
-    round_noise_seed,
-    server_lr_at,
-)
 from dpfedavg.core.types import Vector
 from dpfedavg.protocol import (
     ARRAYS,
@@ -50,11 +37,12 @@ from dpfedavg.protocol import (
     DIAGNOSTICS,
     METRICS,
     UPDATE_KEY,
-    RoundInstructions,
     from_array_record,
+    instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.strategies.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
+from dpfedavg.strategies.accounting import PrivacyPlan
+from dpfedavg.strategies.server_loop import ClientResult, DPServer, PrivacyBudgetExhausted, RoundStats
 
 __all__ = ["DPFedAvg", "FederationError", "PrivacyBudgetExhausted", "RoundStats"]
 
@@ -83,54 +71,6 @@ class _QuietFinalResults(logging.Filter):
         return not self.dropping
 
 
-class PrivacyBudgetExhausted(Exception):
-    """Raised before a round whose release would exceed ``max-epsilon``; the run stops cleanly."""
-
-    def __init__(self, server_round: int, epsilon_now: float, epsilon_next: float, budget: float) -> None:
-        super().__init__(
-            f"privacy budget max-epsilon={budget:g} reached: stopping before round {server_round} "
-            f"(epsilon spent {epsilon_now:.4g}; that round would bring it to {epsilon_next:.4g})"
-        )
-        self.server_round = server_round
-
-
-@dataclass
-class RoundStats:
-    """Per-round training statistics (one row of ``metrics.csv``, training part)."""
-
-    round: int
-    num_sampled: int
-    num_received: int = 0
-    num_failed: int = 0
-    num_dropped: int = 0
-    num_rejected: int = 0
-    eta: float = float("nan")
-    beta: float = float("nan")
-    frac_clipped: float = float("nan")
-    mean_update_norm: float = float("nan")
-    snr: float = float("nan")
-    noise_multiplier: float = float("nan")
-    epsilon: float = float("nan")
-    rejected_reasons: list[str] = field(default_factory=list)
-
-    def as_metrics(self) -> dict[str, float]:
-        """Numeric fields for the MetricRecord / CSV."""
-        return {
-            "num_sampled": self.num_sampled,
-            "num_received": self.num_received,
-            "num_failed": self.num_failed,
-            "num_dropped": self.num_dropped,
-            "num_rejected": self.num_rejected,
-            "eta": self.eta,
-            "beta": self.beta,
-            "frac_clipped": self.frac_clipped,
-            "mean_update_norm": self.mean_update_norm,
-            "snr": self.snr,
-            "noise_multiplier": self.noise_multiplier,
-            "epsilon": self.epsilon,
-        }
-
-
 class DPFedAvg(FedAvg):
     """DP-FedAvg (``algorithm='clip'``, Alg. 1), DP-NormFedAvg (``'norm'``, Alg. 2) or FedAvg (``'none'``).
 
@@ -141,6 +81,8 @@ class DPFedAvg(FedAvg):
         C, z, seed, ...).
     dim:
         Length of the flat model vector ``w``.
+    plan:
+        The privacy plan; calibrated from ``cfg`` when omitted.
     sleep:
         Injected for tests: how to wait between polls of the Grid.
     """
@@ -156,46 +98,47 @@ class DPFedAvg(FedAvg):
         super().__init__(fraction_train=cfg.sampling_rate, min_available_nodes=cfg.num_clients)
         self.cfg = cfg
         self.dim = dim
-        #: Noise multiplier, target and budget (calibrated from epsilon unless given).
-        self.plan = plan if plan is not None else plan_privacy(cfg)
-        self.accountant = self.plan.new_accountant() if self.plan.dp else None
+        #: The server state and math (shared with the batched engine).
+        self.server = DPServer(cfg, dim, plan=plan)
         self._sleep = sleep
         #: client id (partition-id) -> Flower node id; filled by :meth:`discover_clients`.
         self.node_of_client: dict[int, int] = {}
         #: Flower node id -> client id.
         self.client_of_node: dict[int, int] = {}
-        self.momentum: Vector = np.zeros(dim)
-        #: ``w_{k~}`` (Alg. 1 line 13), kept by reservoir sampling, and ``k~``.
-        self.random_iterate: Vector | None = None
-        self.random_round: int | None = None
-        self.history: dict[int, RoundStats] = {}
         #: Server-side evaluation results by round (filled when ``start`` gets an ``evaluate_fn``).
         self.evaluations: dict[int, MetricRecord] = {}
         #: The latest global model (``w_k`` after the last aggregated round).
         self.global_arrays: ArrayRecord | None = None
         #: The round before which the privacy budget stopped the run, if it did.
         self.stopped_before_round: int | None = None
-        self._current: Vector | None = None
         self._sampled: dict[int, int] = {}  # node id -> client id, this round
 
     # ------------------------------------------------------------------ info
     @property
-    def noise_multiplier(self) -> float:
-        """``z`` of this run (0 without DP)."""
-        return self.plan.noise_multiplier
+    def plan(self) -> PrivacyPlan:
+        return self.server.plan
+
+    @property
+    def history(self) -> dict[int, RoundStats]:
+        """Per-round statistics, by 1-based round."""
+        return self.server.history
 
     @property
     def epsilon(self) -> float:
         """Epsilon spent so far for ``delta`` (``inf`` without DP)."""
-        return self.accountant.epsilon if self.accountant is not None else float("inf")
+        return self.server.epsilon
+
+    @property
+    def random_iterate(self) -> Vector | None:
+        return self.server.random_iterate
+
+    @property
+    def random_round(self) -> int | None:
+        return self.server.random_round
 
     def noise_stds(self, num_sampled: int) -> tuple[float, float]:
         """``(per-client std, server std on the sum)`` of a round with ``num_sampled`` clients."""
-        if not self.plan.dp:
-            return 0.0, 0.0
-        return placement_noise_stds(
-            self.cfg.noise_placement, self.noise_multiplier, self.cfg.clip, self.cfg.clients_per_round, num_sampled
-        )
+        return self.server.noise_stds(num_sampled)
 
     def summary(self) -> None:
         """Log the DP configuration (called by ``Strategy.start``)."""
@@ -377,66 +320,18 @@ class DPFedAvg(FedAvg):
         finally:
             flwr_logger.removeFilter(quiet)
 
-    def sample_clients(self, server_round: int) -> np.ndarray:
-        """Client ids sampled in ``server_round`` (1-based): Poisson with ``q = r/n``."""
-        rng = make_rng(self.cfg.seed, Stream.SAMPLING, server_round - 1)
-        return poisson_sample(self.cfg.num_clients, self.cfg.sampling_rate, rng)
-
-    def instructions(self, server_round: int, num_sampled: int) -> RoundInstructions:
-        """The train config of ``server_round``: ``eta_k``, ``E``, ``C``, noise std and seed."""
-        k = server_round - 1
-        return RoundInstructions(
-            server_round=server_round,
-            local_lr=local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay),
-            local_steps=self.cfg.local_steps,
-            algorithm=self.cfg.algorithm,
-            clip=self.cfg.clip,
-            noise_std=self.noise_stds(num_sampled)[0],
-            noise_seed=round_noise_seed(self.cfg.seed, k),
-            diagnostics=self.cfg.diagnostics,
-        )
-
-    def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
-        """The privacy event of a round with these counts (realized noise, see ``accounting``)."""
-        z_k = realized_noise_multiplier(
-            self.cfg.noise_placement, self.noise_multiplier, self.cfg.clients_per_round, num_sampled, num_included
-        )
-        return RoundEvent(self.cfg.sampling_rate, z_k)
-
-    def _check_budget(self, server_round: int, num_sampled: int) -> None:
-        """Stop before a round whose release, if every sampled client replies, would exceed the budget."""
-        budget = self.plan.max_epsilon
-        if budget is None or self.accountant is None:
-            return
-        projected = self.accountant.epsilon_after(self.round_event(num_sampled, num_sampled))
-        if projected > budget:
-            raise PrivacyBudgetExhausted(server_round, self.accountant.epsilon, projected, budget)
-
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Poisson-sample the clients and send them ``w_k`` and the round's instructions."""
         if not self.node_of_client:
             self.discover_clients(grid)
-        k = server_round - 1
-        w = from_array_record(arrays).astype(np.float64)
-        if w.shape != (self.dim,):
-            raise ValueError(f"global model has shape {w.shape}, expected ({self.dim},)")
-        clients = self.sample_clients(server_round)
-        self._check_budget(server_round, len(clients))
-        self._current = w
-        if keep_random_iterate(k, make_rng(self.cfg.seed, Stream.ITERATE, k)):
-            self.random_iterate, self.random_round = w.copy(), k
+        clients, instructions = self.server.begin_round(server_round, from_array_record(arrays))
         self._sampled = {self.node_of_client[int(c)]: int(c) for c in clients}
-        stats = RoundStats(round=server_round, num_sampled=len(clients))
-        stats.eta = local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay)
-        stats.beta = server_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay, self.cfg.server_lr)
-        self.history[server_round] = stats
-        if not len(clients):
-            logger.warning("Round %d: Poisson sampling selected no client", server_round)
+        if not self._sampled:
             return []
         train_config = ConfigRecord(dict(config))
-        for key, value in self.instructions(server_round, len(clients)).to_config_record().items():
+        for key, value in instructions_to_config_record(instructions).items():
             train_config[key] = value
         record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
         return self._construct_messages(record, sorted(self._sampled), MessageType.TRAIN)
@@ -451,8 +346,8 @@ class DPFedAvg(FedAvg):
         """
         return []
 
-    def _parse_reply(self, msg: Message) -> tuple[int, Vector, dict[str, Any], Vector | None]:
-        """``(client id, g + zeta, metrics, clean g or None)``; ``ValueError`` if malformed."""
+    def _parse_reply(self, msg: Message) -> ClientResult:
+        """The reply as a :class:`ClientResult`; ``ValueError`` if malformed."""
         src = msg.metadata.src_node_id
         if src not in self._sampled:
             raise ValueError(f"reply from node {src}, which was not sampled this round")
@@ -476,58 +371,26 @@ class DPFedAvg(FedAvg):
                 raise ValueError("diagnostics is on but the reply has no clean update") from None
             if clean.shape != (self.dim,):
                 raise ValueError(f"clean update has shape {clean.shape}, expected ({self.dim},)")
-        return self._sampled[src], update.astype(np.float64), metrics, clean
+        norm = float(metrics.get("update-norm", np.nan))
+        return ClientResult(self._sampled[src], update.astype(np.float64), norm, clean)
 
     def aggregate_train(
         self,
         server_round: int,
         replies: Iterable[Message],
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """``a_k = (1/r) sum (g_i + zeta_i)``, then ``m_{k+1} = mu m_k + a_k``, ``w_{k+1} = w_k - beta_k m_{k+1}``."""
-        if self._current is None:
-            raise RuntimeError("aggregate_train called before configure_train")
-        stats = self.history[server_round]
+        """Check the replies and let the server aggregate them (fixed denominator r, momentum, accounting)."""
         valid, failed = self._check_and_log_replies(list(replies), is_train=True, validate=False)
-        stats.num_failed = len(failed)
-        stats.num_dropped = max(0, stats.num_sampled - len(valid) - len(failed))
-        if stats.num_dropped:
-            logger.warning("Round %d: %d sampled clients did not reply (dropouts)", server_round, stats.num_dropped)
-        parsed = []
+        parsed, reasons = [], []
         for msg in valid:
             try:
                 parsed.append(self._parse_reply(msg))
             except ValueError as err:
-                stats.num_rejected += 1
-                stats.rejected_reasons.append(str(err))
+                reasons.append(str(err))
                 logger.warning("Round %d: rejected reply from node %d: %s", server_round, msg.metadata.src_node_id, err)
-        parsed.sort(key=lambda item: item[0])  # fixed summation order: by client id
-        stats.num_received = len(parsed)
-
-        r = self.cfg.clients_per_round
-        total = aggregate_fixed_denominator((upd for _, upd, _, _ in parsed), 1.0, self.dim)
-        server_std = self.noise_stds(stats.num_sampled)[1]
-        if server_std > 0:  # noise-placement = server: the trusted server adds N(0, (zC)^2 I) once
-            total += gaussian_noise(
-                self.dim, server_std, make_rng(self.cfg.seed, Stream.SERVER_NOISE, server_round - 1)
-            )
-        a = total / r
-        w_new, self.momentum = momentum_step(self._current, self.momentum, a, stats.beta, self.cfg.server_momentum)
-
-        if parsed:
-            norms = np.array([float(m.get("update-norm", np.nan)) for _, _, m, _ in parsed])
-            stats.mean_update_norm = float(np.mean(norms))
-            stats.frac_clipped = float(np.mean(norms > self.cfg.clip))
-        if self.cfg.diagnostics:
-            clean_mean = aggregate_fixed_denominator((c for *_, c in parsed), r, self.dim)
-            noise_norm = float(np.linalg.norm(a - clean_mean))
-            signal_norm = float(np.linalg.norm(clean_mean))
-            stats.snr = signal_norm / noise_norm if noise_norm > 0 else float("inf")
-        if self.accountant is not None:
-            event = self.round_event(stats.num_sampled, stats.num_received)
-            stats.noise_multiplier = event.z if event.z is not None else float("nan")
-            stats.epsilon = self.accountant.compose(event)
-        else:
-            stats.noise_multiplier, stats.epsilon = 0.0, float("inf")
-        self._current = None
+        parsed.sort(key=lambda result: result.client_id)  # fixed summation order
+        w_new = self.server.finish_round(server_round, parsed, num_failed=len(failed), num_rejected=len(reasons))
+        stats = self.history[server_round]
+        stats.rejected_reasons.extend(reasons)
         self.global_arrays = to_array_record(w_new)
         return self.global_arrays, MetricRecord(stats.as_metrics())

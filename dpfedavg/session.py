@@ -1,0 +1,187 @@
+"""One run's bookkeeping, shared by every engine: results files, evaluation, logging, summary.
+
+A :class:`RunSession` owns the run directory (``metrics.csv``, ``config.json``,
+``model.npz``), decides when the server evaluates (``eval-every`` and the last
+5 rounds), logs one line per round, and writes the final summary (epsilon
+spent, the paper's last-5-round metric). The Flower ServerApp and the batched
+engine both use it, so their outputs have one schema.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpfedavg.config import RunConfig
+from dpfedavg.core import server_noise_std
+from dpfedavg.core.types import Vector
+from dpfedavg.results import RunRecorder, package_versions
+from dpfedavg.strategies.accounting import PrivacyPlan
+from dpfedavg.strategies.server_loop import DPServer, RoundStats
+from dpfedavg.tasks import Task
+
+__all__ = ["RunSession", "describe_privacy", "run_directory"]
+
+logger = logging.getLogger(__name__)
+
+
+def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
+    """``<output-dir>/<run-name>``; the default name is ``<task>-<algorithm>-<UTC time>-<run id>``."""
+    name = cfg.run_name or f"{cfg.task}-{cfg.algorithm}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{run_id}"
+    return Path(cfg.output_dir).expanduser().resolve() / name
+
+
+def describe_privacy(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, Any]:
+    """The privacy set-up for ``config.json``."""
+    return {
+        "dp": plan.dp,
+        "noise_multiplier": plan.noise_multiplier,
+        "noise_multiplier_calibrated": plan.calibrated,
+        "target_epsilon": plan.target_epsilon,
+        "delta": plan.delta,
+        "q": plan.q,
+        "sigma": server_noise_std(plan.noise_multiplier, cfg.clip, cfg.clients_per_round),
+        "accountant": plan.accountant,
+        "noise_placement": plan.placement,
+        "max_epsilon": plan.max_epsilon,
+        "nominal_epsilon": plan.nominal_epsilon,
+        "privacy_unit": "one client's whole dataset (add/remove one client)",
+        "sensitivity_of_sum": cfg.clip,
+    }
+
+
+class RunSession:
+    """Results and logging of one run.
+
+    Parameters
+    ----------
+    cfg, task, server:
+        The run's config, task and server state.
+    run_id:
+        Flower's run id (or any label) for the default run name and ``config.json``.
+    engine:
+        ``flower`` or ``batched``, recorded in ``config.json``.
+    """
+
+    def __init__(self, cfg: RunConfig, task: Task, server: DPServer, run_id: int | str, engine: str) -> None:
+        self.cfg, self.task, self.server = cfg, task, server
+        self.directory = run_directory(cfg, run_id)
+        self.recorder = RunRecorder(self.directory, task.metric_names)
+        self.evaluated: dict[int, dict[str, float]] = {}
+        self.description = self._describe(run_id, engine)
+        self.recorder.write_config(self.description)
+        self._t0 = time.monotonic()
+        logger.info("Results will be written to %s", self.directory)
+        self._log_privacy()
+
+    def _describe(self, run_id: int | str, engine: str) -> dict[str, Any]:
+        cfg = self.cfg
+        client_std, server_std = self.server.noise_stds(round(cfg.clients_per_round))
+        return {
+            "run_config": cfg.to_run_config(),
+            "run_id": run_id,
+            "engine": engine,
+            "seed": cfg.seed,
+            "derived": {
+                "n": cfg.num_clients,
+                "r": cfg.clients_per_round,
+                "q": cfg.sampling_rate,
+                "dim": self.server.dim,
+                "client_noise_std_at_r": client_std,
+                "server_noise_std": server_std,
+            },
+            "privacy": describe_privacy(cfg, self.server.plan),
+            "versions": package_versions(),
+            "started_utc": datetime.now(UTC).isoformat(),
+        }
+
+    def _log_privacy(self) -> None:
+        plan, cfg = self.server.plan, self.cfg
+        if plan.dp:
+            logger.info(
+                "Privacy: z = %.5g (%s), %s accountant, delta = %g; nominal epsilon after %d rounds: %.4g",
+                plan.noise_multiplier,
+                f"calibrated for epsilon = {plan.target_epsilon:g}" if plan.calibrated else "given",
+                plan.accountant,
+                plan.delta,
+                plan.rounds,
+                plan.nominal_epsilon,
+            )
+        else:
+            logger.warning(
+                "NO DIFFERENTIAL PRIVACY: %s",
+                "algorithm='none' (epsilon, delta and noise-multiplier are not used)"
+                if cfg.algorithm == "none"
+                else "noise multiplier 0 (updates are clipped/normalized but not noised; epsilon is infinite)",
+            )
+
+    def due(self, server_round: int) -> bool:
+        """Whether the server evaluates after ``server_round`` (round 0 = the initial model)."""
+        k, total = server_round, self.cfg.num_rounds
+        return k == 0 or k % self.cfg.eval_every == 0 or k > total - 5
+
+    def record_round(self, server_round: int, w: Vector | None) -> dict[str, float]:
+        """Evaluate ``w`` if due, write the round's row and log its line; returns the task metrics."""
+        metrics = self.task.evaluate(w) if (w is not None and self.due(server_round)) else {}
+        if metrics:
+            self.evaluated[server_round] = metrics
+        stats: RoundStats | None = self.server.history.get(server_round)
+        row: dict[str, Any] = {"round": server_round, **metrics, "elapsed_s": round(time.monotonic() - self._t0, 3)}
+        if stats is not None:
+            row.update(stats.as_metrics())
+        self.recorder.write_row(row)
+        shown = " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()) or "not evaluated"
+        if stats is None:
+            logger.info("round %d/%d | %s", server_round, self.cfg.num_rounds, shown)
+        else:
+            logger.info(
+                "round %d/%d | sampled %d, received %d | %s | clipped %.0f%% | epsilon %.4g",
+                server_round,
+                self.cfg.num_rounds,
+                stats.num_sampled,
+                stats.num_received,
+                shown,
+                100 * stats.frac_clipped if stats.num_received else 0.0,
+                stats.epsilon,
+            )
+        return metrics
+
+    def finish(self, w_final: Vector, stopped_before_round: int | None = None) -> Path:
+        """Write ``model.npz`` and the final summary into ``config.json``; returns the run directory."""
+        server = self.server
+        w_random = server.random_iterate if server.random_iterate is not None else w_final
+        k_random = server.random_round if server.random_round is not None else 0
+        self.recorder.write_model(w_final=w_final, w_random_iterate=w_random, random_iterate_round=k_random)
+        completed = len(server.history)
+        last5 = [self.evaluated[k] for k in sorted(self.evaluated) if k > 0][-5:]
+        names = self.task.metric_names
+        summary = {f"last5_{name}": float(np.mean([m[name] for m in last5])) for name in names} if last5 else {}
+        epsilon = server.epsilon
+        self.description["final"] = {
+            **summary,
+            "epsilon": epsilon,
+            "delta": server.plan.delta,
+            "rounds_completed": completed,
+            "stopped_by_budget_before_round": stopped_before_round,
+            "random_iterate_round": k_random,
+            "finished_utc": datetime.now(UTC).isoformat(),
+        }
+        self.recorder.write_config(self.description)
+        if summary:
+            headline = self.task.headline_metric
+            value = summary[f"last5_{headline}"]
+            logger.info("%s averaged over the last %d evaluated rounds: %.4f", headline, len(last5), value)
+        logger.info(
+            "Done after %d rounds: (epsilon, delta) = (%.4g, %g); metrics in %s, model in %s",
+            completed,
+            epsilon,
+            server.plan.delta,
+            self.recorder.metrics_path,
+            self.recorder.model_path,
+        )
+        return self.directory

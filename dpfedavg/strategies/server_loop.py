@@ -1,0 +1,265 @@
+"""The server side of Alg. 1 / Alg. 2, independent of Flower.
+
+:class:`DPServer` holds the server state (``w_k``, the momentum buffer, the
+accountant, the random iterate, per-round statistics) and runs one round in
+two halves:
+
+* :meth:`DPServer.begin_round`: Poisson-sample the clients (line 3), check the
+  privacy budget, keep ``w_{k~}`` by reservoir sampling (line 13), and say what
+  the sampled clients must do (:class:`RoundInstructions`);
+* :meth:`DPServer.finish_round`: sum the clients' ``g + zeta`` (in client-id
+  order), add the server's noise for ``noise-placement = server``, divide by the
+  fixed ``r`` (line 12), apply momentum and ``beta_k``, and charge the
+  accountant with the noise the round actually carried.
+
+The Flower strategy (:class:`~dpfedavg.strategies.DPFedAvg`) and the batched
+engine (:mod:`dpfedavg.engines.batched`) both drive this class, so the two
+engines run the same server math.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dpfedavg.config import RunConfig
+from dpfedavg.core import (
+    Stream,
+    gaussian_noise,
+    keep_random_iterate,
+    local_lr_at,
+    make_rng,
+    momentum_step,
+    placement_noise_stds,
+    poisson_sample,
+    round_noise_seed,
+    server_lr_at,
+)
+from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
+from dpfedavg.strategies.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
+
+__all__ = ["ClientResult", "DPServer", "PrivacyBudgetExhausted", "RoundInstructions", "RoundStats"]
+
+logger = logging.getLogger(__name__)
+
+
+class PrivacyBudgetExhausted(Exception):
+    """Raised before a round whose release would exceed ``max-epsilon``; the run stops cleanly."""
+
+    def __init__(self, server_round: int, epsilon_now: float, epsilon_next: float, budget: float) -> None:
+        super().__init__(
+            f"privacy budget max-epsilon={budget:g} reached: stopping before round {server_round} "
+            f"(epsilon spent {epsilon_now:.4g}; that round would bring it to {epsilon_next:.4g})"
+        )
+        self.server_round = server_round
+
+
+@dataclass
+class RoundStats:
+    """Per-round training statistics (one row of ``metrics.csv``, training part)."""
+
+    round: int
+    num_sampled: int
+    num_received: int = 0
+    num_failed: int = 0
+    num_dropped: int = 0
+    num_rejected: int = 0
+    eta: float = float("nan")
+    beta: float = float("nan")
+    frac_clipped: float = float("nan")
+    mean_update_norm: float = float("nan")
+    snr: float = float("nan")
+    noise_multiplier: float = float("nan")
+    epsilon: float = float("nan")
+    rejected_reasons: list[str] = field(default_factory=list)
+
+    def as_metrics(self) -> dict[str, float]:
+        """Numeric fields for the MetricRecord / CSV."""
+        return {
+            "num_sampled": self.num_sampled,
+            "num_received": self.num_received,
+            "num_failed": self.num_failed,
+            "num_dropped": self.num_dropped,
+            "num_rejected": self.num_rejected,
+            "eta": self.eta,
+            "beta": self.beta,
+            "frac_clipped": self.frac_clipped,
+            "mean_update_norm": self.mean_update_norm,
+            "snr": self.snr,
+            "noise_multiplier": self.noise_multiplier,
+            "epsilon": self.epsilon,
+        }
+
+
+class DPServer:
+    """Server state and per-round math of DP-FedAvg / DP-NormFedAvg / FedAvg.
+
+    Parameters
+    ----------
+    cfg:
+        The validated run configuration.
+    dim:
+        Length of the flat model vector.
+    plan:
+        The privacy plan (calibrated ``z``, accountant, budget); computed from
+        ``cfg`` when omitted.
+    epsilon_each_round:
+        Compute the epsilon spent after every round (the ``epsilon`` column).
+        The batched engine turns it off for speed and reads :attr:`epsilon`
+        when it needs it; the composition itself is never skipped.
+    """
+
+    def __init__(
+        self, cfg: RunConfig, dim: int, *, plan: PrivacyPlan | None = None, epsilon_each_round: bool = True
+    ) -> None:
+        self.cfg = cfg
+        self.dim = dim
+        self.plan = plan if plan is not None else plan_privacy(cfg)
+        self.accountant = self.plan.new_accountant() if self.plan.dp else None
+        self.epsilon_each_round = epsilon_each_round
+        self.momentum: Vector = np.zeros(dim)
+        #: ``w_{k~}`` (Alg. 1 line 13), kept by reservoir sampling, and ``k~``.
+        self.random_iterate: Vector | None = None
+        self.random_round: int | None = None
+        self.history: dict[int, RoundStats] = {}
+        self._w: Vector | None = None
+        self._round: int | None = None
+
+    # ------------------------------------------------------------------ info
+    @property
+    def noise_multiplier(self) -> float:
+        """``z`` of this run (0 without DP)."""
+        return self.plan.noise_multiplier
+
+    @property
+    def epsilon(self) -> float:
+        """Epsilon spent so far for ``delta`` (``inf`` without DP)."""
+        return self.accountant.epsilon if self.accountant is not None else float("inf")
+
+    def noise_stds(self, num_sampled: int) -> tuple[float, float]:
+        """``(per-client std, server std on the sum)`` of a round with ``num_sampled`` clients."""
+        if not self.plan.dp:
+            return 0.0, 0.0
+        return placement_noise_stds(
+            self.cfg.noise_placement, self.noise_multiplier, self.cfg.clip, self.cfg.clients_per_round, num_sampled
+        )
+
+    def sample_clients(self, server_round: int) -> np.ndarray:
+        """Client ids sampled in ``server_round`` (1-based): Poisson with ``q = r/n`` (Alg. 1 line 3)."""
+        rng = make_rng(self.cfg.seed, Stream.SAMPLING, server_round - 1)
+        return poisson_sample(self.cfg.num_clients, self.cfg.sampling_rate, rng)
+
+    def instructions(self, server_round: int, num_sampled: int) -> RoundInstructions:
+        """The train config of ``server_round``: ``eta_k``, ``E``, ``C``, noise std and seed."""
+        k = server_round - 1
+        return RoundInstructions(
+            server_round=server_round,
+            local_lr=local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay),
+            local_steps=self.cfg.local_steps,
+            algorithm=self.cfg.algorithm,
+            clip=self.cfg.clip,
+            noise_std=self.noise_stds(num_sampled)[0],
+            noise_seed=round_noise_seed(self.cfg.seed, k),
+            diagnostics=self.cfg.diagnostics,
+        )
+
+    def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
+        """The privacy event of a round with these counts (realized noise, see ``accounting``)."""
+        z_k = realized_noise_multiplier(
+            self.cfg.noise_placement, self.noise_multiplier, self.cfg.clients_per_round, num_sampled, num_included
+        )
+        return RoundEvent(self.cfg.sampling_rate, z_k)
+
+    # ----------------------------------------------------------------- round
+    def begin_round(self, server_round: int, w: Vector) -> tuple[np.ndarray, RoundInstructions]:
+        """Sample the clients of ``server_round`` and open the round at ``w_k``.
+
+        Raises
+        ------
+        PrivacyBudgetExhausted
+            If the round, with every sampled client replying, would exceed ``max-epsilon``.
+        """
+        k = server_round - 1
+        w = np.asarray(w, dtype=np.float64)
+        if w.shape != (self.dim,):
+            raise ValueError(f"global model has shape {w.shape}, expected ({self.dim},)")
+        clients = self.sample_clients(server_round)
+        budget = self.plan.max_epsilon
+        if budget is not None and self.accountant is not None:
+            projected = self.accountant.epsilon_after(self.round_event(len(clients), len(clients)))
+            if projected > budget:
+                raise PrivacyBudgetExhausted(server_round, self.accountant.epsilon, projected, budget)
+        if keep_random_iterate(k, make_rng(self.cfg.seed, Stream.ITERATE, k)):
+            self.random_iterate, self.random_round = w.copy(), k
+        stats = RoundStats(round=server_round, num_sampled=len(clients))
+        stats.eta = local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay)
+        stats.beta = server_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay, self.cfg.server_lr)
+        self.history[server_round] = stats
+        self._w, self._round = w, server_round
+        if not len(clients):
+            logger.warning("Round %d: Poisson sampling selected no client", server_round)
+        return clients, self.instructions(server_round, len(clients))
+
+    def finish_round(
+        self,
+        server_round: int,
+        results: Iterable[ClientResult],
+        *,
+        num_failed: int = 0,
+        num_rejected: int = 0,
+    ) -> Vector:
+        """Aggregate the round's client results (in ascending client id) and return ``w_{k+1}``.
+
+        ``a_k = (1/r) (sum_i (g_i + zeta_i) [+ server noise])``,
+        ``m_{k+1} = mu m_k + a_k``, ``w_{k+1} = w_k - beta_k m_{k+1}``.
+        Sampled clients that are not among ``results`` and not counted as failed
+        or rejected are dropouts.
+        """
+        if self._w is None or self._round != server_round:
+            raise RuntimeError(f"finish_round({server_round}) without begin_round({server_round})")
+        stats = self.history[server_round]
+        r = self.cfg.clients_per_round
+        total = np.zeros(self.dim)
+        clean_total = np.zeros(self.dim) if self.cfg.diagnostics else None
+        norms: list[float] = []
+        last_id = -1
+        for result in results:
+            if result.client_id <= last_id:
+                raise ValueError("client results must come in ascending client id (a fixed summation order)")
+            last_id = result.client_id
+            total += result.noisy
+            norms.append(result.update_norm)
+            if clean_total is not None and result.clean is not None:
+                clean_total += result.clean
+        stats.num_received = len(norms)
+        stats.num_failed, stats.num_rejected = num_failed, num_rejected
+        stats.num_dropped = max(0, stats.num_sampled - stats.num_received - num_failed - num_rejected)
+        if stats.num_dropped:
+            logger.warning("Round %d: %d sampled clients did not reply (dropouts)", server_round, stats.num_dropped)
+        server_std = self.noise_stds(stats.num_sampled)[1]
+        if server_std > 0:  # noise-placement = server: the trusted server adds N(0, (zC)^2 I) once
+            rng = make_rng(self.cfg.seed, Stream.SERVER_NOISE, server_round - 1)
+            total += gaussian_noise(self.dim, server_std, rng)
+        a = total / r
+        w_new, self.momentum = momentum_step(self._w, self.momentum, a, stats.beta, self.cfg.server_momentum)
+        if norms:
+            norms_arr = np.asarray(norms)
+            stats.mean_update_norm = float(norms_arr.mean())
+            stats.frac_clipped = float(np.mean(norms_arr > self.cfg.clip))
+        if clean_total is not None:
+            clean_mean = clean_total / r
+            noise_norm = float(np.linalg.norm(a - clean_mean))
+            stats.snr = float(np.linalg.norm(clean_mean)) / noise_norm if noise_norm > 0 else float("inf")
+        if self.accountant is not None:
+            event = self.round_event(stats.num_sampled, stats.num_received)
+            stats.noise_multiplier = event.z if event.z is not None else float("nan")
+            self.accountant.compose(event)
+            if self.epsilon_each_round:
+                stats.epsilon = self.accountant.epsilon
+        else:
+            stats.noise_multiplier, stats.epsilon = 0.0, float("inf")
+        self._w, self._round = None, None
+        return w_new

@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from flower_harness import LocalSuperLink  # noqa: E402
+from dpfedavg.engines.local_superlink import LocalSuperLink
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flower_harness import LocalSuperLink
+from dpfedavg.engines.local_superlink import LocalSuperLink
 from reference import run_reference_for
 
 from dpfedavg.config import RunConfig

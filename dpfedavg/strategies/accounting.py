@@ -195,7 +195,7 @@ class RoundAccountant:
         self._last_count = 0  # ... and its length
         self._cached: tuple[int, float] | None = None  # (rounds, epsilon)
         for event in events:
-            self.compose(event)
+            self.add(event)
 
     # ----------------------------------------------------------------- state
     @property
@@ -211,7 +211,7 @@ class RoundAccountant:
 
     def compose(self, event: RoundEvent, count: int = 1) -> float:
         """Add ``count`` rounds of ``event``; return the epsilon spent after them."""
-        self._add(event, count)
+        self.add(event, count)
         return self.epsilon
 
     def epsilon_after(self, event: RoundEvent, count: int = 1) -> float:
@@ -230,7 +230,8 @@ class RoundAccountant:
         return self._epsilon_of(base, event, last_count + count)
 
     # -------------------------------------------------------------- internals
-    def _add(self, event: RoundEvent, count: int) -> None:
+    def add(self, event: RoundEvent, count: int = 1) -> None:
+        """Add ``count`` rounds of ``event`` without computing epsilon (cheap)."""
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         self.history.extend([event] * count)

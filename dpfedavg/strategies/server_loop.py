@@ -256,7 +256,7 @@ class DPServer:
         if self.accountant is not None:
             event = self.round_event(stats.num_sampled, stats.num_received)
             stats.noise_multiplier = event.z if event.z is not None else float("nan")
-            self.accountant.compose(event)
+            self.accountant.add(event)
             if self.epsilon_each_round:
                 stats.epsilon = self.accountant.epsilon
         else:

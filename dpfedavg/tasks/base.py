@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 from dpfedavg.core.types import GradFn, Vector
 
 __all__ = ["Task"]
@@ -33,6 +35,12 @@ class Task(Protocol):
 
     def client_grad_fn(self, client_id: int) -> GradFn:
         """The full-batch gradient of ``f_i`` for client ``i``; builds only that client's data."""
+
+    def client_batch_grad_fn(self, client_ids: np.ndarray) -> GradFn:
+        """Batched gradients for the batched engine: maps ``W`` of shape ``(B, dim)`` to ``(B, dim)``.
+
+        Optional: without it the batched engine stacks :meth:`client_grad_fn`.
+        """
 
     def evaluate(self, w: Vector) -> dict[str, float]:
         """Server-side metrics of the global model ``w`` (keys: :attr:`metric_names`)."""

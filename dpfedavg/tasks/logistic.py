@@ -127,6 +127,28 @@ class LogisticTask:
     def client_grad_fn(self, client_id: int) -> GradFn:
         return self.client(client_id).grad
 
+    def client_batch_grad_fn(self, client_ids: np.ndarray) -> GradFn:
+        """Gradients of several clients at once (every client has the same number of examples)."""
+        rows = np.sort(np.asarray(self.partition)[np.asarray(client_ids)], axis=1)
+        x = np.asarray(self.data.train_x[rows.ravel()], dtype=np.float64).reshape(len(client_ids), rows.shape[1], -1)
+        y = np.asarray(self.data.train_y[rows.ravel()]).reshape(rows.shape)
+        d, c, lam, m = self.feature_dim, self.num_classes, self.cfg.weight_decay, rows.shape[1]
+        batch_idx, example_idx = np.arange(len(client_ids))[:, None], np.arange(m)[None, :]
+
+        def grad(w: np.ndarray) -> np.ndarray:
+            weights, bias = w[:, : d * c].reshape(len(w), d, c), w[:, d * c :]
+            logits = np.matmul(x, weights) + bias[:, None, :]
+            logits -= logits.max(axis=2, keepdims=True)
+            probs = np.exp(logits)
+            probs /= probs.sum(axis=2, keepdims=True)
+            probs[batch_idx, example_idx, y] -= 1.0
+            probs /= m
+            g_w = np.matmul(x.transpose(0, 2, 1), probs) + lam * weights
+            g_b = probs.sum(axis=1) + lam * bias
+            return np.concatenate([g_w.reshape(len(w), -1), g_b], axis=1)
+
+        return grad
+
     def initial_weights(self) -> Vector:
         return np.zeros(self.dim)
 

@@ -81,6 +81,18 @@ class QuadraticTask:
     def client_grad_fn(self, client_id: int) -> GradFn:
         return self.client(client_id).grad
 
+    def client_batch_grad_fn(self, client_ids: np.ndarray) -> GradFn:
+        """Gradients of several clients at once: row ``b`` of ``W`` is client ``client_ids[b]``'s iterate."""
+        all_a, all_w_star = self._stacked  # every client's data, built once
+        ids = np.asarray(client_ids, dtype=np.int64)
+        a, w_star = all_a[ids], all_w_star[ids]  # (B, d, RANK), (B, d)
+
+        def grad(w: np.ndarray) -> np.ndarray:
+            proj = np.matmul((w - w_star)[:, None, :], a)  # (B, 1, RANK) = (A_i^T (w - w_i*))^T
+            return np.matmul(proj, a.transpose(0, 2, 1))[:, 0, :]  # (B, d) = A_i A_i^T (w - w_i*)
+
+        return grad
+
     # --- server side: everything below needs all n clients ------------------
     @cached_property
     def _stacked(self) -> tuple[np.ndarray, np.ndarray]:

@@ -1,10 +1,13 @@
 """Run the app through the real `flwr run` CLI against a private local SuperLink.
 
 The SuperLink is started here (the same command `flwr run` would use for its
-managed local SuperLink) on free ports, with a temporary ``FLWR_HOME`` and a
-short ``RAY_TMPDIR``, so the tests never touch a user's SuperLink. `flwr run`
-finds it through ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``. Every process it
-started (SuperLink, SuperExec, simulation, Ray) is stopped by PID.
+managed local SuperLink) on free ports, with its own ``FLWR_HOME`` and a short
+``RAY_TMPDIR``, so it never touches a user's SuperLink. `flwr run` finds it
+through ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``. :meth:`LocalSuperLink.stop`
+stops every process it started (SuperLink, SuperExec, simulation, Ray) by PID.
+Used by the Flower engine of ``run_sim.py``, the end-to-end tests and the
+benchmarks; needs the source checkout (``flwr run`` builds the app from it)
+and ``psutil``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import psutil
+import psutil  # noqa: I001 - optional dependency of the Flower engine
 
-ROOT = Path(__file__).resolve().parents[1]
+#: The app's source directory (the one with pyproject.toml) that `flwr run` builds.
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
@@ -35,6 +39,8 @@ class LocalSuperLink:
     """A private simulation SuperLink for tests."""
 
     def __init__(self, workdir: Path, *, runtime_dependency_install: bool = False) -> None:
+        if not (ROOT / "pyproject.toml").exists():
+            raise RuntimeError(f"the Flower engine needs the dpfedavg source checkout; no pyproject.toml in {ROOT}")
         self.workdir = Path(workdir)
         self.home = self.workdir / "flwr_home"
         self.home.mkdir(parents=True, exist_ok=True)
@@ -157,3 +163,10 @@ class LocalSuperLink:
     def leftover_pids(self) -> list[int]:
         """PIDs of processes started by this SuperLink that still run (should be empty after stop)."""
         return [pid for pid, p in self._known.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    def __enter__(self) -> LocalSuperLink:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,46 @@
+"""The Flower engine for scripts: one configured run through `flwr run` on a private local SuperLink."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dpfedavg.config import RunConfig
+from dpfedavg.engines.local_superlink import LocalSuperLink
+
+__all__ = ["run_config_overrides", "run_flower"]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return "'" + value.replace("'", "") + "'"
+    return repr(value)
+
+
+def run_config_overrides(cfg: RunConfig) -> str:
+    """``cfg`` as the value of ``flwr run --run-config`` (every key, TOML syntax)."""
+    return " ".join(f"{key}={_toml_value(value)}" for key, value in cfg.to_run_config().items())
+
+
+def run_flower(cfg: RunConfig, superlink: LocalSuperLink, *, num_cpus: int = 1, timeout: float = 3600.0) -> Path:
+    """Run ``cfg`` with ``flwr run`` (n simulated SuperNodes) and return its run directory.
+
+    ``cfg.run_name`` must be set so that the results can be found.
+
+    Raises
+    ------
+    RuntimeError
+        If the run wrote no final results; the message holds the end of its log.
+    """
+    if not cfg.run_name:
+        raise ValueError("run_flower needs cfg.run_name to find the run's results")
+    federation = f"num-supernodes={cfg.num_clients} client-resources-num-cpus={int(num_cpus)}"
+    result = superlink.flwr_run(run_config_overrides(cfg), federation, timeout=timeout)
+    run_dir = Path(cfg.output_dir).expanduser().resolve() / cfg.run_name
+    config = run_dir / "config.json"
+    if not config.exists() or "final" not in json.loads(config.read_text()):
+        raise RuntimeError(f"flwr run wrote no final results to {run_dir}:\n{result.stdout[-3000:]}")
+    return run_dir

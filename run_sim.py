@@ -3,6 +3,19 @@
 
 Subcommands
 -----------
+synthetic
+    The paper's §4.4 experiment (Figures 1-3)::
+
+        python run_sim.py synthetic [--C 40 50 100] [--init I1 I2] [--eta 0.0003 0.001 0.003]
+            [--seeds 3] [--rounds 500] [--engine batched|flower] [--jobs N] [--out results/synthetic]
+
+table1
+    The paper's §5 Table 1 protocol on one dataset::
+
+        python run_sim.py table1 --dataset fmnist|cifar10|cifar100|digits [--epsilon 5 1.5]
+            [--clip ...] [--lr ...] [--seeds 3] [--rounds 200] [--engine ...] [--jobs N] [--out DIR]
+            [--data-dir DIR] [--cache-dir DIR]
+
 privacy
     Noise multiplier for a target (epsilon, delta), the epsilon it gives under
     both accountants, and the paper's formula for comparison::
@@ -18,7 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -99,6 +115,109 @@ def privacy_report(
     }
 
 
+def _check_common(args: argparse.Namespace) -> None:
+    if getattr(args, "seeds", 1) < 1:
+        _fail(f"--seeds = {args.seeds}: expected an integer >= 1")
+    if getattr(args, "jobs", 1) < 1:
+        _fail(f"--jobs = {args.jobs}: expected an integer >= 1")
+    if getattr(args, "engine", "batched") == "flower" and getattr(args, "jobs", 1) > 1:
+        _fail("--engine flower runs one cell at a time (each is a full Ray simulation): use --jobs 1")
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.getLogger("dpfedavg").setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+_SYNTHETIC_FLAGS = {"clip": "--C", "local-lr": "--eta", "init": "--init", "num-rounds": "--rounds"}
+
+
+def _cmd_synthetic(args: argparse.Namespace) -> None:
+    import time
+
+    from dpfedavg.config import ConfigError
+    from dpfedavg.experiments.synthetic import run_synthetic, synthetic_cells
+    from dpfedavg.sweep import SweepError
+
+    _check_common(args)
+    _setup_logging(args.verbose)
+    try:
+        synthetic_cells(
+            Path(args.out), clips=args.C, inits=args.init, etas=args.eta, seeds=args.seeds, rounds=args.rounds
+        )
+    except ConfigError as err:
+        _fail(_as_flags(str(err), _SYNTHETIC_FLAGS))
+    t0 = time.monotonic()
+    try:
+        outputs = run_synthetic(
+            Path(args.out),
+            clips=args.C,
+            inits=args.init,
+            etas=args.eta,
+            seeds=args.seeds,
+            rounds=args.rounds,
+            engine=args.engine,
+            jobs=args.jobs,
+            progress=not args.no_progress,
+        )
+    except SweepError as err:
+        _fail(str(err))
+    print(f"synthetic: done in {time.monotonic() - t0:.0f} s")
+    for name, path in outputs.items():
+        print(f"  {name}: {path}")
+    print((Path(args.out) / "summary.md").read_text())
+
+
+_TABLE1_FLAGS = {
+    "clip": "--clip",
+    "local-lr": "--lr",
+    "epsilon": "--epsilon",
+    "num-rounds": "--rounds",
+    "data-dir": "--data-dir",
+    "cache-dir": "--cache-dir",
+}
+
+
+def _cmd_table1(args: argparse.Namespace) -> None:
+    import time
+
+    from dpfedavg.config import ConfigError
+    from dpfedavg.experiments.table1 import run_table1, table1_cells
+    from dpfedavg.sweep import SweepError
+    from dpfedavg.tasks.datasets import DataUnavailableError
+
+    _check_common(args)
+    _setup_logging(args.verbose)
+    out = Path(args.out.replace("<dataset>", args.dataset))
+    grid = {
+        "epsilons": args.epsilon,
+        "clips": args.clip,
+        "lrs": args.lr,
+        "seeds": args.seeds,
+        "rounds": args.rounds,
+        "data_dir": args.data_dir,
+        "cache_dir": args.cache_dir,
+    }
+    if any(e <= 0 for e in args.epsilon):
+        _fail(f"--epsilon = {args.epsilon}: expected values > 0")
+    try:
+        cells = table1_cells(out, args.dataset, **grid)
+    except ConfigError as err:
+        _fail(_as_flags(str(err), _TABLE1_FLAGS))
+    t0 = time.monotonic()
+    print(f"table1 {args.dataset}: {len(cells)} runs, engine {args.engine}, {args.jobs} jobs, results in {out}")
+    try:
+        outputs = run_table1(
+            out, args.dataset, engine=args.engine, jobs=args.jobs, progress=not args.no_progress, **grid
+        )
+    except (SweepError, DataUnavailableError, ConfigError) as err:
+        _fail(str(err))
+    print(f"table1 {args.dataset}: done in {time.monotonic() - t0:.0f} s")
+    for name, path in outputs.items():
+        print(f"  {name}: {path}")
+    print(outputs["table"].read_text())
+
+
 def _cmd_privacy(args: argparse.Namespace) -> None:
     report = privacy_report(
         epsilon=args.epsilon,
@@ -126,11 +245,44 @@ def _cmd_privacy(args: argparse.Namespace) -> None:
     )
 
 
+def _add_sweep_flags(p: argparse.ArgumentParser, default_out: str) -> None:
+    p.add_argument("--engine", choices=("batched", "flower"), default="batched", help="default: batched")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cells run in parallel (default: CPUs)")
+    p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="log every run's progress")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="run_sim.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("synthetic", help="paper §4.4: Figures 1-3 on the synthetic quadratic")
+    p.add_argument("--C", type=float, nargs="+", default=[40.0, 50.0, 100.0], help="clip / scale values")
+    p.add_argument("--init", nargs="+", default=["I1", "I2"], help="initializations (I1, I2)")
+    p.add_argument("--eta", type=float, nargs="+", default=[0.0003, 0.001, 0.003], help="eta = beta values")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--rounds", type=int, default=500, help="K (default 500, as the paper)")
+    _add_sweep_flags(p, "results/synthetic")
+    p.set_defaults(func=_cmd_synthetic)
+
+    from dpfedavg.experiments.table1 import CLIPS, DEFAULT_ROUNDS, EPSILONS, LEARNING_RATES
+
+    p = sub.add_parser("table1", help="paper §5: Table 1 protocol (grid over C and eta_0) on one dataset")
+    p.add_argument("--dataset", required=True, choices=("fmnist", "cifar10", "cifar100", "digits"))
+    p.add_argument("--epsilon", type=float, nargs="+", default=list(EPSILONS), help="default: 5 1.5")
+    p.add_argument("--clip", type=float, nargs="+", default=list(CLIPS), help="C grid (default: the paper's)")
+    p.add_argument(
+        "--lr", type=float, nargs="+", default=list(LEARNING_RATES), help="eta_0 grid (default: the paper's)"
+    )
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help=f"K (default {DEFAULT_ROUNDS}; see README)")
+    p.add_argument("--data-dir", default="", help="local dataset files (offline use)")
+    p.add_argument("--cache-dir", default="", help="prepared-feature cache (default ~/.cache/dpfedavg)")
+    _add_sweep_flags(p, "results/table1-<dataset>")
+    p.set_defaults(func=_cmd_table1)
 
     p = sub.add_parser("privacy", help="noise multiplier for a target (epsilon, delta); accountants vs the paper")
     p.add_argument("--epsilon", type=float, required=True, help="target epsilon (> 0)")

@@ -112,6 +112,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("run-name", str, "", "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x))),  # noqa: E501
     Option("node-wait-timeout", float, 300.0, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),  # noqa: E501
     Option("round-timeout", float, 3600.0, "-", "seconds a round waits for replies", "a float > 0", _positive),
+    Option("save-trajectory", bool, False, "-", "also write trajectory.npy: w_k of every round (Figure 3)"),
     Option("eval-every", int, 1, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
     # Task-specific keys (ignored by tasks that do not use them).
     Option("init", str, "I1", "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2")),  # noqa: E501
@@ -184,6 +185,7 @@ class RunConfig:
     run_name: str = ""
     node_wait_timeout: float = 300.0
     round_timeout: float = 3600.0
+    save_trajectory: bool = False
     eval_every: int = 1
     init: str = "I1"
     dim: int = 200

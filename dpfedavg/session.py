@@ -73,6 +73,7 @@ class RunSession:
         self.directory = run_directory(cfg, run_id)
         self.recorder = RunRecorder(self.directory, task.metric_names)
         self.evaluated: dict[int, dict[str, float]] = {}
+        self.trajectory: list[np.ndarray] = []
         self.description = self._describe(run_id, engine)
         self.recorder.write_config(self.description)
         self._t0 = time.monotonic()
@@ -128,6 +129,8 @@ class RunSession:
     def record_round(self, server_round: int, w: Vector | None) -> dict[str, float]:
         """Evaluate ``w`` if due, write the round's row and log its line; returns the task metrics."""
         metrics = self.task.evaluate(w) if (w is not None and self.due(server_round)) else {}
+        if self.cfg.save_trajectory and w is not None:
+            self.trajectory.append(np.asarray(w, dtype=np.float32))
         if metrics:
             self.evaluated[server_round] = metrics
         stats: RoundStats | None = self.server.history.get(server_round)
@@ -157,6 +160,8 @@ class RunSession:
         w_random = server.random_iterate if server.random_iterate is not None else w_final
         k_random = server.random_round if server.random_round is not None else 0
         self.recorder.write_model(w_final=w_final, w_random_iterate=w_random, random_iterate_round=k_random)
+        if self.trajectory:
+            np.save(self.directory / "trajectory.npy", np.stack(self.trajectory))
         completed = len(server.history)
         last5 = [self.evaluated[k] for k in sorted(self.evaluated) if k > 0][-5:]
         names = self.task.metric_names

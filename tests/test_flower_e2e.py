@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dpfedavg.engines.local_superlink import LocalSuperLink
 from reference import run_reference_for
 
 from dpfedavg.config import RunConfig
+from dpfedavg.engines.batched import run_batched
+from dpfedavg.engines.local_superlink import LocalSuperLink
 
 pytestmark = pytest.mark.slow
 
@@ -58,8 +59,10 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("noise", [0.0, 2.0], ids=["noise-off", "noise-on"])
-def test_flower_simulation_matches_numpy_reference(superlink: LocalSuperLink, tmp_path: Path, noise: float) -> None:
-    """10 clients, Poisson sampling, momentum: final weights equal plain numpy Alg. 1/2 within 1e-6."""
+def test_flower_simulation_matches_numpy_reference_and_batched_engine(
+    superlink: LocalSuperLink, tmp_path: Path, noise: float
+) -> None:
+    """10 clients, Poisson sampling, momentum: the Flower run equals plain numpy Alg. 1/2 and the batched engine."""
     values = {
         "num-clients": 10,
         "clients-per-round": 6.0,
@@ -72,6 +75,7 @@ def test_flower_simulation_matches_numpy_reference(superlink: LocalSuperLink, tm
         "lr-decay": 0.95,
         "algorithm": "norm",
         "clip": 30.0,
+        "save-trajectory": True,
     }
     result, run_dir = _run(superlink, tmp_path, f"ref-{noise}", values)
     assert (run_dir / "model.npz").exists(), result.stdout[-4000:]
@@ -87,6 +91,11 @@ def test_flower_simulation_matches_numpy_reference(superlink: LocalSuperLink, tm
     dists = [float(r["dist_to_opt"]) for r in _rows(run_dir)]
     expected = [task.evaluate(w)["dist_to_opt"] for w in ref.trajectory]
     np.testing.assert_allclose(dists, expected, rtol=1e-6)
+    # the batched engine, same seed: the same trajectory, round by round
+    batched = run_batched(RunConfig.from_run_config({**values, "output-dir": str(tmp_path), "run-name": "batched"}))
+    np.testing.assert_allclose(
+        np.load(batched / "trajectory.npy"), np.load(run_dir / "trajectory.npy"), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_default_run_smoke(superlink: LocalSuperLink, tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def per_round(run_dir: Path, evaluated_every: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=3000)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--skip-flower", action="store_true")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-engines-"))
@@ -68,7 +68,7 @@ def main() -> None:
     values = {"task": "fmnist", "num-clients": n, "clients-per-round": 0.2 * n, "num-rounds": k, "eval-every": k,
               "epsilon": 5.0, "delta": 1e-5, "local-lr": 0.01, "clip": 62.5, "data-dir": str(data_dir),
               "cache-dir": str(tmp / "cache"), "output-dir": str(tmp / "out")}  # fmt: skip
-    print(f"| engine | n | r | s per round (median) | ms per sampled client | wall (s) |")
+    print("| engine | n | r | s per round (median) | ms per sampled client | wall (s) |")
     print("|---|---|---|---|---|---|")
     t0 = time.monotonic()
     out = run_batched(RunConfig.from_run_config({**values, "run-name": "batched"}))

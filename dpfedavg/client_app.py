@@ -8,7 +8,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import GradFn, Stream, make_rng, private_client_update
+from dpfedavg.core import GradFn, noise_rng, private_client_update
 from dpfedavg.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -76,7 +76,7 @@ def train(msg: Message, context: Context) -> Message:
         algorithm=ins.algorithm,  # type: ignore[arg-type]
         clip=ins.clip,
         noise_std=ins.noise_std,
-        rng=make_rng(ins.noise_seed, Stream.NOISE, client_id),
+        rng=noise_rng(ins.noise_seed, client_id),
     )
     content = RecordDict(
         {

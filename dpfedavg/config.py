@@ -113,6 +113,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("node-wait-timeout", float, 300.0, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),  # noqa: E501
     Option("round-timeout", float, 3600.0, "-", "seconds a round waits for replies", "a float > 0", _positive),
     Option("save-trajectory", bool, False, "-", "also write trajectory.npy: w_k of every round (Figure 3)"),
+    Option("checkpoint-every", int, 10, "-", "write <run dir>/checkpoint.npz every this many rounds (and at the end); 0 = never", "an integer >= 0", lambda x: x >= 0),  # noqa: E501
+    Option("resume", bool, False, "-", "continue the run in <output-dir>/<run-name> from its checkpoint (needs run-name)"),  # noqa: E501
+    Option("secure-noise", bool, False, "-", "draw DP noise from OS-seeded generators nobody can replay (production); false = seeded, reproducible (research)"),  # noqa: E501
     Option("eval-every", int, 1, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
     # Task-specific keys (ignored by tasks that do not use them).
     Option("init", str, "I1", "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2")),  # noqa: E501
@@ -186,6 +189,9 @@ class RunConfig:
     node_wait_timeout: float = 300.0
     round_timeout: float = 3600.0
     save_trajectory: bool = False
+    checkpoint_every: int = 10
+    resume: bool = False
+    secure_noise: bool = False
     eval_every: int = 1
     init: str = "I1"
     dim: int = 200
@@ -261,6 +267,11 @@ class RunConfig:
             errors.append(
                 f"'clients-per-round' = {self.clients_per_round:g} exceeds 'num-clients' = {self.num_clients}: "
                 "expected 0 < r <= n (set clients-per-round together with num-clients; r = n is full participation)"
+            )
+        if self.resume and not self.run_name:
+            errors.append(
+                "'resume' = True needs 'run-name': the interrupted run's folder <output-dir>/<run-name> "
+                "holds the checkpoint (the default name has a timestamp, so give runs you may resume a name)"
             )
         return errors
 

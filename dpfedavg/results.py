@@ -77,15 +77,23 @@ class RunRecorder:
     dies still leaves the rounds it finished.
     """
 
-    def __init__(self, directory: Path, metric_names: Sequence[str]) -> None:
+    def __init__(self, directory: Path, metric_names: Sequence[str], keep_rounds_through: int | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.columns = ("round", *TRAIN_COLUMNS[:7], *metric_names, *TRAIN_COLUMNS[7:], "elapsed_s")
         self.metrics_path = self.directory / "metrics.csv"
         self.config_path = self.directory / "config.json"
         self.model_path = self.directory / "model.npz"
-        with self.metrics_path.open("w", newline="") as fh:
-            csv.writer(fh).writerow(self.columns)
+        kept: list[list[str]] = []
+        if keep_rounds_through is not None and self.metrics_path.exists():
+            # a resumed run: keep the rows up to the checkpoint's round (later ones are redone)
+            with self.metrics_path.open(newline="") as fh:
+                rows = list(csv.reader(fh))
+            if rows and tuple(rows[0]) == self.columns:
+                kept = [row for row in rows[1:] if row and int(row[0]) <= keep_rounds_through]
+        buf = io.StringIO()
+        csv.writer(buf).writerows([self.columns, *kept])
+        atomic_write_bytes(self.metrics_path, buf.getvalue().encode())
 
     def write_config(self, payload: Mapping[str, Any]) -> None:
         data = json.dumps(payload, indent=2, sort_keys=True, default=str).encode()

@@ -32,12 +32,16 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
     strategy = DPFedAvg(cfg, dim=task.dim, plan=plan)
     session = RunSession(cfg, task, strategy.server, run_id, engine="flower")
 
+    w_start, first_round = session.begin(w0)
+
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        metrics = session.record_round(server_round, from_array_record(arrays))
+        metrics = session.end_round(server_round, from_array_record(arrays))
         return MetricRecord(metrics) if metrics else None
 
-    result = strategy.start(grid=grid, initial_arrays=to_array_record(w0), evaluate_fn=evaluate_fn)
-    w_final = from_array_record(result.arrays) if result.arrays is not None else w0
+    result = strategy.start(
+        grid=grid, initial_arrays=to_array_record(w_start), evaluate_fn=evaluate_fn, first_round=first_round
+    )
+    w_final = from_array_record(result.arrays) if result.arrays is not None else w_start
     return session.finish(w_final, stopped_before_round=strategy.stopped_before_round)
 
 

@@ -17,6 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from dpfedavg.checkpoint import (
+    CHECKPOINT_FILE,
+    Checkpoint,
+    check_compatible,
+    load_checkpoint,
+    privacy_signature,
+    save_checkpoint,
+)
 from dpfedavg.config import RunConfig
 from dpfedavg.core import server_noise_std
 from dpfedavg.core.types import Vector
@@ -71,12 +79,24 @@ class RunSession:
     def __init__(self, cfg: RunConfig, task: Task, server: DPServer, run_id: int | str, engine: str) -> None:
         self.cfg, self.task, self.server = cfg, task, server
         self.directory = run_directory(cfg, run_id)
-        self.recorder = RunRecorder(self.directory, task.metric_names)
+        #: The checkpoint this run resumes from (``resume=true``), checked before anything is written.
+        self.resumed: Checkpoint | None = None
+        if cfg.resume:
+            self.resumed = load_checkpoint(self.directory)
+            check_compatible(self.resumed, cfg, server.plan, server.dim)
+        elif (self.directory / CHECKPOINT_FILE).exists():
+            logger.warning(
+                "%s holds a checkpoint of an earlier run; starting over (resume=true would continue it, "
+                "without spending the privacy budget again)",
+                self.directory,
+            )
+        keep = self.resumed.round if self.resumed is not None else None
+        self.recorder = RunRecorder(self.directory, task.metric_names, keep_rounds_through=keep)
         self.evaluated: dict[int, dict[str, float]] = {}
         self.trajectory: list[np.ndarray] = []
         self.description = self._describe(run_id, engine)
         self.recorder.write_config(self.description)
-        self._t0 = time.monotonic()
+        self._t0 = time.monotonic() - (self.resumed.elapsed_s if self.resumed is not None else 0.0)
         logger.info("Results will be written to %s", self.directory)
         self._log_privacy()
 
@@ -121,6 +141,75 @@ class RunSession:
                 else "noise multiplier 0 (updates are clipped/normalized but not noised; epsilon is infinite)",
             )
 
+    def begin(self, w0: Vector) -> tuple[Vector, int]:
+        """Start the run: ``(w_0, 1)`` after recording round 0, or a resumed run's ``(w_k, k + 1)``.
+
+        On resume the server gets back its momentum, random iterate, per-round
+        statistics and the accountant's history (epsilon continues; it never
+        restarts from 0).
+        """
+        ckpt = self.resumed
+        if ckpt is None:
+            self.record_round(0, w0)
+            return w0, 1
+        self.server.restore(
+            momentum=ckpt.momentum,
+            random_iterate=ckpt.random_iterate,
+            random_round=ckpt.random_round,
+            accountant_history=ckpt.accountant_history,
+            history=ckpt.history,
+        )
+        self.evaluated = dict(ckpt.evaluated)
+        if ckpt.trajectory is not None:
+            self.trajectory = list(ckpt.trajectory)
+        spent = self.server.epsilon if self.server.accountant is not None else float("inf")
+        logger.info(
+            "Resuming after round %d of %d from %s (epsilon spent so far: %.4g)",
+            ckpt.round,
+            self.cfg.num_rounds,
+            self.directory / CHECKPOINT_FILE,
+            spent,
+        )
+        return ckpt.w.copy(), ckpt.round + 1
+
+    def end_round(self, server_round: int, w: Vector) -> dict[str, float]:
+        """:meth:`record_round`, then a checkpoint every ``checkpoint-every`` rounds."""
+        metrics = self.record_round(server_round, w)
+        every = self.cfg.checkpoint_every
+        if every and server_round % every == 0 and server_round < self.cfg.num_rounds:
+            self.checkpoint(server_round, w)
+        return metrics
+
+    def checkpoint(self, server_round: int, w: Vector) -> bool:
+        """Write the state after ``server_round``; a failed write is logged and the old checkpoint kept."""
+        state = self.server.state()
+        ckpt = Checkpoint(
+            round=server_round,
+            w=np.asarray(w, dtype=np.float64),
+            momentum=state["momentum"],
+            random_iterate=state["random_iterate"],
+            random_round=state["random_round"],
+            run_config=self.cfg.to_run_config(),
+            privacy=privacy_signature(self.cfg, self.server.plan),
+            accountant_history=state["accountant_history"],
+            history=state["history"],
+            evaluated=self.evaluated,
+            elapsed_s=time.monotonic() - self._t0,
+            trajectory=np.stack(self.trajectory) if self.trajectory else None,
+        )
+        try:
+            save_checkpoint(self.directory, ckpt)
+        except Exception as err:  # noqa: BLE001 - a failed checkpoint must not end the run
+            logger.error(
+                "checkpoint after round %d failed (%s: %s); the previous checkpoint is kept, training continues",
+                server_round,
+                type(err).__name__,
+                err,
+            )
+            return False
+        logger.debug("checkpoint written after round %d", server_round)
+        return True
+
     def due(self, server_round: int) -> bool:
         """Whether the server evaluates after ``server_round`` (round 0 = the initial model)."""
         k, total = server_round, self.cfg.num_rounds
@@ -160,6 +249,8 @@ class RunSession:
         w_random = server.random_iterate if server.random_iterate is not None else w_final
         k_random = server.random_round if server.random_round is not None else 0
         self.recorder.write_model(w_final=w_final, w_random_iterate=w_random, random_iterate_round=k_random)
+        if self.cfg.checkpoint_every and server.history:
+            self.checkpoint(max(server.history), w_final)
         if self.trajectory:
             np.save(self.directory / "trajectory.npy", np.stack(self.trajectory))
         completed = len(server.history)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.core import client_update
 from dpfedavg.tasks import build_task
 from dpfedavg.tasks import datasets as ds
 from dpfedavg.tasks.datasets import DataUnavailableError, prepare_dataset, read_idx
@@ -265,6 +266,22 @@ def test_logistic_gradient_matches_finite_differences() -> None:
     eps = 1e-6
     numeric = np.array([(client.loss(w + eps * e) - client.loss(w - eps * e)) / (2 * eps) for e in np.eye(len(w))])
     np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(("weight_decay", "lr", "steps"), [(1e-4, 0.05, 20), (0.3, 0.2, 7), (0.0, 1.0, 1)])
+def test_logistic_closed_form_update_equals_local_steps(
+    tmp_path: Path, weight_decay: float, lr: float, steps: int
+) -> None:
+    """The batched engine's closed form of the E local steps gives core.client_update's u, per client."""
+    task = build_task(RunConfig(task="digits", cache_dir=str(tmp_path), weight_decay=weight_decay))
+    ids = np.array([0, 3, 17, 42, 99])
+    w = np.random.default_rng(1).standard_normal(task.dim) * 0.05
+    closed = task.client_batch_update_fn(ids)(w, lr, steps)
+    stepwise = np.stack([client_update(w, task.client_grad_fn(int(i)), lr, steps) for i in ids])
+    assert np.linalg.norm(stepwise, axis=1).min() > 1.0  # the update is not trivially small
+    np.testing.assert_allclose(closed, stepwise, rtol=1e-9, atol=1e-9)
+    batched = client_update(np.repeat(w[None], len(ids), axis=0), task.client_batch_grad_fn(ids), lr, steps)
+    np.testing.assert_allclose(closed, batched, rtol=1e-9, atol=1e-9)
 
 
 def test_digits_task_clients_hold_only_their_rows(tmp_path: Path) -> None:

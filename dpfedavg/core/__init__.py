@@ -14,7 +14,7 @@ from dpfedavg.core.dp import (
     server_noise_std,
 )
 from dpfedavg.core.local import ClientUpdate, client_update, local_steps, private_client_update
-from dpfedavg.core.seeding import Stream, make_rng, round_noise_seed
+from dpfedavg.core.seeding import SECURE_NOISE_SEED, Stream, make_rng, noise_rng, round_noise_seed, secure_rng
 from dpfedavg.core.server import (
     aggregate_fixed_denominator,
     keep_random_iterate,
@@ -27,6 +27,7 @@ from dpfedavg.core.types import ALGORITHMS, Algorithm, GradFn, Vector
 
 __all__ = [
     "ALGORITHMS",
+    "SECURE_NOISE_SEED",
     "Algorithm",
     "ClientUpdate",
     "GradFn",
@@ -44,10 +45,12 @@ __all__ = [
     "local_steps",
     "make_rng",
     "momentum_step",
+    "noise_rng",
     "normalize",
     "poisson_sample",
     "private_client_update",
     "round_noise_seed",
+    "secure_rng",
     "server_lr_at",
     "server_noise_std",
 ]

@@ -10,11 +10,15 @@ vectors for both). Stateless derivation also makes resuming a run trivial.
 
 from __future__ import annotations
 
+import secrets
 from enum import IntEnum
 
 import numpy as np
 
-__all__ = ["Stream", "make_rng", "round_noise_seed"]
+__all__ = ["SECURE_NOISE_SEED", "Stream", "make_rng", "noise_rng", "round_noise_seed", "secure_rng"]
+
+#: ``noise-seed`` the server sends with ``secure-noise = true``: "draw your noise from the OS CSPRNG".
+SECURE_NOISE_SEED = -1
 
 
 class Stream(IntEnum):
@@ -42,3 +46,25 @@ def round_noise_seed(seed: int, round_index: int) -> int:
     """
     rng = make_rng(seed, Stream.NOISE, round_index)
     return int(rng.integers(0, 2**63 - 1))
+
+
+def secure_rng() -> np.random.Generator:
+    """A generator seeded with 128 bits from the operating system's CSPRNG (``secrets``).
+
+    Nobody, the server included, can regenerate what it draws. The Gaussian
+    samples themselves come from numpy's PCG64 generator and floating-point
+    arithmetic, which is not a cryptographic sampler (see the README).
+    """
+    return np.random.default_rng(np.random.SeedSequence(secrets.randbits(128)))
+
+
+def noise_rng(noise_seed: int, client_id: int) -> np.random.Generator:
+    """Client ``client_id``'s noise generator for a round (Alg. 1 line 10).
+
+    Seeded mode: ``make_rng(noise_seed, Stream.NOISE, client_id)``, the same on
+    every engine. ``noise_seed == SECURE_NOISE_SEED`` (``secure-noise = true``):
+    :func:`secure_rng`.
+    """
+    if noise_seed == SECURE_NOISE_SEED:
+        return secure_rng()
+    return make_rng(noise_seed, Stream.NOISE, client_id)

@@ -14,6 +14,8 @@ Vector = npt.NDArray[np.floating]
 
 #: ``grad_fn(w) -> grad f_i(w)``: a client's full-batch gradient.
 GradFn = Callable[[Vector], Vector]
+#: ``(w_k, eta_k, E) -> u`` of shape ``(B, dim)``: a task's exact closed form of ``client_update`` for B clients.
+BatchUpdateFn = Callable[[Vector, float, int], np.ndarray]
 
 #: ``clip`` = DP-FedAvg (Alg. 1), ``norm`` = DP-NormFedAvg (Alg. 2), ``none`` = FedAvg, no DP.
 Algorithm = Literal["clip", "norm", "none"]

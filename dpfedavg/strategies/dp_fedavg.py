@@ -53,24 +53,6 @@ class FederationError(RuntimeError):
     """The connected SuperNodes do not match the run (count, partition ids)."""
 
 
-class _QuietFinalResults(logging.Filter):
-    """Drops Flower's end-of-run dump of every round's metrics.
-
-    ``Strategy.start`` logs the whole ``Result`` when it ends: about 15 lines
-    per round, thousands for a paper-length run, burying the summary. The same
-    numbers are in ``metrics.csv`` and in the returned ``Result``.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dropping = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.getMessage().startswith("Final results:"):
-            self.dropping = True
-        return not self.dropping
-
-
 class DPFedAvg(FedAvg):
     """DP-FedAvg (``algorithm='clip'``, Alg. 1), DP-NormFedAvg (``'norm'``, Alg. 2) or FedAvg (``'none'``).
 
@@ -277,48 +259,55 @@ class DPFedAvg(FedAvg):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        *,
+        first_round: int = 1,
     ) -> Result:
-        """Discover the clients, then run Flower's round loop for ``K`` rounds.
+        """Discover the clients, then run rounds ``first_round .. K``.
+
+        The loop is Flower's ``Strategy.start`` (configure_train,
+        ``grid.send_and_receive`` with the round timeout, aggregate_train, the
+        server-side ``evaluate_fn``) without client-side evaluation, which this
+        strategy does not use, and without its per-round dump of every metric;
+        ``first_round > 1`` continues a resumed run, whose round 0 and earlier
+        rounds were evaluated before. ``evaluate_fn(k, w_k)`` is called after
+        every round (not for round 0: the caller records the initial model).
 
         If the privacy budget (``max-epsilon``) would be exceeded by the next
         round, the loop stops before that round and the result holds the last
         model; :attr:`stopped_before_round` says which round was not run.
         """
+        del evaluate_config  # no client-side evaluation (see configure_evaluate)
         if num_rounds is not None and num_rounds != self.cfg.num_rounds:
             raise ValueError(f"num_rounds={num_rounds} differs from the config's num-rounds={self.cfg.num_rounds}")
+        if not 1 <= first_round <= self.cfg.num_rounds:
+            raise ValueError(f"first_round={first_round} is outside 1..num-rounds={self.cfg.num_rounds}")
         if not self.node_of_client:
             self.discover_clients(grid)
-        self.global_arrays = initial_arrays
-
-        def recording_evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-            record = evaluate_fn(server_round, arrays) if evaluate_fn is not None else None
-            if record is not None:
-                self.evaluations[server_round] = record
-            return record
-
-        quiet = _QuietFinalResults()
-        flwr_logger = logging.getLogger("flwr")
-        flwr_logger.addFilter(quiet)
-        try:
-            return super().start(
-                grid=grid,
-                initial_arrays=initial_arrays,
-                num_rounds=self.cfg.num_rounds,
-                timeout=self.cfg.round_timeout if timeout is None else timeout,
-                train_config=train_config,
-                evaluate_config=evaluate_config,
-                evaluate_fn=recording_evaluate_fn if evaluate_fn is not None else None,
-            )
-        except PrivacyBudgetExhausted as stop:
-            logger.warning("%s", stop)
-            self.stopped_before_round = stop.server_round
-            return Result(
-                arrays=self.global_arrays,
-                train_metrics_clientapp={k: MetricRecord(v.as_metrics()) for k, v in self.history.items()},
-                evaluate_metrics_serverapp=dict(self.evaluations),
-            )
-        finally:
-            flwr_logger.removeFilter(quiet)
+        logger.info("Starting %s strategy:", type(self).__name__)
+        self.summary()
+        timeout = self.cfg.round_timeout if timeout is None else timeout
+        train_config = ConfigRecord() if train_config is None else train_config
+        result = Result(arrays=initial_arrays)
+        arrays = self.global_arrays = initial_arrays
+        for server_round in range(first_round, self.cfg.num_rounds + 1):
+            try:
+                messages = list(self.configure_train(server_round, arrays, train_config, grid))
+            except PrivacyBudgetExhausted as stop:
+                logger.warning("%s", stop)
+                self.stopped_before_round = stop.server_round
+                break
+            replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
+            new_arrays, metrics = self.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                arrays = result.arrays = new_arrays
+            if metrics is not None:
+                result.train_metrics_clientapp[server_round] = metrics
+            if evaluate_fn is not None:
+                record = evaluate_fn(server_round, arrays)
+                if record is not None:
+                    self.evaluations[server_round] = record
+                    result.evaluate_metrics_serverapp[server_round] = record
+        return result
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

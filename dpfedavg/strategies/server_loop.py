@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import (
+    SECURE_NOISE_SEED,
     Stream,
     gaussian_noise,
     keep_random_iterate,
@@ -36,6 +38,7 @@ from dpfedavg.core import (
     placement_noise_stds,
     poisson_sample,
     round_noise_seed,
+    secure_rng,
     server_lr_at,
 )
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
@@ -162,7 +165,7 @@ class DPServer:
             algorithm=self.cfg.algorithm,
             clip=self.cfg.clip,
             noise_std=self.noise_stds(num_sampled)[0],
-            noise_seed=round_noise_seed(self.cfg.seed, k),
+            noise_seed=SECURE_NOISE_SEED if self.cfg.secure_noise else round_noise_seed(self.cfg.seed, k),
             diagnostics=self.cfg.diagnostics,
         )
 
@@ -172,6 +175,44 @@ class DPServer:
             self.cfg.noise_placement, self.noise_multiplier, self.cfg.clients_per_round, num_sampled, num_included
         )
         return RoundEvent(self.cfg.sampling_rate, z_k)
+
+    # ------------------------------------------------------------ checkpoint
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint needs from the server after a round (see :mod:`dpfedavg.checkpoint`)."""
+        if self._round is not None:
+            raise RuntimeError(f"cannot checkpoint in the middle of round {self._round}")
+        history = self.accountant.history if self.accountant is not None else []
+        return {
+            "momentum": self.momentum.copy(),
+            "random_iterate": None if self.random_iterate is None else self.random_iterate.copy(),
+            "random_round": self.random_round,
+            "accountant_history": [(e.q, e.z) for e in history],
+            "history": {k: asdict(v) for k, v in self.history.items()},
+        }
+
+    def restore(
+        self,
+        *,
+        momentum: Vector,
+        random_iterate: Vector | None,
+        random_round: int | None,
+        accountant_history: list[tuple[float, float | None]],
+        history: dict[int, dict[str, Any]],
+    ) -> None:
+        """Load the state :meth:`state` returned; the accountant replays every round's event."""
+        momentum = np.asarray(momentum, dtype=np.float64)
+        if momentum.shape != (self.dim,):
+            raise ValueError(f"momentum has shape {momentum.shape}, expected ({self.dim},)")
+        self.momentum = momentum.copy()
+        self.random_iterate = None if random_iterate is None else np.asarray(random_iterate, dtype=np.float64).copy()
+        self.random_round = random_round
+        if self.accountant is not None:
+            self.accountant = self.plan.new_accountant()
+            for q, z in accountant_history:
+                self.accountant.add(RoundEvent(q, z))
+        elif accountant_history:
+            raise ValueError("the checkpoint has privacy events but this run has no DP")
+        self.history = {int(k): RoundStats(**v) for k, v in history.items()}
 
     # ----------------------------------------------------------------- round
     def begin_round(self, server_round: int, w: Vector) -> tuple[np.ndarray, RoundInstructions]:
@@ -241,7 +282,11 @@ class DPServer:
             logger.warning("Round %d: %d sampled clients did not reply (dropouts)", server_round, stats.num_dropped)
         server_std = self.noise_stds(stats.num_sampled)[1]
         if server_std > 0:  # noise-placement = server: the trusted server adds N(0, (zC)^2 I) once
-            rng = make_rng(self.cfg.seed, Stream.SERVER_NOISE, server_round - 1)
+            rng = (
+                secure_rng()
+                if self.cfg.secure_noise
+                else make_rng(self.cfg.seed, Stream.SERVER_NOISE, server_round - 1)
+            )
             total += gaussian_noise(self.dim, server_std, rng)
         a = total / r
         w_new, self.momentum = momentum_step(self._w, self.momentum, a, stats.beta, self.cfg.server_momentum)

@@ -42,5 +42,9 @@ class Task(Protocol):
         Optional: without it the batched engine stacks :meth:`client_grad_fn`.
         """
 
+    # Optional, for speed: ``client_batch_update_fn(client_ids) -> BatchUpdateFn``, the
+    # client updates ``u`` of E local steps from the shared ``w_k`` in closed form; it must
+    # equal :func:`dpfedavg.core.client_update` on :meth:`client_batch_grad_fn` (tested).
+
     def evaluate(self, w: Vector) -> dict[str, float]:
         """Server-side metrics of the global model ``w`` (keys: :attr:`metric_names`)."""

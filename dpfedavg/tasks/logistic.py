@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.config import ConfigError, RunConfig
-from dpfedavg.core.types import GradFn, Vector
+from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
 from dpfedavg.tasks.datasets import DATASETS, PreparedData, _locked, _save_npy, prepare_dataset
 from dpfedavg.tasks.partition import paper_shard_partition
 
@@ -148,6 +148,58 @@ class LogisticTask:
             return np.concatenate([g_w.reshape(len(w), -1), g_b], axis=1)
 
         return grad
+
+    def client_batch_update_fn(self, client_ids: np.ndarray) -> BatchUpdateFn:
+        """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for several clients at once, exactly.
+
+        The closed form of :func:`dpfedavg.core.client_update` on this
+        objective (Alg. 1/2 lines 5-9) that the batched engine uses: a gradient
+        step moves ``W`` by ``-eta (X^T P_t + lambda W_t)`` with ``P_t`` the
+        ``(m, c)`` residuals ``(softmax - onehot)/m``, so after ``t`` steps
+
+            ``W_t = c_t W_k + X^T A_t``,  ``c_t = (1 - eta lambda)^t``,
+            ``A_{t+1} = (1 - eta lambda) A_t - eta P_t``,
+
+        and the logits ``X W_t + b_t = c_t (X W_k) + G A_t + b_t`` need only
+        the client's ``m x m`` Gram matrix ``G = X X^T``. A step costs
+        ``O(m^2 c)`` instead of ``O(m d c)``: ``m = 20 << d = 784`` for FMNIST.
+        The same iterates as the step-by-step loop, up to float64 rounding
+        (``tests/test_data.py`` checks it against :func:`client_update`).
+        """
+        rows = np.sort(np.asarray(self.partition)[np.asarray(client_ids)], axis=1)
+        x = np.asarray(self.data.train_x[rows.ravel()], dtype=np.float64).reshape(len(client_ids), rows.shape[1], -1)
+        y = np.asarray(self.data.train_y[rows.ravel()]).reshape(rows.shape)
+        gram = np.matmul(x, x.transpose(0, 2, 1))
+        d, c, lam, m = self.feature_dim, self.num_classes, self.cfg.weight_decay, rows.shape[1]
+        batch_idx, example_idx = np.arange(len(client_ids))[:, None], np.arange(m)[None, :]
+
+        def update(w: Vector, lr: float, num_steps: int) -> np.ndarray:
+            if num_steps < 1:
+                raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
+            if not lr > 0:
+                raise ValueError(f"local learning rate eta_k must be > 0, got {lr!r}")
+            weights, bias = w[: d * c].reshape(d, c), w[d * c :]
+            base_logits = np.matmul(x, weights)  # X W_k, (B, m, c)
+            decay = 1.0 - lr * lam
+            coef = np.zeros((len(client_ids), m, c))  # A_t
+            b = np.repeat(bias[None, :], len(client_ids), axis=0)  # b_t
+            scale = 1.0  # c_t
+            for _ in range(num_steps):
+                logits = scale * base_logits + np.matmul(gram, coef) + b[:, None, :]
+                logits -= logits.max(axis=2, keepdims=True)
+                probs = np.exp(logits)
+                probs /= probs.sum(axis=2, keepdims=True)
+                probs[batch_idx, example_idx, y] -= 1.0
+                probs /= m
+                coef = decay * coef - lr * probs
+                b = decay * b - lr * probs.sum(axis=1)
+                scale *= decay
+            # w_k - w_{k,E} = [(1 - c_E) W_k - X^T A_E, b_k - b_E]
+            delta_w = (1.0 - scale) * weights[None] - np.matmul(x.transpose(0, 2, 1), coef)
+            delta = np.concatenate([delta_w.reshape(len(client_ids), -1), bias[None, :] - b], axis=1)
+            return delta / lr
+
+        return update
 
     def initial_weights(self) -> Vector:
         return np.zeros(self.dim)

@@ -141,6 +141,10 @@ def _decode(obj: Any) -> Any:
     return obj
 
 
+def _write_npz(fh: Any, arrays: dict[str, np.ndarray]) -> None:
+    np.savez(fh, **arrays)
+
+
 def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
     """Write ``ckpt`` to ``directory/checkpoint.npz`` atomically (temp file, fsync, rename).
 
@@ -172,7 +176,7 @@ def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{CHECKPOINT_FILE}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **arrays)
+            _write_npz(fh, arrays)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

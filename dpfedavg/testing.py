@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,11 @@ class InProcessGrid(Grid):
         Seeds the node ids and the reply order.
     shuffle_replies:
         Return replies in random order, as a real SuperLink may.
+    enforce_timeout:
+        Run the clients of a ``send_and_receive`` call concurrently in threads
+        and drop the replies that are not there within its ``timeout``, as a
+        SuperLink does (a client that hangs becomes a dropout). Off by default:
+        clients then run one after the other and every reply arrives.
     """
 
     def __init__(
@@ -74,8 +80,10 @@ class InProcessGrid(Grid):
         num_partitions: int | None = None,
         seed: int = 0,
         shuffle_replies: bool = True,
+        enforce_timeout: bool = False,
     ) -> None:
         ensure_task_identity()
+        self._enforce_timeout = enforce_timeout
         self._client_fn = client_fn
         self._rng = np.random.default_rng(seed)
         self._shuffle = shuffle_replies
@@ -99,21 +107,30 @@ class InProcessGrid(Grid):
         return list(self.contexts)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        replies: list[Message] = []
-        for msg in messages:
-            self.sent.append(msg)
-            context = self.contexts[msg.metadata.dst_node_id]
-            incoming = _copy_message(msg)
-            try:
-                reply = self._client_fn(incoming, context)
-            except Exception as err:  # noqa: BLE001 - Flower turns ClientApp exceptions into error replies
-                reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=incoming)
-            if reply is not None:
-                replies.append(_copy_message(reply))
+        messages = list(messages)
+        self.sent.extend(messages)
+        if self._enforce_timeout and timeout is not None and messages:
+            pool = ThreadPoolExecutor(max_workers=min(32, len(messages)), thread_name_prefix="in-process-node")
+            futures = [pool.submit(self._call, msg) for msg in messages]
+            done, _ = wait(futures, timeout=timeout)
+            pool.shutdown(wait=False, cancel_futures=True)  # late clients are abandoned: dropouts
+            outcomes = [f.result() for f in futures if f in done]
+        else:
+            outcomes = [self._call(msg) for msg in messages]
+        replies = [reply for reply in outcomes if reply is not None]
         if self._shuffle:
             order = self._rng.permutation(len(replies))
             replies = [replies[i] for i in order]
         return replies
+
+    def _call(self, msg: Message) -> Message | None:
+        context = self.contexts[msg.metadata.dst_node_id]
+        incoming = _copy_message(msg)
+        try:
+            reply = self._client_fn(incoming, context)
+        except Exception as err:  # noqa: BLE001 - Flower turns ClientApp exceptions into error replies
+            reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=incoming)
+        return None if reply is None else _copy_message(reply)
 
     # -- unused by Strategy.start ------------------------------------------
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -115,3 +116,36 @@ def test_replace_validates() -> None:
     assert cfg.sampling_rate == 0.5
     with pytest.raises(ConfigError):
         cfg.replace(clients_per_round=11.0)
+
+
+@pytest.mark.parametrize("opt", OPTIONS, ids=lambda o: o.key)
+def test_every_key_rejects_a_wrong_type_naming_key_and_allowed(opt) -> None:
+    """Each key family (numbers, flags, names, paths) refuses a value of the wrong type, before anything starts."""
+    wrong = "not-a-number" if opt.kind in (int, float) else (3 if opt.kind is str else "yes")
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_run_config({opt.key: wrong})
+    message = str(info.value)
+    assert f"'{opt.key}' = {wrong!r}" in message
+    assert "expected" in message or "allowed values" in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"checkpoint-every": -1}, "'checkpoint-every' = -1"),
+        ({"eval-every": 0}, "'eval-every' = 0"),
+        ({"round-timeout": 0.0}, "'round-timeout' = 0.0"),
+        ({"node-wait-timeout": -5.0}, "'node-wait-timeout' = -5.0"),
+        ({"weight-decay": -1e-4}, "'weight-decay' = -0.0001"),
+        ({"feature-image-size": 16}, "'feature-image-size' = 16"),
+        ({"dim": 0}, "'dim' = 0"),
+        ({"num-clients": 0}, "'num-clients' = 0"),
+        ({"output-dir": " "}, "'output-dir' = ' '"),
+        ({"resume": True}, "'resume' = True needs 'run-name'"),
+        ({"delta": float("nan")}, "'delta' = nan"),
+        ({"clip": float("inf")}, "'clip' = inf"),
+    ],
+)
+def test_ranges_of_the_remaining_keys(overrides: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        RunConfig.from_run_config(overrides)

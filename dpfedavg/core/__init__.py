@@ -13,7 +13,7 @@ from dpfedavg.core.dp import (
     placement_noise_stds,
     server_noise_std,
 )
-from dpfedavg.core.local import ClientUpdate, client_update, local_steps, private_client_update
+from dpfedavg.core.local import ClientUpdate, LocalTrainingDiverged, client_update, local_steps, private_client_update
 from dpfedavg.core.seeding import SECURE_NOISE_SEED, Stream, make_rng, noise_rng, round_noise_seed, secure_rng
 from dpfedavg.core.server import (
     aggregate_fixed_denominator,
@@ -30,6 +30,7 @@ __all__ = [
     "SECURE_NOISE_SEED",
     "Algorithm",
     "ClientUpdate",
+    "LocalTrainingDiverged",
     "GradFn",
     "Stream",
     "Vector",

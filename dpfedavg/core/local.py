@@ -9,7 +9,11 @@ import numpy as np
 from dpfedavg.core.dp import bound_sensitivity, gaussian_noise
 from dpfedavg.core.types import Algorithm, GradFn, Vector
 
-__all__ = ["local_steps", "client_update", "ClientUpdate", "private_client_update"]
+__all__ = ["LocalTrainingDiverged", "local_steps", "client_update", "ClientUpdate", "private_client_update"]
+
+
+class LocalTrainingDiverged(FloatingPointError):
+    """Local training produced NaN or Inf: the client reports a failure instead of sending it."""
 
 
 def local_steps(w: Vector, grad_fn: GradFn, lr: float, num_steps: int) -> Vector:
@@ -70,6 +74,11 @@ def private_client_update(
     ``zeta ~ N(0, noise_std^2 I)`` drawn from ``rng``.
     """
     u = client_update(w, grad_fn, lr, num_steps)
+    if not np.all(np.isfinite(u)):
+        raise LocalTrainingDiverged(
+            f"local training diverged: the update has NaN/Inf after {num_steps} steps at eta_k={lr:g} "
+            "(a smaller local-lr usually fixes it); nothing is sent"
+        )
     g = bound_sensitivity(u, algorithm, clip)
     zeta = gaussian_noise(g.shape[0], noise_std, rng, dtype=g.dtype)
     return ClientUpdate(noisy=g + zeta, clean=g, update_norm=float(np.linalg.norm(u)))

@@ -44,9 +44,19 @@ def _batch_grad(task: Task, client_ids: np.ndarray) -> GradFn:
 
 
 def client_results(
-    task: Task, clients: np.ndarray, w: Vector, ins: RoundInstructions, block: int | None = None
+    task: Task,
+    clients: np.ndarray,
+    w: Vector,
+    ins: RoundInstructions,
+    block: int | None = None,
+    failed: list[int] | None = None,
 ) -> Iterator[ClientResult]:
-    """Alg. 1 / Alg. 2 lines 4-10 for the sampled ``clients``, in ascending client id, block by block."""
+    """Alg. 1 / Alg. 2 lines 4-10 for the sampled ``clients``, in ascending client id, block by block.
+
+    A client whose local training diverges (NaN/Inf in ``u``) sends nothing, as
+    the ClientApp does (:class:`~dpfedavg.core.LocalTrainingDiverged`); its id
+    is appended to ``failed``.
+    """
     dim = len(w)
     block = block or max(1, min(512, BLOCK_ELEMENTS // max(dim, 1)))
     for start in range(0, len(clients), block):
@@ -59,7 +69,13 @@ def client_results(
             u = client_update(w_block, _batch_grad(task, ids), ins.local_lr, ins.local_steps)
         norms = np.linalg.norm(u, axis=1)
         g = bound_sensitivity(u, ins.algorithm, ins.clip)  # type: ignore[arg-type]
+        finite = np.all(np.isfinite(u), axis=1)
         for row, client_id in enumerate(ids):
+            if not finite[row]:
+                logger.warning("Round %d: client %d: local training diverged (NaN/Inf)", ins.server_round, client_id)
+                if failed is not None:
+                    failed.append(int(client_id))
+                continue
             rng = noise_rng(ins.noise_seed, int(client_id))
             zeta = gaussian_noise(dim, ins.noise_std, rng, dtype=g.dtype)
             yield ClientResult(int(client_id), g[row] + zeta, float(norms[row]), g[row] if ins.diagnostics else None)
@@ -102,7 +118,9 @@ def run_batched(
             logger.warning("%s", stop)
             stopped = server_round
             break
-        w = server.finish_round(server_round, client_results(task, clients, w, instructions))
+        failed: list[int] = []
+        results = list(client_results(task, clients, w, instructions, failed=failed))
+        w = server.finish_round(server_round, results, num_failed=len(failed))
         if server.accountant is not None and server_round == cfg.num_rounds:
             server.history[server_round].epsilon = server.epsilon  # computed once, at the end (it is costly)
         session.end_round(server_round, w)

@@ -1,0 +1,318 @@
+"""Reliability: exact checkpoint/resume, secure noise, numerical safety and fault injection."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message, MetricRecord, RecordDict
+
+from dpfedavg import checkpoint as ckpt_mod
+from dpfedavg import server_app
+from dpfedavg.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
+from dpfedavg.client_app import app as client_app
+from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.core import SECURE_NOISE_SEED
+from dpfedavg.engines.batched import run_batched
+from dpfedavg.protocol import (
+    ARRAYS,
+    CONFIG,
+    DIAGNOSTICS,
+    METRICS,
+    UPDATE_KEY,
+    instructions_to_config_record,
+    to_array_record,
+)
+from dpfedavg.strategies import DPFedAvg
+from dpfedavg.testing import InProcessGrid
+
+BASE = {
+    "task": "quadratic",
+    "dim": 30,
+    "num-clients": 12,
+    "clients-per-round": 5.0,
+    "num-rounds": 10,
+    "server-momentum": 0.7,
+    "epsilon": 4.0,
+    "delta": 1e-5,
+    "algorithm": "norm",
+    "clip": 3.0,
+    "seed": 3,
+    "checkpoint-every": 5,
+    "save-trajectory": True,
+    "run-name": "run",
+}
+
+
+class _Crash(BaseException):
+    """Stands in for the server process dying (not an Exception: nothing may catch it)."""
+
+
+def _cfg(tmp: Path, **overrides) -> RunConfig:
+    return RunConfig.from_run_config({**BASE, "output-dir": str(tmp), **overrides})
+
+
+def _rows(run_dir: Path) -> list[dict[str, str]]:
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    for row in rows:
+        row.pop("elapsed_s")
+    return rows
+
+
+def _final(run_dir: Path) -> dict:
+    return json.loads((run_dir / "config.json").read_text())["final"]
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    model_a, model_b = np.load(a / "model.npz"), np.load(b / "model.npz")
+    for key in ("w_final", "w_random_iterate", "random_iterate_round"):
+        np.testing.assert_array_equal(model_a[key], model_b[key])  # bit-identical
+    assert _final(a)["epsilon"] == _final(b)["epsilon"]
+    assert _rows(a) == _rows(b)
+    np.testing.assert_array_equal(np.load(a / "trajectory.npy"), np.load(b / "trajectory.npy"))
+
+
+# ---------------------------------------------------------------- batched engine
+@pytest.mark.parametrize("placement", ["client", "server"])
+def test_batched_resume_is_bit_identical(tmp_path: Path, placement: str) -> None:
+    full = run_batched(_cfg(tmp_path / "full", **{"noise-placement": placement}))
+
+    def crash_after_round_7(server_round: int, w: np.ndarray) -> None:
+        if server_round == 7:
+            raise _Crash
+
+    cfg = _cfg(tmp_path / "cut", **{"noise-placement": placement})
+    with pytest.raises(_Crash):
+        run_batched(cfg, on_round=crash_after_round_7)
+    assert load_checkpoint(tmp_path / "cut" / "run").round == 5  # rounds 6-7 are lost and redone
+    resumed = run_batched(cfg.replace(resume=True))
+    _assert_same_run(full, resumed)
+
+
+def test_resume_continues_the_accountant_not_from_zero(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, **{"epsilon": 0.0, "noise-multiplier": 1.5})
+
+    def crash(server_round: int, w: np.ndarray) -> None:
+        if server_round == 5:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        run_batched(cfg, on_round=crash)
+    saved = load_checkpoint(tmp_path / "run")
+    assert len(saved.accountant_history) == 5
+    resumed = run_batched(cfg.replace(resume=True, checkpoint_every=0))
+    rows = _rows(resumed)
+    epsilons = [float(r["epsilon"]) for r in rows[1:] if r["epsilon"]]
+    assert len(rows) == 11 and epsilons[-1] == pytest.approx(_final(resumed)["epsilon"])
+    fresh = run_batched(cfg.replace(run_name="five", num_rounds=5, checkpoint_every=0))
+    assert _final(resumed)["epsilon"] > _final(fresh)["epsilon"] * 1.2  # 10 rounds' worth, not 5
+
+
+# ----------------------------------------------------------------- Flower engine
+class _CrashingGrid(InProcessGrid):
+    """Dies while round ``crash_round`` is out."""
+
+    def __init__(self, *args, crash_round: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.crash_round = crash_round
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        for msg in messages:
+            if msg.metadata.message_type == "train" and msg.content[CONFIG]["server-round"] == self.crash_round:
+                raise _Crash
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_flower_resume_is_bit_identical(tmp_path: Path) -> None:
+    cfg_full = _cfg(tmp_path / "full", **{"checkpoint-every": 3})
+    full = server_app.run(InProcessGrid(client_app, 12, cfg_full.to_run_config()), cfg_full)
+    cfg = _cfg(tmp_path / "cut", **{"checkpoint-every": 3})
+    with pytest.raises(_Crash):
+        server_app.run(_CrashingGrid(client_app, 12, cfg.to_run_config(), crash_round=8), cfg)
+    assert load_checkpoint(tmp_path / "cut" / "run").round == 6
+    resumed_cfg = cfg.replace(resume=True)
+    resumed = server_app.run(InProcessGrid(client_app, 12, resumed_cfg.to_run_config(), seed=9), resumed_cfg)
+    _assert_same_run(full, resumed)
+    # and the batched engine agrees with both
+    batched = run_batched(_cfg(tmp_path / "batched"))
+    np.testing.assert_allclose(np.load(batched / "model.npz")["w_final"], np.load(resumed / "model.npz")["w_final"],
+                               rtol=1e-9)  # fmt: skip
+
+
+# -------------------------------------------------------------- resume refusals
+def _interrupted(tmp_path: Path) -> RunConfig:
+    cfg = _cfg(tmp_path)
+
+    def crash(server_round: int, w: np.ndarray) -> None:
+        if server_round == 6:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        run_batched(cfg, on_round=crash)
+    return cfg.replace(resume=True)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        ({"clip": 4.0}, ["clip (C)", "privacy-relevant"]),
+        ({"epsilon": 6.0}, ["noise multiplier (z)", "privacy-relevant"]),
+        ({"clients_per_round": 6.0}, ["sampling rate (q = r/n)"]),
+        ({"delta": 1e-6}, ["delta"]),
+        ({"noise_placement": "server"}, ["noise-placement"]),
+        ({"accountant": "rdp"}, ["accountant"]),
+        ({"algorithm": "clip"}, ["algorithm"]),
+        ({"local_lr": 0.01}, ["'local-lr'"]),
+        ({"seed": 4}, ["'seed'"]),
+        ({"dim": 31}, ["'dim'", "model dimension"]),
+    ],
+)
+def test_resume_with_changed_settings_is_refused(tmp_path: Path, change: dict, fragments: list[str]) -> None:
+    cfg = _interrupted(tmp_path)
+    before = (tmp_path / "run" / "metrics.csv").read_text()
+    with pytest.raises(CheckpointError) as info:
+        run_batched(cfg.replace(**change))
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert (tmp_path / "run" / "metrics.csv").read_text() == before  # refused before anything was written
+
+
+def test_resume_allows_operational_changes(tmp_path: Path) -> None:
+    cfg = _interrupted(tmp_path)
+    out = run_batched(cfg.replace(round_timeout=10.0, eval_every=2, checkpoint_every=1))
+    assert _final(out)["rounds_completed"] == 10
+
+
+def test_resume_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'resume' = True needs 'run-name'"):
+        RunConfig.from_run_config({"resume": True})
+    with pytest.raises(CheckpointError, match="no checkpoint at .*checkpoint.npz"):
+        run_batched(_cfg(tmp_path, resume=True))
+    finished = run_batched(_cfg(tmp_path, **{"run-name": "done"}))
+    with pytest.raises(CheckpointError, match="nothing to do"):
+        run_batched(_cfg(tmp_path, **{"run-name": "done", "resume": True}))
+    (finished / CHECKPOINT_FILE).write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        run_batched(_cfg(tmp_path, **{"run-name": "done", "resume": True}))
+
+
+def test_bad_resume_through_the_server_app_is_one_error_line(tmp_path: Path, caplog) -> None:
+    cfg = _cfg(tmp_path, resume=True)
+    grid = InProcessGrid(client_app, 12, cfg.to_run_config())
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=cfg.to_run_config())
+    with caplog.at_level(logging.ERROR):
+        server_app.main(grid, context)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "no checkpoint" in errors[0].getMessage() and errors[0].exc_info is None
+
+
+# ------------------------------------------------------------ checkpoint failure
+def test_failed_checkpoint_write_keeps_the_last_good_one(tmp_path: Path, monkeypatch, caplog) -> None:
+    real_write = ckpt_mod._write_npz
+    calls = {"n": 0}
+
+    def write_that_fails_after_the_first(fh, arrays):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real_write(fh, arrays)
+        fh.write(b"PK\x03\x04 half a zip file")  # part of the file is written, then the disk fills up
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt_mod, "_write_npz", write_that_fails_after_the_first)
+    with caplog.at_level(logging.ERROR):
+        out = run_batched(_cfg(tmp_path, **{"checkpoint-every": 2}))
+    assert _final(out)["rounds_completed"] == 10  # training kept going
+    assert calls["n"] == 5  # rounds 2, 4, 6, 8 and the final one
+    assert load_checkpoint(out).round == 2  # the last good checkpoint is intact and readable
+    assert not list(out.glob(".*.tmp"))  # no temporary file left behind
+    failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert (
+        len(failures) == 4 and "No space left on device" in failures[0] and "previous checkpoint is kept" in failures[0]
+    )
+
+
+# ------------------------------------------------------------------ secure noise
+def test_secure_noise_is_not_reproducible_and_seeded_noise_is(tmp_path: Path) -> None:
+    runs = {}
+    for name, secure in (("s1", True), ("s2", True), ("p1", False), ("p2", False)):
+        out = run_batched(_cfg(tmp_path, **{"run-name": name, "secure-noise": secure, "checkpoint-every": 0}))
+        runs[name] = np.load(out / "model.npz")["w_final"]
+    np.testing.assert_array_equal(runs["p1"], runs["p2"])
+    assert np.abs(runs["s1"] - runs["s2"]).max() > 1e-3
+    assert np.abs(runs["s1"] - runs["p1"]).max() > 1e-3
+
+
+@pytest.mark.parametrize("placement", ["client", "server"])
+def test_secure_noise_has_the_right_scale_and_no_seed_leaves_the_server(placement: str) -> None:
+    cfg = RunConfig.from_run_config({**BASE, "dim": 4000, "secure-noise": True, "diagnostics": True,
+                                     "noise-placement": placement})  # fmt: skip
+    strategy = DPFedAvg(cfg, dim=4000)
+    ins = strategy.server.instructions(3, 5)
+    assert ins.noise_seed == SECURE_NOISE_SEED
+    client_std, server_std = strategy.noise_stds(5)
+    if placement == "server":
+        assert ins.noise_std == 0.0 and server_std > 0
+        return
+    grid = InProcessGrid(client_app, 12, cfg.to_run_config())
+    node = next(iter(grid.contexts))
+    w = np.zeros(4000)
+    noises = []
+    for _ in range(2):
+        msg = Message(RecordDict({ARRAYS: to_array_record(w), CONFIG: instructions_to_config_record(ins)}),
+                      dst_node_id=node, message_type="train")  # fmt: skip
+        (reply,) = grid.send_and_receive([msg])
+        noisy = reply.content[ARRAYS][UPDATE_KEY].numpy()
+        clean = reply.content[DIAGNOSTICS]["clean-update"].numpy()
+        noises.append(noisy - clean)
+    assert abs(noises[0].std() / client_std - 1) < 0.05  # 4000 draws: the std is within ~2.2% (2 sigma)
+    assert abs(np.corrcoef(noises[0], noises[1])[0, 1]) < 0.06  # fresh noise each time, same instructions
+
+
+# ------------------------------------------------------------ numerical safety
+def test_diverging_local_training_is_reported_as_failure_on_both_engines(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, **{"local-lr": 1e20, "num-rounds": 2, "clients-per-round": 12.0, "checkpoint-every": 0,
+                            "server-lr": 0.001})  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # overflow inside the diverging local steps
+        batched = run_batched(cfg.replace(run_name="batched"))
+        flower = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg.replace(run_name="flower"))
+    for out in (batched, flower):
+        rows = _rows(out)
+        assert [int(r["num_failed"]) for r in rows[1:]] == [12, 12]
+        assert [int(r["num_received"]) for r in rows[1:]] == [0, 0]
+        w = np.load(out / "model.npz")["w_final"]
+        assert np.all(np.isfinite(w))
+
+
+# --------------------------------------------------------------- fault injection
+def test_faulty_clients_do_not_stop_the_run(tmp_path: Path) -> None:
+    """One client raises, one hangs past round-timeout, one replies with the wrong shape; the rest are real."""
+    cfg = _cfg(tmp_path, **{"clients-per-round": 12.0, "num-rounds": 3, "round-timeout": 1.0, "checkpoint-every": 1})
+
+    def faulty(msg: Message, context: Context) -> Message | None:
+        pid = int(context.node_config["partition-id"])
+        if msg.metadata.message_type == "train":
+            if pid == 0:
+                raise RuntimeError("client crashed")
+            if pid == 1:
+                time.sleep(2.5)  # hangs past the 1 s round timeout
+            if pid == 2:
+                content = RecordDict({ARRAYS: to_array_record(np.ones(7), UPDATE_KEY),
+                                      METRICS: MetricRecord({"update-norm": 1.0})})  # fmt: skip
+                return Message(content, reply_to=msg)
+        return client_app(msg, context)
+
+    grid = InProcessGrid(faulty, 12, cfg.to_run_config(), enforce_timeout=True)
+    out = server_app.run(grid, cfg)
+    rows = _rows(out)[1:]
+    assert [(int(r["num_failed"]), int(r["num_dropped"]), int(r["num_rejected"]), int(r["num_received"]))
+            for r in rows] == [(1, 1, 1, 9)] * 3  # fmt: skip
+    assert _final(out)["rounds_completed"] == 3
+    assert load_checkpoint(out).round == 3

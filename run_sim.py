@@ -23,6 +23,13 @@ privacy
         python run_sim.py privacy --epsilon 5 --delta 1e-5 --num-clients 3000 \\
             --clients-per-round 600 --rounds 100 [--accountant rdp|pld] [--clip 50] [--json]
 
+scale
+    Seconds per round, ms per sampled client, start-up time and peak memory of
+    one engine at n clients (q = 0.2, FMNIST-shaped logistic regression on
+    generated data)::
+
+        python run_sim.py scale --num-clients 5000 [--rounds 5] [--engine flower|batched|loop] [--json]
+
 Bad flags give one clear error (naming the flag, its value and what is
 allowed) and exit status 2.
 """
@@ -41,6 +48,11 @@ from typing import Any
 def _fail(message: str) -> None:
     print(f"run_sim.py: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _fail_unless(ok: bool, message: str) -> None:
+    if not ok:
+        _fail(message)
 
 
 #: run_config key -> command-line flag, to phrase validation errors in flags.
@@ -218,6 +230,30 @@ def _cmd_table1(args: argparse.Namespace) -> None:
     print(outputs["table"].read_text())
 
 
+def _cmd_scale(args: argparse.Namespace) -> None:
+    from dpfedavg.experiments.scale import as_json, measure
+
+    _fail_unless(args.num_clients >= 10, f"--num-clients {args.num_clients}: expected an integer >= 10")
+    _fail_unless(args.rounds >= 1, f"--rounds {args.rounds}: expected an integer >= 1")
+    _fail_unless(args.num_cpus >= 1, f"--num-cpus {args.num_cpus}: expected an integer >= 1")
+    if not args.verbose:
+        logging.getLogger("dpfedavg").setLevel(logging.WARNING)
+    overrides = {"noise-placement": args.noise_placement, "accountant": args.accountant}
+    result = measure(args.engine, args.num_clients, args.rounds, num_cpus=args.num_cpus, overrides=overrides)
+    if args.json:
+        print(as_json(result))
+        return
+    print(
+        f"engine {result.engine}: n = {result.num_clients}, r = {result.clients_per_round:g}, "
+        f"{result.rounds_measured} rounds measured (mean {result.mean_sampled:.0f} clients sampled)"
+    )
+    print(f"  seconds per round (median): {result.seconds_per_round:.3f}")
+    print(f"  ms per sampled client:      {result.ms_per_sampled_client:.2f}")
+    print(f"  start-up to round 1 (s):    {result.startup_seconds:.1f}")
+    print(f"  peak RSS, all processes:    {result.peak_rss_mb:.0f} MiB")
+    print(f"  wall (s):                   {result.wall_seconds:.1f}")
+
+
 def _cmd_privacy(args: argparse.Namespace) -> None:
     report = privacy_report(
         epsilon=args.epsilon,
@@ -294,6 +330,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clip", type=float, default=50.0, help="C, for sigma = z C / r (default 50)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_privacy)
+
+    p = sub.add_parser("scale", help="speed and memory of one engine at n clients (issue 7's benchmark)")
+    p.add_argument("--num-clients", type=int, required=True, help="n (q = 0.2; try 100, 1000, 5000, 10000)")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
+    p.add_argument("--engine", choices=("flower", "batched", "loop"), default="flower", help="default: flower")
+    p.add_argument("--num-cpus", type=int, default=1, help="flower: client-resources-num-cpus (default 1)")
+    p.add_argument("--noise-placement", choices=("client", "client-calibrated", "server"), default="client",
+                   help="default: client (z_k varies with the reply count, so the PLD accountant builds a new "
+                   "distribution every round)")  # fmt: skip
+    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld", help="default: pld")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--verbose", action="store_true", help="log every round")
+    p.set_defaults(func=_cmd_scale)
 
     args = parser.parse_args(argv)
     args.func(args)

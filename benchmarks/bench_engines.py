@@ -16,36 +16,16 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gzip
 import statistics
-import struct
 import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.engines.flower import run_flower
 from dpfedavg.engines.local_superlink import LocalSuperLink
-
-
-def _write_idx(path: Path, array: np.ndarray) -> None:
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    with gzip.open(path, "wb", compresslevel=1) as fh:
-        fh.write(header + array.astype(np.uint8).tobytes())
-
-
-def make_fmnist_like(root: Path) -> Path:
-    """Random 28x28 images in the original IDX files: 60000 train (6000 per class), 10000 test."""
-    folder = root / "fmnist"
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", 60000), ("t10k", 10000)):
-        _write_idx(folder / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
-        _write_idx(folder / f"{prefix}-labels-idx1-ubyte.gz", rng.permutation(np.repeat(np.arange(10), n // 10)))
-    return root
+from dpfedavg.experiments.scale import make_fmnist_like
 
 
 def per_round(run_dir: Path, evaluated_every: int) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
@@ -42,7 +43,17 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
         grid=grid, initial_arrays=to_array_record(w_start), evaluate_fn=evaluate_fn, first_round=first_round
     )
     w_final = from_array_record(result.arrays) if result.arrays is not None else w_start
+    session.description["timing"] = timing_summary(strategy)
     return session.finish(w_final, stopped_before_round=strategy.stopped_before_round)
+
+
+def timing_summary(strategy: DPFedAvg) -> dict[str, float | None]:
+    """Median seconds per round in each phase, and the discovery time (for ``config.json``)."""
+    out: dict[str, float | None] = {"discovery_s": strategy.discovery_seconds}
+    if strategy.timings:
+        for key in next(iter(strategy.timings.values())):
+            out[f"median_{key}"] = float(np.median([t[key] for t in strategy.timings.values()]))
+    return out
 
 
 @app.main()

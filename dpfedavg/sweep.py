@@ -71,7 +71,7 @@ def _quiet_worker() -> None:
 def _run_batched_cell(cfg: RunConfig) -> str:
     from dpfedavg.engines.batched import run_batched
 
-    return str(run_batched(cfg))
+    return str(run_batched(cfg, threads=1))  # the sweep runs cells in parallel processes instead
 
 
 def run_cells(

@@ -18,6 +18,7 @@ returns ``None`` produces no reply at all (a dropout).
 from __future__ import annotations
 
 import copy
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -101,6 +102,7 @@ class InProcessGrid(Grid):
             for nid, pid in zip(ids, pids, strict=True)
         }
         self.sent: list[Message] = []
+        self._mailbox: dict[str, Message] = {}
 
     # -- the part Strategy.start uses -------------------------------------
     def get_node_ids(self) -> Iterable[int]:
@@ -143,11 +145,22 @@ class InProcessGrid(Grid):
     def create_message(self, *args: Any, **kwargs: Any) -> Message:  # pragma: no cover
         raise NotImplementedError
 
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # pragma: no cover
-        raise NotImplementedError
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Deliver each message now (the client runs at once); its reply waits for :meth:`pull_messages`."""
+        ids = []
+        for msg in messages:
+            message_id = uuid.uuid4().hex
+            msg.metadata.__dict__["_message_id"] = message_id  # as Flower's grids assign it
+            self.sent.append(msg)
+            reply = self._call(msg)
+            if reply is not None:
+                self._mailbox[message_id] = reply
+            ids.append(message_id)
+        return ids
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # pragma: no cover
-        raise NotImplementedError
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """The replies that arrived for ``message_ids`` (each is returned once)."""
+        return [self._mailbox.pop(mid) for mid in list(message_ids) if mid in self._mailbox]
 
 
 def _copy_message(msg: Message) -> Message:

@@ -158,3 +158,13 @@ def test_table1_markdown_layout_has_the_paper_beside_ours() -> None:
     assert "70.00% ± 1.00 (C = 62.5, eta0 = 0.016) | 75.59%" in table
     assert "75.00% ± 2.00 (C = 31.25, eta0 = 0.032) | 77.72%" in table
     assert "80.00% ± 0.00 (eta0 = 0.064) | 83.43%" in table
+
+
+def test_batched_engine_threads_do_not_change_the_result(tmp_path: Path) -> None:
+    values = {"num-rounds": 4, "seed": 2, "cache-dir": str(tmp_path / "cache"), "output-dir": str(tmp_path),
+              **CASES["digits-noise"]}  # fmt: skip
+    models = []
+    for threads in (1, 3):
+        cfg = RunConfig.from_run_config({**values, "run-name": f"t{threads}"})
+        models.append(np.load(run_batched(cfg, threads=threads) / "model.npz")["w_final"])
+    np.testing.assert_array_equal(models[0], models[1])

@@ -377,3 +377,16 @@ def test_results_files_and_columns(tmp_path) -> None:
     assert "flwr" in config["versions"]
     model = np.load(out / "model.npz")
     assert model["w_final"].shape == (DIM,) and model["w_random_iterate"].shape == (DIM,)
+
+
+def test_in_process_grid_push_and_pull_deliver_each_reply_once() -> None:
+    cfg = small_cfg()
+    grid = InProcessGrid(constant_client(lambda pid: float(pid), drop={3}), 10, cfg.to_run_config())
+    strategy = DPFedAvg(cfg.replace(clients_per_round=10.0), dim=DIM)
+    strategy.discover_clients(grid)
+    messages = list(strategy.configure_train(1, to_array_record(np.zeros(DIM)), _cfg_record(), grid))
+    ids = list(grid.push_messages(messages))
+    assert len(set(ids)) == 10
+    replies = list(grid.pull_messages(ids))
+    assert len(replies) == 9 and {r.metadata.reply_to_message_id for r in replies} <= set(ids)
+    assert list(grid.pull_messages(ids)) == []

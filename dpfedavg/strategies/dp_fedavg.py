@@ -94,6 +94,11 @@ class DPFedAvg(FedAvg):
         #: The round before which the privacy budget stopped the run, if it did.
         self.stopped_before_round: int | None = None
         self._sampled: dict[int, int] = {}  # node id -> client id, this round
+        #: Wall seconds per round spent in our code (configure, aggregate, evaluate) and waiting on
+        #: Flower (``grid.send_and_receive``: delivery, the ClientApps, replies), by round.
+        self.timings: dict[int, dict[str, float]] = {}
+        #: Wall seconds spent waiting for the SuperNodes and learning their partition ids.
+        self.discovery_seconds: float | None = None
 
     # ------------------------------------------------------------------ info
     @property
@@ -176,6 +181,7 @@ class DPFedAvg(FedAvg):
             Wrong number of SuperNodes, missing/duplicate partition ids, or not
             all ``n`` nodes registered within ``timeout`` seconds.
         """
+        started = time.perf_counter()
         n = self.cfg.num_clients
         timeout = self.cfg.node_wait_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -209,7 +215,8 @@ class DPFedAvg(FedAvg):
             )
         self.node_of_client = mapping
         self.client_of_node = {node: pid for pid, node in mapping.items()}
-        logger.info("All %d clients registered (partition ids 0..%d)", n, n - 1)
+        self.discovery_seconds = time.perf_counter() - started
+        logger.info("All %d clients registered (partition ids 0..%d) in %.1f s", n, n - 1, self.discovery_seconds)
         return mapping
 
     def _wait_for_nodes(self, grid: Grid, count: int, deadline: float) -> list[int]:
@@ -290,23 +297,33 @@ class DPFedAvg(FedAvg):
         result = Result(arrays=initial_arrays)
         arrays = self.global_arrays = initial_arrays
         for server_round in range(first_round, self.cfg.num_rounds + 1):
+            clock = time.perf_counter()
             try:
                 messages = list(self.configure_train(server_round, arrays, train_config, grid))
             except PrivacyBudgetExhausted as stop:
                 logger.warning("%s", stop)
                 self.stopped_before_round = stop.server_round
                 break
-            replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
+            t_configure = time.perf_counter()
+            replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+            t_wait = time.perf_counter()
             new_arrays, metrics = self.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             if metrics is not None:
                 result.train_metrics_clientapp[server_round] = metrics
+            t_aggregate = time.perf_counter()
             if evaluate_fn is not None:
                 record = evaluate_fn(server_round, arrays)
                 if record is not None:
                     self.evaluations[server_round] = record
                     result.evaluate_metrics_serverapp[server_round] = record
+            self.timings[server_round] = {
+                "configure_s": t_configure - clock,
+                "send_and_receive_s": t_wait - t_configure,
+                "aggregate_s": t_aggregate - t_wait,
+                "evaluate_and_record_s": time.perf_counter() - t_aggregate,
+            }
         return result
 
     def configure_train(

@@ -390,3 +390,117 @@ def test_in_process_grid_push_and_pull_deliver_each_reply_once() -> None:
     replies = list(grid.pull_messages(ids))
     assert len(replies) == 9 and {r.metadata.reply_to_message_id for r in replies} <= set(ids)
     assert list(grid.pull_messages(ids)) == []
+
+
+# ------------------------------------------------------- deployment behaviour
+def _replying(make_content) -> Callable:
+    """A client whose train reply content is ``make_content(pid, msg)`` (None: no reply)."""
+
+    def fn(msg: Message, context: Context) -> Message | None:
+        pid = int(context.node_config["partition-id"])
+        if msg.metadata.message_type == "query":
+            return client_app(msg, context)
+        content = make_content(pid, msg)
+        return None if content is None else Message(content, reply_to=msg)
+
+    return fn
+
+
+def _good(pid: int, value: float = 1.0, clean_norm: float | None = None) -> RecordDict:
+    from flwr.app import Array, ArrayRecord
+
+    from dpfedavg.protocol import CLEAN_UPDATE_KEY, DIAGNOSTICS
+
+    content = RecordDict({ARRAYS: to_array_record(np.full(DIM, value), UPDATE_KEY),
+                          METRICS: MetricRecord({"update-norm": 1.0})})  # fmt: skip
+    if clean_norm is not None:
+        clean = np.zeros(DIM)
+        clean[0] = clean_norm
+        content[DIAGNOSTICS] = ArrayRecord({CLEAN_UPDATE_KEY: Array(clean)})
+    return content
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("two-arrays", "2 arrays"),
+        ("int-dtype", "dtype int64"),
+        ("inf", "NaN or Inf"),
+        ("norm-above-C", "above C = 5"),
+        ("no-metrics", "lacks 'metrics'"),
+    ],
+)
+def test_each_kind_of_malformed_reply_is_rejected_with_its_reason(kind: str, reason: str) -> None:
+    from flwr.app import Array, ArrayRecord
+
+    cfg = small_cfg(**{"clients-per-round": 10.0, "clip": 5.0, "diagnostics": True, "local-lr": 1.0})
+
+    def make(pid: int, msg: Message) -> RecordDict:
+        content = _good(pid, clean_norm=4.0)
+        if pid != 7:
+            return content
+        if kind == "two-arrays":
+            content[ARRAYS] = ArrayRecord({UPDATE_KEY: Array(np.ones(DIM)), "extra": Array(np.ones(3))})
+        elif kind == "int-dtype":
+            content[ARRAYS] = ArrayRecord({UPDATE_KEY: Array(np.ones(DIM, dtype=np.int64))})
+        elif kind == "inf":
+            content[ARRAYS] = to_array_record(np.full(DIM, np.inf), UPDATE_KEY)
+        elif kind == "norm-above-C":
+            content = _good(pid, clean_norm=5.5)
+        elif kind == "no-metrics":
+            del content[METRICS]
+        return content
+
+    grid = InProcessGrid(_replying(make), 10, cfg.to_run_config())
+    strategy = DPFedAvg(cfg, dim=DIM)
+    strategy.discover_clients(grid)
+    _, w1, metrics = one_round(strategy, grid, np.zeros(DIM))
+    assert (metrics["num_rejected"], metrics["num_received"], metrics["num_failed"]) == (1, 9, 0)
+    assert reason in " ".join(strategy.history[1].rejected_reasons)
+    np.testing.assert_allclose(w1, -np.full(DIM, 9 / 10))  # the 9 good replies over the fixed r = 10
+
+
+def test_a_second_reply_from_the_same_node_is_rejected() -> None:
+    cfg = small_cfg(**{"clients-per-round": 10.0})
+    grid = InProcessGrid(_replying(lambda pid, msg: _good(pid)), 10, cfg.to_run_config(), shuffle_replies=False)
+    strategy = DPFedAvg(cfg, dim=DIM)
+    strategy.discover_clients(grid)
+    messages = list(strategy.configure_train(1, to_array_record(np.zeros(DIM)), _cfg_record(), grid))
+    replies = list(grid.send_and_receive(messages))
+    _, metrics = strategy.aggregate_train(1, [*replies, replies[0]])  # a replayed reply
+    assert metrics["num_received"] == 10 and metrics["num_rejected"] == 1
+    assert "second reply" in strategy.history[1].rejected_reasons[0]
+
+
+def test_unavailable_and_disconnected_nodes_are_dropouts_not_failures(caplog) -> None:
+    from flwr.app.error import Error
+    from flwr.common.constant import ErrorCode
+
+    cfg = small_cfg(**{"clients-per-round": 10.0, "local-lr": 1.0})
+
+    def fn(msg: Message, context: Context) -> Message | None:
+        pid = int(context.node_config["partition-id"])
+        if msg.metadata.message_type == "query":
+            return client_app(msg, context)
+        if pid == 4:  # what the SuperLink answers for a node that went offline
+            return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node unavailable"), reply_to=msg)
+        if pid == 5:
+            raise RuntimeError("a real failure")
+        return Message(_good(pid), reply_to=msg)
+
+    grid = InProcessGrid(fn, 10, cfg.to_run_config())
+    strategy = DPFedAvg(cfg, dim=DIM)
+    strategy.discover_clients(grid)
+    gone = strategy.node_of_client[6]
+    context_of_gone = grid.contexts.pop(gone)  # client 6's SuperNode disconnected after discovery
+    with caplog.at_level(logging.WARNING):
+        messages, w1, metrics = one_round(strategy, grid, np.zeros(DIM))
+    assert gone not in {m.metadata.dst_node_id for m in messages}  # nothing sent to a disconnected node
+    assert (metrics["num_received"], metrics["num_failed"], metrics["num_dropped"]) == (7, 1, 2)
+    np.testing.assert_allclose(w1, -np.full(DIM, 7 / 10))
+    assert "not connected (dropouts): [6]" in caplog.text
+    # the client comes back as a new node: it is mapped again and sampled again
+    grid.contexts[12345] = context_of_gone
+    messages, _, metrics = one_round(strategy, grid, w1, server_round=2)
+    assert strategy.node_of_client[6] == 12345 and 12345 in {m.metadata.dst_node_id for m in messages}
+    assert metrics["num_received"] == 8

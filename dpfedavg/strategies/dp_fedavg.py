@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
@@ -47,6 +48,10 @@ from dpfedavg.strategies.server_loop import ClientResult, DPServer, PrivacyBudge
 __all__ = ["DPFedAvg", "FederationError", "PrivacyBudgetExhausted", "RoundStats"]
 
 logger = logging.getLogger(__name__)
+
+
+#: Error codes Flower uses when a node or its reply is gone: the client is a dropout, not a failure.
+_UNAVAILABLE_CODES = frozenset({ErrorCode.NODE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE})
 
 
 class FederationError(RuntimeError):
@@ -94,6 +99,7 @@ class DPFedAvg(FedAvg):
         #: The round before which the privacy budget stopped the run, if it did.
         self.stopped_before_round: int | None = None
         self._sampled: dict[int, int] = {}  # node id -> client id, this round
+        self._replied: set[int] = set()  # nodes whose reply was parsed this round
         #: Wall seconds per round spent in our code (configure, aggregate, evaluate) and waiting on
         #: Flower (``grid.send_and_receive``: delivery, the ClientApps, replies), by round.
         self.timings: dict[int, dict[str, float]] = {}
@@ -333,7 +339,26 @@ class DPFedAvg(FedAvg):
         if not self.node_of_client:
             self.discover_clients(grid)
         clients, instructions = self.server.begin_round(server_round, from_array_record(arrays))
-        self._sampled = {self.node_of_client[int(c)]: int(c) for c in clients}
+        self._replied = set()
+        online = set(grid.get_node_ids())
+        if online - set(self.client_of_node):
+            self._learn_new_nodes(grid, sorted(online - set(self.client_of_node)))
+        self._sampled, offline = {}, []
+        for c in clients:
+            node = self.node_of_client[int(c)]
+            if node in online:
+                self._sampled[node] = int(c)
+            else:
+                offline.append(int(c))
+        if offline:
+            # Sampling stays over all n clients with q = r/n (the accountant's n); a sampled client
+            # that is not connected cannot take part: it is a dropout, and nothing is sent to it.
+            logger.warning(
+                "Round %d: %d sampled clients are not connected (dropouts): %s",
+                server_round,
+                len(offline),
+                offline[:10],
+            )
         if not self._sampled:
             return []
         train_config = ConfigRecord(dict(config))
@@ -341,6 +366,23 @@ class DPFedAvg(FedAvg):
             train_config[key] = value
         record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
         return self._construct_messages(record, sorted(self._sampled), MessageType.TRAIN)
+
+    def _learn_new_nodes(self, grid: Grid, node_ids: list[int]) -> None:
+        """Map SuperNodes that connected after discovery (e.g. a client that restarted with a new node id)."""
+        try:
+            replies = self._query_partitions(grid, node_ids, time.monotonic() + min(30.0, self.cfg.node_wait_timeout))
+        except FederationError as err:
+            logger.warning("new SuperNodes %s did not report a partition id: %s", node_ids[:5], err)
+            return
+        for node_id, (pid, num_partitions) in replies.items():
+            if num_partitions != self.cfg.num_clients or not 0 <= pid < self.cfg.num_clients:
+                logger.warning("ignoring node %d: partition-id=%d, num-partitions=%d", node_id, pid, num_partitions)
+                continue
+            old = self.node_of_client.get(pid)
+            self.node_of_client[pid] = node_id
+            self.client_of_node.pop(old, None)
+            self.client_of_node[node_id] = pid
+            logger.info("client %d is now node %d (was %s)", pid, node_id, old)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -357,12 +399,20 @@ class DPFedAvg(FedAvg):
         src = msg.metadata.src_node_id
         if src not in self._sampled:
             raise ValueError(f"reply from node {src}, which was not sampled this round")
+        if src in self._replied:
+            raise ValueError(f"second reply from node {src} in this round")
+        self._replied.add(src)
         content = msg.content
         try:
-            update = from_array_record(content[ARRAYS], UPDATE_KEY)
+            record = content[ARRAYS]
+            update = from_array_record(record, UPDATE_KEY)
             metrics = dict(content[METRICS])
         except KeyError as err:
             raise ValueError(f"reply lacks {err}") from None
+        if len(record) != 1:
+            raise ValueError(
+                f"reply has {len(record)} arrays ({', '.join(sorted(record))}), expected 1 ({UPDATE_KEY!r})"
+            )
         if update.shape != (self.dim,):
             raise ValueError(f"update has shape {update.shape}, expected ({self.dim},)")
         if not np.issubdtype(update.dtype, np.floating):
@@ -377,6 +427,13 @@ class DPFedAvg(FedAvg):
                 raise ValueError("diagnostics is on but the reply has no clean update") from None
             if clean.shape != (self.dim,):
                 raise ValueError(f"clean update has shape {clean.shape}, expected ({self.dim},)")
+            bound = self.cfg.clip * (1 + 1e-9) if self.cfg.algorithm != "none" else float("inf")
+            clean_norm = float(np.linalg.norm(clean))
+            if not clean_norm <= bound:  # also catches NaN
+                raise ValueError(
+                    f"clean update has norm {clean_norm:.6g}, above C = {self.cfg.clip:g} ({self.cfg.algorithm} "
+                    "bounds every update before noise)"
+                )
         norm = float(metrics.get("update-norm", np.nan))
         return ClientResult(self._sampled[src], update.astype(np.float64), norm, clean)
 
@@ -386,7 +443,16 @@ class DPFedAvg(FedAvg):
         replies: Iterable[Message],
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Check the replies and let the server aggregate them (fixed denominator r, momentum, accounting)."""
-        valid, failed = self._check_and_log_replies(list(replies), is_train=True, validate=False)
+        valid, errors = self._check_and_log_replies(list(replies), is_train=True, validate=False)
+        # Flower answers for a node that went offline with an error reply: that client dropped out.
+        unavailable = [m for m in errors if m.error.code in _UNAVAILABLE_CODES]
+        failed = [m for m in errors if m.error.code not in _UNAVAILABLE_CODES]
+        for msg in failed:
+            logger.warning(
+                "Round %d: node %d failed: %s", server_round, msg.metadata.src_node_id, msg.error.reason[:300]
+            )
+        if unavailable:
+            logger.warning("Round %d: %d sampled nodes became unavailable (dropouts)", server_round, len(unavailable))
         parsed, reasons = [], []
         for msg in valid:
             try:

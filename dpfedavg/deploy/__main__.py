@@ -1,0 +1,41 @@
+"""``python -m dpfedavg.deploy credentials --out DIR --hosts HOST [HOST ...] --supernodes N``.
+
+Generates the CA, the SuperLink's TLS certificate for HOSTs (names or IPs) and N
+SuperNode authentication key pairs; see :mod:`dpfedavg.deploy.credentials`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dpfedavg.deploy.credentials import generate_credentials
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dpfedavg.deploy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("credentials", help="CA, SuperLink certificate and SuperNode keys")
+    p.add_argument("--out", required=True, help="output folder (certificates/ and keys/ go inside)")
+    p.add_argument("--hosts", nargs="+", required=True, help="host names / IPs the SuperLink is reached at")
+    p.add_argument("--supernodes", type=int, required=True, help="number of SuperNode key pairs")
+    p.add_argument("--valid-days", type=int, default=365, help="certificate validity (default 365)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing credentials in --out")
+    args = parser.parse_args(argv)
+    try:
+        creds = generate_credentials(
+            Path(args.out), args.hosts, args.supernodes, valid_days=args.valid_days, overwrite=args.overwrite
+        )
+    except (ValueError, FileExistsError) as err:
+        print(f"python -m dpfedavg.deploy: error: {err}", file=sys.stderr)
+        return 2
+    print(f"CA certificate:      {creds.ca_cert}   (give it to every SuperNode and to the flwr CLI)")
+    print(f"SuperLink cert/key:  {creds.server_cert}, {creds.server_key}   (SANs: {', '.join(args.hosts)})")
+    for i, key in enumerate(creds.supernode_keys):
+        print(f"SuperNode {i}: private {key}   public {creds.public_key(i)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

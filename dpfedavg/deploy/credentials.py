@@ -1,0 +1,157 @@
+"""TLS certificates and SuperNode authentication keys for a deployment.
+
+Writes, under one folder:
+
+* ``certificates/ca.crt`` and ``ca.key``: a self-signed certificate authority;
+* ``certificates/server.pem`` and ``server.key``: the SuperLink's certificate,
+  signed by that CA, valid for the given host names and IP addresses (its
+  subject alternative names: every address SuperNodes and the ``flwr`` CLI use
+  to reach the SuperLink must be listed);
+* ``keys/supernode_I`` and ``keys/supernode_I.pub`` for I = 0..N-1: one
+  elliptic-curve (NIST P-384) key pair per SuperNode in OpenSSH format, the
+  format ``flower-supernode --auth-supernode-private-key`` reads and
+  ``flwr supernode register`` sends.
+
+Private keys are written with mode 0600. For production, an organisation's
+own PKI and key handling replace this; the generated files are what a small
+federation (or the loopback test) needs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+__all__ = ["Credentials", "generate_credentials", "generate_supernode_key"]
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Paths of the generated files."""
+
+    root: Path
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    supernode_keys: tuple[Path, ...]  # private keys; the public key is ``<path>.pub``
+
+    def public_key(self, index: int) -> Path:
+        return self.supernode_keys[index].with_name(self.supernode_keys[index].name + ".pub")
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return x509.SubjectAlternativeName(names)
+
+
+def generate_supernode_key(path: Path) -> Path:
+    """One SuperNode key pair: ``path`` (OpenSSH private key, 0600) and ``path.pub``; returns ``path``."""
+    key = ec.generate_private_key(ec.SECP384R1())
+    _write_private(
+        path,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
+    )
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    path.with_name(path.name + ".pub").write_bytes(public + b"\n")
+    return path
+
+
+def generate_credentials(
+    out: Path, hosts: list[str], num_supernodes: int, *, valid_days: int = 365, overwrite: bool = False
+) -> Credentials:
+    """Generate a CA, a SuperLink certificate for ``hosts`` and ``num_supernodes`` SuperNode key pairs.
+
+    Raises ``ValueError`` for no hosts, ``num_supernodes < 0`` or ``valid_days < 1``, and
+    ``FileExistsError`` if ``out`` already holds credentials and ``overwrite`` is false.
+    """
+    if not hosts:
+        raise ValueError("give at least one host name or IP address for the SuperLink certificate")
+    if num_supernodes < 0:
+        raise ValueError(f"num_supernodes must be >= 0, got {num_supernodes}")
+    if valid_days < 1:
+        raise ValueError(f"valid_days must be >= 1, got {valid_days}")
+    out = Path(out)
+    certs, keys = out / "certificates", out / "keys"
+    if (certs / "ca.crt").exists() and not overwrite:
+        raise FileExistsError(f"{certs / 'ca.crt'} exists; pass overwrite=True (--overwrite) to replace it")
+    certs.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC)
+    until = now + dt.timedelta(days=valid_days)
+
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dpfedavg federation CA")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(until)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    server_key = ec.generate_private_key(ec.SECP384R1())
+    server_cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_name)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(until)
+        .add_extension(_san(hosts), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    pkcs8 = serialization.PrivateFormat.PKCS8
+    (certs / "ca.crt").write_bytes(ca_cert.public_bytes(pem))
+    _write_private(certs / "ca.key", ca_key.private_bytes(pem, pkcs8, serialization.NoEncryption()))
+    (certs / "server.pem").write_bytes(server_cert.public_bytes(pem))
+    _write_private(certs / "server.key", server_key.private_bytes(pem, pkcs8, serialization.NoEncryption()))
+    supernode_keys = tuple(generate_supernode_key(keys / f"supernode_{i}") for i in range(num_supernodes))
+    return Credentials(
+        root=out,
+        ca_cert=certs / "ca.crt",
+        server_cert=certs / "server.pem",
+        server_key=certs / "server.key",
+        supernode_keys=supernode_keys,
+    )

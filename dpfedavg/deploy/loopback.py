@@ -1,0 +1,236 @@
+"""A real deployment on one machine: a SuperLink with TLS and SuperNode authentication, and N SuperNodes.
+
+Everything is a separate process on 127.0.0.1, started exactly as on separate
+machines (see the README's "Deploy on real machines"): ``flower-superlink``
+with the generated TLS certificate and ``--enable-supernode-auth``, each
+SuperNode's public key registered with ``flwr supernode register``, then
+``flower-supernode --root-certificates ... --auth-supernode-private-key ...
+--node-config "partition-id=I num-partitions=N"`` per client and
+``flwr run . remote``. It uses its own ``FLWR_HOME`` (holding the ``remote``
+SuperLink connection) and free ports, and stops every process it started by
+PID, including on failure (use it as a context manager).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from dpfedavg.deploy.credentials import Credentials, generate_credentials, generate_supernode_key
+
+__all__ = ["LoopbackFederation"]
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+CONNECTION = "remote"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for_port(port: int, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}; see {log}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"nothing listened on port {port} within {timeout}s; see {log}")
+
+
+class LoopbackFederation:
+    """SuperLink + ``num_supernodes`` SuperNodes on loopback, with TLS and SuperNode authentication.
+
+    Parameters
+    ----------
+    workdir:
+        Where credentials, logs, ``FLWR_HOME`` and the SuperLink database go.
+    num_supernodes:
+        SuperNodes to start (partition ids ``0..N-1``, ``num-partitions = N``).
+    """
+
+    def __init__(self, workdir: Path, num_supernodes: int) -> None:
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.num_supernodes = num_supernodes
+        self.home = self.workdir / "flwr_home"
+        self.home.mkdir(exist_ok=True)
+        #: Flower 1.41 serves the Fleet, Control and Runtime APIs on one HTTPS port.
+        self.port = _free_port()
+        self.env = dict(os.environ)
+        self.env.update(
+            FLWR_HOME=str(self.home),
+            FLWR_TELEMETRY_ENABLED="0",
+            FLWR_DISABLE_UPDATE_CHECK="1",
+            FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+            PYTHONUNBUFFERED="1",  # logs reach the files as they happen (run() watches them)
+        )
+        self.creds: Credentials | None = None
+        self.superlink: subprocess.Popen | None = None
+        self.supernodes: dict[int, subprocess.Popen] = {}
+        self.node_ids: dict[int, int] = {}  # partition id -> node id given at registration
+        self._known: dict[int, psutil.Process] = {}
+        self._runs = 0
+
+    # ---------------------------------------------------------------- helpers
+    def _log(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    def _spawn(self, name: str, command: list[str]) -> subprocess.Popen:
+        log = self._log(name).open("w")
+        proc = subprocess.Popen(
+            command, env=self.env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self._known[proc.pid] = psutil.Process(proc.pid)
+        return proc
+
+    def _remember_descendants(self) -> None:
+        for proc in list(self._known.values()):
+            try:
+                for child in proc.children(recursive=True):
+                    self._known[child.pid] = child
+            except psutil.Error:
+                pass
+
+    def flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """Run the ``flwr`` CLI against this federation's ``FLWR_HOME``."""
+        return subprocess.run(
+            [str(BIN / "flwr"), *args], env=self.env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout
+        )
+
+    # ------------------------------------------------------------------ start
+    def start(self, timeout: float = 60.0) -> None:
+        """Credentials, the SuperLink, key registration and the SuperNodes."""
+        self.creds = generate_credentials(self.workdir / "creds", ["127.0.0.1", "localhost"], self.num_supernodes)
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "127.0.0.1:{self.port}"\nroot-certificates = "{self.creds.ca_cert}"\n'
+        )
+        self.superlink = self._spawn(
+            "superlink",
+            [
+                str(BIN / "flower-superlink"),
+                "--ssl-ca-certfile", str(self.creds.ca_cert),
+                "--ssl-certfile", str(self.creds.server_cert),
+                "--ssl-keyfile", str(self.creds.server_key),
+                "--enable-supernode-auth",
+                "--host", "127.0.0.1",
+                "--port", str(self.port),
+                "--database", str(self.workdir / "state.db"),
+            ],
+        )  # fmt: skip
+        _wait_for_port(self.port, timeout, self.superlink, self._log("superlink"))
+        for i in range(self.num_supernodes):
+            self.node_ids[i] = self.register(self.creds.public_key(i))
+        for i in range(self.num_supernodes):
+            self.supernodes[i] = self.start_supernode(i, self.creds.supernode_keys[i])
+
+    def register(self, public_key: Path) -> int:
+        """``flwr supernode register <key> remote``; returns the node id the SuperLink assigned."""
+        result = self.flwr("supernode", "register", str(public_key), CONNECTION)
+        match = re.search(r"SuperNode (\d+) registered", result.stdout + result.stderr)
+        if result.returncode != 0 or not match:
+            raise RuntimeError(f"flwr supernode register failed:\n{result.stdout}\n{result.stderr}")
+        return int(match.group(1))
+
+    def start_supernode(self, partition_id: int, private_key: Path, name: str | None = None) -> subprocess.Popen:
+        """One ``flower-supernode`` with TLS, its authentication key and its partition."""
+        assert self.creds is not None
+        return self._spawn(
+            name or f"supernode-{partition_id}",
+            [
+                str(BIN / "flower-supernode"),
+                "--root-certificates", str(self.creds.ca_cert),
+                "--superlink", f"127.0.0.1:{self.port}",
+                "--auth-supernode-private-key", str(private_key),
+                "--node-config", f"partition-id={partition_id} num-partitions={self.num_supernodes}",
+                "--host", "127.0.0.1",
+                "--port", str(_free_port()),
+                "--max-retries", "3",
+            ],
+        )  # fmt: skip
+
+    def unauthorized_supernode(self) -> subprocess.Popen:
+        """A SuperNode whose (freshly generated) key was never registered: the SuperLink must refuse it."""
+        key = generate_supernode_key(self.workdir / "creds" / "keys" / "unregistered")
+        return self.start_supernode(0, key, name="supernode-unregistered")
+
+    # -------------------------------------------------------------------- run
+    def run(self, run_config: str, timeout: float = 600.0, on_poll=None) -> subprocess.CompletedProcess:
+        """``flwr run <repo> remote --stream --run-config ...``; ``on_poll(log_text)`` is called every 0.5 s."""
+        self._runs += 1
+        log_path = self._log(f"flwr-run-{self._runs}")
+        command = [str(BIN / "flwr"), "run", str(ROOT), CONNECTION, "--stream", "--run-config", run_config]
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(command, env=self.env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None:
+                self._remember_descendants()
+                if on_poll is not None:
+                    on_poll(log_path.read_text(errors="replace"))
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    proc.wait()
+                    raise TimeoutError(f"flwr run did not finish in {timeout}s:\n{log_path.read_text()[-5000:]}")
+                time.sleep(0.5)
+        return subprocess.CompletedProcess(command, proc.returncode, log_path.read_text(errors="replace"), "")
+
+    def kill_supernode(self, partition_id: int) -> None:
+        """SIGKILL one SuperNode and its children, as if its machine lost power."""
+        proc = self.supernodes[partition_id]
+        try:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for p in tree:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        proc.wait(timeout=10)
+
+    # ------------------------------------------------------------------- stop
+    def stop(self) -> None:
+        """Terminate every process this federation started (by PID), then kill what is left."""
+        self._remember_descendants()
+        procs = [p for p in self._known.values() if p.is_running()]
+        for proc in procs:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+
+    def leftover_pids(self) -> list[int]:
+        return [pid for pid, p in self._known.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    def __enter__(self) -> LoopbackFederation:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -25,18 +25,13 @@ from pathlib import Path
 import psutil
 
 from dpfedavg.deploy.credentials import Credentials, generate_credentials, generate_supernode_key
+from dpfedavg.engines.local_superlink import free_port, leftover_pids, stop_processes
 
 __all__ = ["LoopbackFederation"]
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CONNECTION = "remote"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_for_port(port: int, timeout: float, proc: subprocess.Popen, log: Path) -> None:
@@ -70,7 +65,7 @@ class LoopbackFederation:
         self.home = self.workdir / "flwr_home"
         self.home.mkdir(exist_ok=True)
         #: Flower 1.41 serves the Fleet, Control and Runtime APIs on one HTTPS port.
-        self.port = _free_port()
+        self.port = free_port()
         self.env = dict(os.environ)
         self.env.update(
             FLWR_HOME=str(self.home),
@@ -159,7 +154,7 @@ class LoopbackFederation:
                 "--auth-supernode-private-key", str(private_key),
                 "--node-config", f"partition-id={partition_id} num-partitions={self.num_supernodes}",
                 "--host", "127.0.0.1",
-                "--port", str(_free_port()),
+                "--port", str(free_port()),
                 "--max-retries", "3",
             ],
         )  # fmt: skip
@@ -207,22 +202,10 @@ class LoopbackFederation:
     def stop(self) -> None:
         """Terminate every process this federation started (by PID), then kill what is left."""
         self._remember_descendants()
-        procs = [p for p in self._known.values() if p.is_running()]
-        for proc in procs:
-            try:
-                proc.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        stop_processes(self._known)
 
     def leftover_pids(self) -> list[int]:
-        return [pid for pid, p in self._known.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        return leftover_pids(self._known)
 
     def __enter__(self) -> LoopbackFederation:
         try:

@@ -29,10 +29,33 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def stop_processes(known: dict[int, psutil.Process]) -> None:
+    """Terminate the still-running processes of ``known`` (by PID), wait, then kill the rest."""
+    procs = [p for p in known.values() if p.is_running()]
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def leftover_pids(known: dict[int, psutil.Process]) -> list[int]:
+    """PIDs of ``known`` that still run (zombies do not count)."""
+    return [pid for pid, p in known.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 class LocalSuperLink:
@@ -45,8 +68,8 @@ class LocalSuperLink:
         self.home = self.workdir / "flwr_home"
         self.home.mkdir(parents=True, exist_ok=True)
         self.ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
-        self.http_port = _free_port()
-        self.control_port = _free_port()
+        self.http_port = free_port()
+        self.control_port = free_port()
         self.env = dict(os.environ)
         self.env.update(
             FLWR_HOME=str(self.home),
@@ -145,24 +168,12 @@ class LocalSuperLink:
     def stop(self) -> None:
         """Terminate every process this SuperLink started (by PID), then the SuperLink."""
         self._remember_descendants()
-        procs = [p for p in self._known.values() if p.is_running()]
-        for proc in procs:
-            try:
-                proc.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        stop_processes(self._known)
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
     def leftover_pids(self) -> list[int]:
         """PIDs of processes started by this SuperLink that still run (should be empty after stop)."""
-        return [pid for pid, p in self._known.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        return leftover_pids(self._known)
 
     def __enter__(self) -> LocalSuperLink:
         self.start()

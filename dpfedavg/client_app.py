@@ -8,7 +8,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import GradFn, noise_rng, private_client_update
+from dpfedavg.core import GradFn, follow_instructions
 from dpfedavg.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -68,16 +68,7 @@ def train(msg: Message, context: Context) -> Message:
     client_id, _ = _partition(context)
     ins = instructions_from_config_record(msg.content[CONFIG])
     w = from_array_record(msg.content[ARRAYS])
-    result = private_client_update(
-        w,
-        _grad_fn(cfg, client_id),
-        lr=ins.local_lr,
-        num_steps=ins.local_steps,
-        algorithm=ins.algorithm,  # type: ignore[arg-type]
-        clip=ins.clip,
-        noise_std=ins.noise_std,
-        rng=noise_rng(ins.noise_seed, client_id),
-    )
+    result = follow_instructions(w, _grad_fn(cfg, client_id), ins, client_id)
     content = RecordDict(
         {
             ARRAYS: to_array_record(result.noisy, UPDATE_KEY),

@@ -13,7 +13,14 @@ from dpfedavg.core.dp import (
     placement_noise_stds,
     server_noise_std,
 )
-from dpfedavg.core.local import ClientUpdate, LocalTrainingDiverged, client_update, local_steps, private_client_update
+from dpfedavg.core.local import (
+    ClientUpdate,
+    LocalTrainingDiverged,
+    client_update,
+    follow_instructions,
+    local_steps,
+    private_client_update,
+)
 from dpfedavg.core.seeding import SECURE_NOISE_SEED, Stream, make_rng, noise_rng, round_noise_seed, secure_rng
 from dpfedavg.core.server import (
     aggregate_fixed_denominator,
@@ -39,6 +46,7 @@ __all__ = [
     "client_noise_std",
     "client_update",
     "clip",
+    "follow_instructions",
     "gaussian_noise",
     "keep_random_iterate",
     "placement_noise_stds",

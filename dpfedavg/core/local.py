@@ -7,9 +7,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpfedavg.core.dp import bound_sensitivity, gaussian_noise
-from dpfedavg.core.types import Algorithm, GradFn, Vector
+from dpfedavg.core.seeding import noise_rng
+from dpfedavg.core.types import Algorithm, GradFn, RoundInstructions, Vector
 
-__all__ = ["LocalTrainingDiverged", "local_steps", "client_update", "ClientUpdate", "private_client_update"]
+__all__ = [
+    "LocalTrainingDiverged",
+    "local_steps",
+    "client_update",
+    "ClientUpdate",
+    "private_client_update",
+    "follow_instructions",
+]
 
 
 class LocalTrainingDiverged(FloatingPointError):
@@ -82,3 +90,17 @@ def private_client_update(
     g = bound_sensitivity(u, algorithm, clip)
     zeta = gaussian_noise(g.shape[0], noise_std, rng, dtype=g.dtype)
     return ClientUpdate(noisy=g + zeta, clean=g, update_norm=float(np.linalg.norm(u)))
+
+
+def follow_instructions(w: Vector, grad_fn: GradFn, ins: RoundInstructions, client_id: int) -> ClientUpdate:
+    """:func:`private_client_update` with the round's instructions, noise from client ``client_id``'s stream."""
+    return private_client_update(
+        w,
+        grad_fn,
+        lr=ins.local_lr,
+        num_steps=ins.local_steps,
+        algorithm=ins.algorithm,  # type: ignore[arg-type]
+        clip=ins.clip,
+        noise_std=ins.noise_std,
+        rng=noise_rng(ins.noise_seed, client_id),
+    )

@@ -40,7 +40,7 @@ import numpy as np
 import psutil
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import noise_rng, private_client_update
+from dpfedavg.core import follow_instructions
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.tasks import Task
 
@@ -162,16 +162,7 @@ def loop_client_results(
         cid = int(client_id)
         if cid not in cache:
             cache[cid] = task.client_grad_fn(cid)  # built once per client, as the ClientApp does
-        upd = private_client_update(
-            w,
-            cache[cid],
-            lr=ins.local_lr,
-            num_steps=ins.local_steps,
-            algorithm=ins.algorithm,  # type: ignore[arg-type]
-            clip=ins.clip,
-            noise_std=ins.noise_std,
-            rng=noise_rng(ins.noise_seed, cid),
-        )
+        upd = follow_instructions(w, cache[cid], ins, cid)  # what the ClientApp calls
         yield ClientResult(cid, upd.noisy, upd.update_norm, upd.clean if ins.diagnostics else None)
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import GradFn, follow_instructions
@@ -60,12 +65,45 @@ def query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({METRICS: MetricRecord({"partition-id": pid, "num-partitions": num})}), reply_to=msg)
 
 
-@app.train()
+def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower's ``secaggplus_mod`` for the rounds the server runs through SecAgg+, a pass-through otherwise.
+
+    ``secaggplus_mod`` handles the protocol's four stages (keys, shares, the
+    masked vector, unmasking); in its masked-vector stage it calls
+    :func:`train`, quantizes the reply (exactly: it is already on the grid, see
+    :mod:`dpfedavg.core.secagg`), masks it and removes the unmasked arrays
+    from the reply before it leaves this node.
+    """
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+def _secure_train(msg: Message, context: Context, cfg: RunConfig, client_id: int) -> Message:
+    """The masked-vector stage of SecAgg+: the round's instructions arrive as legacy ``FitIns``.
+
+    The reply is a legacy ``FitRes`` holding only the encoded ``g~ + zeta~``
+    (weight ``num_examples = 1``: the server needs the plain sum); the mod
+    masks it. No norms or other per-client metrics are sent.
+    """
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    (w,) = parameters_to_ndarrays(fitins.parameters)
+    ins = instructions_from_config_record(fitins.config)  # type: ignore[arg-type]
+    if ins.secagg_step <= 0:
+        raise ValueError("a secure-aggregation round without a quantization grid (secagg-step)")
+    result = follow_instructions(w, _grad_fn(cfg, client_id), ins, client_id)
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([result.noisy]), num_examples=1, metrics={})
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+
+
+@app.train(mods=[secure_aggregation_mod])
 def train(msg: Message, context: Context) -> Message:
     """Alg. 1 / Alg. 2 lines 4-10 for this client: reply with ``g + zeta``."""
     setup_app_process()
     cfg = _config(tuple(sorted(context.run_config.items())))
     client_id, _ = _partition(context)
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return _secure_train(msg, context, cfg, client_id)
     ins = instructions_from_config_record(msg.content[CONFIG])
     w = from_array_record(msg.content[ARRAYS])
     result = follow_instructions(w, _grad_fn(cfg, client_id), ins, client_id)

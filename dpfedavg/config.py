@@ -116,6 +116,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("checkpoint-every", int, 10, "-", "write <run dir>/checkpoint.npz every this many rounds (and at the end); 0 = never", "an integer >= 0", lambda x: x >= 0),  # noqa: E501
     Option("resume", bool, False, "-", "continue the run in <output-dir>/<run-name> from its checkpoint (needs run-name)"),  # noqa: E501
     Option("secure-noise", bool, False, "-", "draw DP noise from OS-seeded generators nobody can replay (production); false = seeded, reproducible (research)"),  # noqa: E501
+    # secure aggregation (SecAgg+, client-side noise)
+    Option("secure-aggregation", bool, False, "-", "aggregate through Flower's SecAgg+ so the server learns only the sum (needs noise-placement client or client-calibrated)"),  # noqa: E501
+    Option("secagg-quantization-bits", int, 16, "-", "secure aggregation: Q = 2^bits grid levels per coordinate in [-c, c]; needs num-clients * 2^bits < 2^secagg-modulus-bits", "an integer in [1, 30]", lambda x: 1 <= x <= 30),  # noqa: E501
+    Option("secagg-modulus-bits", int, 32, "-", "secure aggregation: the protocol adds integers mod M = 2^bits (Flower allows at most 2^32)", "an integer in [2, 32]", lambda x: 2 <= x <= 32),  # noqa: E501
+    Option("secagg-clip-stds", float, 10.0, "k", "secure aggregation: coordinates are clipped to c >= C + k s (s = a client's noise std); P(any clip) <= 2 exp(-k^2/2) per coordinate", "a float >= 0", _non_negative),  # noqa: E501
+    Option("secagg-num-shares", float, 11.0, "-", "secure aggregation: SecAgg+ neighbours each client shares its keys with: an integer >= 3 (all clients when a round has fewer), or a fraction in (0, 1] of the round's clients (1.0 = every pair, classic SecAgg)", "an integer >= 3 or a fraction in (0, 1]", lambda x: (0 < x <= 1) or (x >= 3 and x == int(x))),  # noqa: E501
+    Option("secagg-reconstruction-threshold", float, 0.67, "-", "secure aggregation: fraction of a client's shares needed to unmask; above 0.5 so the server cannot learn both a client's mask and its pairwise keys; a round whose survivors fall below it is skipped", "a fraction in (0.5, 1]", lambda x: 0.5 < x <= 1),  # noqa: E501
+    Option("secagg-timeout", float, 0.0, "-", "secure aggregation: seconds each of the 4 SecAgg+ stages waits for replies; 0 = round-timeout", "a float >= 0", _non_negative),  # noqa: E501
     Option("eval-every", int, 1, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
     # Task-specific keys (ignored by tasks that do not use them).
     Option("init", str, "I1", "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2")),  # noqa: E501
@@ -192,6 +200,13 @@ class RunConfig:
     checkpoint_every: int = 10
     resume: bool = False
     secure_noise: bool = False
+    secure_aggregation: bool = False
+    secagg_quantization_bits: int = 16
+    secagg_modulus_bits: int = 32
+    secagg_clip_stds: float = 10.0
+    secagg_num_shares: float = 11.0
+    secagg_reconstruction_threshold: float = 0.67
+    secagg_timeout: float = 0.0
     eval_every: int = 1
     init: str = "I1"
     dim: int = 200
@@ -272,6 +287,39 @@ class RunConfig:
             errors.append(
                 "'resume' = True needs 'run-name': the interrupted run's folder <output-dir>/<run-name> "
                 "holds the checkpoint (the default name has a timestamp, so give runs you may resume a name)"
+            )
+        errors.extend(self._check_secure_aggregation())
+        return errors
+
+    def _check_secure_aggregation(self) -> list[str]:
+        if not self.secure_aggregation:
+            return []
+        errors = []
+        if self.noise_placement not in ("client", "client-calibrated"):
+            errors.append(
+                f"'secure-aggregation' = True with 'noise-placement' = {self.noise_placement!r}: the server only sees "
+                "the sum, so the clients must add the noise; allowed: 'client', 'client-calibrated'"
+            )
+        if self.algorithm not in ("clip", "norm"):
+            errors.append(
+                f"'secure-aggregation' = True with 'algorithm' = {self.algorithm!r}: the quantization range comes "
+                "from the bound ||g|| <= C; allowed: 'clip', 'norm'"
+            )
+        if self.diagnostics:
+            errors.append(
+                "'secure-aggregation' = True with 'diagnostics' = True: diagnostics send every client's clean "
+                "update to the server, which secure aggregation exists to prevent; set diagnostics=false"
+            )
+        bits, mbits = self.secagg_quantization_bits, self.secagg_modulus_bits
+        if bits >= mbits:
+            errors.append(f"'secagg-quantization-bits' = {bits} must be below 'secagg-modulus-bits' = {mbits}")
+        elif self.num_clients * 2**bits >= 2**mbits:
+            most = (2**mbits - 1) // 2**bits
+            fit = max(1, mbits - math.ceil(math.log2(self.num_clients + 1)))
+            errors.append(
+                f"'secagg-quantization-bits' = {bits} with 'secagg-modulus-bits' = {mbits} lets at most {most} "
+                f"clients be summed without wrapping around, but all 'num-clients' = {self.num_clients} may be "
+                f"sampled; use secagg-quantization-bits <= {fit}"
             )
         return errors
 

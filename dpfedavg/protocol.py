@@ -62,6 +62,8 @@ def instructions_to_config_record(ins: RoundInstructions) -> ConfigRecord:
             "noise-std": ins.noise_std,
             "noise-seed": ins.noise_seed,
             "diagnostics": ins.diagnostics,
+            "secagg-step": ins.secagg_step,
+            "secagg-range": ins.secagg_range,
         }
     )
 
@@ -77,4 +79,6 @@ def instructions_from_config_record(record: ConfigRecord) -> RoundInstructions:
         noise_std=float(record["noise-std"]),
         noise_seed=int(record["noise-seed"]),
         diagnostics=bool(record["diagnostics"]),
+        secagg_step=float(record.get("secagg-step", 0.0)),
+        secagg_range=float(record.get("secagg-range", 0.0)),
     )

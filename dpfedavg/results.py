@@ -35,6 +35,7 @@ TRAIN_COLUMNS: tuple[str, ...] = (
     "mean_update_norm",
     "noise_multiplier",
     "epsilon",
+    "skipped",
 )
 
 

@@ -10,6 +10,7 @@ engine both use it, so their outputs have one schema.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +27,8 @@ from dpfedavg.checkpoint import (
     save_checkpoint,
 )
 from dpfedavg.config import RunConfig
-from dpfedavg.core import server_noise_std
+from dpfedavg.core import SecAggGrid, placement_noise_stds, server_noise_std
+from dpfedavg.core.secagg import ddg_tau, quantization_error_bound
 from dpfedavg.core.types import Vector
 from dpfedavg.results import RunRecorder, package_versions
 from dpfedavg.strategies.accounting import PrivacyPlan
@@ -44,7 +46,7 @@ def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
     return Path(cfg.output_dir).expanduser().resolve() / name
 
 
-def describe_privacy(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, Any]:
+def describe_privacy(cfg: RunConfig, plan: PrivacyPlan, dim: int | None = None) -> dict[str, Any]:
     """The privacy set-up for ``config.json``."""
     return {
         "dp": plan.dp,
@@ -60,6 +62,41 @@ def describe_privacy(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, Any]:
         "nominal_epsilon": plan.nominal_epsilon,
         "privacy_unit": "one client's whole dataset (add/remove one client)",
         "sensitivity_of_sum": cfg.clip,
+        "secure_aggregation": describe_secure_aggregation(cfg, plan, dim) if cfg.secure_aggregation else None,
+    }
+
+
+def describe_secure_aggregation(cfg: RunConfig, plan: PrivacyPlan, dim: int | None) -> dict[str, Any]:
+    """The SecAgg+ encoding at ``|S_k| = r`` and its error and privacy terms (see :mod:`dpfedavg.core.secagg`).
+
+    ``clip_probability_bound`` is a union bound over every coordinate of every
+    client that could be sampled in every round (``K n d``, each at most
+    ``2 exp(-k^2/2)``); the run's guarantee is then
+    ``(epsilon, delta + (1 + e^epsilon) p)``. ``ddg_tau`` is the distance of
+    the summed discrete Gaussians from a discrete Gaussian (at ``N = n``).
+    """
+    r = max(1, round(cfg.clients_per_round))
+    client_std = placement_noise_stds(cfg.noise_placement, plan.noise_multiplier, cfg.clip, cfg.clients_per_round, r)[0]
+    grid = SecAggGrid.for_round(
+        cfg.clip, client_std, cfg.secagg_clip_stds, cfg.secagg_quantization_bits, cfg.secagg_modulus_bits
+    )
+    d = dim or 1
+    per_coordinate = 2.0 * math.exp(-(cfg.secagg_clip_stds**2) / 2) if client_std > 0 else 0.0
+    p_clip = min(1.0, cfg.num_rounds * cfg.num_clients * d * per_coordinate)
+    epsilon = plan.target_epsilon if plan.calibrated else plan.nominal_epsilon
+    return {
+        "protocol": "SecAgg+ (Flower SecAggPlusWorkflow / secaggplus_mod)",
+        "num_shares": cfg.secagg_num_shares,
+        "reconstruction_threshold": cfg.secagg_reconstruction_threshold,
+        "grid_step_at_r": grid.step,
+        "clipping_range_at_r": grid.clipping_range,
+        "quantization_levels": grid.levels,
+        "modulus": grid.modulus,
+        "max_clients_per_round": grid.max_participants,
+        "quantization_error_bound_of_sum_at_r": quantization_error_bound(grid, r, d),
+        "clip_probability_bound": p_clip,
+        "delta_including_clipping": plan.delta + (1 + math.exp(min(epsilon, 700.0))) * p_clip if plan.dp else None,
+        "ddg_tau": ddg_tau(client_std / grid.step, cfg.num_clients) if client_std > 0 else 0.0,
     }
 
 
@@ -116,7 +153,7 @@ class RunSession:
                 "client_noise_std_at_r": client_std,
                 "server_noise_std": server_std,
             },
-            "privacy": describe_privacy(cfg, self.server.plan),
+            "privacy": describe_privacy(cfg, self.server.plan, self.server.dim),
             "versions": package_versions(),
             "started_utc": datetime.now(UTC).isoformat(),
         }

@@ -20,7 +20,9 @@ from dpfedavg.core.local import (
     follow_instructions,
     local_steps,
     private_client_update,
+    round_grid,
 )
+from dpfedavg.core.secagg import SecAggGrid
 from dpfedavg.core.seeding import SECURE_NOISE_SEED, Stream, make_rng, noise_rng, round_noise_seed, secure_rng
 from dpfedavg.core.server import (
     aggregate_fixed_denominator,
@@ -39,6 +41,7 @@ __all__ = [
     "ClientUpdate",
     "LocalTrainingDiverged",
     "GradFn",
+    "SecAggGrid",
     "Stream",
     "Vector",
     "aggregate_fixed_denominator",
@@ -58,6 +61,7 @@ __all__ = [
     "normalize",
     "poisson_sample",
     "private_client_update",
+    "round_grid",
     "round_noise_seed",
     "secure_rng",
     "server_lr_at",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from dpfedavg.core.dp import bound_sensitivity, gaussian_noise
+from dpfedavg.core.secagg import SecAggGrid, encode
 from dpfedavg.core.seeding import noise_rng
 from dpfedavg.core.types import Algorithm, GradFn, RoundInstructions, Vector
 
@@ -17,7 +19,10 @@ __all__ = [
     "ClientUpdate",
     "private_client_update",
     "follow_instructions",
+    "round_grid",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class LocalTrainingDiverged(FloatingPointError):
@@ -74,12 +79,15 @@ def private_client_update(
     clip: float,
     noise_std: float,
     rng: np.random.Generator,
+    secagg_grid: SecAggGrid | None = None,
 ) -> ClientUpdate:
     """Alg. 1 / Alg. 2 lines 4-10 for one client.
 
     ``u`` from ``E`` local steps, ``g = clip(u, C)`` (``clip``), ``g = C u/||u||``
     (``norm``) or ``g = u`` (``none``), then ``g + zeta`` with
-    ``zeta ~ N(0, noise_std^2 I)`` drawn from ``rng``.
+    ``zeta ~ N(0, noise_std^2 I)`` drawn from ``rng``. With ``secagg_grid``
+    (secure aggregation) ``g`` is rounded to the grid and the noise is
+    discrete Gaussian on it (:func:`dpfedavg.core.secagg.encode`).
     """
     u = client_update(w, grad_fn, lr, num_steps)
     if not np.all(np.isfinite(u)):
@@ -88,8 +96,21 @@ def private_client_update(
             "(a smaller local-lr usually fixes it); nothing is sent"
         )
     g = bound_sensitivity(u, algorithm, clip)
+    if secagg_grid is not None:
+        noisy, clipped = encode(g, secagg_grid, clip, noise_std, rng)
+        if clipped:
+            logger.warning("%d coordinates of g + zeta fell outside the secure-aggregation range: clipped", clipped)
+        return ClientUpdate(noisy=noisy, clean=g, update_norm=float(np.linalg.norm(u)))
     zeta = gaussian_noise(g.shape[0], noise_std, rng, dtype=g.dtype)
     return ClientUpdate(noisy=g + zeta, clean=g, update_norm=float(np.linalg.norm(u)))
+
+
+def round_grid(ins: RoundInstructions) -> SecAggGrid | None:
+    """The secure-aggregation grid the round's instructions carry (``None`` without secure aggregation)."""
+    if ins.secagg_step <= 0:
+        return None
+    levels = round(2 * ins.secagg_range / ins.secagg_step)
+    return SecAggGrid(step=ins.secagg_step, clipping_range=ins.secagg_range, levels=levels, modulus=0)
 
 
 def follow_instructions(w: Vector, grad_fn: GradFn, ins: RoundInstructions, client_id: int) -> ClientUpdate:
@@ -103,4 +124,5 @@ def follow_instructions(w: Vector, grad_fn: GradFn, ins: RoundInstructions, clie
         clip=ins.clip,
         noise_std=ins.noise_std,
         rng=noise_rng(ins.noise_seed, client_id),
+        secagg_grid=round_grid(ins),
     )

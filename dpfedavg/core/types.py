@@ -29,7 +29,8 @@ class RoundInstructions:
 
     ``noise_std`` is the per-client noise std (``z C / sqrt(r)`` for
     ``client`` placement, Alg. 1 line 10) and ``noise_seed`` seeds the client's
-    noise generator together with its client id.
+    noise generator together with its client id. With secure aggregation the
+    client encodes ``g + zeta`` on the grid ``(secagg_step, secagg_range)``.
     """
 
     server_round: int
@@ -40,6 +41,9 @@ class RoundInstructions:
     noise_std: float
     noise_seed: int
     diagnostics: bool
+    #: Secure aggregation: the round's grid step ``Delta`` and range ``c`` (see ``core.secagg``); 0 = off.
+    secagg_step: float = 0.0
+    secagg_range: float = 0.0
 
 
 class ClientResult(NamedTuple):

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import bound_sensitivity, client_update, gaussian_noise, noise_rng
+from dpfedavg.core import bound_sensitivity, client_update, gaussian_noise, noise_rng, round_grid
+from dpfedavg.core.secagg import encode
 from dpfedavg.core.types import ClientResult, GradFn, RoundInstructions, Vector
 from dpfedavg.session import RunSession
 from dpfedavg.strategies.accounting import PrivacyPlan, plan_privacy
@@ -59,6 +60,7 @@ def _block_results(
     norms = np.linalg.norm(u, axis=1)
     g = bound_sensitivity(u, ins.algorithm, ins.clip)  # type: ignore[arg-type]
     finite = np.all(np.isfinite(u), axis=1)
+    secagg_grid = round_grid(ins)
     results, failed = [], []
     for row, client_id in enumerate(ids):
         if not finite[row]:
@@ -66,10 +68,11 @@ def _block_results(
             failed.append(int(client_id))
             continue
         rng = noise_rng(ins.noise_seed, int(client_id))
-        zeta = gaussian_noise(dim, ins.noise_std, rng, dtype=g.dtype)
-        results.append(
-            ClientResult(int(client_id), g[row] + zeta, float(norms[row]), g[row] if ins.diagnostics else None)
-        )
+        if secagg_grid is not None:  # what the client hands to secure aggregation; the protocol sums it exactly
+            noisy, _ = encode(g[row], secagg_grid, ins.clip, ins.noise_std, rng)
+        else:
+            noisy = g[row] + gaussian_noise(dim, ins.noise_std, rng, dtype=g.dtype)
+        results.append(ClientResult(int(client_id), noisy, float(norms[row]), g[row] if ins.diagnostics else None))
     return results, failed
 
 
@@ -159,9 +162,12 @@ def run_batched(
             logger.warning("%s", stop)
             stopped = server_round
             break
-        failed: list[int] = []
-        results = list(client_results_fn(task, clients, w, instructions, failed=failed, threads=threads))
-        w = server.finish_round(server_round, results, num_failed=len(failed))
+        if cfg.secure_aggregation and len(clients) < 2:  # as in SecAgg+: one client cannot hide in a sum
+            w = server.skip_round(server_round, f"secure aggregation needs at least 2 clients, {len(clients)} sampled")
+        else:
+            failed: list[int] = []
+            results = list(client_results_fn(task, clients, w, instructions, failed=failed, threads=threads))
+            w = server.finish_round(server_round, results, num_failed=len(failed))
         if server.accountant is not None and server_round == cfg.num_rounds:
             server.history[server_round].epsilon = server.epsilon  # computed once, at the end (it is costly)
         session.end_round(server_round, w)

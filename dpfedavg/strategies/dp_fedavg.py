@@ -43,6 +43,7 @@ from dpfedavg.protocol import (
     to_array_record,
 )
 from dpfedavg.strategies.accounting import PrivacyPlan
+from dpfedavg.strategies.secure_aggregation import SecureSum, secure_sum, workflow_for
 from dpfedavg.strategies.server_loop import ClientResult, DPServer, PrivacyBudgetExhausted, RoundStats
 
 __all__ = ["DPFedAvg", "FederationError", "PrivacyBudgetExhausted", "RoundStats"]
@@ -161,6 +162,21 @@ class DPFedAvg(FedAvg):
             )
             if plan.max_epsilon is not None:
                 logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
+        if cfg.secure_aggregation:
+            logger.info(
+                "\t├── Secure aggregation: SecAgg+ (shares %g, threshold %g), Q=2^%d levels, M=2^%d; "
+                "the server sees only the sum",
+                cfg.secagg_num_shares,
+                cfg.secagg_reconstruction_threshold,
+                cfg.secagg_quantization_bits,
+                cfg.secagg_modulus_bits,
+            )
+            if not cfg.secure_noise:
+                logger.warning(
+                    "secure-aggregation with secure-noise = false: the clients' noise is seeded from the run's "
+                    "seed, so whoever knows it can subtract the noise from the sum; set secure-noise = true "
+                    "outside research simulations"
+                )
         beta = "eta_k" if cfg.server_lr is None else f"{cfg.server_lr:g}"
         logger.info(
             "\t└── E=%d, eta_0=%g, gamma=%g, beta=%s, mu=%g",
@@ -305,15 +321,23 @@ class DPFedAvg(FedAvg):
         for server_round in range(first_round, self.cfg.num_rounds + 1):
             clock = time.perf_counter()
             try:
-                messages = list(self.configure_train(server_round, arrays, train_config, grid))
+                if self.cfg.secure_aggregation:
+                    round_config = self._open_round(server_round, arrays, train_config, grid)
+                else:
+                    messages = list(self.configure_train(server_round, arrays, train_config, grid))
             except PrivacyBudgetExhausted as stop:
                 logger.warning("%s", stop)
                 self.stopped_before_round = stop.server_round
                 break
             t_configure = time.perf_counter()
-            replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
-            t_wait = time.perf_counter()
-            new_arrays, metrics = self.aggregate_train(server_round, replies)
+            if self.cfg.secure_aggregation:
+                outcome = self._run_secure_aggregation(server_round, arrays, round_config, grid, timeout)
+                t_wait = time.perf_counter()
+                new_arrays, metrics = self._aggregate_secure(server_round, outcome)
+            else:
+                replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+                t_wait = time.perf_counter()
+                new_arrays, metrics = self.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = result.arrays = new_arrays
             if metrics is not None:
@@ -336,6 +360,18 @@ class DPFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Poisson-sample the clients and send them ``w_k`` and the round's instructions."""
+        train_config = self._open_round(server_round, arrays, config, grid)
+        if not self._sampled:
+            return []
+        record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
+        return self._construct_messages(record, sorted(self._sampled), MessageType.TRAIN)
+
+    def _open_round(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> ConfigRecord:
+        """Poisson-sample the round's clients among the connected nodes; the round's train config.
+
+        Fills ``self._sampled`` (node id -> client id) with the sampled clients
+        that are connected; the others are dropouts.
+        """
         if not self.node_of_client:
             self.discover_clients(grid)
         clients, instructions = self.server.begin_round(server_round, from_array_record(arrays))
@@ -359,13 +395,44 @@ class DPFedAvg(FedAvg):
                 len(offline),
                 offline[:10],
             )
-        if not self._sampled:
-            return []
         train_config = ConfigRecord(dict(config))
         for key, value in instructions_to_config_record(instructions).items():
             train_config[key] = value
-        record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
-        return self._construct_messages(record, sorted(self._sampled), MessageType.TRAIN)
+        return train_config
+
+    # ------------------------------------------------- secure aggregation
+    def _run_secure_aggregation(
+        self, server_round: int, arrays: ArrayRecord, train_config: ConfigRecord, grid: Grid, timeout: float
+    ) -> SecureSum:
+        """SecAgg+ over this round's sampled, connected clients (see :mod:`.secure_aggregation`)."""
+        secagg_grid = self.server.secagg_grid(self.history[server_round].num_sampled)
+        assert secagg_grid is not None  # secure-aggregation is on
+        stage_timeout = self.cfg.secagg_timeout or timeout
+        workflow = workflow_for(
+            secagg_grid,
+            self.cfg.secagg_num_shares,
+            self.cfg.secagg_reconstruction_threshold,
+            stage_timeout,
+            len(self._sampled),
+        )
+        w = from_array_record(arrays)
+        return secure_sum(
+            grid, workflow, server_round, w, train_config, sorted(self._sampled), len(set(grid.get_node_ids()))
+        )
+
+    def _aggregate_secure(self, server_round: int, outcome: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
+        """Close a SecAgg+ round: aggregate its sum, or skip it if the protocol halted."""
+        for reason in outcome.errors:
+            logger.warning("Round %d: secure aggregation: %s", server_round, reason[:300])
+        if outcome.total is None:
+            w_new = self.server.skip_round(server_round, "; ".join(outcome.errors) or "SecAgg+ halted")
+        else:
+            unknown = [nid for nid in outcome.contributors if nid not in self._sampled]
+            if unknown:
+                raise RuntimeError(f"SecAgg+ summed nodes that were not sampled: {unknown[:5]}")
+            w_new = self.server.finish_round_sum(server_round, outcome.total, len(outcome.contributors))
+        self.global_arrays = to_array_record(w_new)
+        return self.global_arrays, MetricRecord(self.history[server_round].as_metrics())
 
     def _learn_new_nodes(self, grid: Grid, node_ids: list[int]) -> None:
         """Map SuperNodes that connected after discovery (e.g. a client that restarted with a new node id)."""

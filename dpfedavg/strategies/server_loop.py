@@ -29,6 +29,7 @@ import numpy as np
 from dpfedavg.config import RunConfig
 from dpfedavg.core import (
     SECURE_NOISE_SEED,
+    SecAggGrid,
     Stream,
     gaussian_noise,
     keep_random_iterate,
@@ -77,6 +78,8 @@ class RoundStats:
     snr: float = float("nan")
     noise_multiplier: float = float("nan")
     epsilon: float = float("nan")
+    #: 1 if secure aggregation could not finish the round (too few survivors): nothing was released.
+    skipped: int = 0
     rejected_reasons: list[str] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, float]:
@@ -94,6 +97,7 @@ class RoundStats:
             "snr": self.snr,
             "noise_multiplier": self.noise_multiplier,
             "epsilon": self.epsilon,
+            "skipped": self.skipped,
         }
 
 
@@ -150,6 +154,22 @@ class DPServer:
             self.cfg.noise_placement, self.noise_multiplier, self.cfg.clip, self.cfg.clients_per_round, num_sampled
         )
 
+    def secagg_grid(self, num_sampled: int) -> SecAggGrid | None:
+        """The secure-aggregation grid of a round with ``num_sampled`` clients (``None`` when off).
+
+        Its range covers ``C + k s`` for the round's per-client noise std ``s``
+        (which depends on ``|S_k|`` with ``client-calibrated`` placement).
+        """
+        if not self.cfg.secure_aggregation:
+            return None
+        return SecAggGrid.for_round(
+            self.cfg.clip,
+            self.noise_stds(num_sampled)[0],
+            self.cfg.secagg_clip_stds,
+            self.cfg.secagg_quantization_bits,
+            self.cfg.secagg_modulus_bits,
+        )
+
     def sample_clients(self, server_round: int) -> np.ndarray:
         """Client ids sampled in ``server_round`` (1-based): Poisson with ``q = r/n`` (Alg. 1 line 3)."""
         rng = make_rng(self.cfg.seed, Stream.SAMPLING, server_round - 1)
@@ -158,6 +178,7 @@ class DPServer:
     def instructions(self, server_round: int, num_sampled: int) -> RoundInstructions:
         """The train config of ``server_round``: ``eta_k``, ``E``, ``C``, noise std and seed."""
         k = server_round - 1
+        grid = self.secagg_grid(num_sampled)
         return RoundInstructions(
             server_round=server_round,
             local_lr=local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay),
@@ -167,6 +188,8 @@ class DPServer:
             noise_std=self.noise_stds(num_sampled)[0],
             noise_seed=SECURE_NOISE_SEED if self.cfg.secure_noise else round_noise_seed(self.cfg.seed, k),
             diagnostics=self.cfg.diagnostics,
+            secagg_step=grid.step if grid is not None else 0.0,
+            secagg_range=grid.clipping_range if grid is not None else 0.0,
         )
 
     def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
@@ -259,10 +282,7 @@ class DPServer:
         Sampled clients that are not among ``results`` and not counted as failed
         or rejected are dropouts.
         """
-        if self._w is None or self._round != server_round:
-            raise RuntimeError(f"finish_round({server_round}) without begin_round({server_round})")
-        stats = self.history[server_round]
-        r = self.cfg.clients_per_round
+        self._check_open(server_round)
         total = np.zeros(self.dim)
         clean_total = np.zeros(self.dim) if self.cfg.diagnostics else None
         norms: list[float] = []
@@ -275,7 +295,54 @@ class DPServer:
             norms.append(result.update_norm)
             if clean_total is not None and result.clean is not None:
                 clean_total += result.clean
-        stats.num_received = len(norms)
+        return self._close_round(server_round, total, len(norms), norms, clean_total, num_failed, num_rejected)
+
+    def finish_round_sum(self, server_round: int, total: Vector, num_received: int, *, num_failed: int = 0) -> Vector:
+        """:meth:`finish_round` from the *sum* of ``num_received`` replies (secure aggregation).
+
+        The server never sees an individual ``g_i + zeta_i``, so there are no
+        per-client norms (``mean_update_norm`` and ``frac_clipped`` stay NaN).
+        """
+        self._check_open(server_round)
+        total = np.asarray(total, dtype=np.float64)
+        if total.shape != (self.dim,):
+            raise ValueError(f"the secure sum has shape {total.shape}, expected ({self.dim},)")
+        return self._close_round(server_round, total.copy(), num_received, [], None, num_failed, 0)
+
+    def skip_round(self, server_round: int, reason: str) -> Vector:
+        """Close a round that released nothing (secure aggregation halted): ``w_{k+1} = w_k``.
+
+        No privacy event is charged (the server learned nothing about any
+        client's data), the momentum buffer is unchanged, and the round is
+        recorded with ``skipped = 1`` and every sampled client as a dropout.
+        """
+        self._check_open(server_round)
+        stats = self.history[server_round]
+        stats.skipped, stats.num_dropped = 1, stats.num_sampled
+        stats.noise_multiplier = float("nan")
+        stats.epsilon = self.accountant.epsilon if self.accountant is not None else float("inf")
+        logger.warning("Round %d skipped: %s; the model is unchanged and no privacy is spent", server_round, reason)
+        w = self._w
+        self._w, self._round = None, None
+        return w  # type: ignore[return-value]
+
+    def _check_open(self, server_round: int) -> None:
+        if self._w is None or self._round != server_round:
+            raise RuntimeError(f"finishing round {server_round} without begin_round({server_round})")
+
+    def _close_round(
+        self,
+        server_round: int,
+        total: Vector,
+        num_received: int,
+        norms: list[float],
+        clean_total: Vector | None,
+        num_failed: int,
+        num_rejected: int,
+    ) -> Vector:
+        stats = self.history[server_round]
+        r = self.cfg.clients_per_round
+        stats.num_received = num_received
         stats.num_failed, stats.num_rejected = num_failed, num_rejected
         stats.num_dropped = max(0, stats.num_sampled - stats.num_received - num_failed - num_rejected)
         if stats.num_dropped:

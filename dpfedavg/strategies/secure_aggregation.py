@@ -1,0 +1,157 @@
+"""One round of aggregation through Flower's SecAgg+ protocol (``secure-aggregation = true``).
+
+Flower 1.41 ships SecAgg+ as :class:`~flwr.server.workflow.SecAggPlusWorkflow`,
+written for the legacy ``Strategy`` API (``configure_fit`` /
+``aggregate_fit``, a ``LegacyContext``). :func:`secure_sum` drives its four
+stages for the clients our strategy has already Poisson-sampled, through a
+one-round legacy adapter, and returns the *sum* of their encoded
+``g~_i + zeta~_i`` and how many clients it contains. The cryptography
+(key agreement, Shamir shares, masks) is Flower's; ours is only the
+encoding (:mod:`dpfedavg.core.secagg`) and this glue.
+
+What the server holds during a round: the clients' public keys, encrypted
+key shares it forwards, each client's *masked* vector (uniform mod ``M`` to
+anyone without the masks), which it adds up immediately, and the shares
+needed to remove the masks from that sum. The workflow hands
+``aggregate_fit`` the unmasked average; no individual update is ever
+unmasked (``tests/test_secure_aggregation.py`` checks every array that
+reaches the server).
+
+Weights: every client reports ``num_examples = 1`` and ``max_weight = 1``,
+so the workflow's "weighted average" is the plain average over the ``N``
+clients that sent a masked vector; multiplying by ``N`` gives the sum
+(Alg. 1 line 12 then divides by the fixed ``r``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.common import FitIns, FitRes, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.server.client_manager import SimpleClientManager
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+from flwr.serverapp import Grid
+
+from dpfedavg.core import SecAggGrid
+from dpfedavg.core.types import Vector
+
+__all__ = ["SecureSum", "secure_sum", "workflow_for"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SecureSum:
+    """What a SecAgg+ round produced: the sum and the node ids it contains, or why it halted."""
+
+    total: Vector | None
+    contributors: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def completed(self) -> bool:
+        return self.total is not None
+
+
+class _Node:
+    """The one attribute of a legacy ``ClientProxy`` the workflow reads."""
+
+    def __init__(self, node_id: int) -> None:
+        self.node_id = node_id
+
+
+class _Online(SimpleClientManager):
+    """A client manager that only answers ``num_available`` (for the workflow's log line)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self._count = count
+
+    def num_available(self) -> int:
+        return self._count
+
+
+class _OneRound:
+    """A legacy ``Strategy`` for one round: hands out the prepared ``FitIns`` and keeps the aggregate."""
+
+    def __init__(self, fit_ins: dict[int, FitIns]) -> None:
+        self._fit_ins = fit_ins
+        self.average: list[np.ndarray] | None = None
+        self.contributors: list[int] = []
+        self.errors: list[str] = []
+
+    def configure_fit(self, server_round, parameters, client_manager):  # noqa: ANN001, ANN201 - legacy signature
+        del server_round, parameters, client_manager
+        return [(_Node(nid), ins) for nid, ins in self._fit_ins.items()]
+
+    def aggregate_fit(self, server_round, results: list[tuple[_Node, FitRes]], failures):  # noqa: ANN001, ANN201
+        del server_round
+        self.contributors = sorted(proxy.node_id for proxy, _ in results)
+        self.errors = sorted({str(f) for f in failures})
+        if results:
+            # Every FitRes carries the same unmasked *average* (the workflow writes it into each).
+            self.average = parameters_to_ndarrays(results[0][1].parameters)
+        return None, {}
+
+
+def workflow_for(
+    grid: SecAggGrid, num_shares: float, threshold: float, timeout: float | None, num_clients: int
+) -> SecAggPlusWorkflow:
+    """Flower's SecAgg+ workflow for a round of ``num_clients``, with our grid and unit weights.
+
+    ``num_shares > 1`` is the SecAgg+ neighbourhood size ``k`` (every client
+    shares with all the others when the round has at most ``k``); a value in
+    ``(0, 1]`` is a fraction of the round's clients (Flower's meaning).
+    ``threshold`` is the fraction of a client's shares needed to unmask.
+    """
+    if num_shares <= 1:
+        shares: int | float = float(num_shares)
+    else:
+        shares = 1.0 if num_clients <= num_shares else int(num_shares)
+    return SecAggPlusWorkflow(
+        num_shares=shares,
+        reconstruction_threshold=float(threshold),
+        max_weight=1.0,
+        clipping_range=grid.clipping_range,
+        quantization_range=grid.levels,
+        modulus_range=grid.modulus,
+        timeout=timeout,
+    )
+
+
+def secure_sum(
+    grid: Grid,
+    workflow: SecAggPlusWorkflow,
+    server_round: int,
+    w: Vector,
+    train_config: ConfigRecord,
+    node_ids: list[int],
+    num_online: int,
+) -> SecureSum:
+    """Run SecAgg+ with ``node_ids`` on ``w`` and the round's train config; the sum of their replies.
+
+    Returns a :class:`SecureSum` whose ``total`` is ``None`` when the protocol
+    halted (fewer than two clients, or survivors below the reconstruction
+    threshold): the server then learned nothing.
+    """
+    if len(node_ids) < 2:
+        return SecureSum(None, errors=[f"secure aggregation needs at least 2 clients, {len(node_ids)} sampled"])
+    parameters = ndarrays_to_parameters([np.asarray(w)])
+    config = dict(train_config)
+    adapter = _OneRound({nid: FitIns(parameters, config) for nid in node_ids})  # type: ignore[arg-type]
+    base = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    context = LegacyContext(base, strategy=adapter, client_manager=_Online(num_online))  # type: ignore[arg-type]
+    context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: server_round})
+    context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
+    workflow(grid, context)
+    if adapter.average is None:
+        return SecureSum(None, errors=adapter.errors or ["SecAgg+ halted (too few clients completed a stage)"])
+    (average,) = adapter.average
+    total = np.asarray(average, dtype=np.float64) * len(adapter.contributors)
+    return SecureSum(total, adapter.contributors, adapter.errors)

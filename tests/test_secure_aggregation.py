@@ -1,0 +1,302 @@
+"""Secure aggregation (SecAgg+): the encoding, the protocol round in-process, dropouts, what the server sees."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message
+from flwr.common import bytes_to_ndarray
+from flwr.common.secure_aggregation.quantization import quantize
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+from dpfedavg import server_app
+from dpfedavg.client_app import app as client_app
+from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.core import SecAggGrid, follow_instructions, normalize
+from dpfedavg.core.secagg import (
+    conditional_round,
+    ddg_tau,
+    discrete_gaussian,
+    encode,
+    quantization_error_bound,
+)
+from dpfedavg.engines.batched import run_batched
+from dpfedavg.strategies import DPFedAvg, plan_privacy
+from dpfedavg.tasks import build_task
+from dpfedavg.testing import InProcessGrid
+
+# ------------------------------------------------------------------ encoding
+
+
+@pytest.mark.parametrize("sigma", [0.7, 1.3, 4.0, 2500.0])
+def test_discrete_gaussian_matches_its_pmf(sigma: float) -> None:
+    """Mean 0 and variance sum_x x^2 p(x) with p(x) ~ exp(-x^2/(2 sigma^2)); 200k draws, seed 0."""
+    x = discrete_gaussian(200_000, sigma, np.random.default_rng(0))
+    support = np.arange(-int(12 * sigma) - 2, int(12 * sigma) + 3)
+    p = np.exp(-(support.astype(float) ** 2) / (2 * sigma**2))
+    p /= p.sum()
+    var = float(np.sum(support.astype(float) ** 2 * p))
+    assert x.dtype == np.int64
+    assert abs(x.mean()) < 5 * math.sqrt(var / len(x))
+    assert abs(x.var() / var - 1) < 0.02  # the std of the sample variance is ~0.3% here
+    if sigma < 5:  # the whole pmf, not just two moments: total variation distance
+        counts = np.array([(x == k).sum() for k in support]) / len(x)
+        assert 0.5 * np.abs(counts - p).sum() < 0.01
+
+
+def test_grid_is_powers_of_two_and_covers_the_noise() -> None:
+    grid = SecAggGrid.for_round(clip=3.0, noise_std=0.2, clip_stds=10.0, bits=16, modulus_bits=32)
+    assert grid.clipping_range >= 3.0 + 10.0 * 0.2
+    assert grid.clipping_range < 2 * (3.0 + 10.0 * 0.2)  # the power of two at most doubles it
+    assert math.log2(grid.step) == int(math.log2(grid.step))
+    assert grid.clipping_range == grid.levels * grid.step / 2
+    assert grid.max_participants == (2**32 - 1) // 2**16
+    assert grid.clip_probability(3.0, 0.2, 10**9) < 1e-10
+    assert SecAggGrid.for_round(1.0, 1.0, 0.0, 8, 16).clip_probability(1.0, 1.0, 1) > 0.1  # k = 0: clips often
+
+
+def test_conditional_rounding_keeps_the_norm_bound_and_is_unbiased() -> None:
+    rng = np.random.default_rng(1)
+    c, step = 5.0, 2.0**-6
+    g = normalize(rng.standard_normal(300), c)  # ||g|| = C exactly: the hardest case
+    draws = np.stack([conditional_round(g, step, c, rng) for _ in range(400)])
+    assert np.all(np.linalg.norm(draws, axis=1) <= c)
+    assert np.all(np.abs(draws - g) < step)
+    np.testing.assert_array_equal(np.mod(draws / step, 1), 0)
+    # unbiased up to the conditioning: the mean error is far below one step
+    assert np.abs(draws.mean(axis=0) - g).max() < 0.2 * step
+    with pytest.raises(ValueError, match="exceeds the bound"):
+        conditional_round(2 * g, step, c, rng)
+
+
+def test_encoding_is_exact_under_flowers_quantizer() -> None:
+    """Flower's quantize maps our grid points to integers without rounding: the protocol adds no error."""
+    rng = np.random.default_rng(2)
+    c, s = 2.0, 0.3
+    grid = SecAggGrid.for_round(c, s, 10.0, 16, 32)
+    g = normalize(rng.standard_normal(500), c)
+    y, clipped = encode(g, grid, c, s, rng)
+    assert clipped == 0
+    assert np.all(np.abs(y) <= grid.clipping_range)
+    ints = (y + grid.clipping_range) / grid.step
+    np.testing.assert_array_equal(ints, np.round(ints))
+    for _ in range(3):  # Flower's stochastic rounding never moves an exact grid point
+        (q,) = quantize([y], grid.clipping_range, grid.levels)
+        np.testing.assert_array_equal(q, ints.astype(np.int64))
+    # the noise has the requested std (discrete Gaussian on the grid)
+    assert abs(np.std(y - conditional_round(g, grid.step, c, np.random.default_rng(3))) / s - 1) < 0.1
+
+
+def test_tau_is_negligible_at_our_settings_and_large_for_coarse_grids() -> None:
+    assert ddg_tau(sigma_steps=50.0, num_clients=5000) == 0.0
+    assert ddg_tau(sigma_steps=0.3, num_clients=100) > 1.0
+
+
+# -------------------------------------------------------------------- config
+
+
+def _cfg(**overrides) -> RunConfig:
+    base = {
+        "num-clients": 10,
+        "clients-per-round": 6.0,
+        "num-rounds": 3,
+        "dim": 12,
+        "seed": 5,
+        "epsilon": 0.0,
+        "noise-multiplier": 1.0,
+        "algorithm": "clip",
+        "clip": 20.0,
+        "secure-aggregation": True,
+    }
+    base.update(overrides)
+    return RunConfig.from_run_config(base)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"noise-placement": "server"}, "'noise-placement' = 'server'"),
+        ({"algorithm": "none"}, "'algorithm' = 'none'"),
+        ({"diagnostics": True}, "'diagnostics' = True"),
+        ({"secagg-quantization-bits": 30, "num-clients": 10}, "use secagg-quantization-bits <= 28"),
+        ({"secagg-quantization-bits": 20, "secagg-modulus-bits": 20}, "must be below 'secagg-modulus-bits'"),
+        ({"secagg-num-shares": 2.0}, "'secagg-num-shares' = 2.0"),
+        ({"secagg-reconstruction-threshold": 0.5}, "a fraction in (0.5, 1]"),
+        ({"secagg-modulus-bits": 40}, "'secagg-modulus-bits' = 40"),
+    ],
+)
+def test_bad_secure_aggregation_config_is_one_clear_error(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _cfg(**overrides)
+
+
+# ------------------------------------------------------- the protocol round
+
+
+def _run_flower(cfg: RunConfig, tmp_path, name: str, client=client_app, grid_cls=InProcessGrid, **grid_kwargs):
+    cfg = cfg.replace(output_dir=str(tmp_path), run_name=name)
+    grid = grid_cls(client, cfg.num_clients, cfg.to_run_config(), **grid_kwargs)
+    return server_app.run(grid, cfg, plan=plan_privacy(cfg)), grid
+
+
+def test_secure_aggregate_equals_the_plain_sum_of_the_encoded_updates(tmp_path) -> None:
+    """Flower's SecAgg+ run gives exactly the batched engine's run, which sums the same encodings in the clear."""
+    cfg = _cfg(**{"noise-placement": "client-calibrated", "server-momentum": 0.5, "num-rounds": 4})
+    out, _ = _run_flower(cfg, tmp_path, "secure")
+    plain = run_batched(cfg.replace(output_dir=str(tmp_path), run_name="batched"), threads=1)
+    secure_w = np.load(out / "model.npz")["w_final"]
+    np.testing.assert_allclose(secure_w, np.load(plain / "model.npz")["w_final"], rtol=1e-12, atol=1e-12)
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 1 + 4
+
+
+def test_secure_aggregate_is_the_unquantized_aggregate_within_the_stated_error(tmp_path) -> None:
+    """Without noise, secure minus plain aggregation is only the rounding: ||error|| <= beta N Delta sqrt(d) / r."""
+    cfg = _cfg(**{"noise-multiplier": 0.0, "num-rounds": 1, "dim": 40, "secagg-quantization-bits": 12})
+    out, _ = _run_flower(cfg, tmp_path, "secure")
+    plain, _ = _run_flower(cfg.replace(secure_aggregation=False), tmp_path, "plain")
+    w_secure = np.load(out / "model.npz")["w_final"]
+    w_plain = np.load(plain / "model.npz")["w_final"]
+    row = (out / "metrics.csv").read_text().splitlines()[2].split(",")
+    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
+    stats = dict(zip(header, row, strict=True))
+    n_received, beta = int(stats["num_received"]), float(stats["beta"])
+    grid = SecAggGrid.for_round(cfg.clip, 0.0, cfg.secagg_clip_stds, 12, 32)
+    bound = beta * quantization_error_bound(grid, n_received, 40) / cfg.clients_per_round
+    error = float(np.linalg.norm(w_secure - w_plain))
+    assert 0 < error <= bound, (error, bound)
+    # and the rounding is unbiased: the typical error is ~ sqrt(N d) Delta / 2, far below the worst case
+    assert error < 0.25 * bound
+
+
+class SpyGrid(InProcessGrid):
+    """An in-process grid that keeps every message the server receives."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.received: list[Message] = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        self.received.extend(replies)
+        return replies
+
+
+def _arrays_in(msg: Message) -> list[np.ndarray]:
+    """Every array a reply carries: array records, and bytes in config records decoded as numpy arrays."""
+    out = []
+    if msg.has_error():
+        return out
+    for record in msg.content.array_records.values():
+        out.extend(arr.numpy() for arr in record.values())
+    for record in msg.content.config_records.values():
+        for value in record.values():
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, bytes):
+                    try:
+                        out.append(bytes_to_ndarray(item))
+                    except Exception:  # noqa: BLE001 - keys, shares, ciphertexts are not arrays
+                        continue
+    return out
+
+
+def test_the_server_never_receives_an_individual_unmasked_update(tmp_path, monkeypatch) -> None:
+    cfg = _cfg(**{"num-rounds": 2, "dim": 16})
+    # the per-client aggregation path must not be used at all
+    monkeypatch.setattr(
+        "dpfedavg.strategies.server_loop.DPServer.finish_round",
+        lambda *a, **k: pytest.fail("finish_round (per-client updates) called under secure aggregation"),
+    )
+    out, grid = _run_flower(cfg, tmp_path, "spy", grid_cls=SpyGrid)
+    assert (out / "model.npz").exists()
+    task = build_task(cfg)
+    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_privacy(cfg))
+    # recompute what every sampled client encoded in round 1 (seeded noise: the test can replay it)
+    w0 = task.initial_weights()
+    clients, ins = strategy.server.begin_round(1, w0)
+    grid_r1 = strategy.server.secagg_grid(len(clients))
+    secrets = []
+    for cid in clients:
+        y = follow_instructions(w0, task.client_grad_fn(int(cid)), ins, int(cid)).noisy
+        secrets += [y, (y + grid_r1.clipping_range) / grid_r1.step]  # the update and its quantized integers
+    assert len(clients) >= 2
+    seen = [a for msg in grid.received for a in _arrays_in(msg)]
+    masked = [a for a in seen if a.size == task.dim]
+    assert masked, "the masked vectors should be among the replies"
+    for secret in secrets:
+        for arr in seen:
+            if arr.size == secret.size:
+                assert not np.allclose(arr.astype(np.float64).ravel(), secret, rtol=0, atol=1e-6)
+    # the masked vectors are full-range integers mod M, nothing like the small quantized values
+    assert max(int(a.max()) for a in masked) > 2**31
+
+
+def _failing_in_stage(stage: str, partition_ids: set[int]):
+    """The real ClientApp, except that these partitions raise in one SecAgg+ stage (they drop out there)."""
+
+    def fn(msg: Message, context: Context) -> Message | None:
+        configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+        if configs is not None and configs.get(Key.STAGE) == stage:
+            if int(context.node_config["partition-id"]) in partition_ids:
+                raise RuntimeError(f"client lost power in stage {stage}")
+        return client_app(msg, context)
+
+    return fn
+
+
+def test_dropouts_after_masking_are_unmasked_and_the_sum_is_over_the_survivors(tmp_path) -> None:
+    """A client that dies in the masked-vector stage: its pairwise masks are removed, the sum is the others'."""
+    cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 1})  # q = 1: all 10 sampled
+    out, _ = _run_flower(cfg, tmp_path, "drop", client=_failing_in_stage(Stage.COLLECT_MASKED_VECTORS, {3}))
+    header, row = (out / "metrics.csv").read_text().splitlines()[0:3:2]
+    stats = dict(zip(header.split(","), row.split(","), strict=True))
+    assert (int(stats["num_received"]), int(stats["num_dropped"]), int(stats["skipped"])) == (9, 1, 0)
+    # the model moved by exactly the secure sum of the 9 survivors / r
+    task = build_task(cfg)
+    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_privacy(cfg))
+    w0 = task.initial_weights()
+    clients, ins = strategy.server.begin_round(1, w0)
+    total = sum(follow_instructions(w0, task.client_grad_fn(int(c)), ins, int(c)).noisy for c in clients if c != 3)
+    beta = float(stats["beta"])
+    np.testing.assert_allclose(np.load(out / "model.npz")["w_final"], w0 - beta * total / 10.0, atol=1e-12)
+
+
+def test_too_few_survivors_skip_the_round_without_spending_privacy(tmp_path) -> None:
+    """Below the reconstruction threshold nothing is released: w unchanged, epsilon unchanged, skipped = 1."""
+    cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 2, "secagg-reconstruction-threshold": 0.9})
+    dead = set(range(5))  # half the clients vanish after sending their keys
+    out, _ = _run_flower(cfg, tmp_path, "halt", client=_failing_in_stage(Stage.SHARE_KEYS, dead))
+    lines = (out / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
+    assert [int(r["skipped"]) for r in rows[1:]] == [1, 1]
+    assert [int(r["num_received"]) for r in rows[1:]] == [0, 0]
+    assert [r["epsilon"] for r in rows[1:]] == ["0.0", "0.0"]  # nothing was charged
+    assert rows[1]["dist_to_opt"] == rows[0]["dist_to_opt"] == rows[2]["dist_to_opt"]  # the model did not move
+
+
+def test_secure_noise_and_secure_aggregation_compose(tmp_path) -> None:
+    """With OS-seeded noise the run still completes and moves the model (no seed leaves the server)."""
+    cfg = _cfg(**{"secure-noise": True, "num-rounds": 2})
+    out, grid = _run_flower(cfg, tmp_path, "secure-noise")
+    sent = [m for m in grid.sent if RECORD_KEY_CONFIGS in m.content.config_records]
+    assert sent
+    w = np.load(out / "model.npz")["w_final"]
+    assert np.isfinite(w).all() and np.linalg.norm(w - build_task(cfg).initial_weights()) > 0
+
+
+def test_single_client_round_is_skipped_not_exposed(tmp_path) -> None:
+    """A round with one sampled client cannot hide it in a sum: skipped and logged, not sent in the clear."""
+    cfg = _cfg(**{"num-clients": 4, "clients-per-round": 0.4, "num-rounds": 12, "seed": 1})
+    out, grid = _run_flower(cfg, tmp_path, "single")
+    lines = (out / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[2:]]
+    small = [r for r in rows if int(r["num_sampled"]) < 2]
+    assert small, "seed 1 should sample fewer than two clients in some round"
+    assert all(int(r["skipped"]) == 1 for r in small)
+    assert all(int(r["skipped"]) == 0 for r in rows if int(r["num_sampled"]) >= 2)
+    train = [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert all(RECORD_KEY_CONFIGS in m.content.config_records for m in train)  # nothing outside SecAgg+

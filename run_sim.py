@@ -239,12 +239,15 @@ def _cmd_scale(args: argparse.Namespace) -> None:
     if not args.verbose:
         logging.getLogger("dpfedavg").setLevel(logging.WARNING)
     overrides = {"noise-placement": args.noise_placement, "accountant": args.accountant}
+    if args.secure_aggregation:
+        overrides.update({"secure-aggregation": True, "secure-noise": True, "secagg-num-shares": args.num_shares})
     result = measure(args.engine, args.num_clients, args.rounds, num_cpus=args.num_cpus, overrides=overrides)
     if args.json:
         print(as_json(result))
         return
     print(
-        f"engine {result.engine}: n = {result.num_clients}, r = {result.clients_per_round:g}, "
+        f"engine {result.engine}{' + SecAgg+' if args.secure_aggregation else ''}: "
+        f"n = {result.num_clients}, r = {result.clients_per_round:g}, "
         f"{result.rounds_measured} rounds measured (mean {result.mean_sampled:.0f} clients sampled)"
     )
     print(f"  seconds per round (median): {result.seconds_per_round:.3f}")
@@ -340,6 +343,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="default: client (z_k varies with the reply count, so the PLD accountant builds a new "
                    "distribution every round)")  # fmt: skip
     p.add_argument("--accountant", choices=("pld", "rdp"), default="pld", help="default: pld")
+    p.add_argument("--secure-aggregation", action="store_true", help="aggregate through SecAgg+ (with secure noise)")
+    p.add_argument("--num-shares", type=float, default=11.0,
+                   help="with --secure-aggregation: secagg-num-shares (default 11; 1.0 = every pair)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verbose", action="store_true", help="log every round")
     p.set_defaults(func=_cmd_scale)

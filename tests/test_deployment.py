@@ -21,12 +21,16 @@ pytestmark = [pytest.mark.deployment, pytest.mark.slow]
 N = 5
 
 
-def test_run_survives_a_killed_supernode_and_counts_the_dropout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure-aggregation"])
+def test_run_survives_a_killed_supernode_and_counts_the_dropout(tmp_path: Path, secure: bool) -> None:
+    """TLS + SuperNode auth, one SuperNode SIGKILLed after round 2; with SecAgg+ too (it tolerates the dropout)."""
     out = tmp_path / "out"
     values = (
         f"num-clients={N} clients-per-round={float(N)} num-rounds=4 dim=20 round-timeout=45.0 "
         f"node-wait-timeout=120.0 checkpoint-every=1 output-dir='{out}' run-name='deploy'"
     )
+    if secure:
+        values += " secure-aggregation=true secure-noise=true"
     fed = LoopbackFederation(tmp_path / "fed", N)
     killed: list[float] = []
 
@@ -53,6 +57,9 @@ def test_run_survives_a_killed_supernode_and_counts_the_dropout(tmp_path: Path) 
     # the accountant charged the rounds with a dropout for the noise they actually carried (client placement)
     z = [float(r["noise_multiplier"]) for r in rows]
     assert z[-1] < z[0]
+    if secure:
+        assert result.stdout.count("Secure aggregation completed") == 4, result.stdout[-3000:]
+        assert all(int(r["skipped"]) == 0 and r["mean_update_norm"] == "" for r in rows), rows
 
 
 def test_unregistered_supernode_is_refused(tmp_path: Path) -> None:

@@ -263,6 +263,32 @@ def test_dropouts_after_masking_are_unmasked_and_the_sum_is_over_the_survivors(t
     np.testing.assert_allclose(np.load(out / "model.npz")["w_final"], w0 - beta * total / 10.0, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("stage", "dead"),
+    [
+        (Stage.SETUP, {2}),  # never sends its keys
+        (Stage.SHARE_KEYS, {2}),  # sends its keys, dies before sharing them
+        (Stage.COLLECT_MASKED_VECTORS, {2, 3, 7}),  # neighbours dying together after the keys were shared
+        (Stage.UNMASK, {2}),  # sent its masked vector, dies before helping to unmask: still in the sum
+    ],
+)
+def test_the_secure_sum_is_exactly_the_survivors_whenever_clients_drop(tmp_path, stage: str, dead: set[int]) -> None:
+    """Every stage a client can die in: the round completes and the sum is over those that sent a masked vector."""
+    cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 1, "secagg-num-shares": 1.0})
+    out, _ = _run_flower(cfg, tmp_path, f"drop-{stage}", client=_failing_in_stage(stage, dead))
+    header, row = (out / "metrics.csv").read_text().splitlines()[0:3:2]
+    stats = dict(zip(header.split(","), row.split(","), strict=True))
+    in_sum = set(range(10)) - (set() if stage == Stage.UNMASK else dead)
+    assert (int(stats["num_received"]), int(stats["skipped"])) == (len(in_sum), 0)
+    task = build_task(cfg)
+    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_privacy(cfg))
+    w0 = task.initial_weights()
+    clients, ins = strategy.server.begin_round(1, w0)
+    total = sum(follow_instructions(w0, task.client_grad_fn(int(c)), ins, int(c)).noisy for c in in_sum)
+    expected = w0 - float(stats["beta"]) * total / 10.0
+    np.testing.assert_allclose(np.load(out / "model.npz")["w_final"], expected, atol=1e-12)
+
+
 def test_too_few_survivors_skip_the_round_without_spending_privacy(tmp_path) -> None:
     """Below the reconstruction threshold nothing is released: w unchanged, epsilon unchanged, skipped = 1."""
     cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 2, "secagg-reconstruction-threshold": 0.9})

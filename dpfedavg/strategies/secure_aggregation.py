@@ -100,6 +100,28 @@ class _OneRound:
         return None, {}
 
 
+class _SecAggPlus(SecAggPlusWorkflow):
+    """Flower's SecAgg+ workflow, with the bookkeeping of early dropouts fixed.
+
+    In flwr 1.41 a client that drops out before it has shared its keys (in
+    the setup or share-keys stage) stays among the round's sampled nodes and
+    neighbours. Nobody holds shares of its secrets and no mask involves it,
+    yet the unmask stage asks for them and halts ("Not enough shares to
+    recover secret"), or would remove pairwise masks that were never added.
+    After the share-keys stage we therefore keep only the nodes that
+    completed it, as sampled nodes and as neighbours, which is the set the
+    clients mask against (``tests/test_secure_aggregation.py`` drops clients
+    in every stage and checks the exact sum).
+    """
+
+    def share_keys_stage(self, grid, context, state) -> bool:  # noqa: ANN001 - Flower's signature
+        ok = super().share_keys_stage(grid, context, state)
+        shared = set(state.active_node_ids)
+        state.sampled_node_ids = shared
+        state.nid_to_neighbours = {nid: nbrs & shared for nid, nbrs in state.nid_to_neighbours.items() if nid in shared}
+        return ok
+
+
 def workflow_for(
     grid: SecAggGrid, num_shares: float, threshold: float, timeout: float | None, num_clients: int
 ) -> SecAggPlusWorkflow:
@@ -114,7 +136,7 @@ def workflow_for(
         shares: int | float = float(num_shares)
     else:
         shares = 1.0 if num_clients <= num_shares else int(num_shares)
-    return SecAggPlusWorkflow(
+    return _SecAggPlus(
         num_shares=shares,
         reconstruction_threshold=float(threshold),
         max_weight=1.0,

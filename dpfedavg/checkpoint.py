@@ -71,6 +71,9 @@ TRAJECTORY_KEYS: tuple[str, ...] = (
     "feature-image-size",
     "save-trajectory",
     "secure-noise",
+    "secure-aggregation",
+    "secagg-quantization-bits",
+    "secagg-clip-stds",
 )
 
 

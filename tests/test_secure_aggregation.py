@@ -24,6 +24,7 @@ from dpfedavg.core.secagg import (
 )
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.strategies import DPFedAvg, plan_privacy
+from dpfedavg.strategies.secure_aggregation import workflow_for
 from dpfedavg.tasks import build_task
 from dpfedavg.testing import InProcessGrid
 
@@ -130,6 +131,23 @@ def _cfg(**overrides) -> RunConfig:
 def test_bad_secure_aggregation_config_is_one_clear_error(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _cfg(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("num_shares", "num_clients", "expected"),
+    [(11.0, 5, 1.0), (11.0, 11, 1.0), (11.0, 200, 11), (0.5, 200, 0.5), (1.0, 3, 1.0)],
+)
+def test_secagg_plus_neighbourhood(num_shares: float, num_clients: int, expected: float) -> None:
+    """An integer k means k neighbours, or everyone when the round has at most k clients; (0, 1] is a fraction."""
+    grid = SecAggGrid.for_round(1.0, 0.1, 10.0, 16, 32)
+    workflow = workflow_for(grid, num_shares, 0.67, None, num_clients)
+    assert workflow.num_shares == expected and type(workflow.num_shares) is type(expected)
+    assert (workflow.clipping_range, workflow.quantization_range, workflow.modulus_range) == (
+        grid.clipping_range,
+        grid.levels,
+        grid.modulus,
+    )
+    assert workflow.max_weight == 1.0  # every client weighs 1: the workflow's average times N is the sum
 
 
 # ------------------------------------------------------- the protocol round

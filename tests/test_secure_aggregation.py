@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message
+from flwr.app import Context, Message, RecordDict
 from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.quantization import quantize
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
@@ -319,6 +319,29 @@ def test_too_few_survivors_skip_the_round_without_spending_privacy(tmp_path) -> 
     assert [int(r["num_received"]) for r in rows[1:]] == [0, 0]
     assert [r["epsilon"] for r in rows[1:]] == ["0.0", "0.0"]  # nothing was charged
     assert rows[1]["dist_to_opt"] == rows[0]["dist_to_opt"] == rows[2]["dist_to_opt"]  # the model did not move
+
+
+def test_a_malformed_reply_inside_the_protocol_skips_the_round_and_the_run_goes_on(tmp_path) -> None:
+    """A client answering the masked-vector stage with garbage: the round releases nothing, the next runs."""
+    garbage_in_round = {1}
+
+    def fn(msg: Message, context: Context) -> Message | None:
+        configs = msg.content.config_records.get(RECORD_KEY_CONFIGS)
+        if (
+            configs is not None
+            and configs.get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS
+            and int(context.node_config["partition-id"]) == 0
+            and int(msg.metadata.group_id) in garbage_in_round
+        ):
+            return Message(RecordDict(), reply_to=msg)
+        return client_app(msg, context)
+
+    cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 2})
+    out, _ = _run_flower(cfg, tmp_path, "garbage", client=fn)
+    lines = (out / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[2:]]
+    assert [(int(r["skipped"]), int(r["num_received"])) for r in rows] == [(1, 0), (0, 10)]
 
 
 def test_secure_noise_and_secure_aggregation_compose(tmp_path) -> None:

@@ -301,6 +301,11 @@ class DPFedAvg(FedAvg):
         rounds were evaluated before. ``evaluate_fn(k, w_k)`` is called after
         every round (not for round 0: the caller records the initial model).
 
+        With ``secure-aggregation`` the send-and-receive step of a round is
+        Flower's SecAgg+ workflow (:mod:`.secure_aggregation`): the server
+        gets the sum of the sampled clients' updates, never one of them, and a
+        round the protocol cannot finish is skipped (nothing released).
+
         If the privacy budget (``max-epsilon``) would be exceeded by the next
         round, the loop stops before that round and the result holds the last
         model; :attr:`stopped_before_round` says which round was not run.

@@ -159,8 +159,9 @@ def secure_sum(
     """Run SecAgg+ with ``node_ids`` on ``w`` and the round's train config; the sum of their replies.
 
     Returns a :class:`SecureSum` whose ``total`` is ``None`` when the protocol
-    halted (fewer than two clients, or survivors below the reconstruction
-    threshold): the server then learned nothing.
+    halted (fewer than two clients, survivors below the reconstruction
+    threshold, or a reply Flower's workflow could not process): the server
+    then learned nothing.
     """
     if len(node_ids) < 2:
         return SecureSum(None, errors=[f"secure aggregation needs at least 2 clients, {len(node_ids)} sampled"])
@@ -171,7 +172,11 @@ def secure_sum(
     context = LegacyContext(base, strategy=adapter, client_manager=_Online(num_online))  # type: ignore[arg-type]
     context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: server_round})
     context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
-    workflow(grid, context)
+    try:
+        workflow(grid, context)
+    except Exception as err:  # noqa: BLE001 - e.g. a malformed client reply inside Flower's stages
+        # Nothing was released (the sum is only handed over at the very end): skip the round, keep running.
+        return SecureSum(None, errors=[f"SecAgg+ failed: {type(err).__name__}: {err}"])
     if adapter.average is None:
         return SecureSum(None, errors=adapter.errors or ["SecAgg+ halted (too few clients completed a stage)"])
     (average,) = adapter.average

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import math
 
 import numpy as np
@@ -153,6 +154,21 @@ def test_secagg_plus_neighbourhood(num_shares: float, num_clients: int, expected
 # ------------------------------------------------------- the protocol round
 
 
+def _rows(run_dir) -> list[dict[str, str]]:
+    """metrics.csv as dicts; row 0 is the initial point."""
+    return list(csv.DictReader((run_dir / "metrics.csv").open()))
+
+
+def _survivors_model(cfg: RunConfig, in_sum: set[int], beta: float) -> np.ndarray:
+    """w_1 = w_0 - beta * (sum of the encoded updates of ``in_sum``) / r, replayed from the seeded noise."""
+    task = build_task(cfg)
+    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_privacy(cfg))
+    w0 = task.initial_weights()
+    _, ins = strategy.server.begin_round(1, w0)
+    total = sum(follow_instructions(w0, task.client_grad_fn(c), ins, c).noisy for c in sorted(in_sum))
+    return w0 - beta * total / cfg.clients_per_round
+
+
 def _run_flower(cfg: RunConfig, tmp_path, name: str, client=client_app, grid_cls=InProcessGrid, **grid_kwargs):
     cfg = cfg.replace(output_dir=str(tmp_path), run_name=name)
     grid = grid_cls(client, cfg.num_clients, cfg.to_run_config(), **grid_kwargs)
@@ -166,8 +182,7 @@ def test_secure_aggregate_equals_the_plain_sum_of_the_encoded_updates(tmp_path) 
     plain = run_batched(cfg.replace(output_dir=str(tmp_path), run_name="batched"), threads=1)
     secure_w = np.load(out / "model.npz")["w_final"]
     np.testing.assert_allclose(secure_w, np.load(plain / "model.npz")["w_final"], rtol=1e-12, atol=1e-12)
-    rows = (out / "metrics.csv").read_text().splitlines()
-    assert len(rows) == 1 + 1 + 4
+    assert len(_rows(out)) == 1 + 4
 
 
 def test_secure_aggregate_is_the_unquantized_aggregate_within_the_stated_error(tmp_path) -> None:
@@ -177,9 +192,7 @@ def test_secure_aggregate_is_the_unquantized_aggregate_within_the_stated_error(t
     plain, _ = _run_flower(cfg.replace(secure_aggregation=False), tmp_path, "plain")
     w_secure = np.load(out / "model.npz")["w_final"]
     w_plain = np.load(plain / "model.npz")["w_final"]
-    row = (out / "metrics.csv").read_text().splitlines()[2].split(",")
-    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
-    stats = dict(zip(header, row, strict=True))
+    stats = _rows(out)[1]
     n_received, beta = int(stats["num_received"]), float(stats["beta"])
     grid = SecAggGrid.for_round(cfg.clip, 0.0, cfg.secagg_clip_stds, 12, 32)
     bound = beta * quantization_error_bound(grid, n_received, 40) / cfg.clients_per_round
@@ -264,23 +277,6 @@ def _failing_in_stage(stage: str, partition_ids: set[int]):
     return fn
 
 
-def test_dropouts_after_masking_are_unmasked_and_the_sum_is_over_the_survivors(tmp_path) -> None:
-    """A client that dies in the masked-vector stage: its pairwise masks are removed, the sum is the others'."""
-    cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 1})  # q = 1: all 10 sampled
-    out, _ = _run_flower(cfg, tmp_path, "drop", client=_failing_in_stage(Stage.COLLECT_MASKED_VECTORS, {3}))
-    header, row = (out / "metrics.csv").read_text().splitlines()[0:3:2]
-    stats = dict(zip(header.split(","), row.split(","), strict=True))
-    assert (int(stats["num_received"]), int(stats["num_dropped"]), int(stats["skipped"])) == (9, 1, 0)
-    # the model moved by exactly the secure sum of the 9 survivors / r
-    task = build_task(cfg)
-    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_privacy(cfg))
-    w0 = task.initial_weights()
-    clients, ins = strategy.server.begin_round(1, w0)
-    total = sum(follow_instructions(w0, task.client_grad_fn(int(c)), ins, int(c)).noisy for c in clients if c != 3)
-    beta = float(stats["beta"])
-    np.testing.assert_allclose(np.load(out / "model.npz")["w_final"], w0 - beta * total / 10.0, atol=1e-12)
-
-
 @pytest.mark.parametrize(
     ("stage", "dead"),
     [
@@ -294,16 +290,14 @@ def test_the_secure_sum_is_exactly_the_survivors_whenever_clients_drop(tmp_path,
     """Every stage a client can die in: the round completes and the sum is over those that sent a masked vector."""
     cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 1, "secagg-num-shares": 1.0})
     out, _ = _run_flower(cfg, tmp_path, f"drop-{stage}", client=_failing_in_stage(stage, dead))
-    header, row = (out / "metrics.csv").read_text().splitlines()[0:3:2]
-    stats = dict(zip(header.split(","), row.split(","), strict=True))
+    stats = _rows(out)[1]
     in_sum = set(range(10)) - (set() if stage == Stage.UNMASK else dead)
-    assert (int(stats["num_received"]), int(stats["skipped"])) == (len(in_sum), 0)
-    task = build_task(cfg)
-    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_privacy(cfg))
-    w0 = task.initial_weights()
-    clients, ins = strategy.server.begin_round(1, w0)
-    total = sum(follow_instructions(w0, task.client_grad_fn(int(c)), ins, int(c)).noisy for c in in_sum)
-    expected = w0 - float(stats["beta"]) * total / 10.0
+    assert (int(stats["num_received"]), int(stats["num_dropped"]), int(stats["skipped"])) == (
+        len(in_sum),
+        10 - len(in_sum),
+        0,
+    )
+    expected = _survivors_model(cfg, in_sum, float(stats["beta"]))
     np.testing.assert_allclose(np.load(out / "model.npz")["w_final"], expected, atol=1e-12)
 
 
@@ -312,9 +306,7 @@ def test_too_few_survivors_skip_the_round_without_spending_privacy(tmp_path) -> 
     cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 2, "secagg-reconstruction-threshold": 0.9})
     dead = set(range(5))  # half the clients vanish after sending their keys
     out, _ = _run_flower(cfg, tmp_path, "halt", client=_failing_in_stage(Stage.SHARE_KEYS, dead))
-    lines = (out / "metrics.csv").read_text().splitlines()
-    header = lines[0].split(",")
-    rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[1:]]
+    rows = _rows(out)
     assert [int(r["skipped"]) for r in rows[1:]] == [1, 1]
     assert [int(r["num_received"]) for r in rows[1:]] == [0, 0]
     assert [r["epsilon"] for r in rows[1:]] == ["0.0", "0.0"]  # nothing was charged
@@ -338,9 +330,7 @@ def test_a_malformed_reply_inside_the_protocol_skips_the_round_and_the_run_goes_
 
     cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 2})
     out, _ = _run_flower(cfg, tmp_path, "garbage", client=fn)
-    lines = (out / "metrics.csv").read_text().splitlines()
-    header = lines[0].split(",")
-    rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[2:]]
+    rows = _rows(out)[1:]
     assert [(int(r["skipped"]), int(r["num_received"])) for r in rows] == [(1, 0), (0, 10)]
 
 
@@ -358,9 +348,7 @@ def test_single_client_round_is_skipped_not_exposed(tmp_path) -> None:
     """A round with one sampled client cannot hide it in a sum: skipped and logged, not sent in the clear."""
     cfg = _cfg(**{"num-clients": 4, "clients-per-round": 0.4, "num-rounds": 12, "seed": 1})
     out, grid = _run_flower(cfg, tmp_path, "single")
-    lines = (out / "metrics.csv").read_text().splitlines()
-    header = lines[0].split(",")
-    rows = [dict(zip(header, line.split(","), strict=True)) for line in lines[2:]]
+    rows = _rows(out)[1:]
     small = [r for r in rows if int(r["num_sampled"]) < 2]
     assert small, "seed 1 should sample fewer than two clients in some round"
     assert all(int(r["skipped"]) == 1 for r in small)

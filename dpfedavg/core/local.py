@@ -106,7 +106,11 @@ def private_client_update(
 
 
 def round_grid(ins: RoundInstructions) -> SecAggGrid | None:
-    """The secure-aggregation grid the round's instructions carry (``None`` without secure aggregation)."""
+    """The secure-aggregation grid the round's instructions carry (``None`` without secure aggregation).
+
+    A client only needs the step and the range to encode; the modulus is the
+    protocol's (the server sets it in the SecAgg+ setup stage), so it is 0 here.
+    """
     if ins.secagg_step <= 0:
         return None
     levels = round(2 * ins.secagg_range / ins.secagg_step)

@@ -27,7 +27,7 @@ from dpfedavg.checkpoint import (
     save_checkpoint,
 )
 from dpfedavg.config import RunConfig
-from dpfedavg.core import SecAggGrid, placement_noise_stds, server_noise_std
+from dpfedavg.core import server_noise_std
 from dpfedavg.core.secagg import ddg_tau, quantization_error_bound
 from dpfedavg.core.types import Vector
 from dpfedavg.results import RunRecorder, package_versions
@@ -46,8 +46,8 @@ def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
     return Path(cfg.output_dir).expanduser().resolve() / name
 
 
-def describe_privacy(cfg: RunConfig, plan: PrivacyPlan, dim: int | None = None) -> dict[str, Any]:
-    """The privacy set-up for ``config.json``."""
+def describe_privacy(cfg: RunConfig, plan: PrivacyPlan, server: DPServer | None = None) -> dict[str, Any]:
+    """The privacy set-up for ``config.json`` (with ``server``, also its secure-aggregation encoding)."""
     return {
         "dp": plan.dp,
         "noise_multiplier": plan.noise_multiplier,
@@ -62,11 +62,13 @@ def describe_privacy(cfg: RunConfig, plan: PrivacyPlan, dim: int | None = None) 
         "nominal_epsilon": plan.nominal_epsilon,
         "privacy_unit": "one client's whole dataset (add/remove one client)",
         "sensitivity_of_sum": cfg.clip,
-        "secure_aggregation": describe_secure_aggregation(cfg, plan, dim) if cfg.secure_aggregation else None,
+        "secure_aggregation": (
+            describe_secure_aggregation(server) if server is not None and cfg.secure_aggregation else None
+        ),
     }
 
 
-def describe_secure_aggregation(cfg: RunConfig, plan: PrivacyPlan, dim: int | None) -> dict[str, Any]:
+def describe_secure_aggregation(server: DPServer) -> dict[str, Any]:
     """The SecAgg+ encoding at ``|S_k| = r`` and its error and privacy terms (see :mod:`dpfedavg.core.secagg`).
 
     ``clip_probability_bound`` is a union bound over every coordinate of every
@@ -75,12 +77,11 @@ def describe_secure_aggregation(cfg: RunConfig, plan: PrivacyPlan, dim: int | No
     ``(epsilon, delta + (1 + e^epsilon) p)``. ``ddg_tau`` is the distance of
     the summed discrete Gaussians from a discrete Gaussian (at ``N = n``).
     """
+    cfg, plan, d = server.cfg, server.plan, server.dim
     r = max(1, round(cfg.clients_per_round))
-    client_std = placement_noise_stds(cfg.noise_placement, plan.noise_multiplier, cfg.clip, cfg.clients_per_round, r)[0]
-    grid = SecAggGrid.for_round(
-        cfg.clip, client_std, cfg.secagg_clip_stds, cfg.secagg_quantization_bits, cfg.secagg_modulus_bits
-    )
-    d = dim or 1
+    client_std = server.noise_stds(r)[0]
+    grid = server.secagg_grid(r)
+    assert grid is not None  # secure-aggregation is on
     per_coordinate = 2.0 * math.exp(-(cfg.secagg_clip_stds**2) / 2) if client_std > 0 else 0.0
     p_clip = min(1.0, cfg.num_rounds * cfg.num_clients * d * per_coordinate)
     epsilon = plan.target_epsilon if plan.calibrated else plan.nominal_epsilon
@@ -153,7 +154,7 @@ class RunSession:
                 "client_noise_std_at_r": client_std,
                 "server_noise_std": server_std,
             },
-            "privacy": describe_privacy(cfg, self.server.plan, self.server.dim),
+            "privacy": describe_privacy(cfg, self.server.plan, self.server),
             "versions": package_versions(),
             "started_utc": datetime.now(UTC).isoformat(),
         }

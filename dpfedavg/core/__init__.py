@@ -16,6 +16,7 @@ from dpfedavg.core.dp import (
 from dpfedavg.core.local import (
     ClientUpdate,
     LocalTrainingDiverged,
+    add_noise,
     client_update,
     follow_instructions,
     local_steps,
@@ -44,6 +45,7 @@ __all__ = [
     "SecAggGrid",
     "Stream",
     "Vector",
+    "add_noise",
     "aggregate_fixed_denominator",
     "bound_sensitivity",
     "client_noise_std",

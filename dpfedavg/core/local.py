@@ -18,6 +18,7 @@ __all__ = [
     "client_update",
     "ClientUpdate",
     "private_client_update",
+    "add_noise",
     "follow_instructions",
     "round_grid",
 ]
@@ -96,13 +97,25 @@ def private_client_update(
             "(a smaller local-lr usually fixes it); nothing is sent"
         )
     g = bound_sensitivity(u, algorithm, clip)
-    if secagg_grid is not None:
-        noisy, clipped = encode(g, secagg_grid, clip, noise_std, rng)
-        if clipped:
-            logger.warning("%d coordinates of g + zeta fell outside the secure-aggregation range: clipped", clipped)
-        return ClientUpdate(noisy=noisy, clean=g, update_norm=float(np.linalg.norm(u)))
-    zeta = gaussian_noise(g.shape[0], noise_std, rng, dtype=g.dtype)
-    return ClientUpdate(noisy=g + zeta, clean=g, update_norm=float(np.linalg.norm(u)))
+    noisy = add_noise(g, clip, noise_std, rng, secagg_grid)
+    return ClientUpdate(noisy=noisy, clean=g, update_norm=float(np.linalg.norm(u)))
+
+
+def add_noise(
+    g: Vector, clip: float, noise_std: float, rng: np.random.Generator, secagg_grid: SecAggGrid | None = None
+) -> Vector:
+    """Alg. 1 line 10: ``g + zeta``, ``zeta ~ N(0, noise_std^2 I)`` from ``rng``.
+
+    With ``secagg_grid`` (secure aggregation) the sum of what this returns is
+    what the protocol computes: ``g`` rounded to the grid (norm still ``<= C =
+    clip``) plus discrete Gaussian noise on it (:func:`dpfedavg.core.secagg.encode`).
+    """
+    if secagg_grid is None:
+        return g + gaussian_noise(g.shape[0], noise_std, rng, dtype=g.dtype)
+    noisy, clipped = encode(g, secagg_grid, clip, noise_std, rng)
+    if clipped:
+        logger.warning("%d coordinates of g + zeta fell outside the secure-aggregation range: clipped", clipped)
+    return noisy
 
 
 def round_grid(ins: RoundInstructions) -> SecAggGrid | None:

@@ -1,7 +1,7 @@
 """The batched engine: Alg. 1 / Alg. 2 vectorized over the sampled clients, in one process.
 
 The same core functions as the Flower ClientApp (``client_update``,
-``bound_sensitivity``, ``gaussian_noise`` with the per-client generator
+``bound_sensitivity``, ``add_noise`` with the per-client generator
 ``noise_rng(noise_seed, client_id)``) applied to a ``(B, dim)`` block of
 clients at a time, and the same server (:class:`~dpfedavg.strategies.server_loop.DPServer`):
 one seed gives the Flower engine's trajectory, noise on or off, without
@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import bound_sensitivity, client_update, gaussian_noise, noise_rng, round_grid
-from dpfedavg.core.secagg import encode
+from dpfedavg.core import add_noise, bound_sensitivity, client_update, noise_rng, round_grid
 from dpfedavg.core.types import ClientResult, GradFn, RoundInstructions, Vector
 from dpfedavg.session import RunSession
 from dpfedavg.strategies.accounting import PrivacyPlan, plan_privacy
@@ -50,7 +49,6 @@ def _block_results(
     task: Task, ids: np.ndarray, w: Vector, ins: RoundInstructions
 ) -> tuple[list[ClientResult], list[int]]:
     """One block of clients: their results in ascending id, and the ids whose local training diverged."""
-    dim = len(w)
     closed_form = getattr(task, "client_batch_update_fn", None)
     if closed_form is not None:  # the task's exact closed form of client_update (tested against it)
         u = closed_form(ids)(w, ins.local_lr, ins.local_steps)
@@ -67,11 +65,8 @@ def _block_results(
             logger.warning("Round %d: client %d: local training diverged (NaN/Inf)", ins.server_round, client_id)
             failed.append(int(client_id))
             continue
-        rng = noise_rng(ins.noise_seed, int(client_id))
-        if secagg_grid is not None:  # what the client hands to secure aggregation; the protocol sums it exactly
-            noisy, _ = encode(g[row], secagg_grid, ins.clip, ins.noise_std, rng)
-        else:
-            noisy = g[row] + gaussian_noise(dim, ins.noise_std, rng, dtype=g.dtype)
+        # with secure aggregation: what the client hands to the protocol, which sums it exactly
+        noisy = add_noise(g[row], ins.clip, ins.noise_std, noise_rng(ins.noise_seed, int(client_id)), secagg_grid)
         results.append(ClientResult(int(client_id), noisy, float(norms[row]), g[row] if ins.diagnostics else None))
     return results, failed
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from functools import lru_cache
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
@@ -13,7 +15,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import GradFn, follow_instructions
+from dpfedavg.core import SECURE_NOISE_SEED, GradFn, follow_instructions
+from dpfedavg.core.types import RoundInstructions
 from dpfedavg.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -29,6 +32,36 @@ from dpfedavg.runtime import setup_app_process
 from dpfedavg.tasks import Task, build_task
 
 app = ClientApp()
+
+logger = logging.getLogger(__name__)
+
+#: ``--node-config`` key with which a SuperNode's owner makes its client draw noise from the OS CSPRNG
+#: whatever the server sends (the client, not the server, decides that its noise cannot be replayed).
+NODE_SECURE_NOISE = "secure-noise"
+_TRUE = {"true", "1", "yes"}
+
+
+def secure_noise_required(context: Context, cfg: RunConfig) -> bool:
+    """Whether this client must draw its noise from the OS CSPRNG.
+
+    True when the SuperNode's own ``--node-config`` says ``secure-noise=true`` (the client's decision,
+    which no run config can override) or the run config does. A server cannot turn it off.
+    """
+    value = context.node_config.get(NODE_SECURE_NOISE, False)
+    node = value if isinstance(value, bool) else str(value).strip().lower() in _TRUE
+    return bool(node or cfg.secure_noise)
+
+
+def enforce_secure_noise(ins: RoundInstructions, secure: bool) -> RoundInstructions:
+    """The instructions this client follows: a server-sent noise seed is ignored when ``secure``."""
+    if not secure or ins.noise_seed == SECURE_NOISE_SEED:
+        return ins
+    logger.warning(
+        "round %d: the server sent a noise seed, but this client requires secure noise: ignoring the seed and "
+        "drawing the noise from the OS CSPRNG",
+        ins.server_round,
+    )
+    return dataclasses.replace(ins, noise_seed=SECURE_NOISE_SEED)
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -88,7 +121,10 @@ def _secure_train(msg: Message, context: Context, cfg: RunConfig, client_id: int
     """
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     (w,) = parameters_to_ndarrays(fitins.parameters)
-    ins = instructions_from_config_record(fitins.config)  # type: ignore[arg-type]
+    ins = enforce_secure_noise(
+        instructions_from_config_record(fitins.config),  # type: ignore[arg-type]
+        secure_noise_required(context, cfg),
+    )
     if ins.secagg_step <= 0:
         raise ValueError("a secure-aggregation round without a quantization grid (secagg-step)")
     result = follow_instructions(w, _grad_fn(cfg, client_id), ins, client_id)
@@ -104,22 +140,14 @@ def train(msg: Message, context: Context) -> Message:
     client_id, _ = _partition(context)
     if RECORD_KEY_CONFIGS in msg.content.config_records:
         return _secure_train(msg, context, cfg, client_id)
-    ins = instructions_from_config_record(msg.content[CONFIG])
+    secure = secure_noise_required(context, cfg)
+    ins = enforce_secure_noise(instructions_from_config_record(msg.content[CONFIG]), secure)
     w = from_array_record(msg.content[ARRAYS])
     result = follow_instructions(w, _grad_fn(cfg, client_id), ins, client_id)
-    content = RecordDict(
-        {
-            ARRAYS: to_array_record(result.noisy, UPDATE_KEY),
-            METRICS: MetricRecord(
-                {
-                    "num-examples": 1,
-                    "partition-id": client_id,
-                    "update-norm": result.update_norm,
-                    "clipped": int(result.update_norm > ins.clip),
-                }
-            ),
-        }
-    )
+    metrics: dict[str, int | float] = {"num-examples": 1, "partition-id": client_id}
+    if not secure:  # un-noised statistics of this client's data: seeded research mode only
+        metrics.update({"update-norm": result.update_norm, "clipped": int(result.update_norm > ins.clip)})
+    content = RecordDict({ARRAYS: to_array_record(result.noisy, UPDATE_KEY), METRICS: MetricRecord(metrics)})
     if ins.diagnostics:
         content[DIAGNOSTICS] = to_array_record(result.clean, CLEAN_UPDATE_KEY)
     return Message(content, reply_to=msg)

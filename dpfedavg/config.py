@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dpfedavg.core.mechanism import PLACEMENTS
 from dpfedavg.core.types import ALGORITHMS
 
 __all__ = [
@@ -40,7 +41,7 @@ DEFAULT_NUM_ROUNDS = 200
 NOISE_MULTIPLIER_AUTO = "auto"
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
-NOISE_PLACEMENTS: tuple[str, ...] = ("client", "client-calibrated", "server")
+NOISE_PLACEMENTS: tuple[str, ...] = tuple(PLACEMENTS)
 
 
 class ConfigError(ValueError):
@@ -104,7 +105,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("noise-multiplier", float, NOISE_MULTIPLIER_AUTO, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'a float >= 0 or "{NOISE_MULTIPLIER_AUTO}"', _non_negative, sentinel=NOISE_MULTIPLIER_AUTO),  # noqa: E501
     Option("accountant", str, "pld", "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=ACCOUNTANTS),  # noqa: E501
     Option("max-epsilon", float, 0.0, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", _non_negative),  # noqa: E501
-    Option("noise-placement", str, "client", "-", "client (Alg. 1 line 10), client-calibrated (clients add (zC)^2/|S_k|) or server (central DP)", choices=NOISE_PLACEMENTS),  # noqa: E501
+    Option("noise-placement", str, "client-calibrated", "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=NOISE_PLACEMENTS),  # noqa: E501
     # run
     Option("seed", int, 0, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0),
     Option("diagnostics", bool, False, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)"),  # noqa: E501
@@ -189,7 +190,7 @@ class RunConfig:
     noise_multiplier: float | None = None  # None: calibrated from epsilon, delta
     accountant: str = "pld"
     max_epsilon: float = 0.0
-    noise_placement: str = "client"
+    noise_placement: str = "client-calibrated"
     seed: int = 0
     diagnostics: bool = False
     output_dir: str = "outputs"
@@ -282,6 +283,14 @@ class RunConfig:
             errors.append(
                 f"'clients-per-round' = {self.clients_per_round:g} exceeds 'num-clients' = {self.num_clients}: "
                 "expected 0 < r <= n (set clients-per-round together with num-clients; r = n is full participation)"
+            )
+        if self.noise_placement == "client" and self.clients_per_round != self.num_clients:
+            errors.append(
+                f"'noise-placement' = 'client' with 'clients-per-round' = {self.clients_per_round:g} < 'num-clients' "
+                f"= {self.num_clients} (q = {self.sampling_rate:.4g}): each client adds (zC)^2/r, so the noise in the "
+                "sum grows with the number of clients sampled and whether a client took part shows in its variance; "
+                "no accounting here covers that. Allowed: 'client' only with clients-per-round = num-clients "
+                "(q = 1, zero-out adjacency), or 'client-calibrated' / 'server' for any q"
             )
         if self.resume and not self.run_name:
             errors.append(

@@ -28,6 +28,7 @@ from dpfedavg.checkpoint import (
 )
 from dpfedavg.config import RunConfig
 from dpfedavg.core import server_noise_std
+from dpfedavg.core.mechanism import get_placement
 from dpfedavg.core.secagg import ddg_tau, quantization_error_bound
 from dpfedavg.core.types import Vector
 from dpfedavg.results import RunRecorder, package_versions
@@ -35,7 +36,7 @@ from dpfedavg.strategies.accounting import PrivacyPlan
 from dpfedavg.strategies.server_loop import DPServer, RoundStats
 from dpfedavg.tasks import Task
 
-__all__ = ["RunSession", "describe_privacy", "run_directory"]
+__all__ = ["RunSession", "describe_privacy", "guarantee", "released_metric_names", "run_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +47,55 @@ def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
     return Path(cfg.output_dir).expanduser().resolve() / name
 
 
+#: Per-round columns computed from un-noised client data (only in seeded mode; see :func:`guarantee`).
+NON_PRIVATE_TRAIN_COLUMNS = ("frac_clipped", "mean_update_norm", "snr")
+
+
+def released_metric_names(cfg: RunConfig, task: Task) -> tuple[str, ...]:
+    """The task's metrics this run computes: with ``secure-noise`` those from the clients' data are withheld."""
+    private = set(getattr(task, "training_data_metrics", ()))
+    return tuple(m for m in task.metric_names if not (cfg.secure_noise and m in private))
+
+
+def guarantee(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, str]:
+    """What the reported (epsilon, delta) protects, and against whom (``config.json``, start-up log, summary).
+
+    ``level`` is ``"dp"`` only with noise, ``secure-noise = true`` and no ``diagnostics``; ``"seeded"`` means
+    the guarantee holds only against someone who does not know ``seed``; ``"none"`` means no guarantee.
+    """
+    adjacency = get_placement(cfg.noise_placement).adjacency
+    if not plan.dp:
+        return {"level": "none", "text": "NONE: the run adds no noise (epsilon is infinite)"}
+    if cfg.diagnostics:
+        return {
+            "level": "none",
+            "text": "NONE: diagnostics = true sends every client's clean update to the server (research only)",
+        }
+    if not cfg.secure_noise:
+        return {
+            "level": "seeded",
+            "text": (
+                f"NONE against anyone who knows seed = {cfg.seed} (recorded here): the noise, the sampled clients "
+                "and the random iterate can be regenerated from it (seeded research mode). The reported epsilon "
+                f"holds only against an observer who does not know the seed; unit: {adjacency}. "
+                "Use secure-noise = true for real users."
+            ),
+        }
+    return {
+        "level": "dp",
+        "text": (
+            f"(epsilon, delta)-DP for one client's whole dataset ({adjacency}) for everything this run releases "
+            "(the models, the random iterate, the test-set metrics); see the README's Privacy section for "
+            "what each party sees"
+        ),
+    }
+
+
 def describe_privacy(cfg: RunConfig, plan: PrivacyPlan, server: DPServer | None = None) -> dict[str, Any]:
     """The privacy set-up for ``config.json`` (with ``server``, also its secure-aggregation encoding)."""
+    placement = get_placement(cfg.noise_placement)
     return {
+        "guarantee": guarantee(cfg, plan),
         "dp": plan.dp,
         "noise_multiplier": plan.noise_multiplier,
         "noise_multiplier_calibrated": plan.calibrated,
@@ -60,7 +107,19 @@ def describe_privacy(cfg: RunConfig, plan: PrivacyPlan, server: DPServer | None 
         "noise_placement": plan.placement,
         "max_epsilon": plan.max_epsilon,
         "nominal_epsilon": plan.nominal_epsilon,
-        "privacy_unit": "one client's whole dataset (add/remove one client)",
+        "privacy_unit": f"one client's whole dataset; neighbours: {placement.adjacency}",
+        "noise": placement.description,
+        "non_private_outputs": (
+            "none: per-client norms are not sent and training-data metrics are not computed"
+            if cfg.secure_noise
+            else "metrics.csv columns " + ", ".join(NON_PRIVATE_TRAIN_COLUMNS) + " and the training-data metrics "
+            "of the task are computed from un-noised client data (seeded research mode; not covered)"
+        ),
+        "counts_not_covered": (
+            "metrics.csv's num_sampled / num_received / num_failed / num_dropped / num_rejected / skipped "
+            "(the server's view of participation; publish the model and epsilon, not metrics.csv)"
+            + ("; each sampled client also learns |S_k|" if placement.per_client == "cohort" else "")
+        ),
         "sensitivity_of_sum": cfg.clip,
         "secure_aggregation": (
             describe_secure_aggregation(server) if server is not None and cfg.secure_aggregation else None
@@ -129,7 +188,9 @@ class RunSession:
                 self.directory,
             )
         keep = self.resumed.round if self.resumed is not None else None
-        self.recorder = RunRecorder(self.directory, task.metric_names, keep_rounds_through=keep)
+        #: The task metrics this run computes (training-data metrics are withheld with secure-noise).
+        self.metric_names = released_metric_names(cfg, task)
+        self.recorder = RunRecorder(self.directory, self.metric_names, keep_rounds_through=keep)
         self.evaluated: dict[int, dict[str, float]] = {}
         self.trajectory: list[np.ndarray] = []
         self.description = self._describe(run_id, engine)
@@ -163,14 +224,22 @@ class RunSession:
         plan, cfg = self.server.plan, self.cfg
         if plan.dp:
             logger.info(
-                "Privacy: z = %.5g (%s), %s accountant, delta = %g; nominal epsilon after %d rounds: %.4g",
+                "Privacy: z = %.5g (%s), %s accountant, delta = %g, %s placement; epsilon after %d rounds: %.4g",
                 plan.noise_multiplier,
                 f"calibrated for epsilon = {plan.target_epsilon:g}" if plan.calibrated else "given",
                 plan.accountant,
                 plan.delta,
+                cfg.noise_placement,
                 plan.rounds,
                 plan.nominal_epsilon,
             )
+            g = guarantee(cfg, plan)
+            (logger.info if g["level"] == "dp" else logger.warning)("Guarantee: %s", g["text"])
+            withheld = set(self.task.metric_names) - set(self.metric_names)
+            if withheld:
+                logger.info(
+                    "secure-noise: not computing %s (from the clients' private data)", ", ".join(sorted(withheld))
+                )
         else:
             logger.warning(
                 "NO DIFFERENTIAL PRIVACY: %s",
@@ -256,6 +325,7 @@ class RunSession:
     def record_round(self, server_round: int, w: Vector | None) -> dict[str, float]:
         """Evaluate ``w`` if due, write the round's row and log its line; returns the task metrics."""
         metrics = self.task.evaluate(w) if (w is not None and self.due(server_round)) else {}
+        metrics = {k: v for k, v in metrics.items() if k in self.metric_names}
         if self.cfg.save_trajectory and w is not None:
             self.trajectory.append(np.asarray(w, dtype=np.float32))
         if metrics:
@@ -293,28 +363,34 @@ class RunSession:
             np.save(self.directory / "trajectory.npy", np.stack(self.trajectory))
         completed = len(server.history)
         last5 = [self.evaluated[k] for k in sorted(self.evaluated) if k > 0][-5:]
-        names = self.task.metric_names
+        names = self.metric_names
         summary = {f"last5_{name}": float(np.mean([m[name] for m in last5])) for name in names} if last5 else {}
         epsilon = server.epsilon
         self.description["final"] = {
             **summary,
             "epsilon": epsilon,
             "delta": server.plan.delta,
+            "guarantee": self.description["privacy"]["guarantee"]["level"],
             "rounds_completed": completed,
             "stopped_by_budget_before_round": stopped_before_round,
             "random_iterate_round": k_random,
             "finished_utc": datetime.now(UTC).isoformat(),
         }
         self.recorder.write_config(self.description)
-        if summary:
+        if f"last5_{self.task.headline_metric}" in summary:
             headline = self.task.headline_metric
             value = summary[f"last5_{headline}"]
             logger.info("%s averaged over the last %d evaluated rounds: %.4f", headline, len(last5), value)
+        level = self.description["privacy"]["guarantee"]["level"]
+        label = {"dp": "", "seeded": " [seeded mode: no protection against anyone who knows the seed]"}.get(
+            level, " [NO privacy guarantee, see config.json]"
+        )
         logger.info(
-            "Done after %d rounds: (epsilon, delta) = (%.4g, %g); metrics in %s, model in %s",
+            "Done after %d rounds: (epsilon, delta) = (%.4g, %g)%s; metrics in %s, model in %s",
             completed,
             epsilon,
             server.plan.delta,
+            label,
             self.recorder.metrics_path,
             self.recorder.model_path,
         )

@@ -82,6 +82,7 @@ class InProcessGrid(Grid):
         seed: int = 0,
         shuffle_replies: bool = True,
         enforce_timeout: bool = False,
+        node_config: Mapping[str, Any] | None = None,
     ) -> None:
         ensure_task_identity()
         self._enforce_timeout = enforce_timeout
@@ -95,7 +96,7 @@ class InProcessGrid(Grid):
             int(nid): Context(
                 run_id=1,
                 node_id=int(nid),
-                node_config={"partition-id": pid, "num-partitions": num_partitions},
+                node_config={"partition-id": pid, "num-partitions": num_partitions, **(node_config or {})},
                 state=RecordDict(),
                 run_config=dict(run_config),
             )

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message
+from flwr.app import Context, Message, RecordDict
 
 from dpfedavg import server_app
 from dpfedavg.client_app import app as client_app
 from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.core import SECURE_NOISE_SEED
 from dpfedavg.strategies import DPFedAvg
 from dpfedavg.strategies.accounting import (
     RoundAccountant,
@@ -25,6 +26,7 @@ from dpfedavg.strategies.accounting import (
     plan_privacy,
     realized_noise_multiplier,
 )
+from dpfedavg.strategies.server_loop import DPServer
 from dpfedavg.testing import InProcessGrid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,15 +111,33 @@ def test_bad_privacy_parameters() -> None:
         plan_privacy(RunConfig(algorithm="none", max_epsilon=3.0))
 
 
-# ---------------------------------------------------------- realized accounting
-def test_realized_noise_multiplier_by_placement() -> None:
+# ------------------------------------------------ the noise never depends on who took part
+def test_every_placement_charges_the_nominal_z_whoever_replies() -> None:
     z, r = 2.0, 10.0
-    assert realized_noise_multiplier("client", z, r, 10, 10) == pytest.approx(z)
-    assert realized_noise_multiplier("client", z, r, 7, 5) == pytest.approx(z * math.sqrt(0.5))
-    assert realized_noise_multiplier("client-calibrated", z, r, 7, 7) == pytest.approx(z)
-    assert realized_noise_multiplier("client-calibrated", z, r, 8, 6) == pytest.approx(z * math.sqrt(6 / 8))
-    assert realized_noise_multiplier("server", z, r, 3, 0) == z
-    assert realized_noise_multiplier("client", z, r, 3, 0) is None
+    for placement in ("client", "client-calibrated", "server"):
+        for sampled, included in ((10, 10), (7, 5), (3, 0), (0, 0)):
+            assert realized_noise_multiplier(placement, z, r, sampled, included) == z
+    # the old `client` accounting (kept for the auditor's tests only) charged z sqrt(m / r) and nothing for m = 0
+    assert realized_noise_multiplier("legacy-client", z, r, 7, 5) == pytest.approx(z * math.sqrt(0.5))
+    assert realized_noise_multiplier("legacy-client", z, r, 3, 0) is None
+
+
+@pytest.mark.parametrize("placement", ["client-calibrated", "client", "server"])
+def test_top_up_makes_the_released_sum_carry_zc_for_any_count(placement: str) -> None:
+    """m of |S_k| included: m client shares + the server's top-up = (zC)^2 exactly (variance bookkeeping)."""
+    from dpfedavg.core.mechanism import get_placement
+
+    p, z, c, r = get_placement(placement), 1.7, 3.0, 8.0
+    for sampled in (8,) if placement == "client" else (0, 1, 5, 8, 13):
+        for included in range(sampled + 1):
+            variance = included * p.client_std(z, c, r, sampled) ** 2 + p.server_std(z, c, r, sampled, included) ** 2
+            assert variance == pytest.approx((z * c) ** 2, rel=1e-12)
+
+
+def test_client_placement_needs_full_participation() -> None:
+    with pytest.raises(ConfigError, match=r"'noise-placement' = 'client' with 'clients-per-round' = 5 < 'num-clients'"):
+        RunConfig.from_run_config({"noise-placement": "client", "num-clients": 10, "clients-per-round": 5.0})
+    assert RunConfig.from_run_config({"noise-placement": "client", "num-clients": 10, "clients-per-round": 10.0})
 
 
 def _run(tmp_path: Path, name: str, values: dict, client_fn=client_app):
@@ -139,38 +159,29 @@ def _dropping(dropped: set[int]):
 
 
 @pytest.mark.parametrize("placement", ["client", "client-calibrated", "server"])
-def test_dropouts_are_accounted_honestly(tmp_path: Path, placement: str) -> None:
-    """With 3 of 10 clients dropping out every round, client placements spend strictly more than nominal."""
+def test_dropouts_spend_exactly_the_nominal_epsilon(tmp_path: Path, placement: str) -> None:
+    """3 of 10 clients drop out every round: the server tops up their noise, so epsilon is the planned one."""
     values = {"clients-per-round": 10.0, "epsilon": 0.0, "noise-multiplier": 3.0, "noise-placement": placement}
     cfg, out, rows = _run(tmp_path, placement, values, _dropping({1, 4, 7}))
     nominal = epsilon_for(3.0, 1.0, cfg.num_rounds, cfg.delta, "pld")
     spent = float(rows[-1]["epsilon"])
     assert all(int(r["num_dropped"]) == 3 for r in rows[1:])
-    if placement == "server":
-        assert spent == pytest.approx(nominal, rel=1e-9)
-    else:
-        assert spent > nominal * 1.05
-        assert float(rows[1]["noise_multiplier"]) == pytest.approx(3.0 * math.sqrt(7 / 10))
+    assert all(float(r["noise_multiplier"]) == 3.0 for r in rows[1:])
+    assert spent == pytest.approx(nominal, rel=1e-9)
     assert json.loads((out / "config.json").read_text())["final"]["epsilon"] == pytest.approx(spent)
 
 
-def test_client_placement_with_poisson_counts_below_r_is_worse_than_nominal(tmp_path: Path) -> None:
+def test_poisson_rounds_are_charged_the_same_event_whatever_the_count(tmp_path: Path) -> None:
     values = {"clients-per-round": 5.0, "epsilon": 0.0, "noise-multiplier": 2.0, "num-rounds": 8}
     cfg, _, rows = _run(tmp_path, "poisson", values)
-    nominal = RoundAccountant("pld", cfg.delta)
-    realized = RoundAccountant("pld", cfg.delta)
-    for row in rows[1:]:
-        nominal.compose(RoundEvent(0.5, 2.0))
-        m = int(row["num_received"])
-        realized.compose(RoundEvent(0.5, 2.0 * math.sqrt(m / 5.0) if m else None))
-        assert float(row["epsilon"]) == pytest.approx(realized.epsilon, rel=1e-9)
     counts = [int(r["num_received"]) for r in rows[1:]]
-    assert min(counts) < 5  # the seed gives some rounds below r ...
-    assert realized.epsilon != pytest.approx(nominal.epsilon, rel=1e-3)  # ... so the report is not the nominal one
+    assert len(set(counts)) > 1  # the seed gives rounds of different sizes ...
+    for k, row in enumerate(rows[1:], start=1):  # ... and every round costs the same
+        assert float(row["epsilon"]) == pytest.approx(epsilon_for(2.0, 0.5, k, cfg.delta, "pld"), rel=1e-9)
 
 
-def _aggregate_noise(placement: str, rounds: int, seed: int) -> np.ndarray:
-    """Noise in the average a_k: a_k - (1/r) sum g_i, over several rounds (diagnostics on)."""
+def _aggregate_noise(placement: str, rounds: int, seed: int, dropped: frozenset[int] = frozenset()) -> np.ndarray:
+    """Noise in the average a_k: a_k - (1/r) sum g_i over the included clients, over several rounds."""
     cfg = RunConfig.from_run_config(
         {
             "num-clients": 10,
@@ -187,15 +198,17 @@ def _aggregate_noise(placement: str, rounds: int, seed: int) -> np.ndarray:
     grid = InProcessGrid(client_app, 10, cfg.to_run_config())
     strategy = DPFedAvg(cfg, dim=200)
     strategy.discover_clients(grid)
+    from flwr.app import ConfigRecord
+
     from dpfedavg.protocol import ARRAYS, to_array_record
 
     samples = []
     w = np.zeros(200)
     for k in range(1, rounds + 1):
-        from flwr.app import ConfigRecord
-
         messages = list(strategy.configure_train(k, to_array_record(w), ConfigRecord(), grid))
-        replies = list(grid.send_and_receive(messages))
+        replies = [
+            m for m in grid.send_and_receive(messages) if strategy.client_of_node[m.metadata.src_node_id] not in dropped
+        ]
         arrays, _ = strategy.aggregate_train(k, replies)
         clean = sum(r.content["diagnostics"]["clean-update"].numpy() for r in replies) / 10.0
         a = (w - arrays["w"].numpy()) / strategy.history[k].beta  # w_{k+1} = w_k - beta a_k (mu = 0)
@@ -215,6 +228,21 @@ def test_server_and_client_calibrated_noise_have_the_same_distribution() -> None
     for sample in (server, calibrated):
         assert stats.kstest(sample / sigma, "norm").pvalue > 0.01
         assert sample.std() == pytest.approx(sigma, rel=0.05)  # 3000 samples: SE of std ~1.3%
+
+
+@pytest.mark.parametrize("placement", ["client-calibrated", "client"])
+def test_released_noise_has_the_nominal_std_when_clients_drop(placement: str) -> None:
+    """Measured, not accounted: with 4 of 10 clients missing, the noise in a_k still has std zC/r.
+
+    Without the server's top-up it would be sqrt(6/10) of it (0.77): the variance would tell how many
+    clients took part. 3000 samples; the standard error of the std is about 1.3%, the tolerance 5%.
+    """
+    from scipy import stats
+
+    sigma = 1.5 * 50.0 / 10.0
+    sample = _aggregate_noise(placement, rounds=15, seed=3, dropped=frozenset({0, 2, 5, 9}))
+    assert sample.std() == pytest.approx(sigma, rel=0.05)
+    assert stats.kstest(sample / sigma, "norm").pvalue > 0.01
 
 
 # ------------------------------------------------------------------ reporting
@@ -316,3 +344,92 @@ def test_privacy_cli_bad_flags(flags: list[str], fragment: str) -> None:
     result = _cli("privacy", *[x for kv in base.items() for x in kv])
     assert result.returncode == 2
     assert fragment in result.stderr and "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------ secure mode
+def _seeded_train_message(cfg: RunConfig, node: int, dim: int) -> Message:
+    from dpfedavg.protocol import ARRAYS, CONFIG, instructions_to_config_record, to_array_record
+
+    ins = DPServer(cfg, dim).instructions(3, cfg.num_clients)
+    assert ins.noise_seed != SECURE_NOISE_SEED  # the server sends a replayable seed
+    content = RecordDict({ARRAYS: to_array_record(np.zeros(dim)), CONFIG: instructions_to_config_record(ins)})
+    return Message(content, dst_node_id=node, message_type="train")
+
+
+@pytest.mark.parametrize("node_says", [True, False], ids=["node-secure", "node-default"])
+def test_the_client_enforces_secure_noise_from_its_own_node_config(node_says: bool) -> None:
+    """A SuperNode started with secure-noise=true ignores the server's noise seed; by default it follows it."""
+    from dpfedavg.protocol import ARRAYS, METRICS, UPDATE_KEY
+
+    dim = 2000
+    cfg = RunConfig.from_run_config({"num-clients": 4, "clients-per-round": 4.0, "dim": dim, "epsilon": 0.0,
+                                     "noise-multiplier": 1.0})  # fmt: skip
+    grid = InProcessGrid(client_app, 4, cfg.to_run_config(), node_config={"secure-noise": node_says})
+    node = next(iter(grid.contexts))
+    replies = [grid.send_and_receive([_seeded_train_message(cfg, node, dim)])[0] for _ in range(2)]
+    updates = [r.content[ARRAYS][UPDATE_KEY].numpy() for r in replies]
+    metrics = dict(replies[0].content[METRICS])
+    if node_says:
+        assert np.corrcoef(updates[0] - updates[0].mean(), updates[1] - updates[1].mean())[0, 1] < 0.9
+        assert "update-norm" not in metrics and "clipped" not in metrics  # no un-noised statistic leaves the node
+    else:
+        np.testing.assert_array_equal(updates[0], updates[1])  # seeded: replayable by whoever knows the seed
+        assert "update-norm" in metrics
+
+
+def test_secure_mode_draws_the_sampling_from_the_os_not_the_seed() -> None:
+    values = {"num-clients": 200, "clients-per-round": 100.0}
+    seeded = [DPServer(RunConfig.from_run_config(values), 10).sample_clients(1) for _ in range(2)]
+    secure = [DPServer(RunConfig.from_run_config({**values, "secure-noise": True}), 10).sample_clients(1)
+              for _ in range(2)]  # fmt: skip
+    np.testing.assert_array_equal(seeded[0], seeded[1])
+    assert not np.array_equal(secure[0], secure[1])  # P(equal) = 2^-200
+
+
+@pytest.mark.parametrize(
+    ("values", "level"),
+    [({}, "seeded"), ({"secure-noise": True}, "dp"), ({"secure-noise": True, "diagnostics": True}, "none")],
+)
+def test_the_guarantee_is_labelled_and_secure_mode_withholds_training_data_metrics(
+    tmp_path: Path, values: dict, level: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dpfedavg.engines.batched import run_batched
+
+    cfg = RunConfig.from_run_config({"num-clients": 10, "clients-per-round": 5.0, "dim": 20, "num-rounds": 3,
+                                     "output-dir": str(tmp_path), "run-name": level, **values})  # fmt: skip
+    with caplog.at_level("INFO"):
+        out = run_batched(cfg)
+    described = json.loads((out / "config.json").read_text())
+    assert described["privacy"]["guarantee"]["level"] == level
+    assert described["final"]["guarantee"] == level
+    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
+    rows = list(csv.DictReader((out / "metrics.csv").open()))[1:]
+    if level == "seeded":
+        assert "NONE against anyone who knows seed = 0" in caplog.text
+        assert "seeded mode: no protection against anyone who knows the seed" in caplog.text
+        assert "suboptimality" in header and rows[0]["mean_update_norm"] != ""
+    else:
+        assert "suboptimality" not in header  # computed from the clients' data (A_i, w_i*)
+        assert all(r["mean_update_norm"] == "" and r["frac_clipped"] == "" for r in rows)
+    if level == "none":
+        assert "NO privacy guarantee" in caplog.text
+
+
+def test_budget_is_a_hard_cap_with_dropouts(tmp_path: Path) -> None:
+    """Issue 16's case: budget 4, z = 3, 2 of 10 replies in round 6; epsilon never passes the budget."""
+    dropped = set(range(2, 10))
+
+    def fn(msg: Message, context: Context):
+        if msg.metadata.message_type == "train" and int(context.node_config["partition-id"]) in dropped:
+            if int(msg.content["config"]["server-round"]) >= 6:
+                return None
+        return client_app(msg, context)
+
+    values = {"clients-per-round": 10.0, "epsilon": 0.0, "noise-multiplier": 3.0, "max-epsilon": 4.0,
+              "num-rounds": 30}  # fmt: skip
+    cfg, out, rows = _run(tmp_path, "budget", values, fn)
+    spent = [float(r["epsilon"]) for r in rows[1:]]
+    assert max(spent) <= 4.0
+    allowed = max(k for k in range(1, 31) if epsilon_for(3.0, 1.0, k, cfg.delta, "pld") <= 4.0)
+    assert len(spent) == allowed  # it stops exactly before the first round that would exceed the budget
+    assert json.loads((out / "config.json").read_text())["final"]["stopped_by_budget_before_round"] == allowed + 1

@@ -79,7 +79,7 @@ def _assert_same_run(a: Path, b: Path) -> None:
 
 
 # ---------------------------------------------------------------- batched engine
-@pytest.mark.parametrize("placement", ["client", "server"])
+@pytest.mark.parametrize("placement", ["client-calibrated", "server"])
 def test_batched_resume_is_bit_identical(tmp_path: Path, placement: str) -> None:
     full = run_batched(_cfg(tmp_path / "full", **{"noise-placement": placement}))
 
@@ -249,7 +249,7 @@ def test_secure_noise_is_not_reproducible_and_seeded_noise_is(tmp_path: Path) ->
     assert np.abs(runs["s1"] - runs["p1"]).max() > 1e-3
 
 
-@pytest.mark.parametrize("placement", ["client", "server"])
+@pytest.mark.parametrize("placement", ["client-calibrated", "server"])
 def test_secure_noise_has_the_right_scale_and_no_seed_leaves_the_server(placement: str) -> None:
     cfg = RunConfig.from_run_config({**BASE, "dim": 4000, "secure-noise": True, "diagnostics": True,
                                      "noise-placement": placement})  # fmt: skip

@@ -15,7 +15,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from dpfedavg import server_app
 from dpfedavg.client_app import app as client_app
 from dpfedavg.config import ConfigError, RunConfig
-from dpfedavg.core import SecAggGrid, follow_instructions, normalize
+from dpfedavg.core import SecAggGrid, Stream, follow_instructions, gaussian_noise, make_rng, normalize
 from dpfedavg.core.secagg import (
     conditional_round,
     ddg_tau,
@@ -25,6 +25,7 @@ from dpfedavg.core.secagg import (
 )
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.strategies import DPFedAvg, plan_privacy
+from dpfedavg.strategies.accounting import epsilon_for
 from dpfedavg.strategies.secure_aggregation import workflow_for
 from dpfedavg.tasks import build_task
 from dpfedavg.testing import InProcessGrid
@@ -160,12 +161,21 @@ def _rows(run_dir) -> list[dict[str, str]]:
 
 
 def _survivors_model(cfg: RunConfig, in_sum: set[int], beta: float) -> np.ndarray:
-    """w_1 = w_0 - beta * (sum of the encoded updates of ``in_sum``) / r, replayed from the seeded noise."""
+    """w_1 = w_0 - beta * (sum of the encoded updates of ``in_sum`` + the server's top-up) / r, replayed.
+
+    The top-up is the noise the missing clients would have added (``core.mechanism``), drawn by the server
+    after unmasking from its seeded stream.
+    """
     task = build_task(cfg)
     strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_privacy(cfg))
     w0 = task.initial_weights()
-    _, ins = strategy.server.begin_round(1, w0)
-    total = sum(follow_instructions(w0, task.client_grad_fn(c), ins, c).noisy for c in sorted(in_sum))
+    clients, ins = strategy.server.begin_round(1, w0)
+    total = sum(
+        (follow_instructions(w0, task.client_grad_fn(c), ins, c).noisy for c in sorted(in_sum)), np.zeros(task.dim)
+    )
+    top_up = strategy.server.noise_stds_for(len(clients), len(in_sum))[1]
+    if top_up > 0:
+        total = total + gaussian_noise(task.dim, top_up, make_rng(cfg.seed, Stream.SERVER_NOISE, 0))
     return w0 - beta * total / cfg.clients_per_round
 
 
@@ -301,16 +311,20 @@ def test_the_secure_sum_is_exactly_the_survivors_whenever_clients_drop(tmp_path,
     np.testing.assert_allclose(np.load(out / "model.npz")["w_final"], expected, atol=1e-12)
 
 
-def test_too_few_survivors_skip_the_round_without_spending_privacy(tmp_path) -> None:
-    """Below the reconstruction threshold nothing is released: w unchanged, epsilon unchanged, skipped = 1."""
-    cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 2, "secagg-reconstruction-threshold": 0.9})
+def test_too_few_survivors_release_the_servers_noise_only_and_are_charged(tmp_path) -> None:
+    """Below the reconstruction threshold no update is summed: the round releases N(0, (zC)^2) alone.
+
+    Releasing nothing would tell who took part (whether a round is skipped depends on the count), so the
+    round is charged like every other: epsilon after k rounds is the nominal one.
+    """
+    cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 1, "secagg-reconstruction-threshold": 0.9})
     dead = set(range(5))  # half the clients vanish after sending their keys
     out, _ = _run_flower(cfg, tmp_path, "halt", client=_failing_in_stage(Stage.SHARE_KEYS, dead))
-    rows = _rows(out)
-    assert [int(r["skipped"]) for r in rows[1:]] == [1, 1]
-    assert [int(r["num_received"]) for r in rows[1:]] == [0, 0]
-    assert [r["epsilon"] for r in rows[1:]] == ["0.0", "0.0"]  # nothing was charged
-    assert rows[1]["dist_to_opt"] == rows[0]["dist_to_opt"] == rows[2]["dist_to_opt"]  # the model did not move
+    (row,) = _rows(out)[1:]
+    assert (int(row["skipped"]), int(row["num_received"]), int(row["num_dropped"])) == (1, 0, 10)
+    assert float(row["epsilon"]) == pytest.approx(epsilon_for(1.0, 1.0, 1, cfg.delta, "pld"), rel=1e-9)
+    expected = _survivors_model(cfg, set(), float(row["beta"]))  # w_0 moved by the server's noise alone
+    np.testing.assert_allclose(np.load(out / "model.npz")["w_final"], expected, atol=1e-12)
 
 
 def test_a_malformed_reply_inside_the_protocol_skips_the_round_and_the_run_goes_on(tmp_path) -> None:

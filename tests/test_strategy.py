@@ -89,7 +89,7 @@ def test_configure_train_samples_poisson_by_client_and_sends_round_config() -> N
         ins = instructions_from_config_record(messages[0].content[CONFIG])
         assert ins.noise_seed == round_noise_seed(cfg.seed, server_round - 1)
         assert ins.local_lr == pytest.approx(0.1 * 0.5 ** (server_round - 1))  # eta_k
-        assert ins.noise_std == pytest.approx(2.0 * 3.0 / np.sqrt(5.0))  # z C / sqrt(r)
+        assert ins.noise_std == pytest.approx(2.0 * 3.0 / np.sqrt(len(expected)))  # z C / sqrt(|S_k|) (default)
         assert (ins.local_steps, ins.algorithm, ins.clip) == (20, "norm", 3.0)
         strategy.aggregate_train(server_round, grid.send_and_receive(messages))
 

@@ -110,7 +110,8 @@ class NoisePlacement:
                 f"{self.name}: {num_included} clients carry more noise ({carried:.6g}) than the sum should "
                 f"({zc**2:.6g}); this placement needs q = 1"
             )
-        return math.sqrt(max(missing, 0.0))
+        # every share present (up to rounding in zc^2 - m (zc/sqrt(m))^2): nothing to add
+        return math.sqrt(missing) if missing > 1e-9 * zc**2 else 0.0
 
     # --------------------------------------------------------- what is accounted
     def accounted_noise_multiplier(

@@ -7,9 +7,11 @@ and the released sum ``sum_{i in S_k} g_i + noise`` has sensitivity ``C``
 mechanism ``PoissonSampledDpEvent(q, GaussianDpEvent(z_k))`` with ``z_k`` the
 std of the noise in the released sum divided by ``C``. Rounds compose.
 
-``z_k`` is the *realized* noise multiplier of the round (see
-:func:`realized_noise_multiplier`), never the nominal one when less noise was
-actually added. Both dp-accounting accountants are supported:
+``z_k`` is the noise multiplier the released sum carried (see
+:func:`realized_noise_multiplier`): the server tops up the noise of sampled
+clients whose update did not enter the sum, so it is the nominal ``z`` in
+every round of every placement, and the epsilon after ``k`` rounds is known
+before the run starts. Both dp-accounting accountants are supported:
 
 * ``pld``: privacy loss distributions (tight). Consecutive rounds with the same
   event are composed as one self-composed run, exactly as dp-accounting's
@@ -35,6 +37,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfedavg.config import ACCOUNTANTS, NOISE_PLACEMENTS, ConfigError, RunConfig
+from dpfedavg.core.mechanism import get_placement
 
 __all__ = [
     "ACCOUNTANTS",
@@ -104,35 +107,19 @@ def realized_noise_multiplier(
     num_sampled: int,
     num_included: int,
 ) -> float | None:
-    """The noise multiplier the released sum of a round actually carried.
+    """The noise multiplier a round's released sum carried: the placement's accounted ``z_k``.
 
-    Parameters
-    ----------
-    placement:
-        ``client``: each client adds ``N(0, (zC)^2/r)`` (Alg. 1 line 10), so
-        ``m`` included replies carry ``z sqrt(m/r)``: less than nominal when
-        fewer than ``r`` clients were sampled or replied.
-        ``client-calibrated``: each of the ``|S_k|`` sampled clients adds
-        ``N(0, (zC)^2/|S_k|)``; ``m`` replies carry ``z sqrt(m/|S_k|)`` (exactly
-        ``z`` without dropouts).
-        ``server``: the server adds ``N(0, (zC)^2)`` to the sum: always ``z``.
-    num_included:
-        Replies whose noisy update entered the sum (dropouts and rejected
-        replies do not count).
-
-    Returns
-    -------
-    ``None`` when no client's update entered the sum (client placements), else ``z_k``.
+    Every placement a config can select tops up the noise of the sampled
+    clients whose update did not enter the sum (see
+    :mod:`dpfedavg.core.mechanism`), so this is always the nominal ``z``: the
+    noise never depends on who took part, and every round is charged the same
+    event. (``legacy-client``, the old mis-accounted ``client`` placement kept for
+    the privacy auditor's tests, returns ``z sqrt(m / r)`` and ``None`` for an
+    empty sum.)
     """
-    if placement == "server":
-        return noise_multiplier
-    if num_included == 0:
-        return None
-    if placement == "client":
-        return noise_multiplier * math.sqrt(num_included / clients_per_round)
-    if placement == "client-calibrated":
-        return noise_multiplier * math.sqrt(num_included / num_sampled)
-    raise ValueError(f"unknown noise placement {placement!r}; allowed: {', '.join(NOISE_PLACEMENTS)}")
+    return get_placement(placement).accounted_noise_multiplier(
+        noise_multiplier, clients_per_round, num_sampled, num_included
+    )
 
 
 @lru_cache(maxsize=256)

@@ -20,6 +20,7 @@ engines run the same server math.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -36,18 +37,82 @@ from dpfedavg.core import (
     local_lr_at,
     make_rng,
     momentum_step,
-    placement_noise_stds,
     poisson_sample,
     round_noise_seed,
     secure_rng,
     server_lr_at,
 )
+from dpfedavg.core.mechanism import get_placement
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.strategies.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
 
 __all__ = ["ClientResult", "DPServer", "PrivacyBudgetExhausted", "RoundInstructions", "RoundStats"]
 
 logger = logging.getLogger(__name__)
+
+
+#: The secure-aggregation encoding may loosen the reported guarantee by at most these (see
+#: :func:`check_secure_aggregation`): the DDG ``tau`` (Kairouz et al. 2021, Thm. 1 adds ``tau sqrt(d)`` to the
+#: concentrated-DP epsilon ``1/z``) relative to ``1/z``, and the clipping slack ``(1 + e^eps) p`` relative to delta.
+SECAGG_MAX_TAU_SLACK = 1e-6
+SECAGG_MAX_DELTA_SLACK = 1e-3
+
+
+def check_secure_aggregation(server: DPServer) -> None:
+    """Reject secure-aggregation settings under which the reported (epsilon, delta) would not hold.
+
+    Two terms of the encoding (:mod:`dpfedavg.core.secagg`) enter the guarantee:
+
+    * ``tau`` (Kairouz, Liu, Steinke 2021, Prop. 14 / Thm. 1): the sum of ``N`` discrete Gaussians is
+      only close to a discrete Gaussian when each has a std of a few grid steps; the concentrated-DP
+      epsilon grows from ``1/z`` by up to ``tau sqrt(d)``. Required: ``tau sqrt(d) <= 1e-6 / z``, checked
+      at the worst case ``|S_k| = n`` (the smallest per-client std).
+    * coordinate clipping to ``[-c, c]``: the run is ``(epsilon, delta + (1 + e^epsilon) p)``-DP with ``p``
+      the union bound over ``K n d`` coordinates. Required: ``(1 + e^epsilon) p <= 1e-3 delta``.
+
+    Raises
+    ------
+    ConfigError
+        Naming the key, the resulting tau or delta, and the allowed range.
+    """
+    from dpfedavg.config import ConfigError
+    from dpfedavg.core.secagg import SecAggGrid, ddg_tau
+
+    cfg, plan, d = server.cfg, server.plan, server.dim
+    z, n = plan.noise_multiplier, cfg.num_clients
+    epsilon = plan.target_epsilon if plan.calibrated else plan.nominal_epsilon
+    std_n = server.placement.client_std(z, cfg.clip, cfg.clients_per_round, n)
+    errors = []
+
+    def tau_slack(bits: int) -> float:
+        grid = SecAggGrid.for_round(cfg.clip, std_n, cfg.secagg_clip_stds, bits, max(cfg.secagg_modulus_bits, bits + 1))
+        return ddg_tau(std_n / grid.step, n) * math.sqrt(d) * z
+
+    slack = tau_slack(cfg.secagg_quantization_bits)
+    if not slack <= SECAGG_MAX_TAU_SLACK:
+        ok = [b for b in range(cfg.secagg_quantization_bits + 1, 31) if tau_slack(b) <= SECAGG_MAX_TAU_SLACK]
+        fix = f"use secagg-quantization-bits >= {ok[0]}" if ok else "no quantization-bits <= 30 suffices"
+        tau = slack / (math.sqrt(d) * z)
+        errors.append(
+            f"'secagg-quantization-bits' = {cfg.secagg_quantization_bits}: the grid is too coarse for the "
+            f"clients' noise (std {std_n:.4g} at |S_k| = n = {n}), so the summed discrete Gaussians are "
+            f"tau = {tau:.3g} away from a discrete Gaussian and the reported epsilon does not hold (allowed: "
+            f"tau sqrt(d) z <= {SECAGG_MAX_TAU_SLACK:g}, here {slack:.3g}); {fix}"
+        )
+    per_coordinate = 2.0 * math.exp(-(cfg.secagg_clip_stds**2) / 2)
+    p_clip = min(1.0, cfg.num_rounds * n * d * per_coordinate)
+    extra = (1 + math.exp(min(epsilon, 700.0))) * p_clip
+    if not extra <= SECAGG_MAX_DELTA_SLACK * plan.delta:
+        budget = SECAGG_MAX_DELTA_SLACK * plan.delta / ((1 + math.exp(min(epsilon, 700.0))) * cfg.num_rounds * n * d)
+        k_min = math.sqrt(2 * math.log(2 / budget)) if budget < 2 else 0.0
+        errors.append(
+            f"'secagg-clip-stds' = {cfg.secagg_clip_stds:g}: coordinates of g + noise are clipped with probability "
+            f"up to p = {p_clip:.3g} over the run, so the guarantee is (epsilon, delta_including_clipping = "
+            f"{plan.delta + extra:.3g}) instead of delta = {plan.delta:g} (allowed: (1 + e^epsilon) p <= "
+            f"{SECAGG_MAX_DELTA_SLACK:g} delta); use secagg-clip-stds >= {math.ceil(k_min * 100) / 100:g}"
+        )
+    if errors:
+        raise ConfigError("invalid run config: " + "; ".join(errors))
 
 
 class PrivacyBudgetExhausted(Exception):
@@ -127,6 +192,10 @@ class DPServer:
         self.plan = plan if plan is not None else plan_privacy(cfg)
         self.accountant = self.plan.new_accountant() if self.plan.dp else None
         self.epsilon_each_round = epsilon_each_round
+        #: The noise placement: what the clients and the server add, and what is accounted.
+        self.placement = get_placement(cfg.noise_placement)
+        if cfg.secure_aggregation and self.plan.dp:
+            check_secure_aggregation(self)
         self.momentum: Vector = np.zeros(dim)
         #: ``w_{k~}`` (Alg. 1 line 13), kept by reservoir sampling, and ``k~``.
         self.random_iterate: Vector | None = None
@@ -147,12 +216,26 @@ class DPServer:
         return self.accountant.epsilon if self.accountant is not None else float("inf")
 
     def noise_stds(self, num_sampled: int) -> tuple[float, float]:
-        """``(per-client std, server std on the sum)`` of a round with ``num_sampled`` clients."""
+        """``(per-client std, server std on the sum)`` of a round with ``num_sampled`` clients, all included."""
+        return self.noise_stds_for(num_sampled, num_sampled)
+
+    def noise_stds_for(self, num_sampled: int, num_included: int) -> tuple[float, float]:
+        """``(per-client std, server top-up std)`` when ``num_included`` of ``num_sampled`` updates entered the sum.
+
+        The top-up fills the noise of the missing ones, so the sum always carries ``N(0, (zC)^2 I)``
+        (:mod:`dpfedavg.core.mechanism`).
+        """
         if not self.plan.dp:
             return 0.0, 0.0
-        return placement_noise_stds(
-            self.cfg.noise_placement, self.noise_multiplier, self.cfg.clip, self.cfg.clients_per_round, num_sampled
+        z, c, r = self.noise_multiplier, self.cfg.clip, self.cfg.clients_per_round
+        return (
+            self.placement.client_std(z, c, r, num_sampled),
+            self.placement.server_std(z, c, r, num_sampled, num_included),
         )
+
+    def _rng(self, stream: Stream, round_index: int) -> np.random.Generator:
+        """The generator of ``stream`` in round ``k``: seeded, or from the OS CSPRNG with ``secure-noise``."""
+        return secure_rng() if self.cfg.secure_noise else make_rng(self.cfg.seed, stream, round_index)
 
     def secagg_grid(self, num_sampled: int) -> SecAggGrid | None:
         """The secure-aggregation grid of a round with ``num_sampled`` clients (``None`` when off).
@@ -171,8 +254,12 @@ class DPServer:
         )
 
     def sample_clients(self, server_round: int) -> np.ndarray:
-        """Client ids sampled in ``server_round`` (1-based): Poisson with ``q = r/n`` (Alg. 1 line 3)."""
-        rng = make_rng(self.cfg.seed, Stream.SAMPLING, server_round - 1)
+        """Client ids sampled in ``server_round`` (1-based): Poisson with ``q = r/n`` (Alg. 1 line 3).
+
+        The amplification by sampling holds only if nobody can predict ``S_k``: with ``secure-noise``
+        the draw comes from the OS CSPRNG; in seeded mode anyone who knows ``seed`` can replay it.
+        """
+        rng = self._rng(Stream.SAMPLING, server_round - 1)
         return poisson_sample(self.cfg.num_clients, self.cfg.sampling_rate, rng)
 
     def instructions(self, server_round: int, num_sampled: int) -> RoundInstructions:
@@ -256,7 +343,7 @@ class DPServer:
             projected = self.accountant.epsilon_after(self.round_event(len(clients), len(clients)))
             if projected > budget:
                 raise PrivacyBudgetExhausted(server_round, self.accountant.epsilon, projected, budget)
-        if keep_random_iterate(k, make_rng(self.cfg.seed, Stream.ITERATE, k)):
+        if keep_random_iterate(k, self._rng(Stream.ITERATE, k)):
             self.random_iterate, self.random_round = w.copy(), k
         stats = RoundStats(round=server_round, num_sampled=len(clients))
         stats.eta = local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay)
@@ -310,21 +397,17 @@ class DPServer:
         return self._close_round(server_round, total.copy(), num_received, [], None, num_failed, 0)
 
     def skip_round(self, server_round: int, reason: str) -> Vector:
-        """Close a round that released nothing (secure aggregation halted): ``w_{k+1} = w_k``.
+        """Close a round in which no client's update could be summed (secure aggregation could not finish).
 
-        No privacy event is charged (the server learned nothing about any
-        client's data), the momentum buffer is unchanged, and the round is
-        recorded with ``skipped = 1`` and every sampled client as a dropout.
+        Every sampled client counts as a dropout, so the round releases the server's top-up alone,
+        ``N(0, (zC)^2 I)``, and is charged like every other round: whether a round is skipped depends on
+        how many clients were sampled and survived, so releasing nothing (and charging nothing) would
+        tell who took part. Recorded with ``skipped = 1``.
         """
         self._check_open(server_round)
-        stats = self.history[server_round]
-        stats.skipped, stats.num_dropped = 1, stats.num_sampled
-        stats.noise_multiplier = float("nan")
-        stats.epsilon = self.accountant.epsilon if self.accountant is not None else float("inf")
-        logger.warning("Round %d skipped: %s; the model is unchanged and no privacy is spent", server_round, reason)
-        w = self._w
-        self._w, self._round = None, None
-        return w  # type: ignore[return-value]
+        self.history[server_round].skipped = 1
+        logger.warning("Round %d: no update could be summed (%s); the round releases noise only", server_round, reason)
+        return self._close_round(server_round, np.zeros(self.dim), 0, [], None, 0, 0)
 
     def _check_open(self, server_round: int) -> None:
         if self._w is None or self._round != server_round:
@@ -347,17 +430,13 @@ class DPServer:
         stats.num_dropped = max(0, stats.num_sampled - stats.num_received - num_failed - num_rejected)
         if stats.num_dropped:
             logger.warning("Round %d: %d sampled clients did not reply (dropouts)", server_round, stats.num_dropped)
-        server_std = self.noise_stds(stats.num_sampled)[1]
-        if server_std > 0:  # noise-placement = server: the trusted server adds N(0, (zC)^2 I) once
-            rng = (
-                secure_rng()
-                if self.cfg.secure_noise
-                else make_rng(self.cfg.seed, Stream.SERVER_NOISE, server_round - 1)
-            )
-            total += gaussian_noise(self.dim, server_std, rng)
+        # the server's share: all of (zC)^2 for `server` placement, the missing replies' share otherwise
+        server_std = self.noise_stds_for(stats.num_sampled, num_received)[1]
+        if server_std > 0:
+            total += gaussian_noise(self.dim, server_std, self._rng(Stream.SERVER_NOISE, server_round - 1))
         a = total / r
         w_new, self.momentum = momentum_step(self._w, self.momentum, a, stats.beta, self.cfg.server_momentum)
-        if norms:
+        if norms and not self.cfg.secure_noise:  # un-noised statistics of client data: seeded research mode only
             norms_arr = np.asarray(norms)
             stats.mean_update_norm = float(norms_arr.mean())
             stats.frac_clipped = float(np.mean(norms_arr > self.cfg.clip))

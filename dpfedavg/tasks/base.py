@@ -29,6 +29,10 @@ class Task(Protocol):
     metric_names: tuple[str, ...]
     #: The metric the run summary reports, averaged over the last 5 evaluated rounds.
     headline_metric: str
+    #: The metrics computed from the clients' private data (not a public test set). No accountant covers
+    #: them: a run with ``secure-noise = true`` does not compute them, seeded runs mark them non-private.
+    #: Optional; a task without the attribute declares none.
+    training_data_metrics: tuple[str, ...]
 
     def initial_weights(self) -> Vector:
         """``w_0`` as a flat float vector of length ``dim``."""

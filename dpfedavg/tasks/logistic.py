@@ -74,6 +74,8 @@ class LogisticTask:
 
     metric_names = ("test_accuracy", "test_loss", "train_loss")
     headline_metric = "test_accuracy"
+    #: Computed from the clients' private training data: withheld with secure-noise (see Task).
+    training_data_metrics = ("train_loss",)
 
     def __init__(self, cfg: RunConfig) -> None:
         self.name = cfg.task

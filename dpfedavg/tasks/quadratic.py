@@ -65,6 +65,8 @@ class QuadraticTask:
     name = "quadratic"
     metric_names = ("suboptimality", "dist_to_opt", "objective")
     headline_metric = "suboptimality"
+    #: Computed from every client's private data (A_i, w_i*): withheld with secure-noise (see Task).
+    training_data_metrics = ("suboptimality", "dist_to_opt", "objective")
 
     def __init__(self, cfg: RunConfig) -> None:
         self.seed = cfg.seed

@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
     p.add_argument("--engine", choices=("flower", "batched", "loop"), default="flower", help="default: flower")
     p.add_argument("--num-cpus", type=int, default=1, help="flower: client-resources-num-cpus (default 1)")
-    p.add_argument("--noise-placement", choices=("client", "client-calibrated", "server"), default="client",
+    p.add_argument("--noise-placement", choices=("client-calibrated", "client", "server"), default="client-calibrated",
                    help="default: client (z_k varies with the reply count, so the PLD accountant builds a new "
                    "distribution every round)")  # fmt: skip
     p.add_argument("--accountant", choices=("pld", "rdp"), default="pld", help="default: pld")

@@ -339,14 +339,15 @@ class RunSession:
         if stats is None:
             logger.info("round %d/%d | %s", server_round, self.cfg.num_rounds, shown)
         else:
+            clipped = "" if math.isnan(stats.frac_clipped) else f" | clipped {100 * stats.frac_clipped:.0f}%"
             logger.info(
-                "round %d/%d | sampled %d, received %d | %s | clipped %.0f%% | epsilon %.4g",
+                "round %d/%d | sampled %d, received %d | %s%s | epsilon %.4g",
                 server_round,
                 self.cfg.num_rounds,
                 stats.num_sampled,
                 stats.num_received,
                 shown,
-                100 * stats.frac_clipped if stats.num_received else 0.0,
+                clipped,
                 stats.epsilon,
             )
         return metrics

@@ -60,9 +60,9 @@ def test_run_survives_a_killed_supernode_and_counts_the_dropout(tmp_path: Path, 
     assert [int(r["num_received"]) for r in rows[:before]] == [N] * before, rows
     after = rounds - before
     assert [(int(r["num_received"]), int(r["num_dropped"])) for r in rows[before:]] == [(N - 1, 1)] * after, rows
-    # the accountant charged the rounds with a dropout for the noise they actually carried (client placement)
-    z = [float(r["noise_multiplier"]) for r in rows]
-    assert z[-1] < z[0]
+    # the server topped up the dropout's share of the noise: every round carries and is charged the nominal z
+    assert len({float(r["noise_multiplier"]) for r in rows}) == 1
+    assert final["epsilon"] <= 5.0  # calibrated for (5, 1e-6) over the run, dropout or not
     if secure:
         assert result.stdout.count("Secure aggregation completed") == rounds, result.stdout[-3000:]
         assert all(int(r["skipped"]) == 0 and r["mean_update_norm"] == "" for r in rows), rows

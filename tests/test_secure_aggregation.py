@@ -369,3 +369,26 @@ def test_single_client_round_is_skipped_not_exposed(tmp_path) -> None:
     assert all(int(r["skipped"]) == 0 for r in rows if int(r["num_sampled"]) >= 2)
     train = [m for m in grid.sent if m.metadata.message_type == "train"]
     assert all(RECORD_KEY_CONFIGS in m.content.config_records for m in train)  # nothing outside SecAgg+
+
+
+@pytest.mark.parametrize(
+    ("values", "key", "term", "fix"),
+    [
+        ({"secagg-quantization-bits": 4}, "'secagg-quantization-bits' = 4", "tau = 4.51", "quantization-bits >= 6"),
+        ({"secagg-clip-stds": 2.0}, "'secagg-clip-stds' = 2", "delta_including_clipping = 149", "clip-stds >= 9.13"),
+    ],
+)
+def test_secure_aggregation_settings_that_void_the_guarantee_are_rejected(
+    tmp_path, values: dict, key: str, term: str, fix: str
+) -> None:
+    """Issue 16's two cases at the default run (n = r = 100, d = 200, K = 200, (5, 1e-6)): one clear error each."""
+    cfg = RunConfig.from_run_config(
+        {"secure-aggregation": True, "output-dir": str(tmp_path), "run-name": "void", **values}
+    )
+    with pytest.raises(ConfigError) as err:
+        run_batched(cfg)
+    message = str(err.value)
+    assert key in message and term in message and fix in message and "allowed" in message
+    assert not (tmp_path / "void").exists()  # refused before anything was written
+    default = RunConfig.from_run_config({"secure-aggregation": True})
+    assert DPFedAvg(default, dim=200).server.placement.name == "client-calibrated"  # the defaults are accepted

@@ -91,7 +91,7 @@ from typing import Any
 import numpy as np
 from scipy import optimize, special, stats
 
-from dpfedavg.core.mechanism import ADD_REMOVE, LEGACY_CLIENT, ZERO_OUT, NoisePlacement, get_placement
+from dpfedavg.core.mechanism import ADD_REMOVE, LEGACY_CLIENT, NoisePlacement, get_placement
 from dpfedavg.core.server import poisson_sample
 
 __all__ = [
@@ -272,8 +272,12 @@ def clopper_pearson_upper(successes: np.ndarray | int, trials: int, confidence: 
 def _bounds(fp_up: np.ndarray, fn_up: np.ndarray, delta: float) -> np.ndarray:
     """``max(log((1-delta-FNR)/FPR), log((1-delta-FPR)/FNR))``, ``-inf`` where no numerator is positive."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        one = np.where(1.0 - delta - fn_up > 0, np.log(np.maximum(1.0 - delta - fn_up, 1e-300)) - np.log(fp_up), -np.inf)
-        two = np.where(1.0 - delta - fp_up > 0, np.log(np.maximum(1.0 - delta - fp_up, 1e-300)) - np.log(fn_up), -np.inf)
+        one = np.where(
+            1.0 - delta - fn_up > 0, np.log(np.maximum(1.0 - delta - fn_up, 1e-300)) - np.log(fp_up), -np.inf
+        )
+        two = np.where(
+            1.0 - delta - fp_up > 0, np.log(np.maximum(1.0 - delta - fp_up, 1e-300)) - np.log(fn_up), -np.inf
+        )
     return np.maximum(one, two)
 
 
@@ -622,10 +626,12 @@ def plot_roc(result: AuditResult, path: str | Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("false-positive rate")
     ax.set_ylabel("true-positive rate")
-    ax.set_title(f"{s.placement}: n={s.num_clients}, r={s.clients_per_round:g}, d={s.dim}, K={s.rounds}, z={s.noise_multiplier:.3g}")
+    ax.set_title(
+        f"{s.placement}: n={s.num_clients}, r={s.clients_per_round:g}, d={s.dim}, K={s.rounds}, "
+        f"z={s.noise_multiplier:.3g}"
+    )
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-

@@ -116,7 +116,7 @@ logger = logging.getLogger(__name__)
 #: The placements the auditor can run: the three a config can select, and the old mis-accounted one.
 AUDIT_PLACEMENTS: tuple[str, ...] = ("client-calibrated", "client", "server", LEGACY_CLIENT.name)
 
-#: Floats drawn per chunk of trials (``chunk * K * d``): bounds the memory of :func:`released_sums_batch`.
+#: Numbers drawn per chunk of trials (``chunk * K * max(d, n)``): bounds the memory of :func:`released_sums_batch`.
 _CHUNK_FLOATS = 1 << 22
 
 
@@ -153,8 +153,8 @@ class AuditSetting:
     def __post_init__(self) -> None:
         if self.placement not in AUDIT_PLACEMENTS:
             raise ValueError(f"unknown placement {self.placement!r}; allowed: {', '.join(AUDIT_PLACEMENTS)}")
-        if self.num_clients < 1:
-            raise ValueError(f"num_clients must be >= 1, got {self.num_clients}")
+        if self.num_clients < 2:
+            raise ValueError(f"num_clients must be >= 2 (the canary and at least one other), got {self.num_clients}")
         if not 0 < self.clients_per_round <= self.num_clients:
             raise ValueError(f"clients_per_round must be in (0, num_clients], got {self.clients_per_round}")
         if self.dim < 1 or self.rounds < 1:
@@ -167,8 +167,6 @@ class AuditSetting:
             raise ValueError(f"unknown accountant {self.accountant!r}; allowed: pld, rdp")
         if self.placement in ("client", LEGACY_CLIENT.name) and self.q != 1.0:
             raise ValueError(f"placement {self.placement!r} needs q = 1 (clients_per_round == num_clients)")
-        if self.adjacency == ADD_REMOVE and self.num_clients < 2 and self.placement == LEGACY_CLIENT.name:
-            raise ValueError("legacy-client needs num_clients >= 2 (world 0 must release something)")
 
     @property
     def q(self) -> float:
@@ -283,7 +281,8 @@ def _bounds(fp_up: np.ndarray, fn_up: np.ndarray, delta: float) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ThresholdTest:
-    """The chosen test "world 1 iff ``sign * statistic > threshold``" and its evaluation.
+    """The chosen test and its evaluation: "world 1" iff ``statistic > threshold`` (``sign = 1``) or
+    ``statistic < threshold`` (``sign = -1``).
 
     ``fpr``/``fnr`` are the empirical rates on the evaluation half, ``*_upper`` their Clopper-Pearson upper
     bounds at ``1 - alpha/2`` each, and ``epsilon_lower_bound`` the bound (>= 0) they give.
@@ -348,7 +347,7 @@ def epsilon_lower_bound(
     eps_lb = float(_bounds(fp_up, fn_up, delta)[0])
     return ThresholdTest(
         sign=sign,
-        threshold=threshold,
+        threshold=sign * threshold,  # back on the statistic's scale
         fpr=float(fp[0]) / n0,
         fnr=float(fn[0]) / n1,
         fpr_upper=float(fp_up[0]),
@@ -438,7 +437,7 @@ class AuditResult:
 def _world_statistic(
     setting: AuditSetting, world: int, trials: int, rng: np.random.Generator, bar: Any | None
 ) -> np.ndarray:
-    chunk = max(1, _CHUNK_FLOATS // (setting.rounds * setting.dim))
+    chunk = max(1, _CHUNK_FLOATS // (setting.rounds * max(setting.dim, setting.num_clients)))
     out = np.empty(trials)
     for start in range(0, trials, chunk):
         size = min(chunk, trials - start)

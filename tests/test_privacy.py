@@ -433,3 +433,51 @@ def test_budget_is_a_hard_cap_with_dropouts(tmp_path: Path) -> None:
     allowed = max(k for k in range(1, 31) if epsilon_for(3.0, 1.0, k, cfg.delta, "pld") <= 4.0)
     assert len(spent) == allowed  # it stops exactly before the first round that would exceed the budget
     assert json.loads((out / "config.json").read_text())["final"]["stopped_by_budget_before_round"] == allowed + 1
+
+
+# ------------------------------------- reported epsilon against an independent computation
+def _pair_variances(placement: str, z: float, c: float, n: int) -> tuple[float, float]:
+    """Variances of the released sum's noise per coordinate in the two neighbouring federations (q = 1).
+
+    Add/remove: n - 1 clients vs n (the canary); zero-out: n clients in both. Every sampled client is
+    included; the variance is what the placement object says the clients and the server add.
+    """
+    from dpfedavg.core.mechanism import ZERO_OUT, get_placement
+
+    p = get_placement(placement)
+    r = float(n)
+
+    def variance(sampled: int) -> float:
+        return sampled * p.client_std(z, c, r, sampled) ** 2 + p.server_std(z, c, r, sampled, sampled) ** 2
+
+    return (variance(n), variance(n)) if p.adjacency == ZERO_OUT else (variance(n - 1), variance(n))
+
+
+@pytest.mark.parametrize(
+    ("n", "dim", "rounds", "epsilon", "delta"),
+    [(10, 2000, 3, 2.0, 1e-5), (100, 200, 200, 5.0, 1e-6)],  # a high-dimensional one; the default run
+)
+def test_reported_epsilon_is_the_true_privacy_loss_of_each_placement(n, dim, rounds, epsilon, delta) -> None:
+    """The exact epsilon of what each placement releases (numerical integration with scipy, no accountant).
+
+    At q = 1 a run releases, over K rounds, N(0, v0 I_{Kd}) against N(mu, v1 I_{Kd}) with ||mu||^2 = K C^2.
+    Every placement after the fix has v0 = v1 = (zC)^2, and the reported epsilon is that pair's exact one (PLD:
+    a slightly pessimistic discretization). The old `client` placement (legacy-client) has v0 != v1, and
+    the true epsilon is far above what it reported: 9.4 against 5.0 for the old default run.
+    """
+    from dpfedavg.audit import exact_epsilon_gaussian_pair
+
+    c = 50.0
+    z = calibrate_noise_multiplier(epsilon, delta, 1.0, rounds, "pld")
+    reported = epsilon_for(z, 1.0, rounds, delta, "pld")
+    assert reported <= epsilon
+    for placement in ("client-calibrated", "server", "client", "legacy-client"):
+        v0, v1 = _pair_variances(placement, z, c, n)
+        true = exact_epsilon_gaussian_pair(mean_norm=c * math.sqrt(rounds), var0=v0, var1=v1, dim=dim * rounds,
+                                           delta=delta)  # fmt: skip
+        if placement == "legacy-client":
+            assert true > 1.5 * reported, (placement, true, reported)  # what the old code claimed was wrong
+        else:
+            assert v0 == pytest.approx((z * c) ** 2, rel=1e-12) and v1 == pytest.approx(v0, rel=1e-12)
+            assert reported >= true * (1 - 1e-4), (placement, true, reported)  # never optimistic
+            assert reported <= true * 1.01, (placement, true, reported)  # and tight

@@ -98,7 +98,7 @@ def privacy_report(
 ) -> dict[str, Any]:
     """Calibrate z for (epsilon, delta) and compare accountants and the paper's formula."""
     from dpfedavg.config import ConfigError, RunConfig
-    from dpfedavg.strategies.accounting import calibrate_noise_multiplier, epsilon_for, paper_sigma
+    from dpfedavg.privacy.accounting import calibrate_noise_multiplier, epsilon_for, paper_sigma
 
     try:
         cfg = RunConfig.from_run_config(
@@ -297,7 +297,7 @@ def _cmd_privacy(args: argparse.Namespace) -> None:
 
 def _cmd_audit(args: argparse.Namespace) -> None:
     from dpfedavg.audit import AUDIT_PLACEMENTS, AuditSetting, plot_roc, run_audit
-    from dpfedavg.strategies.accounting import calibrate_noise_multiplier
+    from dpfedavg.privacy.accounting import calibrate_noise_multiplier
 
     allowed = ", ".join(AUDIT_PLACEMENTS)
     _fail_unless(args.placement in AUDIT_PLACEMENTS, f"--placement {args.placement!r}: expected one of {allowed}")

@@ -14,8 +14,8 @@ import argparse
 import time
 from unittest import mock
 
-from dpfedavg.strategies import accounting
-from dpfedavg.strategies.accounting import RoundAccountant, RoundEvent, calibrate_noise_multiplier
+from dpfedavg.privacy import accounting
+from dpfedavg.privacy.accounting import RoundAccountant, RoundEvent, calibrate_noise_multiplier
 
 SETTINGS = [
     ("quadratic default (q=1, z=13.87, delta=1e-6)", 1.0, 13.867, 1e-6),

@@ -1,6 +1,6 @@
 """An empirical privacy auditor: a lower bound on epsilon from running the mechanism on neighbours.
 
-The accountant (:mod:`dpfedavg.strategies.accounting`) gives an *upper* bound
+The accountant (:mod:`dpfedavg.privacy.accounting`) gives an *upper* bound
 on epsilon, and it is only as right as the model of the mechanism it
 composes. This module checks that model from the other side, the way
 Jagielski, Ullman and Oprea (2020) and Nasr et al. (2021) audit DP training:
@@ -373,7 +373,7 @@ def reported_epsilon(setting: AuditSetting) -> float:
     clients of the larger federation sampled and included (``z`` for every placement with the top-up; for
     ``legacy-client`` at ``q = 1``, ``z sqrt(n / r) = z``).
     """
-    from dpfedavg.strategies.accounting import epsilon_for
+    from dpfedavg.privacy.accounting import epsilon_for
 
     n, r = setting.num_clients, setting.clients_per_round
     z_acc = setting.mechanism.accounted_noise_multiplier(setting.noise_multiplier, r, n, n)

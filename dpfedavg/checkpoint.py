@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from dpfedavg.config import ConfigError, RunConfig
-from dpfedavg.strategies.accounting import PrivacyPlan, RoundEvent
+from dpfedavg.privacy.accounting import PrivacyPlan, RoundEvent
 
 __all__ = [
     "CHECKPOINT_FILE",

@@ -10,10 +10,11 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.privacy import PrivacyPlan, plan_privacy
 from dpfedavg.protocol import from_array_record, to_array_record
 from dpfedavg.runtime import setup_app_process
 from dpfedavg.session import RunSession
-from dpfedavg.strategies import DPFedAvg, FederationError, PrivacyPlan, plan_privacy
+from dpfedavg.strategies import DPFedAvg, FederationError
 from dpfedavg.tasks import build_task
 from dpfedavg.tasks.datasets import DataUnavailableError
 

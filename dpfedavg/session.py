@@ -31,9 +31,9 @@ from dpfedavg.core import server_noise_std
 from dpfedavg.core.mechanism import get_placement
 from dpfedavg.core.secagg import ddg_tau, quantization_error_bound
 from dpfedavg.core.types import Vector
+from dpfedavg.privacy.accounting import PrivacyPlan
 from dpfedavg.results import RunRecorder, package_versions
-from dpfedavg.strategies.accounting import PrivacyPlan
-from dpfedavg.strategies.server_loop import DPServer, RoundStats
+from dpfedavg.server.dp_server import DPServer, RoundStats
 from dpfedavg.tasks import Task
 
 __all__ = ["RunSession", "describe_privacy", "guarantee", "released_metric_names", "run_directory"]

@@ -24,7 +24,7 @@ from dpfedavg.audit import (
 )
 from dpfedavg.core.mechanism import ADD_REMOVE, get_placement, released_sum
 from dpfedavg.core.server import poisson_sample
-from dpfedavg.strategies.accounting import calibrate_noise_multiplier, epsilon_for
+from dpfedavg.privacy.accounting import calibrate_noise_multiplier, epsilon_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIP = 50.0

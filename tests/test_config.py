@@ -37,7 +37,7 @@ def test_every_pyproject_key_has_a_comment_naming_its_meaning() -> None:
 
 def test_default_run_is_calibrated_to_epsilon_5_delta_1e6() -> None:
     """The default run: z calibrated by PLD for (5, 1e-6) over K = 200 rounds at q = 1."""
-    from dpfedavg.strategies.accounting import epsilon_for, plan_privacy
+    from dpfedavg.privacy.accounting import epsilon_for, plan_privacy
 
     cfg = RunConfig()
     plan = plan_privacy(cfg)

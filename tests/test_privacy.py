@@ -17,8 +17,7 @@ from dpfedavg import server_app
 from dpfedavg.client_app import app as client_app
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED
-from dpfedavg.strategies import DPFedAvg
-from dpfedavg.strategies.accounting import (
+from dpfedavg.privacy.accounting import (
     RoundAccountant,
     RoundEvent,
     calibrate_noise_multiplier,
@@ -26,7 +25,8 @@ from dpfedavg.strategies.accounting import (
     plan_privacy,
     realized_noise_multiplier,
 )
-from dpfedavg.strategies.server_loop import DPServer
+from dpfedavg.server.dp_server import DPServer
+from dpfedavg.strategies import DPFedAvg
 from dpfedavg.testing import InProcessGrid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -481,3 +481,8 @@ def test_reported_epsilon_is_the_true_privacy_loss_of_each_placement(n, dim, rou
             assert v0 == pytest.approx((z * c) ** 2, rel=1e-12) and v1 == pytest.approx(v0, rel=1e-12)
             assert reported >= true * (1 - 1e-4), (placement, true, reported)  # never optimistic
             assert reported <= true * 1.01, (placement, true, reported)  # and tight
+
+
+def test_the_server_core_and_the_batched_engine_import_no_flower() -> None:
+    code = "import sys, dpfedavg.engines.batched, dpfedavg.server, dpfedavg.privacy; assert 'flwr' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

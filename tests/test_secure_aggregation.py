@@ -24,8 +24,9 @@ from dpfedavg.core.secagg import (
     quantization_error_bound,
 )
 from dpfedavg.engines.batched import run_batched
-from dpfedavg.strategies import DPFedAvg, plan_privacy
-from dpfedavg.strategies.accounting import epsilon_for
+from dpfedavg.privacy import plan_privacy
+from dpfedavg.privacy.accounting import epsilon_for
+from dpfedavg.strategies import DPFedAvg
 from dpfedavg.strategies.secure_aggregation import workflow_for
 from dpfedavg.tasks import build_task
 from dpfedavg.testing import InProcessGrid
@@ -247,7 +248,7 @@ def test_the_server_never_receives_an_individual_unmasked_update(tmp_path, monke
     cfg = _cfg(**{"num-rounds": 2, "dim": 16})
     # the per-client aggregation path must not be used at all
     monkeypatch.setattr(
-        "dpfedavg.strategies.server_loop.DPServer.finish_round",
+        "dpfedavg.server.dp_server.DPServer.finish_round",
         lambda *a, **k: pytest.fail("finish_round (per-client updates) called under secure aggregation"),
     )
     out, grid = _run_flower(cfg, tmp_path, "spy", grid_cls=SpyGrid)

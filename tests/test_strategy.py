@@ -14,6 +14,7 @@ from dpfedavg import server_app
 from dpfedavg.client_app import app as client_app
 from dpfedavg.config import RunConfig
 from dpfedavg.core import Stream, make_rng, poisson_sample, round_noise_seed
+from dpfedavg.privacy import plan_privacy
 from dpfedavg.protocol import (
     ARRAYS,
     CONFIG,
@@ -23,7 +24,7 @@ from dpfedavg.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.strategies import DPFedAvg, FederationError, plan_privacy
+from dpfedavg.strategies import DPFedAvg, FederationError
 from dpfedavg.testing import InProcessGrid
 
 DIM = 6

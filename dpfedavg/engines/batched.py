@@ -3,7 +3,7 @@
 The same core functions as the Flower ClientApp (``client_update``,
 ``bound_sensitivity``, ``add_noise`` with the per-client generator
 ``noise_rng(noise_seed, client_id)``) applied to a ``(B, dim)`` block of
-clients at a time, and the same server (:class:`~dpfedavg.strategies.server_loop.DPServer`):
+clients at a time, and the same server (:class:`~dpfedavg.server.dp_server.DPServer`):
 one seed gives the Flower engine's trajectory, noise on or off, without
 Flower's per-message cost. Blocks of clients bound the memory. A task may
 offer an exact closed form of ``client_update`` for a block of clients
@@ -24,9 +24,9 @@ import numpy as np
 from dpfedavg.config import RunConfig
 from dpfedavg.core import add_noise, bound_sensitivity, client_update, noise_rng, round_grid
 from dpfedavg.core.types import ClientResult, GradFn, RoundInstructions, Vector
+from dpfedavg.privacy.accounting import PrivacyPlan, plan_privacy
+from dpfedavg.server.dp_server import DPServer, PrivacyBudgetExhausted
 from dpfedavg.session import RunSession
-from dpfedavg.strategies.accounting import PrivacyPlan, plan_privacy
-from dpfedavg.strategies.server_loop import DPServer, PrivacyBudgetExhausted
 from dpfedavg.tasks import Task, build_task
 
 __all__ = ["run_batched", "client_results"]

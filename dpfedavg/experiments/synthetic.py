@@ -271,7 +271,7 @@ def run_synthetic(
     progress: bool = True,
 ) -> dict[str, Path]:
     """Run (or resume) the grid, then write the CSV, the figures and the summary."""
-    from dpfedavg.strategies.accounting import plan_privacy
+    from dpfedavg.privacy.accounting import plan_privacy
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

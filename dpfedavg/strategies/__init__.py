@@ -1,15 +1,9 @@
-"""Server strategies: DP-FedAvg / DP-NormFedAvg with Poisson sampling and fixed denominator, and accounting."""
+"""The Flower strategy: DP-FedAvg / DP-NormFedAvg on Flower's Message API, and its SecAgg+ glue.
 
-from dpfedavg.strategies.accounting import PrivacyPlan, RoundAccountant, RoundEvent, plan_privacy
-from dpfedavg.strategies.dp_fedavg import DPFedAvg, FederationError, PrivacyBudgetExhausted, RoundStats
+Everything here imports Flower; the server math it drives is :class:`dpfedavg.server.DPServer`
+and the accounting :mod:`dpfedavg.privacy`.
+"""
 
-__all__ = [
-    "DPFedAvg",
-    "FederationError",
-    "PrivacyBudgetExhausted",
-    "PrivacyPlan",
-    "RoundAccountant",
-    "RoundEvent",
-    "RoundStats",
-    "plan_privacy",
-]
+from dpfedavg.strategies.dp_fedavg import DPFedAvg, FederationError
+
+__all__ = ["DPFedAvg", "FederationError"]

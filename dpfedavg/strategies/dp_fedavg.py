@@ -12,7 +12,7 @@ that are wrong for user-level DP:
   cohort size ``r``.
 
 The server math (sampling, aggregation, momentum, schedules, accounting, the
-random iterate) lives in :class:`~dpfedavg.strategies.server_loop.DPServer`,
+random iterate) lives in :class:`~dpfedavg.server.dp_server.DPServer`,
 shared with the batched engine; this class adds what is Flower's: finding
 the clients among the SuperNodes, building messages and checking replies.
 """
@@ -31,6 +31,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core.types import Vector
+from dpfedavg.privacy.accounting import PrivacyPlan
 from dpfedavg.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -42,11 +43,10 @@ from dpfedavg.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.strategies.accounting import PrivacyPlan
+from dpfedavg.server.dp_server import ClientResult, DPServer, PrivacyBudgetExhausted, RoundStats
 from dpfedavg.strategies.secure_aggregation import SecureSum, secure_sum, workflow_for
-from dpfedavg.strategies.server_loop import ClientResult, DPServer, PrivacyBudgetExhausted, RoundStats
 
-__all__ = ["DPFedAvg", "FederationError", "PrivacyBudgetExhausted", "RoundStats"]
+__all__ = ["DPFedAvg", "FederationError"]
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from dpfedavg.core import (
 )
 from dpfedavg.core.mechanism import get_placement
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
-from dpfedavg.strategies.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
+from dpfedavg.privacy.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
 
 __all__ = ["ClientResult", "DPServer", "PrivacyBudgetExhausted", "RoundInstructions", "RoundStats"]
 

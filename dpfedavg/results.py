@@ -107,6 +107,44 @@ class RunRecorder:
         with self.metrics_path.open("a", newline="") as fh:
             csv.writer(fh).writerow([_fmt(row.get(col, float("nan"))) for col in self.columns])
 
+    def write_plot(self, headline: str, title: str = "") -> Path | None:
+        """``metrics.png``: the headline metric and epsilon over the rounds, from ``metrics.csv``.
+
+        People look at a curve before a CSV. Needs matplotlib (the ``sim`` extra; imported lazily): without
+        it nothing is written and ``None`` is returned. A run that does not compute the headline metric
+        (``secure-noise`` withholds training-data metrics) plots epsilon alone.
+        """
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            logger.debug("matplotlib is not installed: no metrics.png")
+            return None
+        with self.metrics_path.open(newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        pts = [(int(r["round"]), float(r[headline])) for r in rows if r.get(headline, "") not in ("", None)]
+        eps = [(int(r["round"]), float(r["epsilon"])) for r in rows if r.get("epsilon", "") not in ("", "inf")]
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), constrained_layout=True)
+        if pts:
+            ax.plot(*zip(*pts, strict=True), color="tab:blue", marker="." if len(pts) < 40 else None)
+            values = [v for _, v in pts]
+            if min(values) > 0 and max(values) / min(values) > 10:  # e.g. a suboptimality over decades
+                ax.set_yscale("log")
+        ax.set_xlabel("round k")
+        ax.set_ylabel(headline if headline in self.columns else f"{headline} (not computed)", color="tab:blue")
+        if eps:
+            twin = ax.twinx()
+            twin.plot(*zip(*eps, strict=True), color="tab:red", linestyle="--", marker="o" if len(eps) < 40 else None)
+            twin.set_ylabel("epsilon spent", color="tab:red")
+            twin.set_ylim(bottom=0)
+        ax.set_title(title, fontsize=9)
+        path = self.directory / "metrics.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     def write_model(self, **arrays: np.ndarray | int | float) -> None:
         buf = io.BytesIO()
         np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})

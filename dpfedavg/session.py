@@ -378,6 +378,11 @@ class RunSession:
             "finished_utc": datetime.now(UTC).isoformat(),
         }
         self.recorder.write_config(self.description)
+        try:
+            title = f"{self.cfg.task}, {self.cfg.algorithm}, C = {self.cfg.clip:g}, {self.cfg.noise_placement} noise"
+            self.recorder.write_plot(self.task.headline_metric, title)
+        except Exception as err:  # noqa: BLE001 - a plot must never fail a finished run
+            logger.warning("metrics.png not written (%s: %s)", type(err).__name__, err)
         if f"last5_{self.task.headline_metric}" in summary:
             headline = self.task.headline_metric
             value = summary[f"last5_{headline}"]

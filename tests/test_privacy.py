@@ -402,6 +402,7 @@ def test_the_guarantee_is_labelled_and_secure_mode_withholds_training_data_metri
     described = json.loads((out / "config.json").read_text())
     assert described["privacy"]["guarantee"]["level"] == level
     assert described["final"]["guarantee"] == level
+    assert (out / "metrics.png").stat().st_size > 1000  # the headline metric and epsilon over the rounds
     header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
     rows = list(csv.DictReader((out / "metrics.csv").open()))[1:]
     if level == "seeded":

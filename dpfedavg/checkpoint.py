@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,6 @@ class Checkpoint:
     evaluated: dict[int, dict[str, float]]
     elapsed_s: float = 0.0
     trajectory: np.ndarray | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def accountant_events(self) -> list[RoundEvent]:
         return [RoundEvent(q, z) for q, z in self.accountant_history]
@@ -165,7 +164,6 @@ def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
         "history": ckpt.history,
         "evaluated": ckpt.evaluated,
         "elapsed_s": ckpt.elapsed_s,
-        "extra": ckpt.extra,
     }
     arrays: dict[str, np.ndarray] = {
         "meta": np.array(json.dumps(_encode(meta), default=_json_default)),
@@ -228,7 +226,6 @@ def load_checkpoint(directory: Path) -> Checkpoint:
         evaluated={int(k): v for k, v in meta["evaluated"].items()},
         elapsed_s=float(meta["elapsed_s"]),
         trajectory=trajectory,
-        extra=meta.get("extra", {}),
     )
 
 
@@ -261,8 +258,3 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: i
             "cannot resume from the checkpoint: " + "; ".join(problems) + ". Resume with the interrupted run's "
             "settings, or start a new run (a new run spends a new privacy budget on the same clients)"
         )
-
-
-def stats_to_dict(stats: Any) -> dict[str, Any]:
-    """A RoundStats as a plain dict (for the checkpoint)."""
-    return asdict(stats)

@@ -146,7 +146,7 @@ def train(msg: Message, context: Context) -> Message:
     result = follow_instructions(w, _grad_fn(cfg, client_id), ins, client_id)
     metrics: dict[str, int | float] = {"num-examples": 1, "partition-id": client_id}
     if not secure:  # un-noised statistics of this client's data: seeded research mode only
-        metrics.update({"update-norm": result.update_norm, "clipped": int(result.update_norm > ins.clip)})
+        metrics["update-norm"] = result.update_norm
     content = RecordDict({ARRAYS: to_array_record(result.noisy, UPDATE_KEY), METRICS: MetricRecord(metrics)})
     if ins.diagnostics:
         content[DIAGNOSTICS] = to_array_record(result.clean, CLEAN_UPDATE_KEY)

@@ -9,11 +9,11 @@ import pytest
 
 from dpfedavg.core import (
     Stream,
-    aggregate_fixed_denominator,
     bound_sensitivity,
     client_noise_std,
     client_update,
     clip,
+    fixed_denominator_mean,
     gaussian_noise,
     keep_random_iterate,
     local_lr_at,
@@ -207,9 +207,9 @@ def test_poisson_can_sample_nobody_and_everybody() -> None:
 # ---------------------------------------------------------------- aggregation
 def test_aggregation_divides_by_fixed_r_not_by_count() -> None:
     updates = [np.full(3, 1.0), np.full(3, 2.0), np.full(3, 6.0)]
-    a = aggregate_fixed_denominator(updates, clients_per_round=10.0, dim=3)
+    a = fixed_denominator_mean(sum(updates), clients_per_round=10.0)
     np.testing.assert_allclose(a, np.full(3, 0.9))  # 9/10, not 9/3
-    np.testing.assert_array_equal(aggregate_fixed_denominator([], 10.0, 3), np.zeros(3))
+    np.testing.assert_array_equal(fixed_denominator_mean(np.zeros(3), 10.0), np.zeros(3))
 
 
 def test_momentum_recursion() -> None:

@@ -10,7 +10,6 @@ from dpfedavg.core.dp import (
     clip,
     gaussian_noise,
     normalize,
-    placement_noise_stds,
     server_noise_std,
 )
 from dpfedavg.core.local import (
@@ -26,7 +25,7 @@ from dpfedavg.core.local import (
 from dpfedavg.core.secagg import SecAggGrid
 from dpfedavg.core.seeding import SECURE_NOISE_SEED, Stream, make_rng, noise_rng, round_noise_seed, secure_rng
 from dpfedavg.core.server import (
-    aggregate_fixed_denominator,
+    fixed_denominator_mean,
     keep_random_iterate,
     local_lr_at,
     momentum_step,
@@ -46,7 +45,7 @@ __all__ = [
     "Stream",
     "Vector",
     "add_noise",
-    "aggregate_fixed_denominator",
+    "fixed_denominator_mean",
     "bound_sensitivity",
     "client_noise_std",
     "client_update",
@@ -54,7 +53,6 @@ __all__ = [
     "follow_instructions",
     "gaussian_noise",
     "keep_random_iterate",
-    "placement_noise_stds",
     "local_lr_at",
     "local_steps",
     "make_rng",

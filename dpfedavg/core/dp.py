@@ -97,23 +97,3 @@ def client_noise_std(noise_multiplier: float, c: float, clients_per_round: float
     ``r`` of them carries ``N(0, (zC)^2 I)`` and their average ``N(0, sigma^2 I)``.
     """
     return noise_multiplier * c / float(np.sqrt(clients_per_round))
-
-
-def placement_noise_stds(
-    placement: str, noise_multiplier: float, c: float, clients_per_round: float, num_sampled: int
-) -> tuple[float, float]:
-    """``(per-client std, server std on the sum)`` for a noise placement; the sum should carry ``z C``.
-
-    * ``client`` (Alg. 1 line 10): each client ``z C / sqrt(r)``; the sum of
-      ``m`` replies carries ``z C sqrt(m / r)``.
-    * ``client-calibrated``: each of the ``|S_k|`` sampled clients
-      ``z C / sqrt(|S_k|)``; the sum of all of them carries exactly ``z C``.
-    * ``server``: clients send clean ``g``; the server adds ``z C`` once.
-    """
-    if placement == "client":
-        return client_noise_std(noise_multiplier, c, clients_per_round), 0.0
-    if placement == "client-calibrated":
-        return (noise_multiplier * c / float(np.sqrt(num_sampled)) if num_sampled else 0.0), 0.0
-    if placement == "server":
-        return 0.0, noise_multiplier * c
-    raise ValueError(f"unknown noise placement {placement!r}; allowed: 'client', 'client-calibrated', 'server'")

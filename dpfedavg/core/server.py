@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import numpy as np
 
 from dpfedavg.core.types import Vector
 
 __all__ = [
     "poisson_sample",
-    "aggregate_fixed_denominator",
+    "fixed_denominator_mean",
     "momentum_step",
     "local_lr_at",
     "server_lr_at",
@@ -29,18 +27,17 @@ def poisson_sample(num_clients: int, q: float, rng: np.random.Generator) -> np.n
     return np.flatnonzero(rng.random(num_clients) < q)
 
 
-def aggregate_fixed_denominator(updates: Iterable[Vector], clients_per_round: float, dim: int) -> Vector:
-    """``a_k = (1/r) * sum_{i in S_k} (g_i + zeta_i)`` (Alg. 1 line 12).
+def fixed_denominator_mean(total: Vector, clients_per_round: float) -> Vector:
+    """``a_k = (1/r) * (sum_{i in S_k} (g_i + zeta_i) [+ the server's noise])`` (Alg. 1 line 12).
 
     The denominator is the *expected* cohort size ``r``, not the number of
     replies: dividing by ``|S_k|`` would make a client's influence depend on the
     others' participation and break the sensitivity bound ``C/r``. An empty
-    cohort gives ``a_k = 0``.
+    sum (all zeros) gives ``a_k = 0``.
     """
-    total = np.zeros(dim, dtype=np.float64)
-    for update in updates:
-        total += update
-    return total / clients_per_round
+    if not clients_per_round > 0:
+        raise ValueError(f"clients-per-round r must be > 0, got {clients_per_round!r}")
+    return np.asarray(total, dtype=np.float64) / clients_per_round
 
 
 def momentum_step(w: Vector, momentum: Vector, a: Vector, server_lr: float, mu: float) -> tuple[Vector, Vector]:

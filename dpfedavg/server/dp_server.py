@@ -32,6 +32,7 @@ from dpfedavg.core import (
     SECURE_NOISE_SEED,
     SecAggGrid,
     Stream,
+    fixed_denominator_mean,
     gaussian_noise,
     keep_random_iterate,
     local_lr_at,
@@ -434,7 +435,7 @@ class DPServer:
         server_std = self.noise_stds_for(stats.num_sampled, num_received)[1]
         if server_std > 0:
             total += gaussian_noise(self.dim, server_std, self._rng(Stream.SERVER_NOISE, server_round - 1))
-        a = total / r
+        a = fixed_denominator_mean(total, r)
         w_new, self.momentum = momentum_step(self._w, self.momentum, a, stats.beta, self.cfg.server_momentum)
         if norms and not self.cfg.secure_noise:  # un-noised statistics of client data: seeded research mode only
             norms_arr = np.asarray(norms)

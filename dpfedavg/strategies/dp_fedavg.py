@@ -93,10 +93,6 @@ class DPFedAvg(FedAvg):
         self.node_of_client: dict[int, int] = {}
         #: Flower node id -> client id.
         self.client_of_node: dict[int, int] = {}
-        #: Server-side evaluation results by round (filled when ``start`` gets an ``evaluate_fn``).
-        self.evaluations: dict[int, MetricRecord] = {}
-        #: The latest global model (``w_k`` after the last aggregated round).
-        self.global_arrays: ArrayRecord | None = None
         #: The round before which the privacy budget stopped the run, if it did.
         self.stopped_before_round: int | None = None
         self._sampled: dict[int, int] = {}  # node id -> client id, this round
@@ -322,7 +318,7 @@ class DPFedAvg(FedAvg):
         timeout = self.cfg.round_timeout if timeout is None else timeout
         train_config = ConfigRecord() if train_config is None else train_config
         result = Result(arrays=initial_arrays)
-        arrays = self.global_arrays = initial_arrays
+        arrays = initial_arrays
         for server_round in range(first_round, self.cfg.num_rounds + 1):
             clock = time.perf_counter()
             try:
@@ -351,7 +347,6 @@ class DPFedAvg(FedAvg):
             if evaluate_fn is not None:
                 record = evaluate_fn(server_round, arrays)
                 if record is not None:
-                    self.evaluations[server_round] = record
                     result.evaluate_metrics_serverapp[server_round] = record
             self.timings[server_round] = {
                 "configure_s": t_configure - clock,
@@ -436,8 +431,7 @@ class DPFedAvg(FedAvg):
             if unknown:
                 raise RuntimeError(f"SecAgg+ summed nodes that were not sampled: {unknown[:5]}")
             w_new = self.server.finish_round_sum(server_round, outcome.total, len(outcome.contributors))
-        self.global_arrays = to_array_record(w_new)
-        return self.global_arrays, MetricRecord(self.history[server_round].as_metrics())
+        return to_array_record(w_new), MetricRecord(self.history[server_round].as_metrics())
 
     def _learn_new_nodes(self, grid: Grid, node_ids: list[int]) -> None:
         """Map SuperNodes that connected after discovery (e.g. a client that restarted with a new node id)."""
@@ -536,5 +530,4 @@ class DPFedAvg(FedAvg):
         w_new = self.server.finish_round(server_round, parsed, num_failed=len(failed), num_rejected=len(reasons))
         stats = self.history[server_round]
         stats.rejected_reasons.extend(reasons)
-        self.global_arrays = to_array_record(w_new)
-        return self.global_arrays, MetricRecord(stats.as_metrics())
+        return to_array_record(w_new), MetricRecord(stats.as_metrics())

@@ -54,10 +54,6 @@ class SecureSum:
     contributors: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
-    @property
-    def completed(self) -> bool:
-        return self.total is not None
-
 
 class _Node:
     """The one attribute of a legacy ``ClientProxy`` the workflow reads."""

@@ -5,7 +5,7 @@ client gets 5 shards chosen uniformly at random without replacement, so at
 most 5 classes. flwr-datasets' :class:`~flwr_datasets.partitioner.ShardPartitioner`
 with ``num_shards_per_partition=5`` does exactly this (a stable sort by label,
 shards of ``floor(N / 5n)`` consecutive examples, a seeded permutation of the
-shards); ``tests/test_partition.py`` checks it against a plain numpy version
+shards); ``tests/test_data.py`` (``test_shard_split_matches_the_paper``) checks it against a plain numpy version
 of the paper's procedure, index for index.
 
 When ``N`` is not a multiple of ``5n`` the shard size is ``floor(N / 5n)`` and

@@ -15,7 +15,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import SECURE_NOISE_SEED, GradFn, follow_instructions
+from dpfedavg.core import SECURE_NOISE_SEED, GradFn, client_round_update
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.protocol import (
     ARRAYS,
@@ -127,7 +127,7 @@ def _secure_train(msg: Message, context: Context, cfg: RunConfig, client_id: int
     )
     if ins.secagg_step <= 0:
         raise ValueError("a secure-aggregation round without a quantization grid (secagg-step)")
-    result = follow_instructions(w, _grad_fn(cfg, client_id), ins, client_id)
+    result = client_round_update(w, _grad_fn(cfg, client_id), ins, client_id)
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([result.noisy]), num_examples=1, metrics={})
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
@@ -143,7 +143,7 @@ def train(msg: Message, context: Context) -> Message:
     secure = secure_noise_required(context, cfg)
     ins = enforce_secure_noise(instructions_from_config_record(msg.content[CONFIG]), secure)
     w = from_array_record(msg.content[ARRAYS])
-    result = follow_instructions(w, _grad_fn(cfg, client_id), ins, client_id)
+    result = client_round_update(w, _grad_fn(cfg, client_id), ins, client_id)
     metrics: dict[str, int | float] = {"num-examples": 1, "partition-id": client_id}
     if not secure:  # un-noised statistics of this client's data: seeded research mode only
         metrics["update-norm"] = result.update_norm

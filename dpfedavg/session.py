@@ -317,14 +317,14 @@ class RunSession:
         logger.debug("checkpoint written after round %d", server_round)
         return True
 
-    def due(self, server_round: int) -> bool:
+    def evaluates_after(self, server_round: int) -> bool:
         """Whether the server evaluates after ``server_round`` (round 0 = the initial model)."""
         k, total = server_round, self.cfg.num_rounds
         return k == 0 or k % self.cfg.eval_every == 0 or k > total - 5
 
     def record_round(self, server_round: int, w: Vector | None) -> dict[str, float]:
         """Evaluate ``w`` if due, write the round's row and log its line; returns the task metrics."""
-        metrics = self.task.evaluate(w) if (w is not None and self.due(server_round)) else {}
+        metrics = self.task.evaluate(w) if (w is not None and self.evaluates_after(server_round)) else {}
         metrics = {k: v for k, v in metrics.items() if k in self.metric_names}
         if self.cfg.save_trajectory and w is not None:
             self.trajectory.append(np.asarray(w, dtype=np.float32))

@@ -15,7 +15,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from dpfedavg import server_app
 from dpfedavg.client_app import app as client_app
 from dpfedavg.config import ConfigError, RunConfig
-from dpfedavg.core import SecAggGrid, Stream, follow_instructions, gaussian_noise, make_rng, normalize
+from dpfedavg.core import SecAggGrid, Stream, client_round_update, gaussian_noise, make_rng, normalize
 from dpfedavg.core.secagg import (
     conditional_round,
     ddg_tau,
@@ -172,7 +172,7 @@ def _survivors_model(cfg: RunConfig, in_sum: set[int], beta: float) -> np.ndarra
     w0 = task.initial_weights()
     clients, ins = strategy.server.begin_round(1, w0)
     total = sum(
-        (follow_instructions(w0, task.client_grad_fn(c), ins, c).noisy for c in sorted(in_sum)), np.zeros(task.dim)
+        (client_round_update(w0, task.client_grad_fn(c), ins, c).noisy for c in sorted(in_sum)), np.zeros(task.dim)
     )
     top_up = strategy.server.noise_stds_for(len(clients), len(in_sum))[1]
     if top_up > 0:
@@ -261,7 +261,7 @@ def test_the_server_never_receives_an_individual_unmasked_update(tmp_path, monke
     grid_r1 = strategy.server.secagg_grid(len(clients))
     secrets = []
     for cid in clients:
-        y = follow_instructions(w0, task.client_grad_fn(int(cid)), ins, int(cid)).noisy
+        y = client_round_update(w0, task.client_grad_fn(int(cid)), ins, int(cid)).noisy
         secrets += [y, (y + grid_r1.clipping_range) / grid_r1.step]  # the update and its quantized integers
     assert len(clients) >= 2
     seen = [a for msg in grid.received for a in _arrays_in(msg)]

@@ -17,10 +17,11 @@ from dpfedavg.core.local import (
     LocalTrainingDiverged,
     add_noise,
     client_update,
-    follow_instructions,
+    client_round_update,
     local_steps,
+    private_block_update,
     private_client_update,
-    round_grid,
+    instructions_grid,
 )
 from dpfedavg.core.secagg import SecAggGrid
 from dpfedavg.core.seeding import SECURE_NOISE_SEED, Stream, make_rng, noise_rng, round_noise_seed, secure_rng
@@ -50,7 +51,7 @@ __all__ = [
     "client_noise_std",
     "client_update",
     "clip",
-    "follow_instructions",
+    "client_round_update",
     "gaussian_noise",
     "keep_random_iterate",
     "local_lr_at",
@@ -60,8 +61,9 @@ __all__ = [
     "noise_rng",
     "normalize",
     "poisson_sample",
+    "private_block_update",
     "private_client_update",
-    "round_grid",
+    "instructions_grid",
     "round_noise_seed",
     "secure_rng",
     "server_lr_at",

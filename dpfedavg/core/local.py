@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,9 +19,10 @@ __all__ = [
     "client_update",
     "ClientUpdate",
     "private_client_update",
+    "private_block_update",
     "add_noise",
-    "follow_instructions",
-    "round_grid",
+    "client_round_update",
+    "instructions_grid",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,14 +93,48 @@ def private_client_update(
     discrete Gaussian on it (:func:`dpfedavg.core.secagg.encode`).
     """
     u = client_update(w, grad_fn, lr, num_steps)
-    if not np.all(np.isfinite(u)):
+    (update,) = private_block_update(
+        u[None, :], algorithm=algorithm, clip=clip, noise_std=noise_std, rngs=[rng], secagg_grid=secagg_grid
+    )
+    if update is None:
         raise LocalTrainingDiverged(
             f"local training diverged: the update has NaN/Inf after {num_steps} steps at eta_k={lr:g} "
             "(a smaller local-lr usually fixes it); nothing is sent"
         )
+    return update
+
+
+def private_block_update(
+    u: np.ndarray,
+    *,
+    algorithm: Algorithm,
+    clip: float,
+    noise_std: float,
+    rngs: Sequence[np.random.Generator],
+    secagg_grid: SecAggGrid | None = None,
+) -> list[ClientUpdate | None]:
+    """Alg. 1 / Alg. 2 lines 9-10 for a block of clients: the one client pipeline of every engine.
+
+    ``u`` holds one client update per row (``(B, dim)``); row ``b`` is bounded to ``g``
+    (:func:`~dpfedavg.core.dp.bound_sensitivity`, row-wise) and noised from ``rngs[b]``
+    (:func:`add_noise`). A row with NaN/Inf (local training diverged) gives ``None``: that client
+    sends nothing. The ClientApp calls it with a block of one (:func:`private_client_update`), the
+    batched engine with a block of sampled clients.
+    """
+    u = np.atleast_2d(u)
+    if len(rngs) != u.shape[0]:
+        raise ValueError(f"one generator per client: {u.shape[0]} rows, {len(rngs)} generators")
+    norms = np.linalg.norm(u, axis=1)
+    finite = np.all(np.isfinite(u), axis=1)
     g = bound_sensitivity(u, algorithm, clip)
-    noisy = add_noise(g, clip, noise_std, rng, secagg_grid)
-    return ClientUpdate(noisy=noisy, clean=g, update_norm=float(np.linalg.norm(u)))
+    out: list[ClientUpdate | None] = []
+    for row, rng in enumerate(rngs):
+        if not finite[row]:
+            out.append(None)
+            continue
+        noisy = add_noise(g[row], clip, noise_std, rng, secagg_grid)
+        out.append(ClientUpdate(noisy=noisy, clean=g[row], update_norm=float(norms[row])))
+    return out
 
 
 def add_noise(
@@ -118,7 +154,7 @@ def add_noise(
     return noisy
 
 
-def round_grid(ins: RoundInstructions) -> SecAggGrid | None:
+def instructions_grid(ins: RoundInstructions) -> SecAggGrid | None:
     """The secure-aggregation grid the round's instructions carry (``None`` without secure aggregation).
 
     A client only needs the step and the range to encode; the modulus is the
@@ -130,7 +166,7 @@ def round_grid(ins: RoundInstructions) -> SecAggGrid | None:
     return SecAggGrid(step=ins.secagg_step, clipping_range=ins.secagg_range, levels=levels, modulus=0)
 
 
-def follow_instructions(w: Vector, grad_fn: GradFn, ins: RoundInstructions, client_id: int) -> ClientUpdate:
+def client_round_update(w: Vector, grad_fn: GradFn, ins: RoundInstructions, client_id: int) -> ClientUpdate:
     """:func:`private_client_update` with the round's instructions, noise from client ``client_id``'s stream."""
     return private_client_update(
         w,
@@ -141,5 +177,5 @@ def follow_instructions(w: Vector, grad_fn: GradFn, ins: RoundInstructions, clie
         clip=ins.clip,
         noise_std=ins.noise_std,
         rng=noise_rng(ins.noise_seed, client_id),
-        secagg_grid=round_grid(ins),
+        secagg_grid=instructions_grid(ins),
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import add_noise, bound_sensitivity, client_update, noise_rng, round_grid
+from dpfedavg.core import client_update, noise_rng, private_block_update, instructions_grid
 from dpfedavg.core.types import ClientResult, GradFn, RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan, plan_privacy
 from dpfedavg.server.dp_server import DPServer, PrivacyBudgetExhausted
@@ -55,19 +55,23 @@ def _block_results(
     else:
         w_block = np.repeat(w[None, :], len(ids), axis=0)
         u = client_update(w_block, _batch_grad(task, ids), ins.local_lr, ins.local_steps)
-    norms = np.linalg.norm(u, axis=1)
-    g = bound_sensitivity(u, ins.algorithm, ins.clip)  # type: ignore[arg-type]
-    finite = np.all(np.isfinite(u), axis=1)
-    secagg_grid = round_grid(ins)
+    # the ClientApp's pipeline, on the block (with secure aggregation: what each client hands to the protocol)
+    updates = private_block_update(
+        u,
+        algorithm=ins.algorithm,  # type: ignore[arg-type]
+        clip=ins.clip,
+        noise_std=ins.noise_std,
+        rngs=[noise_rng(ins.noise_seed, int(cid)) for cid in ids],
+        secagg_grid=instructions_grid(ins),
+    )
     results, failed = [], []
-    for row, client_id in enumerate(ids):
-        if not finite[row]:
+    for client_id, update in zip(ids, updates, strict=True):
+        if update is None:
             logger.warning("Round %d: client %d: local training diverged (NaN/Inf)", ins.server_round, client_id)
             failed.append(int(client_id))
             continue
-        # with secure aggregation: what the client hands to the protocol, which sums it exactly
-        noisy = add_noise(g[row], ins.clip, ins.noise_std, noise_rng(ins.noise_seed, int(client_id)), secagg_grid)
-        results.append(ClientResult(int(client_id), noisy, float(norms[row]), g[row] if ins.diagnostics else None))
+        clean = update.clean if ins.diagnostics else None
+        results.append(ClientResult(int(client_id), update.noisy, update.update_norm, clean))
     return results, failed
 
 

@@ -40,7 +40,7 @@ import numpy as np
 import psutil
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import follow_instructions
+from dpfedavg.core import client_round_update
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.tasks import Task
 
@@ -162,7 +162,7 @@ def loop_client_results(
         cid = int(client_id)
         if cid not in cache:
             cache[cid] = task.client_grad_fn(cid)  # built once per client, as the ClientApp does
-        upd = follow_instructions(w, cache[cid], ins, cid)  # what the ClientApp calls
+        upd = client_round_update(w, cache[cid], ins, cid)  # what the ClientApp calls
         yield ClientResult(cid, upd.noisy, upd.update_norm, upd.clean if ins.diagnostics else None)
 
 

@@ -16,12 +16,12 @@ from dpfedavg.core.local import (
     ClientUpdate,
     LocalTrainingDiverged,
     add_noise,
-    client_update,
     client_round_update,
+    client_update,
+    instructions_grid,
     local_steps,
     private_block_update,
     private_client_update,
-    instructions_grid,
 )
 from dpfedavg.core.secagg import SecAggGrid
 from dpfedavg.core.seeding import SECURE_NOISE_SEED, Stream, make_rng, noise_rng, round_noise_seed, secure_rng

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import client_update, noise_rng, private_block_update, instructions_grid
+from dpfedavg.core import client_update, instructions_grid, noise_rng, private_block_update
 from dpfedavg.core.types import ClientResult, GradFn, RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan, plan_privacy
 from dpfedavg.server.dp_server import DPServer, PrivacyBudgetExhausted

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM (e.g. an outer ``timeout``) unwinds like Ctrl-C, so fixtures stop the processes they started."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+signal.signal(signal.SIGTERM, _terminate)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,8 @@ from dpfedavg.config import RunConfig
 from dpfedavg.core import client_update, instructions_grid, noise_rng, private_block_update
 from dpfedavg.core.types import ClientResult, GradFn, RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan, plan_privacy
-from dpfedavg.server.dp_server import DPServer, PrivacyBudgetExhausted
+from dpfedavg.server.dp_server import DPServer
+from dpfedavg.server.loop import run_rounds
 from dpfedavg.session import RunSession
 from dpfedavg.tasks import Task, build_task
 
@@ -152,24 +153,29 @@ def run_batched(
     w, first_round = session.begin(w)
     if on_round is not None and first_round == 1:
         on_round(0, w)
-    stopped = None
-    rounds = range(first_round, cfg.num_rounds + 1)
-    for server_round in tqdm(rounds, desc=cfg.run_name or "rounds", disable=not progress):
-        try:
-            clients, instructions = server.begin_round(server_round, w)
-        except PrivacyBudgetExhausted as stop:
-            logger.warning("%s", stop)
-            stopped = server_round
-            break
-        if cfg.secure_aggregation and len(clients) < 2:  # as in SecAgg+: one client cannot hide in a sum
-            w = server.skip_round(server_round, f"secure aggregation needs at least 2 clients, {len(clients)} sampled")
-        else:
-            failed: list[int] = []
-            results = list(client_results_fn(task, clients, w, instructions, failed=failed, threads=threads))
-            w = server.finish_round(server_round, results, num_failed=len(failed))
+
+    def record(server_round: int, w_new: Vector) -> None:
         if server.accountant is not None and server_round == cfg.num_rounds:
             server.history[server_round].epsilon = server.epsilon  # computed once, at the end (it is costly)
-        session.end_round(server_round, w)
+        session.end_round(server_round, w_new)
         if on_round is not None:
-            on_round(server_round, w)
-    return session.finish(w, stopped_before_round=stopped)
+            on_round(server_round, w_new)
+
+    rounds = tqdm(range(first_round, cfg.num_rounds + 1), desc=cfg.run_name or "rounds", disable=not progress)
+    runner = InProcessRunner(task, client_results_fn, threads)
+    result = run_rounds(server, runner, w, rounds, on_round_end=record)
+    return session.finish(result.w, stopped_before_round=result.stopped_before_round)
+
+
+class InProcessRunner:
+    """The batched engine's :class:`~dpfedavg.server.loop.ClientRunner`: the sampled clients in this process."""
+
+    def __init__(self, task: Task, client_results_fn=client_results, threads: int = 1) -> None:
+        self.task, self.client_results_fn, self.threads = task, client_results_fn, threads
+
+    def run_round(
+        self, server: DPServer, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions
+    ) -> Vector:
+        failed: list[int] = []
+        results = list(self.client_results_fn(self.task, clients, w, ins, failed=failed, threads=self.threads))
+        return server.finish_round(server_round, results, num_failed=len(failed))

@@ -30,7 +30,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core.types import Vector
+from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan
 from dpfedavg.protocol import (
     ARRAYS,
@@ -43,7 +43,8 @@ from dpfedavg.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.server.dp_server import ClientResult, DPServer, PrivacyBudgetExhausted, RoundStats
+from dpfedavg.server.dp_server import ClientResult, DPServer, RoundStats
+from dpfedavg.server.loop import run_rounds
 from dpfedavg.strategies.secure_aggregation import SecureSum, secure_sum, workflow_for
 
 __all__ = ["DPFedAvg", "FederationError"]
@@ -287,24 +288,19 @@ class DPFedAvg(FedAvg):
         *,
         first_round: int = 1,
     ) -> Result:
-        """Discover the clients, then run rounds ``first_round .. K``.
+        """Discover the clients, then run rounds ``first_round .. K`` through :func:`dpfedavg.server.loop.run_rounds`.
 
-        The loop is Flower's ``Strategy.start`` (configure_train,
-        ``grid.send_and_receive`` with the round timeout, aggregate_train, the
-        server-side ``evaluate_fn``) without client-side evaluation, which this
-        strategy does not use, and without its per-round dump of every metric;
-        ``first_round > 1`` continues a resumed run, whose round 0 and earlier
-        rounds were evaluated before. ``evaluate_fn(k, w_k)`` is called after
-        every round (not for round 0: the caller records the initial model).
+        The loop every engine shares (budget stop, sampling, the secure-aggregation rule for fewer than
+        two clients), with :class:`FlowerRunner` reaching the clients: configure_train's messages,
+        ``grid.send_and_receive`` with the round timeout, aggregate_train; or Flower's SecAgg+ workflow
+        (:mod:`.secure_aggregation`), in which the server gets the sum of the sampled clients' updates,
+        never one of them. No client-side evaluation. ``evaluate_fn(k, w_k)`` is called after every
+        round (not for round 0: the caller records the initial model); ``first_round > 1`` continues a
+        resumed run.
 
-        With ``secure-aggregation`` the send-and-receive step of a round is
-        Flower's SecAgg+ workflow (:mod:`.secure_aggregation`): the server
-        gets the sum of the sampled clients' updates, never one of them, and a
-        round the protocol cannot finish is skipped (nothing released).
-
-        If the privacy budget (``max-epsilon``) would be exceeded by the next
-        round, the loop stops before that round and the result holds the last
-        model; :attr:`stopped_before_round` says which round was not run.
+        If the privacy budget (``max-epsilon``) would be exceeded by the next round, the loop stops
+        before that round and the result holds the last model; :attr:`stopped_before_round` says which
+        round was not run.
         """
         del evaluate_config  # no client-side evaluation (see configure_evaluate)
         if num_rounds is not None and num_rounds != self.cfg.num_rounds:
@@ -316,65 +312,52 @@ class DPFedAvg(FedAvg):
         logger.info("Starting %s strategy:", type(self).__name__)
         self.summary()
         timeout = self.cfg.round_timeout if timeout is None else timeout
-        train_config = ConfigRecord() if train_config is None else train_config
+        runner = FlowerRunner(self, grid, ConfigRecord() if train_config is None else train_config, timeout)
         result = Result(arrays=initial_arrays)
-        arrays = initial_arrays
-        for server_round in range(first_round, self.cfg.num_rounds + 1):
+
+        def record(server_round: int, w: Vector) -> None:
+            arrays = result.arrays = to_array_record(w)
+            result.train_metrics_clientapp[server_round] = MetricRecord(self.history[server_round].as_metrics())
             clock = time.perf_counter()
-            try:
-                if self.cfg.secure_aggregation:
-                    round_config = self._open_round(server_round, arrays, train_config, grid)
-                else:
-                    messages = list(self.configure_train(server_round, arrays, train_config, grid))
-            except PrivacyBudgetExhausted as stop:
-                logger.warning("%s", stop)
-                self.stopped_before_round = stop.server_round
-                break
-            t_configure = time.perf_counter()
-            if self.cfg.secure_aggregation:
-                outcome = self._run_secure_aggregation(server_round, arrays, round_config, grid, timeout)
-                t_wait = time.perf_counter()
-                new_arrays, metrics = self._aggregate_secure(server_round, outcome)
-            else:
-                replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
-                t_wait = time.perf_counter()
-                new_arrays, metrics = self.aggregate_train(server_round, replies)
-            if new_arrays is not None:
-                arrays = result.arrays = new_arrays
-            if metrics is not None:
-                result.train_metrics_clientapp[server_round] = metrics
-            t_aggregate = time.perf_counter()
             if evaluate_fn is not None:
-                record = evaluate_fn(server_round, arrays)
-                if record is not None:
-                    result.evaluate_metrics_serverapp[server_round] = record
+                metrics = evaluate_fn(server_round, arrays)
+                if metrics is not None:
+                    result.evaluate_metrics_serverapp[server_round] = metrics
             self.timings[server_round] = {
-                "configure_s": t_configure - clock,
-                "send_and_receive_s": t_wait - t_configure,
-                "aggregate_s": t_aggregate - t_wait,
-                "evaluate_and_record_s": time.perf_counter() - t_aggregate,
+                **runner.timings.pop(server_round, dict.fromkeys(FlowerRunner.PHASES, 0.0)),
+                "evaluate_and_record_s": time.perf_counter() - clock,
             }
+
+        rounds = range(first_round, self.cfg.num_rounds + 1)
+        loop = run_rounds(self.server, runner, from_array_record(initial_arrays), rounds, on_round_end=record)
+        self.stopped_before_round = loop.stopped_before_round
         return result
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Poisson-sample the clients and send them ``w_k`` and the round's instructions."""
-        train_config = self._open_round(server_round, arrays, config, grid)
-        if not self._sampled:
-            return []
-        record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
-        return self._construct_messages(record, sorted(self._sampled), MessageType.TRAIN)
+        if not self.node_of_client:
+            self.discover_clients(grid)
+        clients, instructions = self.server.begin_round(server_round, from_array_record(arrays))
+        train_config = self._prepare_round(server_round, clients, instructions, config, grid)
+        return self._train_messages(arrays, train_config)
 
-    def _open_round(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> ConfigRecord:
-        """Poisson-sample the round's clients among the connected nodes; the round's train config.
+    def _train_messages(self, arrays: ArrayRecord, train_config: ConfigRecord) -> list[Message]:
+        """One TRAIN message per sampled, connected node (ascending node id) with ``w_k`` and the train config."""
+        record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
+        return [
+            Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node) for node in sorted(self._sampled)
+        ]
+
+    def _prepare_round(
+        self, server_round: int, clients: np.ndarray, instructions: RoundInstructions, config: ConfigRecord, grid: Grid
+    ) -> ConfigRecord:
+        """Map the round's sampled clients to connected nodes; the round's train config.
 
         Fills ``self._sampled`` (node id -> client id) with the sampled clients
         that are connected; the others are dropouts.
         """
-        if not self.node_of_client:
-            self.discover_clients(grid)
-        clients, instructions = self.server.begin_round(server_round, from_array_record(arrays))
         self._replied = set()
         online = set(grid.get_node_ids())
         if online - set(self.client_of_node):
@@ -509,7 +492,9 @@ class DPFedAvg(FedAvg):
         replies: Iterable[Message],
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Check the replies and let the server aggregate them (fixed denominator r, momentum, accounting)."""
-        valid, errors = self._check_and_log_replies(list(replies), is_train=True, validate=False)
+        replies = list(replies)
+        valid = [m for m in replies if not m.has_error()]
+        errors = [m for m in replies if m.has_error()]
         # Flower answers for a node that went offline with an error reply: that client dropped out.
         unavailable = [m for m in errors if m.error.code in _UNAVAILABLE_CODES]
         failed = [m for m in errors if m.error.code not in _UNAVAILABLE_CODES]
@@ -531,3 +516,45 @@ class DPFedAvg(FedAvg):
         stats = self.history[server_round]
         stats.rejected_reasons.extend(reasons)
         return to_array_record(w_new), MetricRecord(stats.as_metrics())
+
+
+class FlowerRunner:
+    """The Flower engine's :class:`~dpfedavg.server.loop.ClientRunner`: the round through Flower's Grid.
+
+    Without secure aggregation: one TRAIN message per sampled, connected node, ``send_and_receive``
+    with the round timeout, then :meth:`DPFedAvg.aggregate_train` (reply checks, per-client results to
+    the server). With it: Flower's SecAgg+ workflow, then the server gets the sum. Records the seconds
+    of each phase per round in :attr:`timings`.
+    """
+
+    PHASES = ("configure_s", "send_and_receive_s", "aggregate_s")
+
+    def __init__(self, strategy: DPFedAvg, grid: Grid, train_config: ConfigRecord, timeout: float) -> None:
+        self.strategy, self.grid, self.train_config, self.timeout = strategy, grid, train_config, timeout
+        self.timings: dict[int, dict[str, float]] = {}
+
+    def run_round(
+        self, server: DPServer, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions
+    ) -> Vector:
+        strategy = self.strategy
+        assert server is strategy.server
+        clock = time.perf_counter()
+        arrays = to_array_record(w)
+        train_config = strategy._prepare_round(server_round, clients, ins, self.train_config, self.grid)
+        if strategy.cfg.secure_aggregation:
+            t_configure = time.perf_counter()
+            outcome = strategy._run_secure_aggregation(server_round, arrays, train_config, self.grid, self.timeout)
+            t_wait = time.perf_counter()
+            new_arrays, _ = strategy._aggregate_secure(server_round, outcome)
+        else:
+            messages = strategy._train_messages(arrays, train_config) if strategy._sampled else []
+            t_configure = time.perf_counter()
+            replies = list(self.grid.send_and_receive(messages, timeout=self.timeout)) if messages else []
+            t_wait = time.perf_counter()
+            new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        self.timings[server_round] = {
+            "configure_s": t_configure - clock,
+            "send_and_receive_s": t_wait - t_configure,
+            "aggregate_s": time.perf_counter() - t_wait,
+        }
+        return from_array_record(new_arrays)

@@ -1,0 +1,75 @@
+"""The one round loop of every engine (Alg. 1 / Alg. 2, lines 2-13), without Flower.
+
+Each round: :meth:`DPServer.begin_round` (privacy budget, Poisson sampling, ``k~``), a
+:class:`ClientRunner` gets the sampled clients' replies to the server and closes the round
+(Flower messages, SecAgg+, or a block of clients in-process), then ``on_round_end`` records it
+(evaluation, ``metrics.csv``, checkpoint). The rules that do not depend on how clients are reached
+live here once: the stop before a round that would exceed ``max-epsilon``, and the secure-aggregation
+round with fewer than two sampled clients (a sum of one is that client's update), which is closed
+without contacting anyone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dpfedavg.core.types import RoundInstructions, Vector
+from dpfedavg.server.dp_server import DPServer, PrivacyBudgetExhausted
+
+__all__ = ["ClientRunner", "LoopResult", "run_rounds"]
+
+logger = logging.getLogger(__name__)
+
+
+class ClientRunner(Protocol):
+    """How an engine reaches the sampled clients of one round."""
+
+    def run_round(
+        self, server: DPServer, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions
+    ) -> Vector:
+        """Have ``clients`` run Alg. 1 lines 4-10 on ``w`` with ``ins``, close the round on ``server``.
+
+        Closing is :meth:`DPServer.finish_round` (per-client replies, ascending client id),
+        :meth:`DPServer.finish_round_sum` (a secure sum) or :meth:`DPServer.skip_round`; returns
+        ``w_{k+1}``.
+        """
+
+
+@dataclass
+class LoopResult:
+    """The model after the last round that ran, and the round the budget stopped before (if it did)."""
+
+    w: Vector
+    stopped_before_round: int | None = None
+
+
+def run_rounds(
+    server: DPServer,
+    runner: ClientRunner,
+    w: Vector,
+    rounds: Iterable[int],
+    on_round_end: Callable[[int, Vector], None] | None = None,
+) -> LoopResult:
+    """Run ``rounds`` (1-based, ascending) from ``w``; ``on_round_end(k, w_{k})`` after each one.
+
+    Stops cleanly before a round whose release would exceed ``max-epsilon``
+    (:class:`PrivacyBudgetExhausted`, logged as a WARNING).
+    """
+    for server_round in rounds:
+        try:
+            clients, ins = server.begin_round(server_round, w)
+        except PrivacyBudgetExhausted as stop:
+            logger.warning("%s", stop)
+            return LoopResult(w, stop.server_round)
+        if server.cfg.secure_aggregation and len(clients) < 2:
+            w = server.skip_round(server_round, f"secure aggregation needs at least 2 clients, {len(clients)} sampled")
+        else:
+            w = runner.run_round(server, server_round, clients, w, ins)
+        if on_round_end is not None:
+            on_round_end(server_round, w)
+    return LoopResult(w)

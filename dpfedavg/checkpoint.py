@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.config import OPTIONS, ConfigError, RunConfig
 from dpfedavg.privacy.accounting import PrivacyPlan, RoundEvent
 
 __all__ = [
@@ -56,25 +56,8 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_FILE = "checkpoint.npz"
 FORMAT_VERSION = 1
 
-#: run_config keys that define the trajectory: a resume that changes one is refused.
-TRAJECTORY_KEYS: tuple[str, ...] = (
-    "task",
-    "seed",
-    "local-steps",
-    "local-lr",
-    "lr-decay",
-    "server-lr",
-    "server-momentum",
-    "init",
-    "dim",
-    "weight-decay",
-    "feature-image-size",
-    "save-trajectory",
-    "secure-noise",
-    "secure-aggregation",
-    "secagg-quantization-bits",
-    "secagg-clip-stds",
-)
+#: run_config keys that define the trajectory (``Option.trajectory``): a resume that changes one is refused.
+TRAJECTORY_KEYS: tuple[str, ...] = tuple(opt.key for opt in OPTIONS if opt.trajectory)
 
 
 class CheckpointError(ConfigError):

@@ -50,11 +50,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Option:
-    """One run_config key: its type, default, paper symbol and allowed values."""
+    """One run_config key: its type, paper symbol and allowed values; its default is the :class:`RunConfig` field's."""
 
     key: str
     kind: type
-    default: Any
     symbol: str
     help: str
     allowed: str = ""
@@ -62,11 +61,19 @@ class Option:
     choices: tuple[Any, ...] | None = None
     #: A string accepted instead of a number; it becomes ``None`` in the dataclass.
     sentinel: str | None = None
+    #: Defines the trajectory: a resumed run may not change it (see :mod:`dpfedavg.checkpoint`).
+    trajectory: bool = False
 
     @property
     def attr(self) -> str:
         """The dataclass field name (snake_case)."""
         return self.key.replace("-", "_")
+
+    @property
+    def default(self) -> Any:
+        """The default as a run_config value (the sentinel for ``None``), from the :class:`RunConfig` field."""
+        value = _FIELD_DEFAULTS[self.attr]
+        return self.sentinel if (value is None and self.sentinel is not None) else value
 
 
 def _positive(x: float) -> bool:
@@ -88,51 +95,51 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 #: Every run_config key. Task-specific keys are marked in ``help``.
 # fmt: off
 OPTIONS: tuple[Option, ...] = (
-    Option("task", str, "quadratic", "-", "objective and data"),
-    Option("algorithm", str, "norm", "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP", choices=ALGORITHMS),  # noqa: E501
-    Option("num-rounds", int, DEFAULT_NUM_ROUNDS, "K", "communication rounds", "an integer >= 1", lambda x: x >= 1),
-    Option("local-steps", int, 20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
-    Option("local-lr", float, 0.003, "eta_0", "initial local learning rate", "a float > 0", _positive),
-    Option("lr-decay", float, 1.0, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: _positive(x) and x <= 1),  # noqa: E501
-    Option("server-lr", float, SERVER_LR_FOLLOWS_LOCAL, "beta_k", 'global step; "eta" means beta_k = eta_k', f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"', _positive, sentinel=SERVER_LR_FOLLOWS_LOCAL),  # noqa: E501
-    Option("server-momentum", float, 0.0, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: _non_negative(x) and x < 1),  # noqa: E501
-    Option("num-clients", int, 100, "n", "number of clients (= supernodes)", "an integer >= 1", lambda x: x >= 1),
-    Option("clients-per-round", float, 100.0, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", _positive),  # noqa: E501
-    Option("clip", float, 50.0, "C", "clipping threshold (clip) / scaling factor (norm)", "a float > 0", _positive),
+    Option("task", str, "-", "objective and data", trajectory=True),
+    Option("algorithm", str, "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP", choices=ALGORITHMS),  # noqa: E501
+    Option("num-rounds", int, "K", "communication rounds", "an integer >= 1", lambda x: x >= 1),
+    Option("local-steps", int, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True),  # noqa: E501
+    Option("local-lr", float, "eta_0", "initial local learning rate", "a float > 0", _positive, trajectory=True),
+    Option("lr-decay", float, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: _positive(x) and x <= 1, trajectory=True),  # noqa: E501
+    Option("server-lr", float, "beta_k", 'global step; "eta" means beta_k = eta_k', f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"', _positive, sentinel=SERVER_LR_FOLLOWS_LOCAL, trajectory=True),  # noqa: E501
+    Option("server-momentum", float, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: _non_negative(x) and x < 1, trajectory=True),  # noqa: E501
+    Option("num-clients", int, "n", "number of clients (= supernodes)", "an integer >= 1", lambda x: x >= 1),
+    Option("clients-per-round", float, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", _positive),  # noqa: E501
+    Option("clip", float, "C", "clipping threshold (clip) / scaling factor (norm)", "a float > 0", _positive),
     # privacy
-    Option("epsilon", float, 5.0, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target", "a float >= 0 (0 = no target)", _non_negative),  # noqa: E501
-    Option("delta", float, 1e-6, "delta", "delta of the reported (epsilon, delta)", "a float in (0, 1)", lambda x: math.isfinite(x) and 0 < x < 1),  # noqa: E501
-    Option("noise-multiplier", float, NOISE_MULTIPLIER_AUTO, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'a float >= 0 or "{NOISE_MULTIPLIER_AUTO}"', _non_negative, sentinel=NOISE_MULTIPLIER_AUTO),  # noqa: E501
-    Option("accountant", str, "pld", "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=ACCOUNTANTS),  # noqa: E501
-    Option("max-epsilon", float, 0.0, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", _non_negative),  # noqa: E501
-    Option("noise-placement", str, "client-calibrated", "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=NOISE_PLACEMENTS),  # noqa: E501
+    Option("epsilon", float, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target", "a float >= 0 (0 = no target)", _non_negative),  # noqa: E501
+    Option("delta", float, "delta", "delta of the reported (epsilon, delta)", "a float in (0, 1)", lambda x: math.isfinite(x) and 0 < x < 1),  # noqa: E501
+    Option("noise-multiplier", float, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'a float >= 0 or "{NOISE_MULTIPLIER_AUTO}"', _non_negative, sentinel=NOISE_MULTIPLIER_AUTO),  # noqa: E501
+    Option("accountant", str, "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=ACCOUNTANTS),  # noqa: E501
+    Option("max-epsilon", float, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", _non_negative),  # noqa: E501
+    Option("noise-placement", str, "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=NOISE_PLACEMENTS),  # noqa: E501
     # run
-    Option("seed", int, 0, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0),
-    Option("diagnostics", bool, False, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)"),  # noqa: E501
-    Option("output-dir", str, "outputs", "-", "results root; relative paths are relative to the SuperLink's working directory", "a non-empty path", lambda x: bool(x.strip())),  # noqa: E501
-    Option("run-name", str, "", "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x))),  # noqa: E501
-    Option("node-wait-timeout", float, 300.0, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),  # noqa: E501
-    Option("round-timeout", float, 3600.0, "-", "seconds a round waits for replies", "a float > 0", _positive),
-    Option("save-trajectory", bool, False, "-", "also write trajectory.npy: w_k of every round (Figure 3)"),
-    Option("checkpoint-every", int, 10, "-", "write <run dir>/checkpoint.npz every this many rounds (and at the end); 0 = never", "an integer >= 0", lambda x: x >= 0),  # noqa: E501
-    Option("resume", bool, False, "-", "continue the run in <output-dir>/<run-name> from its checkpoint (needs run-name)"),  # noqa: E501
-    Option("secure-noise", bool, False, "-", "draw DP noise from OS-seeded generators nobody can replay (production); false = seeded, reproducible (research)"),  # noqa: E501
+    Option("seed", int, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0, trajectory=True),
+    Option("diagnostics", bool, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)"),  # noqa: E501
+    Option("output-dir", str, "-", "results root; relative paths are relative to the SuperLink's working directory", "a non-empty path", lambda x: bool(x.strip())),  # noqa: E501
+    Option("run-name", str, "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x))),  # noqa: E501
+    Option("node-wait-timeout", float, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),  # noqa: E501
+    Option("round-timeout", float, "-", "seconds a round waits for replies", "a float > 0", _positive),
+    Option("save-trajectory", bool, "-", "also write trajectory.npy: w_k of every round (Figure 3)", trajectory=True),
+    Option("checkpoint-every", int, "-", "write <run dir>/checkpoint.npz every this many rounds (and at the end); 0 = never", "an integer >= 0", lambda x: x >= 0),  # noqa: E501
+    Option("resume", bool, "-", "continue the run in <output-dir>/<run-name> from its checkpoint (needs run-name)"),  # noqa: E501
+    Option("secure-noise", bool, "-", "draw DP noise from OS-seeded generators nobody can replay (production); false = seeded, reproducible (research)", trajectory=True),  # noqa: E501
     # secure aggregation (SecAgg+, client-side noise)
-    Option("secure-aggregation", bool, False, "-", "aggregate through Flower's SecAgg+ so the server learns only the sum (needs noise-placement client or client-calibrated)"),  # noqa: E501
-    Option("secagg-quantization-bits", int, 16, "-", "secure aggregation: Q = 2^bits grid levels per coordinate in [-c, c]; needs num-clients * 2^bits < 2^secagg-modulus-bits", "an integer in [1, 30]", lambda x: 1 <= x <= 30),  # noqa: E501
-    Option("secagg-modulus-bits", int, 32, "-", "secure aggregation: the protocol adds integers mod M = 2^bits (Flower allows at most 2^32)", "an integer in [2, 32]", lambda x: 2 <= x <= 32),  # noqa: E501
-    Option("secagg-clip-stds", float, 10.0, "k", "secure aggregation: coordinates are clipped to c >= C + k s (s = a client's noise std); P(any clip) <= 2 exp(-k^2/2) per coordinate", "a float >= 0", _non_negative),  # noqa: E501
-    Option("secagg-num-shares", float, 11.0, "-", "secure aggregation: SecAgg+ neighbours each client shares its keys with: an integer >= 3 (all clients when a round has fewer), or a fraction in (0, 1] of the round's clients (1.0 = every pair, classic SecAgg)", "an integer >= 3 or a fraction in (0, 1]", lambda x: (0 < x <= 1) or (x >= 3 and x == int(x))),  # noqa: E501
-    Option("secagg-reconstruction-threshold", float, 0.67, "-", "secure aggregation: fraction of a client's shares needed to unmask; above 0.5 so the server cannot learn both a client's mask and its pairwise keys; a round whose survivors fall below it is skipped", "a fraction in (0.5, 1]", lambda x: 0.5 < x <= 1),  # noqa: E501
-    Option("secagg-timeout", float, 0.0, "-", "secure aggregation: seconds each of the 4 SecAgg+ stages waits for replies; 0 = round-timeout", "a float >= 0", _non_negative),  # noqa: E501
-    Option("eval-every", int, 1, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
+    Option("secure-aggregation", bool, "-", "aggregate through Flower's SecAgg+ so the server learns only the sum (needs noise-placement client or client-calibrated)", trajectory=True),  # noqa: E501
+    Option("secagg-quantization-bits", int, "-", "secure aggregation: Q = 2^bits grid levels per coordinate in [-c, c]; needs num-clients * 2^bits < 2^secagg-modulus-bits", "an integer in [1, 30]", lambda x: 1 <= x <= 30, trajectory=True),  # noqa: E501
+    Option("secagg-modulus-bits", int, "-", "secure aggregation: the protocol adds integers mod M = 2^bits (Flower allows at most 2^32)", "an integer in [2, 32]", lambda x: 2 <= x <= 32),  # noqa: E501
+    Option("secagg-clip-stds", float, "k", "secure aggregation: coordinates are clipped to c >= C + k s (s = a client's noise std); P(any clip) <= 2 exp(-k^2/2) per coordinate", "a float >= 0", _non_negative, trajectory=True),  # noqa: E501
+    Option("secagg-num-shares", float, "-", "secure aggregation: SecAgg+ neighbours each client shares its keys with: an integer >= 3 (all clients when a round has fewer), or a fraction in (0, 1] of the round's clients (1.0 = every pair, classic SecAgg)", "an integer >= 3 or a fraction in (0, 1]", lambda x: (0 < x <= 1) or (x >= 3 and x == int(x))),  # noqa: E501
+    Option("secagg-reconstruction-threshold", float, "-", "secure aggregation: fraction of a client's shares needed to unmask; above 0.5 so the server cannot learn both a client's mask and its pairwise keys; a round whose survivors fall below it is skipped", "a fraction in (0.5, 1]", lambda x: 0.5 < x <= 1),  # noqa: E501
+    Option("secagg-timeout", float, "-", "secure aggregation: seconds each of the 4 SecAgg+ stages waits for replies; 0 = round-timeout", "a float >= 0", _non_negative),  # noqa: E501
+    Option("eval-every", int, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
     # Task-specific keys (ignored by tasks that do not use them).
-    Option("init", str, "I1", "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2")),  # noqa: E501
-    Option("dim", int, 200, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1),
-    Option("data-dir", str, "", "-", 'real-data tasks: folder with local dataset files (offline use); "" = download', "a path or \"\""),  # noqa: E501
-    Option("cache-dir", str, "", "-", 'real-data tasks: where prepared features are cached; "" = ~/.cache/dpfedavg', "a path or \"\""),  # noqa: E501
-    Option("weight-decay", float, 1e-4, "lambda", "real-data tasks: L2 regularization (PyTorch weight_decay); paper: 1e-4", "a float >= 0", _non_negative),  # noqa: E501
-    Option("feature-image-size", int, 224, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32),  # noqa: E501
+    Option("init", str, "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2"), trajectory=True),  # noqa: E501
+    Option("dim", int, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1, trajectory=True),
+    Option("data-dir", str, "-", 'real-data tasks: folder with local dataset files (offline use); "" = download', "a path or \"\""),  # noqa: E501
+    Option("cache-dir", str, "-", 'real-data tasks: where prepared features are cached; "" = ~/.cache/dpfedavg', "a path or \"\""),  # noqa: E501
+    Option("weight-decay", float, "lambda", "real-data tasks: L2 regularization (PyTorch weight_decay); paper: 1e-4", "a float >= 0", _non_negative, trajectory=True),  # noqa: E501
+    Option("feature-image-size", int, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32, trajectory=True),  # noqa: E501
 )
 # fmt: on
 
@@ -342,13 +349,16 @@ class RunConfig:
         return RunConfig.from_run_config(merged)
 
 
-def _check_defaults_consistent() -> None:
-    """The Option table and the dataclass defaults must agree (import-time guard)."""
-    defaults = {f.name: f.default for f in fields(RunConfig)}
-    for opt in OPTIONS:
-        expected = None if (opt.sentinel is not None and opt.default == opt.sentinel) else opt.default
-        if defaults.get(opt.attr, object()) != expected:
-            raise AssertionError(f"default of {opt.key} differs between OPTIONS and RunConfig")
+#: The defaults, declared once: the :class:`RunConfig` fields (``pyproject.toml`` repeats them for Flower,
+#: checked equal by ``tests/test_config.py``).
+_FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(RunConfig)}
 
 
-_check_defaults_consistent()
+def _check_options_match_fields() -> None:
+    """Every Option has a RunConfig field and every field an Option (import-time guard)."""
+    keys = {opt.attr for opt in OPTIONS}
+    if keys != set(_FIELD_DEFAULTS):
+        raise AssertionError(f"OPTIONS and RunConfig differ: {sorted(keys ^ set(_FIELD_DEFAULTS))}")
+
+
+_check_options_match_fields()

@@ -17,26 +17,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RunRecorder", "TRAIN_COLUMNS", "package_versions", "atomic_write_bytes"]
+__all__ = ["RunRecorder", "package_versions", "atomic_write_bytes"]
 
 logger = logging.getLogger(__name__)
-
-#: Training columns of ``metrics.csv`` (the task's metrics follow ``beta``).
-TRAIN_COLUMNS: tuple[str, ...] = (
-    "num_sampled",
-    "num_received",
-    "num_failed",
-    "num_dropped",
-    "num_rejected",
-    "eta",
-    "beta",
-    "snr",
-    "frac_clipped",
-    "mean_update_norm",
-    "noise_multiplier",
-    "epsilon",
-    "skipped",
-)
 
 
 def package_versions() -> dict[str, str]:
@@ -78,10 +61,10 @@ class RunRecorder:
     dies still leaves the rounds it finished.
     """
 
-    def __init__(self, directory: Path, metric_names: Sequence[str], keep_rounds_through: int | None = None) -> None:
+    def __init__(self, directory: Path, columns: Sequence[str], keep_rounds_through: int | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.columns = ("round", *TRAIN_COLUMNS[:7], *metric_names, *TRAIN_COLUMNS[7:], "elapsed_s")
+        self.columns = tuple(columns)
         self.metrics_path = self.directory / "metrics.csv"
         self.config_path = self.directory / "config.json"
         self.model_path = self.directory / "model.npz"

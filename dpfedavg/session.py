@@ -190,7 +190,7 @@ class RunSession:
         keep = self.resumed.round if self.resumed is not None else None
         #: The task metrics this run computes (training-data metrics are withheld with secure-noise).
         self.metric_names = released_metric_names(cfg, task)
-        self.recorder = RunRecorder(self.directory, self.metric_names, keep_rounds_through=keep)
+        self.recorder = RunRecorder(self.directory, RoundStats.columns(self.metric_names), keep_rounds_through=keep)
         self.evaluated: dict[int, dict[str, float]] = {}
         self.trajectory: list[np.ndarray] = []
         self.description = self._describe(run_id, engine)

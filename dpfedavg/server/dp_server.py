@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -129,7 +129,11 @@ class PrivacyBudgetExhausted(Exception):
 
 @dataclass
 class RoundStats:
-    """Per-round training statistics (one row of ``metrics.csv``, training part)."""
+    """Per-round training statistics: the one definition of ``metrics.csv``'s training columns.
+
+    The fields from ``num_sampled`` to ``skipped`` are the columns, in this order; the task's metrics
+    are written after :data:`METRICS_AFTER` (see :meth:`columns`).
+    """
 
     round: int
     num_sampled: int
@@ -139,32 +143,28 @@ class RoundStats:
     num_rejected: int = 0
     eta: float = float("nan")
     beta: float = float("nan")
+    snr: float = float("nan")
     frac_clipped: float = float("nan")
     mean_update_norm: float = float("nan")
-    snr: float = float("nan")
     noise_multiplier: float = float("nan")
     epsilon: float = float("nan")
-    #: 1 if secure aggregation could not finish the round (too few survivors): nothing was released.
+    #: 1 if secure aggregation summed no update this round (the server's noise alone was released).
     skipped: int = 0
     rejected_reasons: list[str] = field(default_factory=list)
 
+    #: The task's metric columns follow this one.
+    METRICS_AFTER = "beta"
+
+    @classmethod
+    def columns(cls, metric_names: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """``metrics.csv``'s columns: ``round``, the training statistics with the task's metrics, ``elapsed_s``."""
+        train = [f.name for f in fields(cls) if f.name not in ("round", "rejected_reasons")]
+        cut = train.index(cls.METRICS_AFTER) + 1
+        return ("round", *train[:cut], *metric_names, *train[cut:], "elapsed_s")
+
     def as_metrics(self) -> dict[str, float]:
-        """Numeric fields for the MetricRecord / CSV."""
-        return {
-            "num_sampled": self.num_sampled,
-            "num_received": self.num_received,
-            "num_failed": self.num_failed,
-            "num_dropped": self.num_dropped,
-            "num_rejected": self.num_rejected,
-            "eta": self.eta,
-            "beta": self.beta,
-            "frac_clipped": self.frac_clipped,
-            "mean_update_norm": self.mean_update_norm,
-            "snr": self.snr,
-            "noise_multiplier": self.noise_multiplier,
-            "epsilon": self.epsilon,
-            "skipped": self.skipped,
-        }
+        """The numeric columns for the MetricRecord / CSV."""
+        return {name: getattr(self, name) for name in self.columns()[1:-1]}
 
 
 class DPServer:

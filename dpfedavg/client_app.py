@@ -23,7 +23,11 @@ from dpfedavg.protocol import (
     CONFIG,
     DIAGNOSTICS,
     METRICS,
+    NUM_EXAMPLES,
+    NUM_PARTITIONS,
+    PARTITION_ID,
     UPDATE_KEY,
+    UPDATE_NORM,
     from_array_record,
     instructions_from_config_record,
     to_array_record,
@@ -67,7 +71,7 @@ def enforce_secure_noise(ins: RoundInstructions, secure: bool) -> RoundInstructi
 def _partition(context: Context) -> tuple[int, int]:
     """``(partition-id, num-partitions)`` from the SuperNode's ``--node-config``."""
     try:
-        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+        return int(context.node_config[PARTITION_ID]), int(context.node_config[NUM_PARTITIONS])
     except KeyError as err:
         raise RuntimeError(
             f"this SuperNode has no {err} in its node config; start it with "
@@ -95,7 +99,7 @@ def _grad_fn(cfg: RunConfig, client_id: int) -> GradFn:
 def query(msg: Message, context: Context) -> Message:
     """Report this node's client id so the server can sample by client."""
     pid, num = _partition(context)
-    return Message(RecordDict({METRICS: MetricRecord({"partition-id": pid, "num-partitions": num})}), reply_to=msg)
+    return Message(RecordDict({METRICS: MetricRecord({PARTITION_ID: pid, NUM_PARTITIONS: num})}), reply_to=msg)
 
 
 def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -144,9 +148,9 @@ def train(msg: Message, context: Context) -> Message:
     ins = enforce_secure_noise(instructions_from_config_record(msg.content[CONFIG]), secure)
     w = from_array_record(msg.content[ARRAYS])
     result = client_round_update(w, _grad_fn(cfg, client_id), ins, client_id)
-    metrics: dict[str, int | float] = {"num-examples": 1, "partition-id": client_id}
+    metrics: dict[str, int | float] = {NUM_EXAMPLES: 1, PARTITION_ID: client_id}
     if not secure:  # un-noised statistics of this client's data: seeded research mode only
-        metrics["update-norm"] = result.update_norm
+        metrics[UPDATE_NORM] = result.update_norm
     content = RecordDict({ARRAYS: to_array_record(result.noisy, UPDATE_KEY), METRICS: MetricRecord(metrics)})
     if ins.diagnostics:
         content[DIAGNOSTICS] = to_array_record(result.clean, CLEAN_UPDATE_KEY)

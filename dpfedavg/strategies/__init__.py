@@ -4,6 +4,7 @@ Everything here imports Flower; the server math it drives is :class:`dpfedavg.se
 and the accounting :mod:`dpfedavg.privacy`.
 """
 
-from dpfedavg.strategies.dp_fedavg import DPFedAvg, FederationError
+from dpfedavg.strategies.dp_fedavg import DPFedAvg, FlowerRunner
+from dpfedavg.strategies.federation import Federation, FederationError
 
-__all__ = ["DPFedAvg", "FederationError"]
+__all__ = ["DPFedAvg", "Federation", "FederationError", "FlowerRunner"]

@@ -34,30 +34,24 @@ from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan
 from dpfedavg.protocol import (
     ARRAYS,
-    CLEAN_UPDATE_KEY,
     CONFIG,
-    DIAGNOSTICS,
-    METRICS,
-    UPDATE_KEY,
     from_array_record,
     instructions_to_config_record,
+    parse_train_reply,
     to_array_record,
 )
 from dpfedavg.server.dp_server import ClientResult, DPServer, RoundStats
 from dpfedavg.server.loop import run_rounds
+from dpfedavg.strategies.federation import Federation
 from dpfedavg.strategies.secure_aggregation import SecureSum, secure_sum, workflow_for
 
-__all__ = ["DPFedAvg", "FederationError"]
+__all__ = ["DPFedAvg", "FlowerRunner"]
 
 logger = logging.getLogger(__name__)
 
 
 #: Error codes Flower uses when a node or its reply is gone: the client is a dropout, not a failure.
 _UNAVAILABLE_CODES = frozenset({ErrorCode.NODE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE})
-
-
-class FederationError(RuntimeError):
-    """The connected SuperNodes do not match the run (count, partition ids)."""
 
 
 class DPFedAvg(FedAvg):
@@ -89,11 +83,8 @@ class DPFedAvg(FedAvg):
         self.dim = dim
         #: The server state and math (shared with the batched engine).
         self.server = DPServer(cfg, dim, plan=plan)
-        self._sleep = sleep
-        #: client id (partition-id) -> Flower node id; filled by :meth:`discover_clients`.
-        self.node_of_client: dict[int, int] = {}
-        #: Flower node id -> client id.
-        self.client_of_node: dict[int, int] = {}
+        #: Which SuperNode is which client (discovery, reconnected nodes).
+        self.federation = Federation(cfg, sleep)
         #: The round before which the privacy budget stopped the run, if it did.
         self.stopped_before_round: int | None = None
         self._sampled: dict[int, int] = {}  # node id -> client id, this round
@@ -101,8 +92,6 @@ class DPFedAvg(FedAvg):
         #: Wall seconds per round spent in our code (configure, aggregate, evaluate) and waiting on
         #: Flower (``grid.send_and_receive``: delivery, the ClientApps, replies), by round.
         self.timings: dict[int, dict[str, float]] = {}
-        #: Wall seconds spent waiting for the SuperNodes and learning their partition ids.
-        self.discovery_seconds: float | None = None
 
     # ------------------------------------------------------------------ info
     @property
@@ -185,95 +174,24 @@ class DPFedAvg(FedAvg):
         )
 
     # ------------------------------------------------------------ discovery
+    @property
+    def node_of_client(self) -> dict[int, int]:
+        """Client id (partition-id) -> Flower node id; filled by :meth:`discover_clients`."""
+        return self.federation.node_of_client
+
+    @property
+    def client_of_node(self) -> dict[int, int]:
+        """Flower node id -> client id."""
+        return self.federation.client_of_node
+
+    @property
+    def discovery_seconds(self) -> float | None:
+        """Wall seconds spent waiting for the SuperNodes and learning their partition ids."""
+        return self.federation.discovery_seconds
+
     def discover_clients(self, grid: Grid, timeout: float | None = None) -> dict[int, int]:
-        """Wait for all ``n`` SuperNodes and learn each one's ``partition-id``.
-
-        Sampling is over client ids (partition ids ``0..n-1``), the same ids
-        the batched engine and the reference implementation use, so a node's
-        identity must be known before round 1. One node is asked first so that
-        a federation of the wrong size fails fast instead of waiting out the
-        timeout.
-
-        Raises
-        ------
-        FederationError
-            Wrong number of SuperNodes, missing/duplicate partition ids, or not
-            all ``n`` nodes registered within ``timeout`` seconds.
-        """
-        started = time.perf_counter()
-        n = self.cfg.num_clients
-        timeout = self.cfg.node_wait_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        node_ids = self._wait_for_nodes(grid, 1, deadline)
-        first = self._query_partitions(grid, node_ids[:1], deadline)
-        ((pid, num_partitions),) = first.values()
-        if num_partitions != n:
-            raise FederationError(
-                f"the federation has num-partitions={num_partitions} SuperNodes but the run has num-clients={n}; "
-                f'start it with --federation-config "num-supernodes={n}" (simulation) '
-                f'or give every SuperNode --node-config "partition-id=I num-partitions={n}" (deployment)'
-            )
-        node_ids = self._wait_for_nodes(grid, n, deadline)
-        if len(node_ids) > n:
-            raise FederationError(f"{len(node_ids)} SuperNodes are connected but num-clients={n}")
-        replies = self._query_partitions(grid, node_ids, deadline)
-        mapping: dict[int, int] = {}
-        for node_id, (pid, num_partitions) in replies.items():
-            if num_partitions != n or not 0 <= pid < n:
-                raise FederationError(
-                    f"node {node_id} reports partition-id={pid}, num-partitions={num_partitions}; "
-                    f"expected 0 <= partition-id < {n} and num-partitions={n}"
-                )
-            if pid in mapping:
-                raise FederationError(f"partition-id={pid} is reported by two nodes ({mapping[pid]} and {node_id})")
-            mapping[pid] = node_id
-        missing = sorted(set(range(n)) - set(mapping))
-        if missing:
-            raise FederationError(
-                f"no node answered for partition ids {missing[:10]}{'...' if len(missing) > 10 else ''}"
-            )
-        self.node_of_client = mapping
-        self.client_of_node = {node: pid for pid, node in mapping.items()}
-        self.discovery_seconds = time.perf_counter() - started
-        logger.info("All %d clients registered (partition ids 0..%d) in %.1f s", n, n - 1, self.discovery_seconds)
-        return mapping
-
-    def _wait_for_nodes(self, grid: Grid, count: int, deadline: float) -> list[int]:
-        last_log = 0.0
-        while True:
-            node_ids = sorted(grid.get_node_ids())
-            if len(node_ids) >= count:
-                return node_ids
-            now = time.monotonic()
-            if now > deadline:
-                raise FederationError(
-                    f"only {len(node_ids)} of {count} SuperNodes registered within "
-                    f"node-wait-timeout={self.cfg.node_wait_timeout:g}s"
-                )
-            if now - last_log > 5.0:
-                logger.info("Waiting for SuperNodes: %d of %d registered", len(node_ids), count)
-                last_log = now
-            self._sleep(0.2)
-
-    def _query_partitions(self, grid: Grid, node_ids: list[int], deadline: float) -> dict[int, tuple[int, int]]:
-        messages = [
-            Message(
-                content=RecordDict({CONFIG: ConfigRecord({"query": "partition"})}),
-                message_type=MessageType.QUERY,
-                dst_node_id=nid,
-            )
-            for nid in node_ids
-        ]
-        out: dict[int, tuple[int, int]] = {}
-        for reply in grid.send_and_receive(messages, timeout=max(1.0, deadline - time.monotonic())):
-            src = reply.metadata.src_node_id
-            if reply.has_error():
-                raise FederationError(f"node {src} failed to report its partition id: {reply.error.reason}")
-            metrics = reply.content[METRICS]
-            out[src] = (int(metrics["partition-id"]), int(metrics["num-partitions"]))
-        if len(out) < len(node_ids):
-            raise FederationError(f"only {len(out)} of {len(node_ids)} SuperNodes answered the partition-id query")
-        return out
+        """Wait for all ``n`` SuperNodes and learn each one's ``partition-id`` (:meth:`Federation.discover`)."""
+        return self.federation.discover(grid, timeout)
 
     # -------------------------------------------------------------- training
     def start(  # type: ignore[override]
@@ -361,7 +279,7 @@ class DPFedAvg(FedAvg):
         self._replied = set()
         online = set(grid.get_node_ids())
         if online - set(self.client_of_node):
-            self._learn_new_nodes(grid, sorted(online - set(self.client_of_node)))
+            self.federation.learn_new_nodes(grid, sorted(online - set(self.client_of_node)))
         self._sampled, offline = {}, []
         for c in clients:
             node = self.node_of_client[int(c)]
@@ -416,23 +334,6 @@ class DPFedAvg(FedAvg):
             w_new = self.server.finish_round_sum(server_round, outcome.total, len(outcome.contributors))
         return to_array_record(w_new), MetricRecord(self.history[server_round].as_metrics())
 
-    def _learn_new_nodes(self, grid: Grid, node_ids: list[int]) -> None:
-        """Map SuperNodes that connected after discovery (e.g. a client that restarted with a new node id)."""
-        try:
-            replies = self._query_partitions(grid, node_ids, time.monotonic() + min(30.0, self.cfg.node_wait_timeout))
-        except FederationError as err:
-            logger.warning("new SuperNodes %s did not report a partition id: %s", node_ids[:5], err)
-            return
-        for node_id, (pid, num_partitions) in replies.items():
-            if num_partitions != self.cfg.num_clients or not 0 <= pid < self.cfg.num_clients:
-                logger.warning("ignoring node %d: partition-id=%d, num-partitions=%d", node_id, pid, num_partitions)
-                continue
-            old = self.node_of_client.get(pid)
-            self.node_of_client[pid] = node_id
-            self.client_of_node.pop(old, None)
-            self.client_of_node[node_id] = pid
-            logger.info("client %d is now node %d (was %s)", pid, node_id, old)
-
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -451,40 +352,9 @@ class DPFedAvg(FedAvg):
         if src in self._replied:
             raise ValueError(f"second reply from node {src} in this round")
         self._replied.add(src)
-        content = msg.content
-        try:
-            record = content[ARRAYS]
-            update = from_array_record(record, UPDATE_KEY)
-            metrics = dict(content[METRICS])
-        except KeyError as err:
-            raise ValueError(f"reply lacks {err}") from None
-        if len(record) != 1:
-            raise ValueError(
-                f"reply has {len(record)} arrays ({', '.join(sorted(record))}), expected 1 ({UPDATE_KEY!r})"
-            )
-        if update.shape != (self.dim,):
-            raise ValueError(f"update has shape {update.shape}, expected ({self.dim},)")
-        if not np.issubdtype(update.dtype, np.floating):
-            raise ValueError(f"update has dtype {update.dtype}, expected a float type")
-        if not np.all(np.isfinite(update)):
-            raise ValueError("update contains NaN or Inf")
-        clean = None
-        if self.cfg.diagnostics:
-            try:
-                clean = from_array_record(content[DIAGNOSTICS], CLEAN_UPDATE_KEY)
-            except KeyError:
-                raise ValueError("diagnostics is on but the reply has no clean update") from None
-            if clean.shape != (self.dim,):
-                raise ValueError(f"clean update has shape {clean.shape}, expected ({self.dim},)")
-            bound = self.cfg.clip * (1 + 1e-9) if self.cfg.algorithm != "none" else float("inf")
-            clean_norm = float(np.linalg.norm(clean))
-            if not clean_norm <= bound:  # also catches NaN
-                raise ValueError(
-                    f"clean update has norm {clean_norm:.6g}, above C = {self.cfg.clip:g} ({self.cfg.algorithm} "
-                    "bounds every update before noise)"
-                )
-        norm = float(metrics.get("update-norm", np.nan))
-        return ClientResult(self._sampled[src], update.astype(np.float64), norm, clean)
+        bound = self.cfg.clip if self.cfg.algorithm != "none" else float("inf")
+        update, norm, clean = parse_train_reply(msg.content, self.dim, diagnostics=self.cfg.diagnostics, clip=bound)
+        return ClientResult(self._sampled[src], update, norm, clean)
 
     def aggregate_train(
         self,

@@ -73,7 +73,9 @@ def as_script(block: str, client: int | None = None) -> str:
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens on ``port`` (a port in TIME_WAIT from an earlier run counts as free, as for uvicorn)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("0.0.0.0", port))
         except OSError:

@@ -56,6 +56,10 @@ def clientapp_start_seconds(repeats: int = 3) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(cpus)
 
 
+def _finished(config: Path) -> bool:
+    return config.exists() and "final" in json.loads(config.read_text())
+
+
 def measure(nodes: int, rounds: int, poll: float | None) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix=f"bench-deploy-{nodes}-"))
     out = work / "out"
@@ -69,6 +73,13 @@ def measure(nodes: int, rounds: int, poll: float | None) -> dict[str, float]:
     with fed:
         t0 = time.monotonic()
         result = fed.run(values, timeout=600)
+        # `flwr run --stream` can return before the run ends (its log stream broke once on this
+        # overloaded machine: "database is locked" in the SuperLink) while the run may go on, so wait for it
+        deadline = time.monotonic() + 300
+        while not _finished(out / "b" / "config.json") and time.monotonic() < deadline:
+            if '"status": "finished' in fed.flwr("ls", "remote", "--format", "json").stdout:
+                break
+            time.sleep(2)
         wall = time.monotonic() - t0
     if fed.leftover_pids():
         raise RuntimeError(f"processes left behind: {fed.leftover_pids()}")

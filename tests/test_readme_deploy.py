@@ -164,6 +164,26 @@ def _foreground(script: str, env: dict[str, str], timeout: float, bg: Processes)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
+def _final(server_dir: Path) -> bool:
+    configs = list((server_dir / "outputs").glob("*/config.json"))
+    return len(configs) == 1 and "final" in json.loads(configs[0].read_text())
+
+
+def _wait_for_the_run(server_dir: Path, env: dict[str, str], bg: Processes, timeout: float = 180.0) -> None:
+    """Until the run's ``config.json`` has ``final`` or ``flwr ls`` says the run finished.
+
+    ``flwr run --stream`` can return before the run ends: seen once on an overloaded machine, where
+    the SuperLink's SQLite database was locked and the log stream ended. The run may go on.
+    """
+    deadline = time.monotonic() + timeout
+    while not _final(server_dir) and time.monotonic() < deadline:
+        listing = _foreground("flwr ls remote --format json\n", env, 60, bg).stdout
+        runs = json.loads(listing[listing.index("{") :]).get("runs", [])
+        if runs and all(run["status"].startswith("finished") for run in runs):
+            return
+        time.sleep(2)
+
+
 def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
     blocks = bash_blocks()
     server_blocks = [b for b in blocks if "flower-superlink " in b]
@@ -208,6 +228,8 @@ def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
                 outputs.append(result.stdout)
                 print(f"{time.monotonic() - t0:6.1f} s  {block.splitlines()[-1][:80]}")
                 assert result.returncode == 0, f"{block}\n{result.stdout[-3000:]}"
+                if block in run_blocks:
+                    _wait_for_the_run(server_dir, env, bg)
         listing = _foreground("flwr supernode list remote --format json\n", env, 60, bg).stdout
     finally:
         bg.stop()

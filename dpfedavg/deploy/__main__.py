@@ -2,6 +2,10 @@
 
 Generates the CA, the SuperLink's TLS certificate for HOSTs (names or IPs) and N
 SuperNode authentication key pairs; see :mod:`dpfedavg.deploy.credentials`.
+
+``python -m dpfedavg.deploy supernode-key PATH`` adds one SuperNode key pair
+(PATH and PATH.pub) to an existing federation: SuperNode authentication checks
+the registered public key, not the CA, so no new CA or certificate is needed.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dpfedavg.deploy.credentials import generate_credentials
+from dpfedavg.deploy.credentials import generate_credentials, generate_supernode_key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--supernodes", type=int, required=True, help="number of SuperNode key pairs")
     p.add_argument("--valid-days", type=int, default=365, help="certificate validity (default 365)")
     p.add_argument("--overwrite", action="store_true", help="replace existing credentials in --out")
+    k = sub.add_parser("supernode-key", help="one more SuperNode key pair (no new CA needed)")
+    k.add_argument("path", help="private key file to write; the public key goes to PATH.pub")
     args = parser.parse_args(argv)
+    if args.command == "supernode-key":
+        path = Path(args.path)
+        if path.exists() or path.with_name(path.name + ".pub").exists():
+            print(f"python -m dpfedavg.deploy: error: {path} or {path}.pub exists", file=sys.stderr)
+            return 2
+        generate_supernode_key(path)
+        print(f"SuperNode key: private {path}   public {path}.pub")
+        print(f"Register it: flwr supernode register {path}.pub <connection>")
+        return 0
     try:
         creds = generate_credentials(
             Path(args.out), args.hosts, args.supernodes, valid_days=args.valid_days, overwrite=args.overwrite

@@ -1,0 +1,274 @@
+"""The README's "Deploy on real machines" runs as written: its ``bash`` blocks, executed on loopback.
+
+Every ```` ```bash ```` block of that section is run with ``bash -e`` in README order:
+
+* the one starting ``flower-superlink`` in the background, in a "server" folder
+  (``output-dir`` is relative to it), stopped by PID at the end;
+* the one starting ``flower-supernode`` twice in the background, with ``I=0`` and
+  ``I=1``, each in its own "client" folder, stopped by PID at the end;
+* every other block in the foreground, in the repository root (``flwr run .``),
+  with a time limit.
+
+What is changed from the text: ``SERVER=...`` is set to ``127.0.0.1`` and ``I=...``
+to the client's index (the README asks the reader to set both); lines with
+``pip install`` are skipped (the package is installed in the test's environment,
+whose ``bin`` comes first on ``PATH``). ``HOME`` and ``FLWR_HOME`` point into
+``tmp_path``, so the credentials the documented command writes to
+``~/dpfedavg-creds``, the SuperLink's database and log, and the ``flwr``
+connection all live there. The test waits on events (the SuperLink's port, the
+SuperNodes' "SuperNode ID" log line), checks that the run really finished
+(``flwr run --stream`` exits 0 even when the ServerApp raises, so it reads
+``config.json``'s ``final``), and that no process it started is left, pass or fail.
+
+The README uses fixed ports (9093 for the SuperLink, 9094 + I for the SuperNodes),
+so two runs of this test cannot share a machine; it fails at once if one is taken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dpfedavg.engines.local_superlink import leftover_pids, stop_processes
+
+pytestmark = [pytest.mark.deployment, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SERVER = "127.0.0.1"
+SECTION = "## Deploy on real machines"
+
+
+def deploy_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    return text[start : end if end >= 0 else len(text)]
+
+
+def bash_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", deploy_section(), flags=re.S)
+
+
+def as_script(block: str, client: int | None = None) -> str:
+    """The block with SERVER (and the client index I) set, and ``pip install`` lines skipped."""
+    lines = []
+    for line in block.splitlines():
+        if "pip install" in line:
+            continue  # the package is installed here (and a venv in the repository would be wrong)
+        line = re.sub(r"^SERVER=\S+", f"SERVER={SERVER}", line)
+        if client is not None:
+            line = re.sub(r"^I=\S+", f"I={client}", line)
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _port_free(port: int) -> bool:
+    """Nothing listens on ``port`` (a port in TIME_WAIT from an earlier run counts as free, as for uvicorn)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+class Processes:
+    """Background blocks started in their own session; every descendant remembered, stopped by PID."""
+
+    def __init__(self, env: dict[str, str], logs: Path) -> None:
+        self.env, self.logs = env, logs
+        self.known: dict[int, psutil.Process] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, script: str, cwd: Path) -> subprocess.Popen:
+        cwd.mkdir(parents=True, exist_ok=True)
+        log = (self.logs / f"{name}.log").open("w")
+        proc = subprocess.Popen(
+            ["bash", "-e", "-c", script],
+            cwd=cwd,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.known[proc.pid] = psutil.Process(proc.pid)
+        self.procs[name] = proc
+        return proc
+
+    def remember_descendants(self) -> None:
+        for proc in list(self.known.values()):
+            try:
+                for child in proc.children(recursive=True):
+                    self.known[child.pid] = child
+            except psutil.Error:
+                pass
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def wait_for(self, name: str, ready, timeout: float, what: str) -> None:
+        """Poll until ``ready()``; fail at once if the block's process exits."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            self.remember_descendants()
+            if self.procs[name].poll() is not None:
+                code = self.procs[name].returncode
+                pytest.fail(f"{name} exited with {code} before {what}:\n{self.log(name)[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{name}: no {what} within {timeout:.0f} s:\n{self.log(name)[-3000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.remember_descendants()
+        stop_processes(self.known)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection((SERVER, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _foreground(script: str, env: dict[str, str], timeout: float, bg: Processes) -> subprocess.CompletedProcess:
+    """Run a block in the repository root; on timeout its process group is killed."""
+    proc = subprocess.Popen(
+        ["bash", "-e", "-c", script],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    bg.known[proc.pid] = psutil.Process(proc.pid)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"block did not finish in {timeout:.0f} s:\n{script}\n{out[-3000:]}")
+    bg.remember_descendants()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def _final(server_dir: Path) -> bool:
+    configs = list((server_dir / "outputs").glob("*/config.json"))
+    return len(configs) == 1 and "final" in json.loads(configs[0].read_text())
+
+
+def _wait_for_the_run(server_dir: Path, env: dict[str, str], bg: Processes, timeout: float = 180.0) -> None:
+    """Until the run's ``config.json`` has ``final`` or ``flwr ls`` says the run finished.
+
+    ``flwr run --stream`` can return before the run ends: seen once on an overloaded machine, where
+    the SuperLink's SQLite database was locked and the log stream ended. The run may go on.
+    """
+    deadline = time.monotonic() + timeout
+    while not _final(server_dir) and time.monotonic() < deadline:
+        listing = _foreground("flwr ls remote --format json\n", env, 60, bg).stdout
+        runs = json.loads(listing[listing.index("{") :]).get("runs", [])
+        if runs and all(run["status"].startswith("finished") for run in runs):
+            return
+        time.sleep(2)
+
+
+def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
+    blocks = bash_blocks()
+    server_blocks = [b for b in blocks if "flower-superlink " in b]
+    client_blocks = [b for b in blocks if "flower-supernode " in b]
+    run_blocks = [b for b in blocks if "flwr run " in b]
+    assert len(server_blocks) == len(client_blocks) == len(run_blocks) == 1, blocks
+    superlink_port = int(re.search(r"--port (\d+)", server_blocks[0]).group(1))
+    num_clients = int(re.search(r"num-clients=(\d+)", run_blocks[0]).group(1))
+    num_rounds = int(re.search(r"num-rounds=(\d+)", run_blocks[0]).group(1))
+    assert num_rounds <= 5, "the README's example is a smoke test: keep num-rounds small"
+    busy = [p for p in (superlink_port, *(9094 + i for i in range(num_clients))) if not _port_free(p)]
+    assert not busy, f"ports {busy} are in use (another run of this test?): the README's ports must be free"
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(os.environ)
+    env.update(
+        HOME=str(home),
+        FLWR_HOME=str(tmp_path / "flwr_home"),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        PYTHONUNBUFFERED="1",
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+    )
+    bg = Processes(env, tmp_path)
+    server_dir = tmp_path / "server"
+    outputs: list[str] = []
+    try:
+        for block in blocks:
+            if block in server_blocks:
+                bg.start("superlink", as_script(block), server_dir)
+                bg.wait_for("superlink", lambda: _listening(superlink_port), 90, f"listener on {superlink_port}")
+            elif block in client_blocks:
+                for i in range(num_clients):
+                    bg.start(f"supernode-{i}", as_script(block, client=i), tmp_path / f"client-{i}")
+                for i in range(num_clients):
+                    name = f"supernode-{i}"
+                    bg.wait_for(name, lambda name=name: "SuperNode ID" in bg.log(name), 90, "'SuperNode ID' line")
+            else:
+                t0 = time.monotonic()
+                result = _foreground(as_script(block), env, 300 if block in run_blocks else 120, bg)
+                outputs.append(result.stdout)
+                print(f"{time.monotonic() - t0:6.1f} s  {block.splitlines()[-1][:80]}")
+                assert result.returncode == 0, f"{block}\n{result.stdout[-3000:]}"
+                if block in run_blocks:
+                    _wait_for_the_run(server_dir, env, bg)
+        listing = _foreground("flwr supernode list remote --format json\n", env, 60, bg).stdout
+    finally:
+        bg.stop()
+    assert leftover_pids(bg.known) == []
+    # nothing else that mentions this test's folder still runs (e.g. a process that escaped tracking)
+    stray = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.info["pid"] != os.getpid() and str(tmp_path) in " ".join(p.info["cmdline"] or []):
+                stray.append(p.info["pid"])
+        except psutil.Error:
+            pass
+    assert stray == [], stray
+
+    # the run finished: flwr run --stream exits 0 even when the ServerApp raises
+    configs = list((server_dir / "outputs").glob("*/config.json"))
+    assert len(configs) == 1, (configs, bg.log("superlink")[-3000:], outputs[-1][-3000:] if outputs else "")
+    final = json.loads(configs[0].read_text())["final"]
+    assert final["rounds_completed"] == num_rounds, final
+    rows = (configs[0].parent / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 1 + num_rounds  # header, round 0, rounds 1..K
+    # the credentials were written under HOME, not in the clone
+    assert (home / "dpfedavg-creds" / "certificates" / "ca.key").exists()
+    assert not (ROOT / "creds").exists() and not (ROOT / "dpfedavg-creds").exists()
+    # the two SuperNodes were online; the README's "one more client" block registered a third key
+    nodes = json.loads(listing[listing.index("{") :])["nodes"]
+    assert len(nodes) == num_clients + 1, nodes
+    assert sum(node["status"] == "online" for node in nodes) == num_clients, nodes
+
+
+def test_supernode_key_adds_a_client_without_a_new_ca(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    from dpfedavg.deploy.__main__ import main
+
+    key = tmp_path / "keys" / "supernode_2"
+    assert main(["supernode-key", str(key)]) == 0
+    assert key.stat().st_mode & 0o777 == 0o600
+    private = load_ssh_private_key(key.read_bytes(), password=None)
+    public = load_ssh_public_key(key.with_name("supernode_2.pub").read_bytes())
+    assert private.public_key().public_numbers() == public.public_numbers()
+    assert main(["supernode-key", str(key)]) == 2  # never overwrites a key

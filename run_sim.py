@@ -145,7 +145,7 @@ def _check_common(args: argparse.Namespace) -> None:
         from dpfedavg.sweep import SweepError, check_ray_address
 
         try:  # before any data preparation or output folder: one clear error if the cluster is not there
-            check_ray_address(args.ray_address)
+            args.ray_address = check_ray_address(args.ray_address)  # auto -> the address it found
         except SweepError as err:
             _fail(str(err))
 

@@ -23,6 +23,7 @@ import os
 import socket
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -177,13 +178,15 @@ def _write_cell_files(cell: Cell, result: dict) -> None:
 def _run_cells_ray(todo: Sequence[Cell], address: str, bar, failures: dict[str, str]) -> None:
     import ray
 
-    ray.init(
-        address=address,
-        # the driver's dpfedavg goes to every node with the tasks: the nodes run this exact code
-        runtime_env={"py_modules": [str(Path(__file__).resolve().parent)]},
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # Ray's tip about accelerator env vars (no GPU is asked)
+        ray.init(
+            address=address,
+            # the driver's dpfedavg goes to every node with the tasks: the nodes run this exact code
+            runtime_env={"py_modules": [str(Path(__file__).resolve().parent)]},
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
     try:
         run = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES)(_ray_cell)
         pending = {}
@@ -191,7 +194,8 @@ def _run_cells_ray(todo: Sequence[Cell], address: str, bar, failures: dict[str, 
             values = cell.cfg.to_run_config()
             pending[run.remote(values)] = cell
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            # a timeout, so that Ctrl-C reaches Python between waits (a blocking wait ignores it)
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.5)
             for ref in ready:
                 cell = pending.pop(ref)
                 try:

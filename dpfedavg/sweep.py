@@ -152,7 +152,9 @@ def _ray_cell(values: dict) -> dict:
         (directory / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True, default=str))
         if (directory / CHECKPOINT_FILE).exists():
             ckpt = load_checkpoint(directory)
-            save_checkpoint(directory, replace(ckpt, run_config={**ckpt.run_config, "output-dir": values["output-dir"]}))
+            save_checkpoint(
+                directory, replace(ckpt, run_config={**ckpt.run_config, "output-dir": values["output-dir"]})
+            )
         files = {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
     where = {
         "node_id": ray.get_runtime_context().get_node_id(),

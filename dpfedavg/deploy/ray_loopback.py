@@ -71,7 +71,12 @@ class LoopbackRayCluster:
         command = [str(BIN / "ray"), "start", "--block", f"--num-cpus={self.num_cpus}", "--num-gpus=0",
                    f"--temp-dir={temp}", "--disable-usage-stats", *self._ports()]  # fmt: skip
         if head:
-            command += ["--head", f"--port={self.port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}"]
+            command += [
+                "--head",
+                f"--port={self.port}",
+                "--include-dashboard=false",
+                f"--ray-client-server-port={free_port()}",
+            ]
         else:
             command += [f"--address={self.address}"]
         log = (self.root / f"node{index}.log").open("w")

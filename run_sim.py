@@ -7,13 +7,15 @@ synthetic
     The paper's §4.4 experiment (Figures 1-3)::
 
         python run_sim.py synthetic [--C 40 50 100] [--init I1 I2] [--eta 0.0003 0.001 0.003]
-            [--seeds 3] [--rounds 500] [--engine batched|flower] [--jobs N] [--out results/synthetic]
+            [--seeds 3] [--rounds 500] [--engine batched|flower] [--jobs N | --ray-address ADDRESS]
+            [--out results/synthetic]
 
 table1
     The paper's §5 Table 1 protocol on one dataset::
 
         python run_sim.py table1 --dataset fmnist|cifar10|cifar100|digits [--epsilon 5 1.5]
-            [--clip ...] [--lr ...] [--seeds 3] [--rounds 200] [--engine ...] [--jobs N] [--out DIR]
+            [--clip ...] [--lr ...] [--seeds 3] [--rounds 200] [--engine ...] [--jobs N | --ray-address ADDRESS]
+            [--out DIR]
             [--data-dir DIR] [--cache-dir DIR]
 
 privacy
@@ -40,6 +42,9 @@ audit
             [--num-clients 100] [--clients-per-round R] [--dim 200] [--rounds 200]
             [--epsilon 5 | --noise-multiplier Z] [--delta 1e-6] [--clip 50] [--trials 1000]
             [--seed 0] [--confidence 0.95] [--accountant pld|rdp] [--plot roc.png] [--json]
+
+``synthetic`` and ``table1`` with ``--ray-address HOST:PORT`` (or ``auto``) run the cells as tasks on a running
+Ray cluster instead of ``--jobs`` local processes (README: "On a Ray cluster").
 
 Bad flags give one clear error (naming the flag, its value and what is
 allowed) and exit status 2.
@@ -145,6 +150,15 @@ def _check_common(args: argparse.Namespace) -> None:
         _fail(f"--jobs = {args.jobs}: expected an integer >= 1")
     if getattr(args, "engine", "batched") == "flower" and getattr(args, "jobs", 1) > 1:
         _fail("--engine flower runs one cell at a time (each is a full Ray simulation): use --jobs 1")
+    if getattr(args, "ray_address", None) is not None:
+        if args.engine != "batched":
+            _fail("--ray-address runs batched cells as Ray tasks: use --engine batched")
+        from dpfedavg.sweep import SweepError, check_ray_address
+
+        try:  # before any data preparation or output folder: one clear error if the cluster is not there
+            args.ray_address = check_ray_address(args.ray_address)  # auto -> the address it found
+        except SweepError as err:
+            _fail(str(err))
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -182,6 +196,7 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
             engine=args.engine,
             jobs=args.jobs,
             progress=not args.no_progress,
+            ray_address=args.ray_address,
         )
     except SweepError as err:
         _fail(str(err))
@@ -228,11 +243,13 @@ def _cmd_table1(args: argparse.Namespace) -> None:
     except ConfigError as err:
         _fail(_as_flags(str(err), _TABLE1_FLAGS))
     t0 = time.monotonic()
-    print(f"table1 {args.dataset}: {len(cells)} runs, engine {args.engine}, {args.jobs} jobs, results in {out}")
+    where = f"Ray cluster {args.ray_address}" if args.ray_address else f"{args.jobs} jobs"
+    print(f"table1 {args.dataset}: {len(cells)} runs, engine {args.engine}, {where}, results in {out}")
     try:
         outputs = run_table1(
-            out, args.dataset, engine=args.engine, jobs=args.jobs, progress=not args.no_progress, **grid
-        )
+            out, args.dataset, engine=args.engine, jobs=args.jobs, progress=not args.no_progress,
+            ray_address=args.ray_address, **grid,
+        )  # fmt: skip
     except (SweepError, DataUnavailableError, ConfigError) as err:
         _fail(str(err))
     print(f"table1 {args.dataset}: done in {time.monotonic() - t0:.0f} s")
@@ -376,6 +393,13 @@ def _cmd_audit(args: argparse.Namespace) -> None:
 def _add_sweep_flags(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--engine", choices=("batched", "flower"), default="batched", help="default: batched")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cells run in parallel (default: CPUs)")
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="run the cells as tasks on this Ray cluster (HOST:PORT of `ray start --head`, ray://HOST:PORT or auto) "
+        "instead of --jobs local processes",
+    )
     p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="log every run's progress")

@@ -6,6 +6,12 @@ for the same run config is done and is skipped, so a killed sweep continues
 where it stopped and a finished one reruns nothing. Results depend only on
 the cell's config (every random stream derives from its ``seed``), so the
 order and parallelism of execution do not matter.
+
+Cells run in this process (``jobs = 1``), in ``jobs`` local processes, or as
+tasks on a Ray cluster (``ray_address``): there each cell runs in a temporary
+folder of whichever node Ray picks and its result files come back to the
+driver as bytes, so the nodes need no shared file system; the driver writes
+them to ``<out>/runs/<cell key>/`` as a local run would have.
 """
 
 from __future__ import annotations
@@ -13,7 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import os
+import socket
 import tempfile
+import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -21,7 +31,7 @@ from pathlib import Path
 
 from dpfedavg.config import RunConfig
 
-__all__ = ["Cell", "SweepError", "cell_done", "run_cells"]
+__all__ = ["Cell", "SweepError", "cell_done", "check_ray_address", "run_cells"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +84,145 @@ def _run_batched_cell(cfg: RunConfig) -> str:
     return str(run_batched(cfg, threads=1))  # the sweep runs cells in parallel processes instead
 
 
+#: Where a cell ran on a Ray cluster (node id, host, pid, seconds): written beside its results.
+RAY_TASK_FILE = "ray_task.json"
+#: How often Ray reruns a cell whose node or worker process died (a cell's own exception is not retried).
+RAY_MAX_RETRIES = 3
+
+
+def check_ray_address(address: str, timeout: float = 5.0) -> str:
+    """Check that ray imports and ``address`` answers, cheaply, before any work starts.
+
+    ``address`` is ``host:port`` of the head node's GCS (``ray start --head --port``),
+    ``ray://host:port`` (Ray Client) or ``auto`` (``RAY_ADDRESS``, else the cluster
+    that ``ray start`` last started on this machine). Returns the address to pass
+    to ``ray.init``; raises :class:`SweepError` with one line saying what is wrong.
+    """
+    try:
+        import ray  # noqa: F401
+    except ImportError as err:
+        raise SweepError(
+            f"--ray-address needs ray, which does not import here ({err}); "
+            "install it with: pip install 'ray[default]' (flwr[simulation] brings it)"
+        ) from None
+    if address == "auto":
+        from ray._private.services import get_ray_address_from_environment
+
+        try:
+            found = get_ray_address_from_environment("auto", None)
+        except ConnectionError:
+            found = None
+        if not found:
+            raise SweepError(
+                "--ray-address auto: no running Ray cluster found (RAY_ADDRESS is unset and `ray start` "
+                "started none on this machine); pass the head's HOST:PORT"
+            )
+        address = found
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise SweepError(f"--ray-address = {address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as err:
+        raise SweepError(
+            f"--ray-address {address}: nothing answers there ({err}); start the head with "
+            f"`ray start --head --port {port}` or pass the address `ray start` printed"
+        ) from None
+    return address
+
+
+def _ray_cell(values: dict) -> dict:
+    """A Ray task: run one cell in a temporary folder on this node; return its files as bytes."""
+    from dataclasses import replace
+
+    import ray
+
+    from dpfedavg.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+
+    _quiet_worker()
+    t0 = time.monotonic()
+    cfg = RunConfig.from_run_config(values)
+    with tempfile.TemporaryDirectory(prefix="dpfedavg-cell-") as tmp:
+        directory = Path(_run_batched_cell(cfg.replace(output_dir=tmp)))
+        # config.json and the checkpoint name the run's output-dir: the driver's, as a local run writes it
+        saved = json.loads((directory / "config.json").read_text())
+        saved["run_config"]["output-dir"] = values["output-dir"]
+        (directory / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True, default=str))
+        if (directory / CHECKPOINT_FILE).exists():
+            ckpt = load_checkpoint(directory)
+            save_checkpoint(
+                directory, replace(ckpt, run_config={**ckpt.run_config, "output-dir": values["output-dir"]})
+            )
+        files = {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+    where = {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "seconds": time.monotonic() - t0,
+    }
+    return {"files": files, "where": where}
+
+
+def _write_cell_files(cell: Cell, result: dict) -> None:
+    """Write a Ray cell's files; config.json last, so a cell counts as done only when all its files are there."""
+    from dpfedavg.results import atomic_write_bytes
+
+    directory = cell.directory
+    directory.mkdir(parents=True, exist_ok=True)
+    files = result["files"]
+    for name in sorted(files, key=lambda n: n == "config.json"):
+        atomic_write_bytes(directory / name, files[name])
+    (directory / RAY_TASK_FILE).write_text(json.dumps(result["where"], indent=2) + "\n")
+
+
+def _run_cells_ray(todo: Sequence[Cell], address: str, bar, failures: dict[str, str]) -> None:
+    import ray
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # Ray's tip about accelerator env vars (no GPU is asked)
+        ray.init(
+            address=address,
+            # the driver's dpfedavg goes to every node with the tasks: the nodes run this exact code
+            runtime_env={"py_modules": [str(Path(__file__).resolve().parent)]},
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+    try:
+        run = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES)(_ray_cell)
+        pending = {}
+        for cell in todo:
+            values = cell.cfg.to_run_config()
+            pending[run.remote(values)] = cell
+        while pending:
+            # a timeout, so that Ctrl-C reaches Python between waits (a blocking wait ignores it)
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.5)
+            for ref in ready:
+                cell = pending.pop(ref)
+                try:
+                    _write_cell_files(cell, ray.get(ref))
+                except Exception as err:  # noqa: BLE001 - reported per cell
+                    failures[cell.key] = f"{type(err).__name__}: {str(err).strip().splitlines()[-1]}"
+                bar.update()
+    finally:
+        ray.shutdown()
+
+
 def run_cells(
-    cells: Sequence[Cell], *, engine: str = "batched", jobs: int = 1, progress: bool = True, desc: str = "cells"
+    cells: Sequence[Cell],
+    *,
+    engine: str = "batched",
+    jobs: int = 1,
+    progress: bool = True,
+    desc: str = "cells",
+    ray_address: str | None = None,
 ) -> list[Path]:
     """Run the cells that are not done yet; returns every cell's run directory.
+
+    With ``ray_address`` (see :func:`check_ray_address`) the batched cells run as
+    Ray tasks on that cluster, one CPU each (``jobs`` is then unused); a task
+    whose node dies is rerun elsewhere up to :data:`RAY_MAX_RETRIES` times.
 
     Raises
     ------
@@ -94,7 +239,11 @@ def run_cells(
         logger.info("%d of %d cells already done (resuming)", len(cells) - len(todo), len(cells))
     failures: dict[str, str] = {}
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell", disable=not progress)
-    if engine == "batched" and jobs > 1 and len(todo) > 1:
+    if ray_address is not None and engine != "batched":
+        raise ValueError(f"a Ray cluster runs batched cells only, not engine {engine!r}")
+    if engine == "batched" and ray_address is not None and todo:
+        _run_cells_ray(todo, check_ray_address(ray_address), bar, failures)
+    elif engine == "batched" and jobs > 1 and len(todo) > 1:
         context = multiprocessing.get_context("spawn")  # no fork of a process with BLAS threads
         with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_quiet_worker) as pool:
             futures = {pool.submit(_run_batched_cell, c.cfg): c for c in todo}

@@ -142,6 +142,9 @@ def test_run_sim_table1_digits_small_grid(tmp_path: Path) -> None:
         (["synthetic", "--seeds", "0"], "--seeds = 0"),
         (["table1", "--dataset", "digits", "--lr", "-0.1"], "--lr = -0.1"),
         (["table1", "--dataset", "digits", "--engine", "flower", "--jobs", "2"], "--jobs 1"),
+        (["synthetic", "--ray-address", "127.0.0.1:1"], "--ray-address 127.0.0.1:1: nothing answers there"),
+        (["table1", "--dataset", "digits", "--ray-address", "headnode"], "expected HOST:PORT"),
+        (["synthetic", "--engine", "flower", "--jobs", "1", "--ray-address", "auto"], "--engine batched"),
     ],
 )
 def test_run_sim_rejects_bad_flags_before_running(args: list[str], fragment: str, tmp_path: Path) -> None:
@@ -149,6 +152,14 @@ def test_run_sim_rejects_bad_flags_before_running(args: list[str], fragment: str
     assert result.returncode == 2 and fragment in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "x" / "runs").exists()
+
+
+def test_ray_address_without_ray_is_one_clear_error(monkeypatch) -> None:
+    from dpfedavg.sweep import SweepError, check_ray_address
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(SweepError, match="--ray-address needs ray"):
+        check_ray_address("127.0.0.1:6379")
 
 
 def test_table1_markdown_layout_has_the_paper_beside_ours() -> None:

@@ -2,7 +2,8 @@
 
 The SuperLink is started here (the same command `flwr run` would use for its
 managed local SuperLink) on free ports, with its own ``FLWR_HOME`` and a short
-``RAY_TMPDIR``, so it never touches a user's SuperLink. `flwr run` finds it
+``RAY_TMPDIR``, so it never touches a user's SuperLink (``ray_address``: its
+simulations run on that Ray cluster instead of a local Ray). `flwr run` finds it
 through ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``. :meth:`LocalSuperLink.stop`
 stops every process it started (SuperLink, SuperExec, simulation, Ray) by PID.
 Used by the Flower engine of ``run_sim.py``, the end-to-end tests and the
@@ -61,7 +62,9 @@ def leftover_pids(known: dict[int, psutil.Process]) -> list[int]:
 class LocalSuperLink:
     """A private simulation SuperLink for tests."""
 
-    def __init__(self, workdir: Path, *, runtime_dependency_install: bool = False) -> None:
+    def __init__(
+        self, workdir: Path, *, runtime_dependency_install: bool = False, ray_address: str | None = None
+    ) -> None:
         if not (ROOT / "pyproject.toml").exists():
             raise RuntimeError(f"the Flower engine needs the dpfedavg source checkout; no pyproject.toml in {ROOT}")
         self.workdir = Path(workdir)
@@ -83,6 +86,11 @@ class LocalSuperLink:
         )
         if not runtime_dependency_install:
             self.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+        # The simulation's ray.init() attaches to RAY_ADDRESS when it is set (Flower 1.41 has no
+        # federation option for it); unset, it starts a private local Ray as before.
+        self.env.pop("RAY_ADDRESS", None)
+        if ray_address is not None:
+            self.env["RAY_ADDRESS"] = ray_address
         self.log_path = self.home / "superlink.log"
         self.process: subprocess.Popen | None = None
         self._known: dict[int, psutil.Process] = {}

@@ -269,14 +269,15 @@ def run_synthetic(
     jobs: int = 1,
     snr_eta: float | None = None,
     progress: bool = True,
+    ray_address: str | None = None,
 ) -> dict[str, Path]:
-    """Run (or resume) the grid, then write the CSV, the figures and the summary."""
+    """Run (or resume) the grid (on a Ray cluster with ``ray_address``), then write the CSV, figures and summary."""
     from dpfedavg.privacy.accounting import plan_privacy
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cells = synthetic_cells(out, clips=clips, inits=inits, etas=etas, seeds=seeds, rounds=rounds)
-    run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc="synthetic")
+    run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc="synthetic", ray_address=ray_address)
     z = plan_privacy(cells[0].cfg).noise_multiplier
     rows = collect(cells, out / "synthetic.csv")
     snr_eta = snr_eta if snr_eta is not None else sorted(etas)[len(etas) // 2]

@@ -182,8 +182,13 @@ def run_table1(
     data_dir: str = "",
     cache_dir: str = "",
     progress: bool = True,
+    ray_address: str | None = None,
 ) -> dict[str, Path]:
-    """Run (or resume) the grid for ``dataset``; write ``table1.csv`` and ``table1.md``."""
+    """Run (or resume) the grid for ``dataset`` (on a Ray cluster with ``ray_address``); write the CSV and table.
+
+    On a cluster every node prepares the data for itself, from its own ``data_dir``
+    and ``cache_dir`` (the same paths on every node; see the README).
+    """
     from dpfedavg.config import RunConfig
     from dpfedavg.tasks import build_task
 
@@ -200,7 +205,7 @@ def run_table1(
     )  # fmt: skip
     for seed in range(seeds):
         _ = build_task(prep.replace(seed=seed)).partition
-    run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc=f"table1 {dataset}")
+    run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc=f"table1 {dataset}", ray_address=ray_address)
     rows = collect(cells, dataset, out / "table1.csv")
     (out / "table1.md").write_text(markdown(dataset, best_settings(rows), epsilons, rounds))
     return {"csv": out / "table1.csv", "table": out / "table1.md"}

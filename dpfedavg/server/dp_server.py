@@ -8,9 +8,11 @@ two halves:
   privacy budget, keep ``w_{k~}`` by reservoir sampling (line 13), and say what
   the sampled clients must do (:class:`RoundInstructions`);
 * :meth:`DPServer.finish_round`: sum the clients' ``g + zeta`` (in client-id
-  order), add the server's noise for ``noise-placement = server``, divide by the
-  fixed ``r`` (line 12), apply momentum and ``beta_k``, and charge the
-  accountant with the noise the round actually carried.
+  order), add the server's share of the noise (all of it for ``server``
+  placement, the missing replies' share otherwise: the sum always carries
+  ``N(0, (zC)^2 I)``, see :mod:`dpfedavg.core.mechanism`), divide by the fixed
+  ``r`` (line 12), apply momentum and ``beta_k``, and charge the accountant the
+  round's (nominal) event.
 
 The Flower strategy (:class:`~dpfedavg.strategies.DPFedAvg`) and the batched
 engine (:mod:`dpfedavg.engines.batched`) both drive this class, so the two
@@ -27,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from dpfedavg.config import RunConfig
+from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import (
     SECURE_NOISE_SEED,
     SecAggGrid,
@@ -44,6 +46,7 @@ from dpfedavg.core import (
     server_lr_at,
 )
 from dpfedavg.core.mechanism import get_placement
+from dpfedavg.core.secagg import ddg_tau
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
 
@@ -76,9 +79,6 @@ def check_secure_aggregation(server: DPServer) -> None:
     ConfigError
         Naming the key, the resulting tau or delta, and the allowed range.
     """
-    from dpfedavg.config import ConfigError
-    from dpfedavg.core.secagg import SecAggGrid, ddg_tau
-
     cfg, plan, d = server.cfg, server.plan, server.dim
     z, n = plan.noise_multiplier, cfg.num_clients
     epsilon = plan.target_epsilon if plan.calibrated else plan.nominal_epsilon

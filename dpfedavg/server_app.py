@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from dpfedavg.config import ConfigError, RunConfig
@@ -35,13 +35,8 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
     session = RunSession(cfg, task, strategy.server, run_id, engine="flower")
 
     w_start, first_round = session.begin(w0)
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        metrics = session.end_round(server_round, from_array_record(arrays))
-        return MetricRecord(metrics) if metrics else None
-
     result = strategy.start(
-        grid=grid, initial_arrays=to_array_record(w_start), evaluate_fn=evaluate_fn, first_round=first_round
+        grid=grid, initial_arrays=to_array_record(w_start), first_round=first_round, on_round_end=session.end_round
     )
     w_final = from_array_record(result.arrays) if result.arrays is not None else w_start
     session.description["timing"] = timing_summary(strategy)

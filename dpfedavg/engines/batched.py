@@ -155,8 +155,6 @@ def run_batched(
         on_round(0, w)
 
     def record(server_round: int, w_new: Vector) -> None:
-        if server.accountant is not None and server_round == cfg.num_rounds:
-            server.history[server_round].epsilon = server.epsilon  # computed once, at the end (it is costly)
         session.end_round(server_round, w_new)
         if on_round is not None:
             on_round(server_round, w_new)

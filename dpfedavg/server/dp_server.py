@@ -181,8 +181,9 @@ class DPServer:
         ``cfg`` when omitted.
     epsilon_each_round:
         Compute the epsilon spent after every round (the ``epsilon`` column).
-        The batched engine turns it off for speed and reads :attr:`epsilon`
-        when it needs it; the composition itself is never skipped.
+        The batched engine turns it off for speed: then only the last round's
+        is computed (and :attr:`epsilon` on demand); the composition itself is
+        never skipped.
     """
 
     def __init__(
@@ -449,7 +450,7 @@ class DPServer:
             event = self.round_event(stats.num_sampled, stats.num_received)
             stats.noise_multiplier = event.z if event.z is not None else float("nan")
             self.accountant.add(event)
-            if self.epsilon_each_round:
+            if self.epsilon_each_round or server_round == self.cfg.num_rounds:  # the last round's, always
                 stats.epsilon = self.accountant.epsilon
         else:
             stats.noise_multiplier, stats.epsilon = 0.0, float("inf")

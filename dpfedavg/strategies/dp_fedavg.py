@@ -205,6 +205,7 @@ class DPFedAvg(FedAvg):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         *,
         first_round: int = 1,
+        on_round_end: Callable[[int, Vector], object] | None = None,
     ) -> Result:
         """Discover the clients, then run rounds ``first_round .. K`` through :func:`dpfedavg.server.loop.run_rounds`.
 
@@ -212,9 +213,10 @@ class DPFedAvg(FedAvg):
         two clients), with :class:`FlowerRunner` reaching the clients: configure_train's messages,
         ``grid.send_and_receive`` with the round timeout, aggregate_train; or Flower's SecAgg+ workflow
         (:mod:`.secure_aggregation`), in which the server gets the sum of the sampled clients' updates,
-        never one of them. No client-side evaluation. ``evaluate_fn(k, w_k)`` is called after every
-        round (not for round 0: the caller records the initial model); ``first_round > 1`` continues a
-        resumed run.
+        never one of them. No client-side evaluation. ``evaluate_fn(k, arrays)`` (Flower's server-side
+        evaluation) and then ``on_round_end(k, w_k)`` (recording: metrics.csv, checkpoint) are called
+        after every round (not for round 0: the caller records the initial model); ``first_round > 1``
+        continues a resumed run.
 
         If the privacy budget (``max-epsilon``) would be exceeded by the next round, the loop stops
         before that round and the result holds the last model; :attr:`stopped_before_round` says which
@@ -241,6 +243,8 @@ class DPFedAvg(FedAvg):
                 metrics = evaluate_fn(server_round, arrays)
                 if metrics is not None:
                     result.evaluate_metrics_serverapp[server_round] = metrics
+            if on_round_end is not None:
+                on_round_end(server_round, w)
             self.timings[server_round] = {
                 **runner.timings.pop(server_round, dict.fromkeys(FlowerRunner.PHASES, 0.0)),
                 "evaluate_and_record_s": time.perf_counter() - clock,

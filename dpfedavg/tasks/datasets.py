@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfedavg.tasks.errors import DataUnavailableError
+
 __all__ = [
     "DATASETS",
     "DataUnavailableError",
@@ -43,13 +45,11 @@ __all__ = [
     "default_cache_dir",
     "prepare_dataset",
     "read_idx",
+    "locked",
+    "save_npy",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class DataUnavailableError(RuntimeError):
-    """A dataset (or the feature extractor's weights) could not be found or downloaded."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def _features_key(spec: DatasetSpec, image_size: int) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -120,7 +120,7 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _save_npy(path: Path, array: np.ndarray) -> None:
+def save_npy(path: Path, array: np.ndarray) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("wb") as fh:
         np.save(fh, array)
@@ -159,17 +159,17 @@ def prepare_dataset(
     meta_path = directory / "meta.json"
     if meta_path.exists():
         return _load(directory, spec.num_classes)
-    with _locked(cache_root / name / ".lock"):
+    with locked(cache_root / name / ".lock"):
         if meta_path.exists():  # another process prepared it while we waited
             return _load(directory, spec.num_classes)
         raw = _load_raw(spec, Path(data_dir).expanduser() if data_dir else None)
         logger.info("Preparing %s from %s into %s", name, raw.source, directory)
         directory.mkdir(parents=True, exist_ok=True)
         train_x, test_x = _to_features(spec, raw, image_size=image_size, device=device, weights_dir=data_dir)
-        _save_npy(directory / "train_x.npy", train_x)
-        _save_npy(directory / "train_y.npy", raw.train_y.astype(np.int64))
-        _save_npy(directory / "test_x.npy", test_x)
-        _save_npy(directory / "test_y.npy", raw.test_y.astype(np.int64))
+        save_npy(directory / "train_x.npy", train_x)
+        save_npy(directory / "train_y.npy", raw.train_y.astype(np.int64))
+        save_npy(directory / "test_x.npy", test_x)
+        save_npy(directory / "test_y.npy", raw.test_y.astype(np.int64))
         meta = {
             "dataset": name,
             "source": raw.source,

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from dpfedavg.tasks.errors import DataUnavailableError
+
 __all__ = ["WEIGHTS_FILE", "WEIGHTS_URL", "extract_features", "load_resnet18", "resnet18"]
 
 logger = logging.getLogger(__name__)
@@ -36,8 +38,6 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as err:
-        from dpfedavg.tasks.datasets import DataUnavailableError
-
         raise DataUnavailableError(
             "the CIFAR tasks need torch for the ResNet-18 features: pip install -e '.[torch]' (torch==2.13.0)"
         ) from err
@@ -117,8 +117,6 @@ def load_resnet18(pretrained: bool = True, weights_dir: str | Path | None = None
                     WEIGHTS_URL, map_location="cpu", progress=True, check_hash=True
                 )
             except Exception as err:  # noqa: BLE001 - any download failure gets the one message below
-                from dpfedavg.tasks.datasets import DataUnavailableError
-
                 hub = Path(torch.hub.get_dir()) / "checkpoints"
                 raise DataUnavailableError(
                     f"the ImageNet ResNet-18 weights are not available ({type(err).__name__}: {err}); download "

@@ -21,7 +21,7 @@ import numpy as np
 
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
-from dpfedavg.tasks.datasets import DATASETS, PreparedData, _locked, _save_npy, prepare_dataset
+from dpfedavg.tasks.datasets import DATASETS, PreparedData, locked, prepare_dataset, save_npy
 from dpfedavg.tasks.partition import paper_shard_partition
 
 __all__ = ["LogisticTask", "softmax_cross_entropy"]
@@ -102,13 +102,13 @@ class LogisticTask:
         directory: Path = self.data.directory
         path = directory / f"partition-n{self.num_clients}-seed{self.cfg.seed}.npy"
         if not path.exists():
-            with _locked(directory / ".partition.lock"):
+            with locked(directory / ".partition.lock"):
                 if not path.exists():
                     try:
                         split = paper_shard_partition(self.data.train_y, self.num_clients, self.cfg.seed)
                     except ValueError as err:
                         raise ConfigError(f"invalid run config: 'num-clients' = {self.num_clients}: {err}") from None
-                    _save_npy(path, split)
+                    save_npy(path, split)
         return np.load(path, mmap_mode="r")
 
     @property

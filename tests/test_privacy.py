@@ -487,3 +487,22 @@ def test_reported_epsilon_is_the_true_privacy_loss_of_each_placement(n, dim, rou
 def test_the_server_core_and_the_batched_engine_import_no_flower() -> None:
     code = "import sys, dpfedavg.engines.batched, dpfedavg.server, dpfedavg.privacy; assert 'flwr' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_secure_mode_draws_the_random_iterate_from_the_os_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """begin_round's two secret draws (S_k and the reservoir step for k~) come from secure_rng, not the seed."""
+    import dpfedavg.server.dp_server as dp_server
+
+    calls: list[int] = []
+
+    def counting_secure_rng() -> np.random.Generator:
+        calls.append(1)
+        return np.random.default_rng(len(calls))
+
+    monkeypatch.setattr(dp_server, "secure_rng", counting_secure_rng)
+    server = DPServer(RunConfig.from_run_config({"num-clients": 10, "clients-per-round": 5.0, "secure-noise": True}), 4)
+    server.begin_round(1, np.zeros(4))
+    assert len(calls) == 2  # sampling and k~
+    seeded = DPServer(RunConfig.from_run_config({"num-clients": 10, "clients-per-round": 5.0}), 4)
+    seeded.begin_round(1, np.zeros(4))
+    assert len(calls) == 2  # the seeded run never asks the OS

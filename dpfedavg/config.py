@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dpfedavg.core.dp import ALGORITHMS, get_bound
 from dpfedavg.core.mechanism import PLACEMENTS
-from dpfedavg.core.types import ALGORITHMS
 
 __all__ = [
     "ACCOUNTANTS",
@@ -316,7 +316,7 @@ class RunConfig:
                 f"'secure-aggregation' = True with 'noise-placement' = {self.noise_placement!r}: the server only sees "
                 "the sum, so the clients must add the noise; allowed: 'client', 'client-calibrated'"
             )
-        if self.algorithm not in ("clip", "norm"):
+        if not get_bound(self.algorithm).private:
             errors.append(
                 f"'secure-aggregation' = True with 'algorithm' = {self.algorithm!r}: the quantization range comes "
                 "from the bound ||g|| <= C; allowed: 'clip', 'norm'"

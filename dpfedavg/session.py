@@ -28,6 +28,7 @@ from dpfedavg.checkpoint import (
 )
 from dpfedavg.config import RunConfig
 from dpfedavg.core import server_noise_std
+from dpfedavg.core.dp import get_bound
 from dpfedavg.core.mechanism import get_placement
 from dpfedavg.core.secagg import ddg_tau, quantization_error_bound
 from dpfedavg.core.types import Vector
@@ -243,8 +244,8 @@ class RunSession:
         else:
             logger.warning(
                 "NO DIFFERENTIAL PRIVACY: %s",
-                "algorithm='none' (epsilon, delta and noise-multiplier are not used)"
-                if cfg.algorithm == "none"
+                f"algorithm={cfg.algorithm!r} (epsilon, delta and noise-multiplier are not used)"
+                if not get_bound(cfg.algorithm).private
                 else "noise multiplier 0 (updates are clipped/normalized but not noised; epsilon is infinite)",
             )
 

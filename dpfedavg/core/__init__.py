@@ -5,10 +5,14 @@ call these functions.
 """
 
 from dpfedavg.core.dp import (
+    ALGORITHMS,
+    BOUNDS,
+    SensitivityBound,
     bound_sensitivity,
     client_noise_std,
     clip,
     gaussian_noise,
+    get_bound,
     normalize,
     server_noise_std,
 )
@@ -33,10 +37,13 @@ from dpfedavg.core.server import (
     poisson_sample,
     server_lr_at,
 )
-from dpfedavg.core.types import ALGORITHMS, Algorithm, GradFn, Vector
+from dpfedavg.core.types import Algorithm, GradFn, Vector
 
 __all__ = [
     "ALGORITHMS",
+    "BOUNDS",
+    "SensitivityBound",
+    "get_bound",
     "SECURE_NOISE_SEED",
     "Algorithm",
     "ClientUpdate",

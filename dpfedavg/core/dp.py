@@ -6,11 +6,18 @@ tests) calls these functions so the math lives in exactly one place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 from dpfedavg.core.types import Algorithm, Vector
 
 __all__ = [
+    "ALGORITHMS",
+    "BOUNDS",
+    "SensitivityBound",
+    "get_bound",
     "clip",
     "normalize",
     "bound_sensitivity",
@@ -58,15 +65,56 @@ def normalize(u: Vector, c: float) -> Vector:
     return u * scale
 
 
+@dataclass(frozen=True)
+class SensitivityBound:
+    """How an algorithm bounds a client's update before noise (Alg. 1 / Alg. 2 line 9).
+
+    Attributes
+    ----------
+    name:
+        The ``algorithm`` key's value.
+    apply:
+        ``(u, C) -> g``, row-wise for a block of clients.
+    private:
+        ``True`` when ``||g|| <= C`` for every ``u``: the sum then has sensitivity ``C`` and the run is
+        differentially private with noise; ``False`` (``none``) means no DP.
+    title:
+        How logs name the algorithm.
+    """
+
+    name: str
+    apply: Callable[[Vector, float], Vector]
+    private: bool
+    title: str
+
+
+def _identity(u: Vector, c: float) -> Vector:
+    return np.array(u, copy=True)
+
+
+#: The algorithms (``algorithm`` key): adding one is one entry here.
+BOUNDS: dict[str, SensitivityBound] = {
+    b.name: b
+    for b in (
+        SensitivityBound("clip", clip, True, "DP-FedAvg (clipping, Alg. 1)"),
+        SensitivityBound("norm", normalize, True, "DP-NormFedAvg (Alg. 2)"),
+        SensitivityBound("none", _identity, False, "FedAvg (no DP)"),
+    )
+}
+ALGORITHMS: tuple[str, ...] = tuple(BOUNDS)
+
+
+def get_bound(algorithm: str) -> SensitivityBound:
+    """The :class:`SensitivityBound` of ``algorithm``; ``ValueError`` naming the allowed ones."""
+    try:
+        return BOUNDS[algorithm]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {', '.join(map(repr, BOUNDS))}") from None
+
+
 def bound_sensitivity(u: Vector, algorithm: Algorithm, c: float) -> Vector:
-    """Return ``g`` for the given algorithm: ``clip``, ``norm`` or ``none`` (``g = u``); row-wise for 2-D ``u``."""
-    if algorithm == "clip":
-        return clip(u, c)
-    if algorithm == "norm":
-        return normalize(u, c)
-    if algorithm == "none":
-        return u.copy()
-    raise ValueError(f"unknown algorithm {algorithm!r}; allowed: 'clip', 'norm', 'none'")
+    """Return ``g`` for the given algorithm (:data:`BOUNDS`): ``clip``, ``norm`` or ``none`` (``g = u``)."""
+    return get_bound(algorithm).apply(u, c)
 
 
 def gaussian_noise(dim: int, std: float, rng: np.random.Generator, dtype: np.dtype | type = np.float64) -> Vector:

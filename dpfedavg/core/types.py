@@ -20,8 +20,6 @@ BatchUpdateFn = Callable[[Vector, float, int], np.ndarray]
 #: ``clip`` = DP-FedAvg (Alg. 1), ``norm`` = DP-NormFedAvg (Alg. 2), ``none`` = FedAvg, no DP.
 Algorithm = Literal["clip", "norm", "none"]
 
-ALGORITHMS: tuple[str, ...] = ("clip", "norm", "none")
-
 
 @dataclass(frozen=True)
 class RoundInstructions:

@@ -37,6 +37,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfedavg.config import ACCOUNTANTS, NOISE_PLACEMENTS, ConfigError, RunConfig
+from dpfedavg.core.dp import get_bound
 from dpfedavg.core.mechanism import get_placement
 
 __all__ = [
@@ -340,7 +341,7 @@ def plan_privacy(cfg: RunConfig) -> PrivacyPlan:
     """
     q = cfg.sampling_rate
     max_eps = cfg.max_epsilon if cfg.max_epsilon > 0 else None
-    if cfg.algorithm == "none":
+    if not get_bound(cfg.algorithm).private:
         z, calibrated = 0.0, False
     elif cfg.epsilon > 0:
         z, calibrated = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, q, cfg.num_rounds, cfg.accountant), True

@@ -30,6 +30,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
 from dpfedavg.config import RunConfig
+from dpfedavg.core.dp import get_bound
 from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan
 from dpfedavg.protocol import (
@@ -123,8 +124,7 @@ class DPFedAvg(FedAvg):
     def summary(self) -> None:
         """Log the DP configuration (called by ``Strategy.start``)."""
         cfg, plan = self.cfg, self.plan
-        name = {"clip": "DP-FedAvg (clipping, Alg. 1)", "norm": "DP-NormFedAvg (Alg. 2)", "none": "FedAvg (no DP)"}
-        logger.info("\t├── Algorithm: %s", name[cfg.algorithm])
+        logger.info("\t├── Algorithm: %s", get_bound(cfg.algorithm).title)
         logger.info(
             "\t├── Poisson sampling: n=%d, r=%g, q=%.4g; aggregation divides by r",
             cfg.num_clients,
@@ -356,7 +356,7 @@ class DPFedAvg(FedAvg):
         if src in self._replied:
             raise ValueError(f"second reply from node {src} in this round")
         self._replied.add(src)
-        bound = self.cfg.clip if self.cfg.algorithm != "none" else float("inf")
+        bound = self.cfg.clip if get_bound(self.cfg.algorithm).private else float("inf")
         update, norm, clean = parse_train_reply(msg.content, self.dim, diagnostics=self.cfg.diagnostics, clip=bound)
         return ClientResult(self._sampled[src], update, norm, clean)
 

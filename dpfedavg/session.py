@@ -30,11 +30,11 @@ from dpfedavg.config import RunConfig
 from dpfedavg.core import server_noise_std
 from dpfedavg.core.dp import get_bound
 from dpfedavg.core.mechanism import get_placement
-from dpfedavg.core.secagg import ddg_tau, quantization_error_bound
+from dpfedavg.core.secagg import quantization_error_bound
 from dpfedavg.core.types import Vector
 from dpfedavg.privacy.accounting import PrivacyPlan
 from dpfedavg.results import RunRecorder, package_versions
-from dpfedavg.server.dp_server import DPServer, RoundStats
+from dpfedavg.server.dp_server import DPServer, RoundStats, secagg_privacy_terms
 from dpfedavg.tasks import Task
 
 __all__ = ["RunSession", "describe_privacy", "guarantee", "released_metric_names", "run_directory"]
@@ -135,16 +135,14 @@ def describe_secure_aggregation(server: DPServer) -> dict[str, Any]:
     client that could be sampled in every round (``K n d``, each at most
     ``2 exp(-k^2/2)``); the run's guarantee is then
     ``(epsilon, delta + (1 + e^epsilon) p)``. ``ddg_tau`` is the distance of
-    the summed discrete Gaussians from a discrete Gaussian (at ``N = n``).
+    the summed discrete Gaussians from a discrete Gaussian (at ``|S_k| = n``, the
+    worst case). The same terms decide :func:`~dpfedavg.server.dp_server.check_secure_aggregation`.
     """
     cfg, plan, d = server.cfg, server.plan, server.dim
     r = max(1, round(cfg.clients_per_round))
-    client_std = server.noise_stds(r)[0]
     grid = server.secagg_grid(r)
     assert grid is not None  # secure-aggregation is on
-    per_coordinate = 2.0 * math.exp(-(cfg.secagg_clip_stds**2) / 2) if client_std > 0 else 0.0
-    p_clip = min(1.0, cfg.num_rounds * cfg.num_clients * d * per_coordinate)
-    epsilon = plan.target_epsilon if plan.calibrated else plan.nominal_epsilon
+    terms = secagg_privacy_terms(server)
     return {
         "protocol": "SecAgg+ (Flower SecAggPlusWorkflow / secaggplus_mod)",
         "num_shares": cfg.secagg_num_shares,
@@ -155,9 +153,9 @@ def describe_secure_aggregation(server: DPServer) -> dict[str, Any]:
         "modulus": grid.modulus,
         "max_clients_per_round": grid.max_participants,
         "quantization_error_bound_of_sum_at_r": quantization_error_bound(grid, r, d),
-        "clip_probability_bound": p_clip,
-        "delta_including_clipping": plan.delta + (1 + math.exp(min(epsilon, 700.0))) * p_clip if plan.dp else None,
-        "ddg_tau": ddg_tau(client_std / grid.step, cfg.num_clients) if client_std > 0 else 0.0,
+        "clip_probability_bound": terms.clip_probability,
+        "delta_including_clipping": terms.delta_including_clipping if plan.dp else None,
+        "ddg_tau": terms.tau,
     }
 
 

@@ -50,6 +50,8 @@ from dpfedavg.core.types import Vector
 
 __all__ = [
     "SecAggGrid",
+    "SecAggPrivacyTerms",
+    "privacy_terms",
     "conditional_round",
     "ddg_tau",
     "discrete_gaussian",
@@ -207,3 +209,51 @@ def encode(g: Vector, grid: SecAggGrid, clip: float, noise_std: float, rng: np.r
     if clipped:
         y = np.clip(y, -grid.clipping_range, grid.clipping_range)
     return y, clipped
+
+
+@dataclass(frozen=True)
+class SecAggPrivacyTerms:
+    """What the encoding adds to a run's ``(epsilon, delta)`` (the discrete Gaussian's side of the accounting).
+
+    Attributes
+    ----------
+    tau:
+        Kairouz et al. 2021, Prop. 14, at the worst case ``|S_k| = n`` (the smallest per-client std).
+    tau_slack:
+        ``tau sqrt(d) z``: how much the concentrated-DP epsilon ``1/z`` the accountant assumes can grow
+        (Kairouz et al. 2021, Thm. 1), relative to ``1/z``.
+    clip_probability:
+        Union bound ``p`` on any of the ``K n d`` coordinates being clipped to ``[-c, c]``.
+    delta_including_clipping:
+        ``delta + (1 + e^epsilon) p``: the run's delta once clipping is counted.
+    """
+
+    tau: float
+    tau_slack: float
+    clip_probability: float
+    delta_including_clipping: float
+
+
+def privacy_terms(
+    *,
+    clip: float,
+    noise_multiplier: float,
+    std_at_n: float,
+    clip_stds: float,
+    bits: int,
+    modulus_bits: int,
+    num_clients: int,
+    dim: int,
+    rounds: int,
+    epsilon: float,
+    delta: float,
+) -> SecAggPrivacyTerms:
+    """The :class:`SecAggPrivacyTerms` of a run; ``std_at_n`` is a client's noise std when all ``n`` are sampled."""
+    if std_at_n <= 0:
+        return SecAggPrivacyTerms(0.0, 0.0, 0.0, delta)
+    grid = SecAggGrid.for_round(clip, std_at_n, clip_stds, bits, max(modulus_bits, bits + 1))
+    tau = ddg_tau(std_at_n / grid.step, num_clients)
+    per_coordinate = 2.0 * math.exp(-(clip_stds**2) / 2)
+    p_clip = min(1.0, rounds * num_clients * dim * per_coordinate)
+    extra = (1 + math.exp(min(epsilon, 700.0))) * p_clip
+    return SecAggPrivacyTerms(tau, tau * math.sqrt(dim) * noise_multiplier, p_clip, delta + extra)

@@ -22,7 +22,6 @@ engines run the same server math.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -46,7 +45,7 @@ from dpfedavg.core import (
     server_lr_at,
 )
 from dpfedavg.core.mechanism import get_placement
-from dpfedavg.core.secagg import ddg_tau
+from dpfedavg.core.secagg import SecAggPrivacyTerms, privacy_terms
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
 
@@ -60,6 +59,26 @@ logger = logging.getLogger(__name__)
 #: concentrated-DP epsilon ``1/z``) relative to ``1/z``, and the clipping slack ``(1 + e^eps) p`` relative to delta.
 SECAGG_MAX_TAU_SLACK = 1e-6
 SECAGG_MAX_DELTA_SLACK = 1e-3
+
+
+def secagg_privacy_terms(
+    server: DPServer, bits: int | None = None, clip_stds: float | None = None
+) -> SecAggPrivacyTerms:
+    """:func:`dpfedavg.core.secagg.privacy_terms` of this run (or with other ``bits`` / ``clip_stds``)."""
+    cfg, plan = server.cfg, server.plan
+    return privacy_terms(
+        clip=cfg.clip,
+        noise_multiplier=plan.noise_multiplier,
+        std_at_n=server.placement.client_std(plan.noise_multiplier, cfg.clip, cfg.clients_per_round, cfg.num_clients),
+        clip_stds=cfg.secagg_clip_stds if clip_stds is None else clip_stds,
+        bits=cfg.secagg_quantization_bits if bits is None else bits,
+        modulus_bits=cfg.secagg_modulus_bits,
+        num_clients=cfg.num_clients,
+        dim=server.dim,
+        rounds=cfg.num_rounds,
+        epsilon=plan.target_epsilon if plan.calibrated else plan.nominal_epsilon,
+        delta=plan.delta,
+    )
 
 
 def check_secure_aggregation(server: DPServer) -> None:
@@ -79,38 +98,36 @@ def check_secure_aggregation(server: DPServer) -> None:
     ConfigError
         Naming the key, the resulting tau or delta, and the allowed range.
     """
-    cfg, plan, d = server.cfg, server.plan, server.dim
-    z, n = plan.noise_multiplier, cfg.num_clients
-    epsilon = plan.target_epsilon if plan.calibrated else plan.nominal_epsilon
-    std_n = server.placement.client_std(z, cfg.clip, cfg.clients_per_round, n)
-    errors = []
+    cfg, plan = server.cfg, server.plan
+    n, errors = cfg.num_clients, []
+    std_n = server.placement.client_std(plan.noise_multiplier, cfg.clip, cfg.clients_per_round, n)
 
-    def tau_slack(bits: int) -> float:
-        grid = SecAggGrid.for_round(cfg.clip, std_n, cfg.secagg_clip_stds, bits, max(cfg.secagg_modulus_bits, bits + 1))
-        return ddg_tau(std_n / grid.step, n) * math.sqrt(d) * z
+    def terms(bits: int, clip_stds: float) -> SecAggPrivacyTerms:
+        return secagg_privacy_terms(server, bits, clip_stds)
 
-    slack = tau_slack(cfg.secagg_quantization_bits)
-    if not slack <= SECAGG_MAX_TAU_SLACK:
-        ok = [b for b in range(cfg.secagg_quantization_bits + 1, 31) if tau_slack(b) <= SECAGG_MAX_TAU_SLACK]
+    now = terms(cfg.secagg_quantization_bits, cfg.secagg_clip_stds)
+    if not now.tau_slack <= SECAGG_MAX_TAU_SLACK:
+        bits = cfg.secagg_quantization_bits
+        ok = [b for b in range(bits + 1, 31) if terms(b, cfg.secagg_clip_stds).tau_slack <= SECAGG_MAX_TAU_SLACK]
         fix = f"use secagg-quantization-bits >= {ok[0]}" if ok else "no quantization-bits <= 30 suffices"
-        tau = slack / (math.sqrt(d) * z)
         errors.append(
-            f"'secagg-quantization-bits' = {cfg.secagg_quantization_bits}: the grid is too coarse for the "
-            f"clients' noise (std {std_n:.4g} at |S_k| = n = {n}), so the summed discrete Gaussians are "
-            f"tau = {tau:.3g} away from a discrete Gaussian and the reported epsilon does not hold (allowed: "
-            f"tau sqrt(d) z <= {SECAGG_MAX_TAU_SLACK:g}, here {slack:.3g}); {fix}"
+            f"'secagg-quantization-bits' = {bits}: the grid is too coarse for the clients' noise (std {std_n:.4g} "
+            f"at |S_k| = n = {n}), so the summed discrete Gaussians are tau = {now.tau:.3g} away from a discrete "
+            f"Gaussian and the reported epsilon does not hold (allowed: tau sqrt(d) z <= {SECAGG_MAX_TAU_SLACK:g}, "
+            f"here {now.tau_slack:.3g}); {fix}"
         )
-    per_coordinate = 2.0 * math.exp(-(cfg.secagg_clip_stds**2) / 2)
-    p_clip = min(1.0, cfg.num_rounds * n * d * per_coordinate)
-    extra = (1 + math.exp(min(epsilon, 700.0))) * p_clip
-    if not extra <= SECAGG_MAX_DELTA_SLACK * plan.delta:
-        budget = SECAGG_MAX_DELTA_SLACK * plan.delta / ((1 + math.exp(min(epsilon, 700.0))) * cfg.num_rounds * n * d)
-        k_min = math.sqrt(2 * math.log(2 / budget)) if budget < 2 else 0.0
+    if not now.delta_including_clipping - plan.delta <= SECAGG_MAX_DELTA_SLACK * plan.delta:
+        k_min = next(
+            k / 100
+            for k in range(int(cfg.secagg_clip_stds * 100), 10_000)
+            if terms(cfg.secagg_quantization_bits, k / 100).delta_including_clipping - plan.delta
+            <= SECAGG_MAX_DELTA_SLACK * plan.delta
+        )
         errors.append(
             f"'secagg-clip-stds' = {cfg.secagg_clip_stds:g}: coordinates of g + noise are clipped with probability "
-            f"up to p = {p_clip:.3g} over the run, so the guarantee is (epsilon, delta_including_clipping = "
-            f"{plan.delta + extra:.3g}) instead of delta = {plan.delta:g} (allowed: (1 + e^epsilon) p <= "
-            f"{SECAGG_MAX_DELTA_SLACK:g} delta); use secagg-clip-stds >= {math.ceil(k_min * 100) / 100:g}"
+            f"up to p = {now.clip_probability:.3g} over the run, so the guarantee is (epsilon, "
+            f"delta_including_clipping = {now.delta_including_clipping:.3g}) instead of delta = {plan.delta:g} "
+            f"(allowed: (1 + e^epsilon) p <= {SECAGG_MAX_DELTA_SLACK:g} delta); use secagg-clip-stds >= {k_min:g}"
         )
     if errors:
         raise ConfigError("invalid run config: " + "; ".join(errors))

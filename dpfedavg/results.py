@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RunRecorder", "package_versions", "atomic_write_bytes"]
+__all__ = ["RunRecorder", "package_versions", "atomic_write_bytes", "write_config_json"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,11 @@ def _fmt(value: Any) -> Any:
     return value
 
 
+def write_config_json(path: Path, payload: Mapping[str, Any]) -> None:
+    """``config.json``'s format (indented, sorted keys), written atomically."""
+    atomic_write_bytes(path, json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
+
+
 class RunRecorder:
     """Writes one run's results under ``directory``.
 
@@ -80,8 +85,7 @@ class RunRecorder:
         atomic_write_bytes(self.metrics_path, buf.getvalue().encode())
 
     def write_config(self, payload: Mapping[str, Any]) -> None:
-        data = json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
-        atomic_write_bytes(self.config_path, data)
+        write_config_json(self.config_path, payload)
 
     def write_row(self, row: Mapping[str, Any]) -> None:
         unknown = set(row) - set(self.columns)

@@ -140,6 +140,7 @@ def _ray_cell(values: dict) -> dict:
     import ray
 
     from dpfedavg.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+    from dpfedavg.results import write_config_json
 
     _quiet_worker()
     t0 = time.monotonic()
@@ -149,7 +150,7 @@ def _ray_cell(values: dict) -> dict:
         # config.json and the checkpoint name the run's output-dir: the driver's, as a local run writes it
         saved = json.loads((directory / "config.json").read_text())
         saved["run_config"]["output-dir"] = values["output-dir"]
-        (directory / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True, default=str))
+        write_config_json(directory / "config.json", saved)
         if (directory / CHECKPOINT_FILE).exists():
             ckpt = load_checkpoint(directory)
             save_checkpoint(

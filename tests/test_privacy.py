@@ -441,17 +441,15 @@ def _pair_variances(placement: str, z: float, c: float, n: int) -> tuple[float, 
     """Variances of the released sum's noise per coordinate in the two neighbouring federations (q = 1).
 
     Add/remove: n - 1 clients vs n (the canary); zero-out: n clients in both. Every sampled client is
-    included; the variance is what the placement object says the clients and the server add.
+    included; the variance is what the placement object says the clients and the server add
+    (``AuditSetting.sum_variance``, without the auditor's rounding snap).
     """
-    from dpfedavg.core.mechanism import ZERO_OUT, get_placement
+    from dpfedavg.audit import AuditSetting
+    from dpfedavg.core.mechanism import ZERO_OUT
 
-    p = get_placement(placement)
-    r = float(n)
-
-    def variance(sampled: int) -> float:
-        return sampled * p.client_std(z, c, r, sampled) ** 2 + p.server_std(z, c, r, sampled, sampled) ** 2
-
-    return (variance(n), variance(n)) if p.adjacency == ZERO_OUT else (variance(n - 1), variance(n))
+    setting = AuditSetting(placement, n, float(n), dim=1, rounds=1, noise_multiplier=z, clip=c, delta=1e-6)
+    v1 = setting.sum_variance(n)
+    return (v1, v1) if setting.adjacency == ZERO_OUT else (setting.sum_variance(n - 1), v1)
 
 
 @pytest.mark.parametrize(

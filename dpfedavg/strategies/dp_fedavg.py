@@ -307,7 +307,7 @@ class DPFedAvg(FedAvg):
 
     # ------------------------------------------------- secure aggregation
     def _run_secure_aggregation(
-        self, server_round: int, arrays: ArrayRecord, train_config: ConfigRecord, grid: Grid, timeout: float
+        self, server_round: int, w: Vector, train_config: ConfigRecord, grid: Grid, timeout: float
     ) -> SecureSum:
         """SecAgg+ over this round's sampled, connected clients (see :mod:`.secure_aggregation`)."""
         secagg_grid = self.server.secagg_grid(self.history[server_round].num_sampled)
@@ -320,7 +320,6 @@ class DPFedAvg(FedAvg):
             stage_timeout,
             len(self._sampled),
         )
-        w = from_array_record(arrays)
         return secure_sum(
             grid, workflow, server_round, w, train_config, sorted(self._sampled), len(set(grid.get_node_ids()))
         )
@@ -413,15 +412,14 @@ class FlowerRunner:
         strategy = self.strategy
         assert server is strategy.server
         clock = time.perf_counter()
-        arrays = to_array_record(w)
         train_config = strategy._prepare_round(server_round, clients, ins, self.train_config, self.grid)
         if strategy.cfg.secure_aggregation:
             t_configure = time.perf_counter()
-            outcome = strategy._run_secure_aggregation(server_round, arrays, train_config, self.grid, self.timeout)
+            outcome = strategy._run_secure_aggregation(server_round, w, train_config, self.grid, self.timeout)
             t_wait = time.perf_counter()
             new_arrays, _ = strategy._aggregate_secure(server_round, outcome)
         else:
-            messages = strategy._train_messages(arrays, train_config) if strategy._sampled else []
+            messages = strategy._train_messages(to_array_record(w), train_config) if strategy._sampled else []
             t_configure = time.perf_counter()
             replies = list(self.grid.send_and_receive(messages, timeout=self.timeout)) if messages else []
             t_wait = time.perf_counter()

@@ -30,7 +30,11 @@ scale
     one engine at n clients (q = 0.2, FMNIST-shaped logistic regression on
     generated data)::
 
-        python run_sim.py scale --num-clients 5000 [--rounds 5] [--engine flower|batched|loop] [--json]
+        python run_sim.py scale --num-clients 5000 [--rounds 5] [--engine flower|batched|loop] \\
+            [--clients-per-node M] [--json]
+
+    ``flower`` runs the recommended simulation (virtual clients, about 50 SuperNodes);
+    ``--clients-per-node 1`` reproduces one SuperNode per client.
 
 audit
     Empirical privacy audit: runs one round's release many times on two
@@ -264,17 +268,27 @@ def _cmd_scale(args: argparse.Namespace) -> None:
     _fail_unless(args.num_clients >= 10, f"--num-clients {args.num_clients}: expected an integer >= 10")
     _fail_unless(args.rounds >= 1, f"--rounds {args.rounds}: expected an integer >= 1")
     _fail_unless(args.num_cpus >= 1, f"--num-cpus {args.num_cpus}: expected an integer >= 1")
+    m = args.clients_per_node
+    _fail_unless(m is None or 1 <= m <= args.num_clients, f"--clients-per-node {m}: expected 1 <= M <= --num-clients")
+    _fail_unless(m is None or args.engine == "flower", "--clients-per-node is for --engine flower")
+    _fail_unless(
+        not (args.secure_aggregation and (m or 1) > 1),
+        "--secure-aggregation keeps one client per SuperNode: leave --clients-per-node out or set it to 1",
+    )
     if not args.verbose:
         logging.getLogger("dpfedavg").setLevel(logging.WARNING)
     overrides = {"noise-placement": args.noise_placement, "accountant": args.accountant}
     if args.secure_aggregation:
         overrides.update({"secure-aggregation": True, "secure-noise": True, "secagg-num-shares": args.num_shares})
-    result = measure(args.engine, args.num_clients, args.rounds, num_cpus=args.num_cpus, overrides=overrides)
+    result = measure(
+        args.engine, args.num_clients, args.rounds, num_cpus=args.num_cpus, overrides=overrides, clients_per_node=m
+    )
     if args.json:
         print(as_json(result))
         return
+    nodes = f", {result.clients_per_node} clients per SuperNode" if result.engine == "flower" else ""
     print(
-        f"engine {result.engine}{' + SecAgg+' if args.secure_aggregation else ''}: "
+        f"engine {result.engine}{' + SecAgg+' if args.secure_aggregation else ''}{nodes}: "
         f"n = {result.num_clients}, r = {result.clients_per_round:g}, "
         f"{result.rounds_measured} rounds measured (mean {result.mean_sampled:.0f} clients sampled)"
     )
@@ -452,6 +466,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
     p.add_argument("--engine", choices=("flower", "batched", "loop"), default="flower", help="default: flower")
     p.add_argument("--num-cpus", type=int, default=1, help="flower: client-resources-num-cpus (default 1)")
+    p.add_argument("--clients-per-node", type=int, default=None,
+                   help="flower: virtual clients per simulated SuperNode (default: ceil(n / 50), the recommended "
+                   "setup; 1 = one SuperNode per client)")  # fmt: skip
     p.add_argument("--noise-placement", choices=("client-calibrated", "client", "server"), default="client-calibrated",
                    help="default: client (z_k varies with the reply count, so the PLD accountant builds a new "
                    "distribution every round)")  # fmt: skip

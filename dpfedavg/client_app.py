@@ -6,7 +6,8 @@ import dataclasses
 import logging
 from functools import lru_cache
 
-from flwr.app import Context, Message, MetricRecord, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
@@ -20,14 +21,18 @@ from dpfedavg.core.types import RoundInstructions
 from dpfedavg.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
+    CLIENT_IDS,
     CONFIG,
     DIAGNOSTICS,
+    DIVERGED_CLIENT_IDS,
     METRICS,
     NUM_EXAMPLES,
     NUM_PARTITIONS,
     PARTITION_ID,
     UPDATE_KEY,
     UPDATE_NORM,
+    UPDATE_NORMS,
+    block_key,
     from_array_record,
     instructions_from_config_record,
     to_array_record,
@@ -147,6 +152,8 @@ def train(msg: Message, context: Context) -> Message:
     secure = secure_noise_required(context, cfg)
     ins = enforce_secure_noise(instructions_from_config_record(msg.content[CONFIG]), secure)
     w = from_array_record(msg.content[ARRAYS])
+    if cfg.clients_per_node > 1:
+        return _train_block(msg, context, cfg, ins, w, secure)
     result = client_round_update(w, _grad_fn(cfg, client_id), ins, client_id)
     metrics: dict[str, int | float] = {NUM_EXAMPLES: 1, PARTITION_ID: client_id}
     if not secure:  # un-noised statistics of this client's data: seeded research mode only
@@ -154,4 +161,54 @@ def train(msg: Message, context: Context) -> Message:
     content = RecordDict({ARRAYS: to_array_record(result.noisy, UPDATE_KEY), METRICS: MetricRecord(metrics)})
     if ins.diagnostics:
         content[DIAGNOSTICS] = to_array_record(result.clean, CLEAN_UPDATE_KEY)
+    return Message(content, reply_to=msg)
+
+
+def hosted_clients(cfg: RunConfig, partition_id: int) -> range:
+    """The client ids the SuperNode with ``partition-id`` p hosts: ``p m .. min(p m + m, n) - 1``."""
+    m = cfg.clients_per_node
+    return range(partition_id * m, min(partition_id * m + m, cfg.num_clients))
+
+
+def _train_block(
+    msg: Message, context: Context, cfg: RunConfig, ins: RoundInstructions, w: np.ndarray, secure: bool
+) -> Message:
+    """Virtual clients: Alg. 1 / Alg. 2 lines 4-10 for the sampled clients this node hosts, one update each.
+
+    The block goes through the batched engine's pipeline (:func:`dpfedavg.engines.batched.client_results`:
+    the task's closed form or vectorized gradients, :func:`dpfedavg.core.private_block_update`, each
+    client's noise from its own stream ``noise_rng(noise_seed, client_id)``), so every client's
+    ``g + zeta`` is the one it sends from a SuperNode of its own. A client whose local training
+    diverges is listed in ``diverged-client-ids`` and sends nothing.
+    """
+    from dpfedavg.engines.batched import client_results
+
+    partition_id, num_partitions = _partition(context)
+    if num_partitions != cfg.num_nodes:
+        raise RuntimeError(
+            f"num-partitions={num_partitions} but num-clients={cfg.num_clients} with clients-per-node="
+            f"{cfg.clients_per_node} needs {cfg.num_nodes} SuperNodes"
+        )
+    ids = [int(c) for c in msg.content[CONFIG][CLIENT_IDS]]  # type: ignore[union-attr]
+    hosted = hosted_clients(cfg, partition_id)
+    if ids != sorted(set(ids)) or not all(c in hosted for c in ids):
+        raise ValueError(
+            f"node {partition_id} hosts clients {hosted.start}..{hosted.stop - 1}; asked for {ids[:10]} "
+            "(expected ascending ids of hosted clients)"
+        )
+    diverged: list[int] = []
+    results = list(client_results(_task(cfg), np.asarray(ids, dtype=np.int64), w, ins, failed=diverged))
+    arrays = ArrayRecord({block_key(UPDATE_KEY, r.client_id): Array(np.ascontiguousarray(r.noisy)) for r in results})
+    metrics: dict[str, int | float | list[int] | list[float]] = {NUM_EXAMPLES: len(results)}
+    if results:
+        metrics[CLIENT_IDS] = [r.client_id for r in results]
+        if not secure:  # un-noised statistics of the clients' data: seeded research mode only
+            metrics[UPDATE_NORMS] = [float(r.update_norm) for r in results]
+    if diverged:
+        metrics[DIVERGED_CLIENT_IDS] = diverged
+    content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord(metrics)})
+    if ins.diagnostics:
+        content[DIAGNOSTICS] = ArrayRecord(
+            {block_key(CLEAN_UPDATE_KEY, r.client_id): Array(np.ascontiguousarray(r.clean)) for r in results}
+        )
     return Message(content, reply_to=msg)

@@ -120,6 +120,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("run-name", str, "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x))),  # noqa: E501
     Option("node-wait-timeout", float, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),  # noqa: E501
     Option("round-timeout", float, "-", "seconds a round waits for replies", "a float > 0", _positive),
+    Option("clients-per-node", int, "-", "simulation: clients each SuperNode hosts (virtual clients); the node with partition-id p computes clients p*m .. p*m+m-1, so num-supernodes = ceil(num-clients / m); 1 = one SuperNode per client (deployment)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
     Option("save-trajectory", bool, "-", "also write trajectory.npy: w_k of every round (Figure 3)", trajectory=True),
     Option("checkpoint-every", int, "-", "write <run dir>/checkpoint.npz every this many rounds (and at the end); 0 = never", "an integer >= 0", lambda x: x >= 0),  # noqa: E501
     Option("resume", bool, "-", "continue the run in <output-dir>/<run-name> from its checkpoint (needs run-name)"),  # noqa: E501
@@ -204,6 +205,7 @@ class RunConfig:
     run_name: str = ""
     node_wait_timeout: float = 300.0
     round_timeout: float = 3600.0
+    clients_per_node: int = 1
     save_trajectory: bool = False
     checkpoint_every: int = 10
     resume: bool = False
@@ -227,6 +229,11 @@ class RunConfig:
     def sampling_rate(self) -> float:
         """``q = r / n``: each client's per-round inclusion probability."""
         return self.clients_per_round / self.num_clients
+
+    @property
+    def num_nodes(self) -> int:
+        """SuperNodes the federation has: ``ceil(num-clients / clients-per-node)``."""
+        return -(-self.num_clients // self.clients_per_node)
 
     def to_run_config(self) -> dict[str, Any]:
         """The kebab-case dict this config came from (``server-lr`` None -> "eta")."""
@@ -291,6 +298,11 @@ class RunConfig:
                 f"'clients-per-round' = {self.clients_per_round:g} exceeds 'num-clients' = {self.num_clients}: "
                 "expected 0 < r <= n (set clients-per-round together with num-clients; r = n is full participation)"
             )
+        if self.clients_per_node > self.num_clients:
+            errors.append(
+                f"'clients-per-node' = {self.clients_per_node} exceeds 'num-clients' = {self.num_clients}: "
+                "expected 1 <= clients-per-node <= num-clients (num-clients = one SuperNode for every client)"
+            )
         if self.noise_placement == "client" and self.clients_per_round != self.num_clients:
             errors.append(
                 f"'noise-placement' = 'client' with 'clients-per-round' = {self.clients_per_round:g} < 'num-clients' "
@@ -311,6 +323,12 @@ class RunConfig:
         if not self.secure_aggregation:
             return []
         errors = []
+        if self.clients_per_node > 1:
+            errors.append(
+                f"'secure-aggregation' = True with 'clients-per-node' = {self.clients_per_node}: SecAgg+ hides each "
+                "SuperNode's input from the server, and a node hosting several clients computes each of their updates "
+                "in the clear, so the guarantee would be per node, not per client; allowed: clients-per-node = 1"
+            )
         if self.noise_placement not in ("client", "client-calibrated"):
             errors.append(
                 f"'secure-aggregation' = True with 'noise-placement' = {self.noise_placement!r}: the server only sees "

@@ -7,6 +7,9 @@ Flower's examples.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
@@ -31,6 +34,12 @@ __all__ = [
     "NUM_PARTITIONS",
     "UPDATE_NORM",
     "QUERY",
+    "CLIENT_IDS",
+    "UPDATE_NORMS",
+    "DIVERGED_CLIENT_IDS",
+    "BlockReply",
+    "block_key",
+    "parse_block_reply",
 ]
 
 #: RecordDict keys.
@@ -53,6 +62,20 @@ NUM_PARTITIONS = "num-partitions"
 UPDATE_NORM = "update-norm"
 #: The QUERY message the server sends each node before round 1 (config ``{"query": "partition"}``).
 QUERY = ("query", "partition")
+
+#: Virtual clients (``clients-per-node`` m > 1, simulation): the train config names the node's sampled
+#: clients (``client-ids``, ascending, all hosted by that node); the reply's ARRAYS hold one update per
+#: client under ``block_key(UPDATE_KEY, id)`` (DIAGNOSTICS: ``block_key(CLEAN_UPDATE_KEY, id)``), and its
+#: METRICS list the clients that replied (``client-ids``, the arrays' order), their ``update-norms``
+#: (seeded mode only) and the clients whose local training diverged (``diverged-client-ids``).
+CLIENT_IDS = "client-ids"
+UPDATE_NORMS = "update-norms"
+DIVERGED_CLIENT_IDS = "diverged-client-ids"
+
+
+def block_key(key: str, client_id: int) -> str:
+    """Client ``client_id``'s array key in a block reply (``key``: :data:`UPDATE_KEY` or :data:`CLEAN_UPDATE_KEY`)."""
+    return f"{key}-{int(client_id)}"
 
 
 def to_array_record(vector: Vector, key: str = MODEL_KEY) -> ArrayRecord:
@@ -99,6 +122,27 @@ def instructions_from_config_record(record: ConfigRecord) -> RoundInstructions:
     )
 
 
+def _check_update(update: np.ndarray, dim: int) -> None:
+    """``ValueError`` unless ``update`` is a finite float vector of length ``dim``."""
+    if update.shape != (dim,):
+        raise ValueError(f"update has shape {update.shape}, expected ({dim},)")
+    if not np.issubdtype(update.dtype, np.floating):
+        raise ValueError(f"update has dtype {update.dtype}, expected a float type")
+    if not np.all(np.isfinite(update)):
+        raise ValueError("update contains NaN or Inf")
+
+
+def _check_clean(clean: np.ndarray, dim: int, clip: float) -> None:
+    """``ValueError`` unless the clean update has length ``dim`` and norm at most ``clip``."""
+    if clean.shape != (dim,):
+        raise ValueError(f"clean update has shape {clean.shape}, expected ({dim},)")
+    clean_norm = float(np.linalg.norm(clean))
+    if not clean_norm <= clip * (1 + 1e-9):  # also catches NaN
+        raise ValueError(
+            f"clean update has norm {clean_norm:.6g}, above C = {clip:g} (updates are bounded before noise)"
+        )
+
+
 def parse_train_reply(
     content: RecordDict, dim: int, *, diagnostics: bool, clip: float
 ) -> tuple[Vector, float, Vector | None]:
@@ -117,23 +161,97 @@ def parse_train_reply(
         raise ValueError(f"reply lacks {err}") from None
     if len(record) != 1:
         raise ValueError(f"reply has {len(record)} arrays ({', '.join(sorted(record))}), expected 1 ({UPDATE_KEY!r})")
-    if update.shape != (dim,):
-        raise ValueError(f"update has shape {update.shape}, expected ({dim},)")
-    if not np.issubdtype(update.dtype, np.floating):
-        raise ValueError(f"update has dtype {update.dtype}, expected a float type")
-    if not np.all(np.isfinite(update)):
-        raise ValueError("update contains NaN or Inf")
+    _check_update(update, dim)
     clean = None
     if diagnostics:
         try:
             clean = from_array_record(content[DIAGNOSTICS], CLEAN_UPDATE_KEY)
         except KeyError:
             raise ValueError("diagnostics is on but the reply has no clean update") from None
-        if clean.shape != (dim,):
-            raise ValueError(f"clean update has shape {clean.shape}, expected ({dim},)")
-        clean_norm = float(np.linalg.norm(clean))
-        if not clean_norm <= clip * (1 + 1e-9):  # also catches NaN
-            raise ValueError(
-                f"clean update has norm {clean_norm:.6g}, above C = {clip:g} (updates are bounded before noise)"
-            )
+        _check_clean(clean, dim, clip)
     return update.astype(np.float64), float(metrics.get(UPDATE_NORM, np.nan)), clean
+
+
+@dataclass
+class BlockReply:
+    """A virtual node's TRAIN reply, client by client (:func:`parse_block_reply`).
+
+    Attributes
+    ----------
+    updates:
+        Client id -> ``(g + zeta, ||u|| or NaN, clean g or None)`` of every well-formed update.
+    rejected:
+        Client id -> why its update was rejected (malformed, or missing from the reply).
+    diverged:
+        Clients whose local training diverged (NaN/Inf): they sent nothing, like a one-client
+        node whose ClientApp fails.
+    """
+
+    updates: dict[int, tuple[Vector, float, Vector | None]] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
+    diverged: list[int] = field(default_factory=list)
+
+
+def _id_list(metrics: dict, key: str) -> list[int]:
+    value = metrics.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"reply's {key!r} is not a list of integers")
+    return list(value)
+
+
+def parse_block_reply(
+    content: RecordDict, client_ids: Sequence[int], dim: int, *, diagnostics: bool, clip: float
+) -> BlockReply:
+    """A virtual node's reply for its sampled ``client_ids``, checked client by client.
+
+    Each client's update must pass the checks of :func:`parse_train_reply` (finite float vector of
+    length ``dim``; with ``diagnostics`` a clean update of norm at most ``clip``); a client that fails
+    them, or that the reply neither answers nor reports as diverged, is rejected alone. ``ValueError``
+    when the reply as a whole cannot be read (no arrays or metrics, client lists that are not lists of
+    integers, a client the node was not asked for, arrays that belong to no listed client): then none
+    of the node's clients counts.
+    """
+    try:
+        record = content[ARRAYS]
+        metrics = dict(content[METRICS])
+    except KeyError as err:
+        raise ValueError(f"reply lacks {err}") from None
+    replied, diverged = _id_list(metrics, CLIENT_IDS), _id_list(metrics, DIVERGED_CLIENT_IDS)
+    asked = set(int(c) for c in client_ids)
+    listed = replied + diverged
+    if len(set(listed)) != len(listed):
+        raise ValueError("reply lists a client twice")
+    if not set(listed) <= asked:
+        raise ValueError(f"reply answers for clients it was not asked for: {sorted(set(listed) - asked)[:10]}")
+    expected_keys = {block_key(UPDATE_KEY, c) for c in replied}
+    if set(record) - expected_keys:
+        extra = sorted(set(record) - expected_keys)
+        raise ValueError(f"reply has arrays of no listed client: {', '.join(extra[:5])}")
+    norms = metrics.get(UPDATE_NORMS)
+    if norms is None:
+        norms = [float("nan")] * len(replied)
+    elif not isinstance(norms, list) or len(norms) != len(replied):
+        raise ValueError(f"reply's {UPDATE_NORMS!r} does not have one value per client in {CLIENT_IDS!r}")
+    out = BlockReply(diverged=sorted(diverged))
+    for client_id in sorted(asked - set(listed)):
+        out.rejected[client_id] = f"client {client_id} is missing from its node's reply"
+    clean_record = content.get(DIAGNOSTICS) if diagnostics else None
+    for client_id, norm in zip(replied, norms, strict=True):
+        try:
+            key = block_key(UPDATE_KEY, client_id)
+            if key not in record:
+                raise ValueError(f"reply lacks the update {key!r}")
+            update = from_array_record(record, key)
+            _check_update(update, dim)
+            clean = None
+            if diagnostics:
+                clean_key = block_key(CLEAN_UPDATE_KEY, client_id)
+                if clean_record is None or clean_key not in clean_record:
+                    raise ValueError("diagnostics is on but the reply has no clean update")
+                clean = from_array_record(clean_record, clean_key)
+                _check_clean(clean, dim, clip)
+        except ValueError as err:
+            out.rejected[client_id] = f"client {client_id}: {err}"
+            continue
+        out.updates[client_id] = (update.astype(np.float64), float(norm), clean)
+    return out

@@ -9,7 +9,23 @@ from typing import Any
 from dpfedavg.config import RunConfig
 from dpfedavg.engines.local_superlink import LocalSuperLink
 
-__all__ = ["run_config_overrides", "run_flower"]
+__all__ = [
+    "SIMULATION_NODES",
+    "federation_config",
+    "recommended_clients_per_node",
+    "run_config_overrides",
+    "run_flower",
+]
+
+#: The number of simulated SuperNodes the recommended setup aims at: enough messages per round to keep
+#: every Ray actor busy, few enough that Flower's in-memory delivery (whose cost grows with nodes x
+#: messages, see BENCHMARKS.md) stays a small part of the round.
+SIMULATION_NODES = 50
+
+
+def recommended_clients_per_node(num_clients: int, nodes: int = SIMULATION_NODES) -> int:
+    """``clients-per-node`` for a simulation of ``num_clients``: ``ceil(n / nodes)`` (1 up to ``nodes`` clients)."""
+    return max(1, -(-num_clients // nodes))
 
 
 def _toml_value(value: Any) -> str:
@@ -25,8 +41,13 @@ def run_config_overrides(cfg: RunConfig) -> str:
     return " ".join(f"{key}={_toml_value(value)}" for key, value in cfg.to_run_config().items())
 
 
+def federation_config(cfg: RunConfig, num_cpus: int = 1) -> str:
+    """The ``--federation-config`` of ``cfg``'s simulation: ``ceil(n / clients-per-node)`` SuperNodes."""
+    return f"num-supernodes={cfg.num_nodes} client-resources-num-cpus={int(num_cpus)}"
+
+
 def run_flower(cfg: RunConfig, superlink: LocalSuperLink, *, num_cpus: int = 1, timeout: float = 3600.0) -> Path:
-    """Run ``cfg`` with ``flwr run`` (n simulated SuperNodes) and return its run directory.
+    """Run ``cfg`` with ``flwr run`` (``ceil(n / clients-per-node)`` simulated SuperNodes), return its run directory.
 
     ``cfg.run_name`` must be set so that the results can be found.
 
@@ -37,8 +58,7 @@ def run_flower(cfg: RunConfig, superlink: LocalSuperLink, *, num_cpus: int = 1, 
     """
     if not cfg.run_name:
         raise ValueError("run_flower needs cfg.run_name to find the run's results")
-    federation = f"num-supernodes={cfg.num_clients} client-resources-num-cpus={int(num_cpus)}"
-    result = superlink.flwr_run(run_config_overrides(cfg), federation, timeout=timeout)
+    result = superlink.flwr_run(run_config_overrides(cfg), federation_config(cfg, num_cpus), timeout=timeout)
     run_dir = Path(cfg.output_dir).expanduser().resolve() / cfg.run_name
     config = run_dir / "config.json"
     if not config.exists() or "final" not in json.loads(config.read_text()):

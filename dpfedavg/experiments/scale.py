@@ -6,8 +6,11 @@ generated images written as the original Fashion-MNIST IDX files (this
 machine cannot download the real ones; the cost does not depend on the
 pixels). Three engines run the same rounds:
 
-* ``flower``: ``flwr run`` on a private local SuperLink with ``n`` simulated
-  SuperNodes (Ray);
+* ``flower``: ``flwr run`` on a private local SuperLink (Ray), by default with
+  virtual clients (``clients-per-node`` from
+  :func:`dpfedavg.engines.flower.recommended_clients_per_node`: about 50
+  simulated SuperNodes, each computing its sampled clients as a block);
+  ``clients_per_node=1`` reproduces one SuperNode per client;
 * ``batched``: :func:`dpfedavg.engines.batched.run_batched`, one process;
 * ``loop``: the floor, a plain single-process loop over the sampled clients
   calling :func:`dpfedavg.core.private_client_update` one client at a time
@@ -64,6 +67,7 @@ class ScaleResult:
     rounds_measured: int
     mean_sampled: float
     wall_seconds: float
+    clients_per_node: int = 1
 
 
 def _write_idx(path: Path, array: np.ndarray) -> None:
@@ -187,6 +191,7 @@ def _summarize(run_dir: Path, cfg: RunConfig, launched: float, wall: float, peak
         rounds_measured=len(measured),
         mean_sampled=mean_sampled,
         wall_seconds=wall,
+        clients_per_node=cfg.clients_per_node,
     )
 
 
@@ -197,10 +202,14 @@ def measure(
     workdir: Path | None = None,
     num_cpus: int = 1,
     overrides: dict | None = None,
+    clients_per_node: int | None = None,
 ) -> ScaleResult:
     """Run the benchmark once for ``engine`` at ``n = num_clients`` and return the measurement.
 
     ``overrides``: run_config keys to change (e.g. ``noise-placement``, ``accountant``).
+    ``clients_per_node`` (``flower``): virtual clients per simulated SuperNode; ``None`` = the
+    recommended setup (:func:`~dpfedavg.engines.flower.recommended_clients_per_node`), 1 = one
+    SuperNode per client.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: allowed {', '.join(ENGINES)}")
@@ -210,7 +219,14 @@ def measure(
     num_train = EXAMPLES_PER_CLIENT * num_clients
     if not (workdir / "data" / "fmnist").exists():
         make_fmnist_like(workdir / "data", num_train=num_train, num_test=1000)
-    cfg = scale_config(num_clients, rounds, workdir, **{"run-name": f"{engine}-{num_clients}", **(overrides or {})})
+    values = {"run-name": f"{engine}-{num_clients}", **(overrides or {})}
+    if engine == "flower":
+        from dpfedavg.engines.flower import recommended_clients_per_node
+
+        secure = bool(values.get("secure-aggregation", False))  # SecAgg+ keeps one client per node
+        m = clients_per_node or (1 if secure else recommended_clients_per_node(num_clients))
+        values.update({"clients-per-node": m, "run-name": f"{engine}-{num_clients}-m{m}"})
+    cfg = scale_config(num_clients, rounds, workdir, **values)
     if engine == "flower":
         from dpfedavg.engines.flower import run_flower
         from dpfedavg.engines.local_superlink import LocalSuperLink

@@ -1,20 +1,21 @@
 """DP-FedAvg / DP-NormFedAvg as a Flower (Message API) strategy.
 
-:class:`DPFedAvg` subclasses Flower's :class:`~flwr.serverapp.strategy.FedAvg`
-and keeps its round loop (``Strategy.start``); it replaces the two defaults
-that are wrong for user-level DP:
+:class:`DPFedAvg` implements Flower's public :class:`~flwr.serverapp.strategy.Strategy`
+hooks. It differs from Flower's ``FedAvg`` where FedAvg is wrong for user-level DP:
 
-* sampling: Flower's ``sample_nodes`` draws a fixed-size ``random.sample``;
-  Alg. 1 line 3 samples every client independently with ``q = r/n``
-  (Poisson sampling, which the privacy accountant's amplification assumes);
-* aggregation: ``FedAvg.aggregate_train`` averages by ``num-examples`` over the
-  replies received; Alg. 1 line 12 divides the sum by the fixed expected
-  cohort size ``r``.
+* sampling: ``FedAvg`` draws a fixed-size ``random.sample`` of nodes; Alg. 1
+  line 3 samples every client independently with ``q = r/n`` (Poisson
+  sampling, which the privacy accountant's amplification assumes);
+* aggregation: ``FedAvg`` averages by ``num-examples`` over the replies
+  received; Alg. 1 line 12 divides the sum by the fixed expected cohort size ``r``.
 
 The server math (sampling, aggregation, momentum, schedules, accounting, the
-random iterate) lives in :class:`~dpfedavg.server.dp_server.DPServer`,
-shared with the batched engine; this class adds what is Flower's: finding
-the clients among the SuperNodes, building messages and checking replies.
+random iterate) lives in :class:`~dpfedavg.server.dp_server.DPServer`, shared
+with the batched engine. Which node hosts which clients is
+:mod:`.federation`'s, the per-client reply checks :mod:`.replies`'
+(message layout: :mod:`dpfedavg.protocol`); this module builds the round's
+messages (one per node, naming its sampled clients when it hosts several) and
+hands the checked results to the server.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy import Result, Strategy
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core.dp import get_bound
@@ -35,15 +35,16 @@ from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan
 from dpfedavg.protocol import (
     ARRAYS,
+    CLIENT_IDS,
     CONFIG,
     from_array_record,
     instructions_to_config_record,
-    parse_train_reply,
     to_array_record,
 )
-from dpfedavg.server.dp_server import ClientResult, DPServer, RoundStats
+from dpfedavg.server.dp_server import DPServer, RoundStats
 from dpfedavg.server.loop import run_rounds
 from dpfedavg.strategies.federation import Federation
+from dpfedavg.strategies.replies import collect_replies
 from dpfedavg.strategies.secure_aggregation import SecureSum, secure_sum, workflow_for
 
 __all__ = ["DPFedAvg", "FlowerRunner"]
@@ -51,11 +52,7 @@ __all__ = ["DPFedAvg", "FlowerRunner"]
 logger = logging.getLogger(__name__)
 
 
-#: Error codes Flower uses when a node or its reply is gone: the client is a dropout, not a failure.
-_UNAVAILABLE_CODES = frozenset({ErrorCode.NODE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE})
-
-
-class DPFedAvg(FedAvg):
+class DPFedAvg(Strategy):
     """DP-FedAvg (``algorithm='clip'``, Alg. 1), DP-NormFedAvg (``'norm'``, Alg. 2) or FedAvg (``'none'``).
 
     Parameters
@@ -79,17 +76,15 @@ class DPFedAvg(FedAvg):
         plan: PrivacyPlan | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        super().__init__(fraction_train=cfg.sampling_rate, min_available_nodes=cfg.num_clients)
         self.cfg = cfg
         self.dim = dim
         #: The server state and math (shared with the batched engine).
         self.server = DPServer(cfg, dim, plan=plan)
-        #: Which SuperNode is which client (discovery, reconnected nodes).
+        #: Which SuperNode hosts which clients (discovery, reconnected nodes).
         self.federation = Federation(cfg, sleep)
         #: The round before which the privacy budget stopped the run, if it did.
         self.stopped_before_round: int | None = None
-        self._sampled: dict[int, int] = {}  # node id -> client id, this round
-        self._replied: set[int] = set()  # nodes whose reply was parsed this round
+        self._sampled: dict[int, list[int]] = {}  # node id -> its sampled clients (ascending), this round
         #: Wall seconds per round spent in our code (configure, aggregate, evaluate) and waiting on
         #: Flower (``grid.send_and_receive``: delivery, the ClientApps, replies), by round.
         self.timings: dict[int, dict[str, float]] = {}
@@ -131,6 +126,12 @@ class DPFedAvg(FedAvg):
             cfg.clients_per_round,
             cfg.sampling_rate,
         )
+        if cfg.clients_per_node > 1:
+            logger.info(
+                "\t├── Virtual clients: %d per SuperNode (%d SuperNodes); one message per node, one update per client",
+                cfg.clients_per_node,
+                cfg.num_nodes,
+            )
         if plan.dp:
             how = (
                 f"calibrated for (epsilon={plan.target_epsilon:g}, delta={plan.delta:g}) over K={plan.rounds}"
@@ -176,13 +177,15 @@ class DPFedAvg(FedAvg):
     # ------------------------------------------------------------ discovery
     @property
     def node_of_client(self) -> dict[int, int]:
-        """Client id (partition-id) -> Flower node id; filled by :meth:`discover_clients`."""
+        """Client id -> Flower node id; filled by :meth:`discover_clients`."""
         return self.federation.node_of_client
 
     @property
     def client_of_node(self) -> dict[int, int]:
-        """Flower node id -> client id."""
-        return self.federation.client_of_node
+        """Flower node id -> client id, with one client per node (``clients-per-node = 1``)."""
+        if self.cfg.clients_per_node != 1:
+            raise AttributeError("client_of_node: nodes host several clients; use federation.partition_of_node")
+        return self.federation.partition_of_node
 
     @property
     def discovery_seconds(self) -> float | None:
@@ -190,7 +193,7 @@ class DPFedAvg(FedAvg):
         return self.federation.discovery_seconds
 
     def discover_clients(self, grid: Grid, timeout: float | None = None) -> dict[int, int]:
-        """Wait for all ``n`` SuperNodes and learn each one's ``partition-id`` (:meth:`Federation.discover`)."""
+        """Wait for all SuperNodes and learn each one's ``partition-id`` (:meth:`Federation.discover`)."""
         return self.federation.discover(grid, timeout)
 
     # -------------------------------------------------------------- training
@@ -227,7 +230,7 @@ class DPFedAvg(FedAvg):
             raise ValueError(f"num_rounds={num_rounds} differs from the config's num-rounds={self.cfg.num_rounds}")
         if not 1 <= first_round <= self.cfg.num_rounds:
             raise ValueError(f"first_round={first_round} is outside 1..num-rounds={self.cfg.num_rounds}")
-        if not self.node_of_client:
+        if not self.federation.node_of_partition:
             self.discover_clients(grid)
         logger.info("Starting %s strategy:", type(self).__name__)
         self.summary()
@@ -258,39 +261,44 @@ class DPFedAvg(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Poisson-sample the clients and send them ``w_k`` and the round's instructions."""
-        if not self.node_of_client:
+        """Poisson-sample the clients and send their nodes ``w_k`` and the round's instructions."""
+        if not self.federation.node_of_partition:
             self.discover_clients(grid)
         clients, instructions = self.server.begin_round(server_round, from_array_record(arrays))
         train_config = self._prepare_round(server_round, clients, instructions, config, grid)
         return self._train_messages(arrays, train_config)
 
     def _train_messages(self, arrays: ArrayRecord, train_config: ConfigRecord) -> list[Message]:
-        """One TRAIN message per sampled, connected node (ascending node id) with ``w_k`` and the train config."""
-        record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
-        return [
-            Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node) for node in sorted(self._sampled)
-        ]
+        """One TRAIN message per node with sampled, connected clients (ascending node id): ``w_k``, the train config.
+
+        A node hosting virtual clients also gets the ids of its sampled clients (``client-ids``).
+        """
+        if self.cfg.clients_per_node == 1:
+            record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
+            return [
+                Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node)
+                for node in sorted(self._sampled)
+            ]
+        messages = []
+        for node in sorted(self._sampled):
+            config = ConfigRecord({**train_config, CLIENT_IDS: self._sampled[node]})
+            record = RecordDict({ARRAYS: arrays, CONFIG: config})
+            messages.append(Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node))
+        return messages
 
     def _prepare_round(
         self, server_round: int, clients: np.ndarray, instructions: RoundInstructions, config: ConfigRecord, grid: Grid
     ) -> ConfigRecord:
         """Map the round's sampled clients to connected nodes; the round's train config.
 
-        Fills ``self._sampled`` (node id -> client id) with the sampled clients
-        that are connected; the others are dropouts.
+        Fills ``self._sampled`` (node id -> its sampled clients) with the sampled
+        clients whose node is connected; the others are dropouts.
         """
-        self._replied = set()
         online = set(grid.get_node_ids())
-        if online - set(self.client_of_node):
-            self.federation.learn_new_nodes(grid, sorted(online - set(self.client_of_node)))
-        self._sampled, offline = {}, []
-        for c in clients:
-            node = self.node_of_client[int(c)]
-            if node in online:
-                self._sampled[node] = int(c)
-            else:
-                offline.append(int(c))
+        known = self.federation.partition_of_node
+        if online - set(known):
+            self.federation.learn_new_nodes(grid, sorted(online - set(known)))
+        self._sampled, offline = self.federation.group_by_node(clients, online)
         if offline:
             # Sampling stays over all n clients with q = r/n (the accountant's n); a sampled client
             # that is not connected cannot take part: it is a dropout, and nothing is sent to it.
@@ -347,54 +355,42 @@ class DPFedAvg(FedAvg):
         """
         return []
 
-    def _parse_reply(self, msg: Message) -> ClientResult:
-        """The reply as a :class:`ClientResult`; ``ValueError`` if malformed."""
-        src = msg.metadata.src_node_id
-        if src not in self._sampled:
-            raise ValueError(f"reply from node {src}, which was not sampled this round")
-        if src in self._replied:
-            raise ValueError(f"second reply from node {src} in this round")
-        self._replied.add(src)
-        bound = self.cfg.clip if get_bound(self.cfg.algorithm).private else float("inf")
-        update, norm, clean = parse_train_reply(msg.content, self.dim, diagnostics=self.cfg.diagnostics, clip=bound)
-        return ClientResult(self._sampled[src], update, norm, clean)
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """No client-side evaluation (see :meth:`configure_evaluate`)."""
+        return None
 
     def aggregate_train(
         self,
         server_round: int,
         replies: Iterable[Message],
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Check the replies and let the server aggregate them (fixed denominator r, momentum, accounting)."""
-        replies = list(replies)
-        valid = [m for m in replies if not m.has_error()]
-        errors = [m for m in replies if m.has_error()]
-        # Flower answers for a node that went offline with an error reply: that client dropped out.
-        unavailable = [m for m in errors if m.error.code in _UNAVAILABLE_CODES]
-        failed = [m for m in errors if m.error.code not in _UNAVAILABLE_CODES]
-        for msg in failed:
-            logger.warning(
-                "Round %d: node %d failed: %s", server_round, msg.metadata.src_node_id, msg.error.reason[:300]
-            )
-        if unavailable:
-            logger.warning("Round %d: %d sampled nodes became unavailable (dropouts)", server_round, len(unavailable))
-        parsed, reasons = [], []
-        for msg in valid:
-            try:
-                parsed.append(self._parse_reply(msg))
-            except ValueError as err:
-                reasons.append(str(err))
-                logger.warning("Round %d: rejected reply from node %d: %s", server_round, msg.metadata.src_node_id, err)
-        parsed.sort(key=lambda result: result.client_id)  # fixed summation order
-        w_new = self.server.finish_round(server_round, parsed, num_failed=len(failed), num_rejected=len(reasons))
+        """Check the replies client by client (:func:`.replies.collect_replies`), then let the server aggregate.
+
+        The server divides by the fixed r, applies momentum and charges the accountant; every sampled
+        client that is neither received, failed nor rejected is a dropout.
+        """
+        bound = self.cfg.clip if get_bound(self.cfg.algorithm).private else float("inf")
+        checked = collect_replies(
+            server_round,
+            replies,
+            self._sampled,
+            dim=self.dim,
+            diagnostics=self.cfg.diagnostics,
+            clip=bound,
+            block=self.cfg.clients_per_node > 1,
+        )
+        w_new = self.server.finish_round(
+            server_round, checked.results, num_failed=checked.num_failed, num_rejected=checked.num_rejected
+        )
         stats = self.history[server_round]
-        stats.rejected_reasons.extend(reasons)
+        stats.rejected_reasons.extend(checked.reasons)
         return to_array_record(w_new), MetricRecord(stats.as_metrics())
 
 
 class FlowerRunner:
     """The Flower engine's :class:`~dpfedavg.server.loop.ClientRunner`: the round through Flower's Grid.
 
-    Without secure aggregation: one TRAIN message per sampled, connected node, ``send_and_receive``
+    Without secure aggregation: one TRAIN message per node with sampled, connected clients, ``send_and_receive``
     with the round timeout, then :meth:`DPFedAvg.aggregate_train` (reply checks, per-client results to
     the server). With it: Flower's SecAgg+ workflow, then the server gets the sum. Records the seconds
     of each phase per round in :attr:`timings`.

@@ -1,16 +1,20 @@
-"""Which SuperNode is which client: discovery of the federation before round 1, and nodes that reconnect.
+"""Which SuperNode hosts which clients: discovery of the federation before round 1, and nodes that reconnect.
 
-Sampling is over client ids (``partition-id`` ``0..n-1``, from each SuperNode's
-``--node-config``), the ids the batched engine and the reference
-implementation use; Flower addresses nodes by node id. :class:`Federation`
-keeps the two maps.
+Sampling is over client ids ``0..n-1``, the ids the batched engine and the
+reference implementation use; Flower addresses nodes by node id. Each
+SuperNode reports its ``partition-id`` p (from its ``--node-config``; Flower's
+simulation numbers its SuperNodes ``0..num-supernodes-1``) and hosts the
+clients ``p m .. p m + m - 1`` with ``m = clients-per-node``: one client, its
+own, in a deployment (``m = 1``: client id = partition id), a block of virtual
+clients in a simulation. :class:`Federation` keeps the maps between partition
+ids and node ids, and groups a round's sampled clients by node.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
@@ -28,12 +32,12 @@ class FederationError(RuntimeError):
 
 
 class Federation:
-    """The map between client ids and Flower node ids.
+    """The maps between partition ids (blocks of ``clients-per-node`` clients) and Flower node ids.
 
     Parameters
     ----------
     cfg:
-        The run configuration (``num-clients``, ``node-wait-timeout``).
+        The run configuration (``num-clients``, ``clients-per-node``, ``node-wait-timeout``).
     sleep:
         Injected for tests: how to wait between polls of the Grid.
     """
@@ -41,30 +45,70 @@ class Federation:
     def __init__(self, cfg: RunConfig, sleep: Callable[[float], None] = time.sleep) -> None:
         self.cfg = cfg
         self._sleep = sleep
-        #: client id (partition-id) -> Flower node id.
-        self.node_of_client: dict[int, int] = {}
-        #: Flower node id -> client id.
-        self.client_of_node: dict[int, int] = {}
+        #: Clients per SuperNode (``clients-per-node``) and the number of SuperNodes, ``ceil(n / m)``.
+        self.clients_per_node, self.num_nodes = cfg.clients_per_node, cfg.num_nodes
+        #: partition id -> Flower node id.
+        self.node_of_partition: dict[int, int] = {}
+        #: Flower node id -> partition id.
+        self.partition_of_node: dict[int, int] = {}
         #: Wall seconds spent waiting for the SuperNodes and learning their partition ids.
         self.discovery_seconds: float | None = None
 
-    def discover(self, grid: Grid, timeout: float | None = None) -> dict[int, int]:
-        """Wait for all ``n`` SuperNodes and learn each one's ``partition-id``.
+    @property
+    def node_of_client(self) -> dict[int, int]:
+        """Client id -> Flower node id (empty before discovery)."""
+        if not self.node_of_partition:
+            return {}
+        m = self.clients_per_node
+        return {c: self.node_of_partition[c // m] for c in range(self.cfg.num_clients)}
 
-        Sampling is over client ids (partition ids ``0..n-1``), the same ids
-        the batched engine and the reference implementation use, so a node's
-        identity must be known before round 1. One node is asked first so that
-        a federation of the wrong size fails fast instead of waiting out the
-        timeout.
+    def node_of(self, client_id: int) -> int:
+        """The Flower node id hosting ``client_id``."""
+        return self.node_of_partition[client_id // self.clients_per_node]
+
+    def group_by_node(self, clients: Iterable[int], online: set[int]) -> tuple[dict[int, list[int]], list[int]]:
+        """``(node id -> its sampled clients ascending, for connected nodes; the clients of offline nodes)``."""
+        by_node: dict[int, list[int]] = {}
+        offline: list[int] = []
+        for c in sorted(int(c) for c in clients):
+            node = self.node_of(c)
+            if node in online:
+                by_node.setdefault(node, []).append(c)
+            else:
+                offline.append(c)
+        return by_node, offline
+
+    def _size_hint(self) -> str:
+        n, m, nodes = self.cfg.num_clients, self.clients_per_node, self.num_nodes
+        if m == 1:
+            return (
+                f'start it with --federation-config "num-supernodes={n}" (simulation) '
+                f'or give every SuperNode --node-config "partition-id=I num-partitions={n}" (deployment)'
+            )
+        return (
+            f"num-clients={n} with clients-per-node={m} needs {nodes} SuperNodes: start it with --federation-config "
+            f'"num-supernodes={nodes}", or set clients-per-node so that ceil(num-clients / clients-per-node) '
+            "is the number of SuperNodes"
+        )
+
+    def discover(self, grid: Grid, timeout: float | None = None) -> dict[int, int]:
+        """Wait for all ``ceil(n / m)`` SuperNodes and learn each one's ``partition-id``; returns partition -> node.
+
+        Sampling is over client ids, the same ids the batched engine and the
+        reference implementation use, so the node hosting each client must be
+        known before round 1. One node is asked first so that a federation of
+        the wrong size fails fast instead of waiting out the timeout. The cost
+        is one QUERY message per SuperNode: with virtual clients (``m > 1``)
+        ``m`` times fewer than one per client.
 
         Raises
         ------
         FederationError
             Wrong number of SuperNodes, missing/duplicate partition ids, or not
-            all ``n`` nodes registered within ``timeout`` seconds.
+            all nodes registered within ``timeout`` seconds.
         """
         started = time.perf_counter()
-        n = self.cfg.num_clients
+        n = self.num_nodes
         timeout = self.cfg.node_wait_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         node_ids = self._wait_for_nodes(grid, 1, deadline)
@@ -72,20 +116,21 @@ class Federation:
         ((pid, num_partitions),) = first.values()
         if num_partitions != n:
             raise FederationError(
-                f"the federation has num-partitions={num_partitions} SuperNodes but the run has num-clients={n}; "
-                f'start it with --federation-config "num-supernodes={n}" (simulation) '
-                f'or give every SuperNode --node-config "partition-id=I num-partitions={n}" (deployment)'
+                f"the federation has num-partitions={num_partitions} SuperNodes but the run needs {n}; "
+                + self._size_hint()
             )
         node_ids = self._wait_for_nodes(grid, n, deadline)
         if len(node_ids) > n:
-            raise FederationError(f"{len(node_ids)} SuperNodes are connected but num-clients={n}")
+            raise FederationError(
+                f"{len(node_ids)} SuperNodes are connected but the run needs {n}; " + self._size_hint()
+            )
         replies = self._query_partitions(grid, node_ids, deadline)
         mapping: dict[int, int] = {}
         for node_id, (pid, num_partitions) in replies.items():
             if num_partitions != n or not 0 <= pid < n:
                 raise FederationError(
                     f"node {node_id} reports partition-id={pid}, num-partitions={num_partitions}; "
-                    f"expected 0 <= partition-id < {n} and num-partitions={n}"
+                    f"expected 0 <= partition-id < {n} and num-partitions={n}; " + self._size_hint()
                 )
             if pid in mapping:
                 raise FederationError(f"partition-id={pid} is reported by two nodes ({mapping[pid]} and {node_id})")
@@ -95,10 +140,19 @@ class Federation:
             raise FederationError(
                 f"no node answered for partition ids {missing[:10]}{'...' if len(missing) > 10 else ''}"
             )
-        self.node_of_client = mapping
-        self.client_of_node = {node: pid for pid, node in mapping.items()}
+        self.node_of_partition = mapping
+        self.partition_of_node = {node: pid for pid, node in mapping.items()}
         self.discovery_seconds = time.perf_counter() - started
-        logger.info("All %d clients registered (partition ids 0..%d) in %.1f s", n, n - 1, self.discovery_seconds)
+        if self.clients_per_node == 1:
+            logger.info("All %d clients registered (partition ids 0..%d) in %.1f s", n, n - 1, self.discovery_seconds)
+        else:
+            logger.info(
+                "All %d clients registered on %d SuperNodes (%d clients per node) in %.1f s",
+                self.cfg.num_clients,
+                n,
+                self.clients_per_node,
+                self.discovery_seconds,
+            )
         return mapping
 
     def _wait_for_nodes(self, grid: Grid, count: int, deadline: float) -> list[int]:
@@ -146,11 +200,11 @@ class Federation:
             logger.warning("new SuperNodes %s did not report a partition id: %s", node_ids[:5], err)
             return
         for node_id, (pid, num_partitions) in replies.items():
-            if num_partitions != self.cfg.num_clients or not 0 <= pid < self.cfg.num_clients:
+            if num_partitions != self.num_nodes or not 0 <= pid < self.num_nodes:
                 logger.warning("ignoring node %d: partition-id=%d, num-partitions=%d", node_id, pid, num_partitions)
                 continue
-            old = self.node_of_client.get(pid)
-            self.node_of_client[pid] = node_id
-            self.client_of_node.pop(old, None)
-            self.client_of_node[node_id] = pid
-            logger.info("client %d is now node %d (was %s)", pid, node_id, old)
+            old = self.node_of_partition.get(pid)
+            self.node_of_partition[pid] = node_id
+            self.partition_of_node.pop(old, None)  # type: ignore[arg-type]
+            self.partition_of_node[node_id] = pid
+            logger.info("partition %d is now node %d (was %s)", pid, node_id, old)

@@ -1,0 +1,128 @@
+"""A round's TRAIN replies, client by client: what the server sums, and who failed, was rejected or dropped out.
+
+The message-level checks are :mod:`dpfedavg.protocol`'s (:func:`~dpfedavg.protocol.parse_train_reply`
+for a SuperNode that is one client, :func:`~dpfedavg.protocol.parse_block_reply` for a SuperNode
+hosting a block of virtual clients); this module turns the replies of one round into per-client
+results and counts for :meth:`dpfedavg.server.dp_server.DPServer.finish_round`:
+
+* a reply that passes the checks: one :class:`ClientResult` per client;
+* a malformed update: that client is rejected (with the reason); a reply that cannot be read at all
+  rejects every client of its node;
+* an error reply: every client of the node failed, or dropped out when Flower reports the node or
+  its reply unavailable; a client whose local training diverged failed;
+* no reply within the round timeout: every client of the node dropped out (``DPServer`` counts the
+  sampled clients that are neither received, failed nor rejected as dropouts).
+
+In every case the server tops up the noise of the updates that did not arrive (:mod:`dpfedavg.core.mechanism`),
+so the released sum carries the nominal noise whatever a node's failure takes with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from flwr.app import Message
+from flwr.common.constant import ErrorCode
+
+from dpfedavg.core.types import ClientResult
+from dpfedavg.protocol import parse_block_reply, parse_train_reply
+
+__all__ = ["RoundReplies", "collect_replies"]
+
+logger = logging.getLogger(__name__)
+
+#: Error codes Flower uses when a node or its reply is gone: its clients are dropouts, not failures.
+UNAVAILABLE_CODES = frozenset({ErrorCode.NODE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE})
+
+
+@dataclass
+class RoundReplies:
+    """The round's per-client outcome: results in ascending client id, failure and rejection counts."""
+
+    results: list[ClientResult] = field(default_factory=list)
+    num_failed: int = 0
+    num_rejected: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+
+def collect_replies(
+    server_round: int,
+    replies: Iterable[Message],
+    sampled: Mapping[int, Sequence[int]],
+    *,
+    dim: int,
+    diagnostics: bool,
+    clip: float,
+    block: bool,
+) -> RoundReplies:
+    """Check a round's replies and count them per client.
+
+    Parameters
+    ----------
+    sampled:
+        Node id -> the sampled clients it was asked to compute (ascending).
+    clip:
+        The bound on a clean update's norm (``inf`` without DP), checked with ``diagnostics``.
+    block:
+        The nodes host virtual clients (``clients-per-node`` > 1): replies hold one update per client.
+    """
+    out = RoundReplies()
+    replied: set[int] = set()
+    unavailable = 0
+    for msg in replies:
+        src = msg.metadata.src_node_id
+        if src not in sampled:
+            _reject(out, server_round, src, f"reply from node {src}, which was not sampled this round", 1)
+            continue
+        if src in replied:
+            _reject(out, server_round, src, f"second reply from node {src} in this round", 1)
+            continue
+        replied.add(src)
+        clients = sampled[src]
+        if msg.has_error():
+            # Flower answers for a node that went offline with an error reply: its clients dropped out.
+            if msg.error.code in UNAVAILABLE_CODES:
+                unavailable += 1
+            else:
+                out.num_failed += len(clients)
+                logger.warning(
+                    "Round %d: node %d failed (%d sampled clients): %s",
+                    server_round,
+                    src,
+                    len(clients),
+                    msg.error.reason[:300],
+                )
+            continue
+        try:
+            if not block:
+                update, norm, clean = parse_train_reply(msg.content, dim, diagnostics=diagnostics, clip=clip)
+                out.results.append(ClientResult(clients[0], update, norm, clean))
+                continue
+            parsed = parse_block_reply(msg.content, clients, dim, diagnostics=diagnostics, clip=clip)
+        except ValueError as err:
+            _reject(out, server_round, src, str(err), len(clients))
+            continue
+        for client_id, (update, norm, clean) in parsed.updates.items():
+            out.results.append(ClientResult(client_id, update, norm, clean))
+        for reason in parsed.rejected.values():
+            _reject(out, server_round, src, reason, 1)
+        if parsed.diverged:
+            out.num_failed += len(parsed.diverged)
+            logger.warning(
+                "Round %d: node %d: local training diverged (NaN/Inf) for clients %s",
+                server_round,
+                src,
+                parsed.diverged[:10],
+            )
+    if unavailable:
+        logger.warning("Round %d: %d sampled nodes became unavailable (dropouts)", server_round, unavailable)
+    out.results.sort(key=lambda result: result.client_id)  # fixed summation order
+    return out
+
+
+def _reject(out: RoundReplies, server_round: int, node: int, reason: str, count: int) -> None:
+    out.num_rejected += count
+    out.reasons.append(reason)
+    logger.warning("Round %d: rejected reply from node %d: %s", server_round, node, reason)

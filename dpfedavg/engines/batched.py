@@ -18,17 +18,18 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import client_update, instructions_grid, noise_rng, private_block_update
 from dpfedavg.core.types import ClientResult, GradFn, RoundInstructions, Vector
-from dpfedavg.privacy.accounting import PrivacyPlan, plan_privacy
-from dpfedavg.server.dp_server import DPServer
-from dpfedavg.server.loop import run_rounds
-from dpfedavg.session import RunSession
 from dpfedavg.tasks import Task, build_task
+
+if TYPE_CHECKING:  # the server side is imported by run_batched: a ClientApp that computes blocks needs none of it
+    from dpfedavg.privacy.accounting import PrivacyPlan
+    from dpfedavg.server.dp_server import DPServer
 
 __all__ = ["run_batched", "client_results"]
 
@@ -143,6 +144,11 @@ def run_batched(
         not depend on it.
     """
     from tqdm.auto import tqdm
+
+    from dpfedavg.privacy.accounting import plan_privacy
+    from dpfedavg.server.dp_server import DPServer
+    from dpfedavg.server.loop import run_rounds
+    from dpfedavg.session import RunSession
 
     threads = threads if threads is not None else (os.cpu_count() or 1)
     plan = plan if plan is not None else plan_privacy(cfg)

@@ -207,24 +207,26 @@ class LogisticTask:
         return np.zeros(self.dim)
 
     # ------------------------------------------------------------ evaluation
-    def _scores(self, w: Vector, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        """``(mean CE, accuracy)`` over a split, in chunks."""
+    def _scores(self, w: Vector, x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None) -> tuple[float, float]:
+        """``(mean CE, accuracy)`` over a split (or its ``rows``), in chunks read from the memory map."""
         d, c = self.feature_dim, self.num_classes
         weights, bias = w[: d * c].reshape(d, c), w[d * c :]
+        total = len(y) if rows is None else len(rows)
         ce_sum, correct = 0.0, 0
-        for start in range(0, len(y), EVAL_CHUNK):
-            xb = np.asarray(x[start : start + EVAL_CHUNK], dtype=np.float64)
+        for start in range(0, total, EVAL_CHUNK):
+            index = slice(start, start + EVAL_CHUNK) if rows is None else rows[start : start + EVAL_CHUNK]
+            xb, yb = np.asarray(x[index], dtype=np.float64), np.asarray(y[index])
             logits = xb @ weights + bias
-            ce, _ = softmax_cross_entropy(logits, y[start : start + EVAL_CHUNK])
+            ce, _ = softmax_cross_entropy(logits, yb)
             ce_sum += float(ce.sum())
-            correct += int((logits.argmax(axis=1) == y[start : start + EVAL_CHUNK]).sum())
-        return ce_sum / len(y), correct / len(y)
+            correct += int((logits.argmax(axis=1) == yb).sum())
+        return ce_sum / total, correct / total
 
     def evaluate(self, w: Vector) -> dict[str, float]:
         """Test accuracy and loss, and the training objective ``f(w)`` over the clients' data."""
         test_loss, test_acc = self._scores(w, self.data.test_x, self.data.test_y)
         rows = np.sort(np.asarray(self.partition).ravel())
-        train_ce, _ = self._scores(w, self.data.train_x[rows], self.data.train_y[rows])
+        train_ce, _ = self._scores(w, self.data.train_x, self.data.train_y, rows)  # no copy of the whole split
         return {
             "test_accuracy": test_acc,
             "test_loss": test_loss,

@@ -295,7 +295,7 @@ def _cmd_scale(args: argparse.Namespace) -> None:
     print(f"  seconds per round (median): {result.seconds_per_round:.3f}")
     print(f"  ms per sampled client:      {result.ms_per_sampled_client:.2f}")
     print(f"  start-up to round 1 (s):    {result.startup_seconds:.1f}")
-    print(f"  peak RSS, all processes:    {result.peak_rss_mb:.0f} MiB")
+    print(f"  peak RSS, all processes:    {result.peak_rss_mb:.0f} MiB (PSS {result.peak_pss_mb:.0f} MiB)")
     print(f"  wall (s):                   {result.wall_seconds:.1f}")
 
 

@@ -19,8 +19,9 @@ pixels). Three engines run the same rounds:
 Seconds per round is the median over the measured rounds that have no
 server-side evaluation; start-up is from launching the engine to the start of
 round 1 (the end of round 1, read from ``metrics.csv``, minus the median
-round), with the dataset cache already prepared (the one-time preparation a
-first run pays is timed before launch and reported as ``prepare_seconds``); peak RSS sums every process of the engine (the SuperLink, the
+round), with the dataset cache already prepared (features and the n-client
+shard split: the one-time preparation a first run pays is timed before launch
+and reported as ``prepare_seconds``); peak RSS sums every process of the engine (the SuperLink, the
 ServerApp and simulation processes and the Ray workers for ``flower``),
 sampled every 0.2 s.
 """
@@ -32,6 +33,8 @@ import gzip
 import json
 import statistics
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -71,6 +74,8 @@ class ScaleResult:
     clients_per_node: int = 1
     #: One-time preparation of the dataset cache before launch (0 when it was already there).
     prepare_seconds: float = 0.0
+    #: Peak of the summed PSS (shared pages divided among the processes that map them; Linux).
+    peak_pss_mb: float = 0.0
 
 
 def _write_idx(path: Path, array: np.ndarray) -> None:
@@ -114,10 +119,15 @@ def scale_config(num_clients: int, rounds: int, workdir: Path, q: float = 0.2, *
 
 
 class _PeakRss:
-    """Samples the summed RSS of ``roots`` and all their descendants in a background thread."""
+    """Samples the summed RSS of ``roots`` and all their descendants in a background thread.
+
+    Also the summed PSS (:attr:`peak_pss`, Linux): RSS counts a page shared by several processes (the
+    memory-mapped dataset every ClientApp actor and the ServerApp read, the libraries) once per
+    process, PSS divides it among them, so the PSS sum is the memory the process tree really holds.
+    """
 
     def __init__(self, roots: list[psutil.Process], interval: float = 0.2) -> None:
-        self.roots, self.interval, self.peak = roots, interval, 0
+        self.roots, self.interval, self.peak, self.peak_pss = roots, interval, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -125,18 +135,20 @@ class _PeakRss:
         self.roots.append(proc)
 
     def sample(self) -> int:
-        seen: dict[int, int] = {}
+        seen: dict[int, tuple[int, int]] = {}
         for root in list(self.roots):
             try:
                 for proc in [root, *root.children(recursive=True)]:
                     try:
-                        seen[proc.pid] = proc.memory_info().rss
+                        info = proc.memory_full_info()
+                        seen[proc.pid] = (info.rss, getattr(info, "pss", info.rss))
                     except psutil.Error:
                         pass
             except psutil.Error:
                 pass
-        total = sum(seen.values())
+        total = sum(rss for rss, _ in seen.values())
         self.peak = max(self.peak, total)
+        self.peak_pss = max(self.peak_pss, sum(pss for _, pss in seen.values()))
         return total
 
     def _run(self) -> None:
@@ -173,17 +185,24 @@ def loop_client_results(
         yield ClientResult(cid, upd.noisy, upd.update_norm, upd.clean if ins.diagnostics else None)
 
 
-def _prepare_cache(workdir: Path) -> float:
-    """Prepare the dataset cache before the engine starts (a one-time cost per dataset); returns its seconds.
+def _prepare_cache(cfg: RunConfig) -> float:
+    """Prepare the dataset cache before the engine starts; returns its seconds.
 
-    A run prepares the cache on first use and every later run reads it, so start-up is measured with it
-    prepared; the seconds it took are reported beside (``ScaleResult.prepare_seconds``).
+    The cache (the prepared features and the ``n``-client shard split, :attr:`LogisticTask.partition`)
+    is built by the first run of a dataset and size and read by every later one, so start-up is
+    measured with it prepared; the seconds it took are reported beside (``ScaleResult.prepare_seconds``).
     """
-    from dpfedavg.tasks.datasets import prepare_dataset
-
     clock = time.monotonic()
-    prepare_dataset("fmnist", data_dir=str(workdir / "data"), cache_dir=str(workdir / "cache"))
+    # in a child process, so that what the preparation allocates is not counted in the engine's peak memory
+    subprocess.run([sys.executable, "-c", _PREPARE, json.dumps(cfg.to_run_config())], check=True)
     return time.monotonic() - clock
+
+
+#: Builds the task of the run config in ``sys.argv[1]`` and its shard split (which prepares the features first).
+_PREPARE = (
+    "import json, sys; from dpfedavg.config import RunConfig; from dpfedavg.tasks import build_task; "
+    "build_task(RunConfig.from_run_config(json.loads(sys.argv[1]))).partition"
+)
 
 
 def _summarize(run_dir: Path, cfg: RunConfig, launched: float, wall: float, peak: int, engine: str) -> ScaleResult:
@@ -235,7 +254,6 @@ def measure(
     num_train = EXAMPLES_PER_CLIENT * num_clients
     if not (workdir / "data" / "fmnist").exists():
         make_fmnist_like(workdir / "data", num_train=num_train, num_test=1000)
-    prepare_seconds = _prepare_cache(workdir)
     values = {"run-name": f"{engine}-{num_clients}", **(overrides or {})}
     if engine == "flower":
         from dpfedavg.engines.flower import recommended_clients_per_node
@@ -244,6 +262,7 @@ def measure(
         m = clients_per_node or (1 if secure else recommended_clients_per_node(num_clients))
         values.update({"clients-per-node": m, "run-name": f"{engine}-{num_clients}-m{m}"})
     cfg = scale_config(num_clients, rounds, workdir, **values)
+    prepare_seconds = _prepare_cache(cfg)
     if engine == "flower":
         from dpfedavg.engines.flower import run_flower
         from dpfedavg.engines.local_superlink import LocalSuperLink
@@ -265,6 +284,7 @@ def measure(
             wall = time.monotonic() - t0
     result = _summarize(run_dir, cfg, launched, wall, rss.peak, engine)
     result.prepare_seconds = prepare_seconds
+    result.peak_pss_mb = rss.peak_pss / 2**20
     return result
 
 

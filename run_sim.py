@@ -33,7 +33,7 @@ scale
         python run_sim.py scale --num-clients 5000 [--rounds 5] [--engine flower|batched|loop] \\
             [--clients-per-node M] [--json]
 
-    ``flower`` runs the recommended simulation (virtual clients, about 50 SuperNodes);
+    ``flower`` runs the recommended simulation (virtual clients, about 20 SuperNodes);
     ``--clients-per-node 1`` reproduces one SuperNode per client.
 
 audit
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine", choices=("flower", "batched", "loop"), default="flower", help="default: flower")
     p.add_argument("--num-cpus", type=int, default=1, help="flower: client-resources-num-cpus (default 1)")
     p.add_argument("--clients-per-node", type=int, default=None,
-                   help="flower: virtual clients per simulated SuperNode (default: ceil(n / 50), the recommended "
+                   help="flower: virtual clients per simulated SuperNode (default: ceil(n / 20), the recommended "
                    "setup; 1 = one SuperNode per client)")  # fmt: skip
     p.add_argument("--noise-placement", choices=("client-calibrated", "client", "server"), default="client-calibrated",
                    help="default: client (z_k varies with the reply count, so the PLD accountant builds a new "

@@ -20,7 +20,7 @@ __all__ = [
 #: The number of simulated SuperNodes the recommended setup aims at: enough messages per round to keep
 #: every Ray actor busy, few enough that Flower's in-memory delivery (whose cost grows with nodes x
 #: messages, see BENCHMARKS.md) stays a small part of the round.
-SIMULATION_NODES = 50
+SIMULATION_NODES = 20
 
 
 def recommended_clients_per_node(num_clients: int, nodes: int = SIMULATION_NODES) -> int:

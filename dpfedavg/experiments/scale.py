@@ -8,7 +8,7 @@ pixels). Three engines run the same rounds:
 
 * ``flower``: ``flwr run`` on a private local SuperLink (Ray), by default with
   virtual clients (``clients-per-node`` from
-  :func:`dpfedavg.engines.flower.recommended_clients_per_node`: about 50
+  `dpfedavg.engines.flower.recommended_clients_per_node`: about 20
   simulated SuperNodes, each computing its sampled clients as a block);
   ``clients_per_node=1`` reproduces one SuperNode per client;
 * ``batched``: :func:`dpfedavg.engines.batched.run_batched`, one process;

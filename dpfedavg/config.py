@@ -103,7 +103,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("lr-decay", float, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: _positive(x) and x <= 1, trajectory=True),  # noqa: E501
     Option("server-lr", float, "beta_k", 'global step; "eta" means beta_k = eta_k', f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"', _positive, sentinel=SERVER_LR_FOLLOWS_LOCAL, trajectory=True),  # noqa: E501
     Option("server-momentum", float, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: _non_negative(x) and x < 1, trajectory=True),  # noqa: E501
-    Option("num-clients", int, "n", "number of clients (= supernodes, or clients-per-node times them)", "an integer >= 1", lambda x: x >= 1),
+    Option("num-clients", int, "n", "number of clients (= supernodes, or clients-per-node times them)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
     Option("clients-per-round", float, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", _positive),  # noqa: E501
     Option("clip", float, "C", "clipping threshold (clip) / scaling factor (norm)", "a float > 0", _positive),
     # privacy

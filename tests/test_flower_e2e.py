@@ -58,11 +58,16 @@ def _rows(run_dir: Path) -> list[dict]:
     return list(csv.DictReader((run_dir / "metrics.csv").open()))
 
 
-@pytest.mark.parametrize("noise", [0.0, 2.0], ids=["noise-off", "noise-on"])
+@pytest.mark.parametrize(
+    ("noise", "per_node"), [(0.0, 1), (2.0, 1), (2.0, 4)], ids=["noise-off", "noise-on", "virtual-clients-noise-on"]
+)
 def test_flower_simulation_matches_numpy_reference_and_batched_engine(
-    superlink: LocalSuperLink, tmp_path: Path, noise: float
+    superlink: LocalSuperLink, tmp_path: Path, noise: float, per_node: int
 ) -> None:
-    """10 clients, Poisson sampling, momentum: the Flower run equals plain numpy Alg. 1/2 and the batched engine."""
+    """10 clients, Poisson sampling, momentum: the Flower run equals plain numpy Alg. 1/2 and the batched engine.
+
+    ``per_node = 4``: 3 SuperNodes hosting 4, 4 and 2 virtual clients, the same trajectory.
+    """
     values = {
         "num-clients": 10,
         "clients-per-round": 6.0,
@@ -77,7 +82,11 @@ def test_flower_simulation_matches_numpy_reference_and_batched_engine(
         "clip": 30.0,
         "save-trajectory": True,
     }
-    result, run_dir = _run(superlink, tmp_path, f"ref-{noise}", values)
+    federation = SMALL_FED
+    if per_node > 1:
+        values["clients-per-node"] = per_node
+        federation = "num-supernodes=3 client-resources-num-cpus=1"
+    result, run_dir = _run(superlink, tmp_path, f"ref-{noise}-{per_node}", values, federation)
     assert (run_dir / "model.npz").exists(), result.stdout[-4000:]
     cfg = RunConfig.from_run_config(values)
     ref = run_reference_for(cfg)

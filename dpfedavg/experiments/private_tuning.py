@@ -258,11 +258,13 @@ def _rdp_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
     return float(accountant.get_epsilon(delta))
 
 
+@lru_cache(maxsize=256)
 def tuning_epsilon(z: float, q: float, rounds: int, delta: float, count: TrialCount) -> float:
     """End-to-end epsilon of releasing the best of ``T`` trials, each with noise multiplier ``z`` (RDP)."""
     return _rdp_epsilon(tuning_event(q, z, rounds, count), delta)
 
 
+@lru_cache(maxsize=256)
 def trial_epsilon(z: float, q: float, rounds: int, delta: float) -> float:
     """Epsilon of one trial alone, with the same (RDP) accountant."""
     return _rdp_epsilon(trial_event(q, z, rounds), delta)

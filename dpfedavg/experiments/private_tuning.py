@@ -445,6 +445,9 @@ def summarize(
     for r in table1_rows:
         runs_per_group[(r["algorithm"], r["epsilon"])] += 1
         z_per_run[(r["algorithm"], r["epsilon"])] = float(r["noise_multiplier"])
+    untuned = defaultdict(list)  # one run at a grid point picked blindly: no selection, epsilon of one run
+    for r in table1_rows:
+        untuned[(r["algorithm"], r["epsilon"])].append(r["last5_test_accuracy"])
     released = defaultdict(list)
     for r in rows:
         if r["released"]:
@@ -486,6 +489,8 @@ def summarize(
                     "per_run_eta0": pr[3] if pr else None,
                     "per_run_seeds": pr[4] if pr else None,
                     "per_run_noise_multiplier": z_run,
+                    "untuned_accuracy": float(np.mean(untuned[(alg, eps)])) if untuned.get((alg, eps)) else None,
+                    "untuned_std": float(np.std(untuned[(alg, eps)])) if untuned.get((alg, eps)) else None,
                     "grid_runs": n_runs,
                     "grid_end_to_end_epsilon": grid_eps,
                     "grid_noise_multiplier_at_end_to_end_epsilon": grid_z,
@@ -521,9 +526,10 @@ def markdown(dataset: str, summary: Sequence[dict], count: TrialCount, repetitio
         f"tuning procedure (tuning seed {tuning_seed}); selection and report by the last-5-round test accuracy.",
         "",
         "| Algo. | epsilon | per-run table: best of grid (mean ± std over seeds) | z per run "
-        "| epsilon of the whole grid search (all runs composed, PLD) | private tuning: released trial "
+        "| epsilon of the whole grid search (all runs composed, PLD) | one untuned run: random grid point "
+        "(mean ± std over the grid's runs) | private tuning: released trial "
         "(mean ± std over repetitions; min-max) | z per trial | epsilon per trial (RDP) | T drawn: mean (min-max) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         name = _NAMES.get(s["algorithm"], s["algorithm"])
@@ -549,8 +555,11 @@ def markdown(dataset: str, summary: Sequence[dict], count: TrialCount, repetitio
             )
             if s["tuned_nothing_released"]:
                 tuned += f" ({s['tuned_nothing_released']} repetitions drew T = 0: nothing released)"
+        untuned = (
+            "-" if s["untuned_accuracy"] is None else f"{_pct(s['untuned_accuracy'])} ± {100 * s['untuned_std']:.2f}"
+        )
         lines.append(
-            f"| {name} | {s['epsilon']:g} | {per_run} | {z_run} | {grid_eps} | {tuned} "
+            f"| {name} | {s['epsilon']:g} | {per_run} | {z_run} | {grid_eps} | {untuned} | {tuned} "
             f"| {s['tuned_noise_multiplier']:.3f} | {s['tuned_trial_epsilon']:.2f} "
             f"| {s['trials_mean']:.1f} ({s['trials_min']}-{s['trials_max']}) |"
         )

@@ -254,7 +254,7 @@ def test_private_tuning_end_to_end_on_digits(tmp_path: Path) -> None:
     out = tmp_path / "t1"
     grid = {**GRID, "clips": [15.625], "lrs": [0.032], "cache_dir": str(tmp_path / "cache")}
     outputs = run_private_tuning(
-        out, "digits", epsilons=[5.0], seeds=1, count=COUNT, repetitions=2, tuning_seed=0, jobs=1, progress=False,
+        out, "digits", epsilons=[5.0], seeds=1, count=COUNT, repetitions=1, tuning_seed=0, jobs=1, progress=False,
         **grid,
     )  # fmt: skip
     with outputs["private_tuning_csv"].open() as fh:
@@ -262,7 +262,7 @@ def test_private_tuning_end_to_end_on_digits(tmp_path: Path) -> None:
         rows = list(reader)
     assert tuple(reader.fieldnames) == PRIVATE_TUNING_COLUMNS
     for alg in ("clip", "norm"):
-        for rep in (0, 1):
+        for rep in (0,):  # one repetition keeps it fast: the plan test above covers several
             group = [r for r in rows if r["algorithm"] == alg and r["repetition"] == str(rep)]
             assert len(group) == int(group[0]["num_trials"]) >= 1
             released = [r for r in group if r["released"] == "1"]

@@ -281,7 +281,7 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
-    from dpfedavg.experiments.private_tuning import TrialCount, plan_trials, run_private_tuning
+    from dpfedavg.experiments.private_tuning import TrialCount, plan_trials, run_private_tuning, tuning_dir
     from dpfedavg.experiments.table1 import table1_cells
     from dpfedavg.sweep import SweepError
     from dpfedavg.tasks.datasets import DataUnavailableError
@@ -295,7 +295,7 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
         count = TrialCount(args.trials_distribution, args.trials_mean, args.trials_shape)
         cells = table1_cells(out, args.dataset, epsilons=args.epsilon, seeds=args.seeds, **grid)
         trials, calibration = plan_trials(
-            out / "private-tuning", args.dataset, epsilons=args.epsilon, count=count,
+            tuning_dir(out, count), args.dataset, epsilons=args.epsilon, count=count,
             repetitions=args.repetitions, tuning_seed=args.tuning_seed, **grid,
         )  # fmt: skip
     except ConfigError as err:

@@ -249,6 +249,21 @@ def test_plan_is_seeded_shares_draws_across_algorithms_and_keeps_each_federation
         plan_trials(tmp_path, "digits", tuning_seed=3, **{**plan, "repetitions": 0})
 
 
+def test_data_seed_fixes_the_federation_whatever_the_run_seed(tmp_path: Path) -> None:
+    """Trials of a repetition differ in seed (sampling, noise) but train on one shard split: data-seed's."""
+    from dpfedavg.config import RunConfig
+    from dpfedavg.tasks import build_task
+
+    def split(**kw) -> np.ndarray:
+        return np.asarray(build_task(RunConfig(task="digits", cache_dir=str(tmp_path), **kw)).partition)
+
+    fixed = split(seed=0)
+    np.testing.assert_array_equal(split(seed=12345, data_seed=0), fixed)
+    assert not np.array_equal(split(seed=12345), fixed)  # without data-seed the split follows seed
+    with pytest.raises(ConfigError, match="'data-seed' = -2"):
+        RunConfig.from_run_config({"data-seed": -2})
+
+
 def test_private_tuning_end_to_end_on_digits(tmp_path: Path) -> None:
     """A tiny grid and K = 5: the per-run table, the trials, the released best per repetition, both tables."""
     out = tmp_path / "t1"

@@ -94,6 +94,7 @@ __all__ = [
     "plan_trials",
     "run_private_tuning",
     "trial_epsilon",
+    "tuning_dir",
     "tuning_epsilon",
 ]
 
@@ -208,6 +209,13 @@ class TrialCount:
             if t >= 1:
                 return t
 
+    @property
+    def slug(self) -> str:
+        """A folder name for this distribution: ``negative-binomial-mean10-shape1``, ``poisson-mean10``."""
+        if self.distribution == "poisson":
+            return f"poisson-mean{self.mean:g}"
+        return f"negative-binomial-mean{self.mean:g}-shape{self.shape:g}"
+
     def describe(self) -> str:
         if self.distribution == "poisson":
             return f"T ~ Poisson(mean {self.mean:g})"
@@ -298,6 +306,14 @@ def calibrate_tuning_noise(
 
 
 # ----------------------------------------------------------------------- trials
+def tuning_dir(out: Path, count: TrialCount) -> Path:
+    """Where one trial-count setting keeps its trials and tables: ``<out>/private-tuning-<slug>/``.
+
+    Settings side by side share the per-run grid in ``<out>/runs/``.
+    """
+    return Path(out) / f"private-tuning-{count.slug}"
+
+
 @dataclass(frozen=True)
 class Trial:
     """One trial of one repetition of the tuning of ``algorithm`` at end-to-end ``epsilon``."""
@@ -642,11 +658,11 @@ def run_private_tuning(
 ) -> dict[str, Path]:
     """The per-run table (:func:`~dpfedavg.experiments.table1.run_table1`), then the tuning trials; both tables.
 
-    Every trial is a sweep cell under ``<out>/private-tuning/runs/`` (resumable
-    like the grid). Outputs in ``out``: ``table1.csv`` / ``table1.md`` as
-    ``run_table1`` writes them, ``private_tuning.csv`` (every trial, the
-    released one marked), ``private_tuning.json`` (the calibration and the
-    summary), ``private_tuning.md`` and ``private_tuning.png``.
+    Every trial is a sweep cell under ``<tuning dir>/runs/`` (:func:`tuning_dir`; resumable
+    like the grid). Outputs: ``table1.csv`` / ``table1.md`` in ``out`` as
+    ``run_table1`` writes them; in the tuning dir ``private_tuning.csv`` (every
+    trial, the released one marked), ``private_tuning.json`` (the calibration
+    and the summary), ``private_tuning.md`` and ``private_tuning.png``.
     """
     from dpfedavg.config import RunConfig
     from dpfedavg.experiments.table1 import NUM_CLIENTS, run_table1
@@ -656,7 +672,7 @@ def run_private_tuning(
     grid_kwargs = {"clips": clips, "lrs": lrs, "rounds": rounds, "data_dir": data_dir, "cache_dir": cache_dir}
     # Everything is drawn, calibrated and validated before the first run starts.
     trials, calibration = plan_trials(
-        out / "private-tuning", dataset, epsilons=epsilons, count=count, repetitions=repetitions,
+        tuning_dir(out, count), dataset, epsilons=epsilons, count=count, repetitions=repetitions,
         tuning_seed=tuning_seed, **grid_kwargs,
     )  # fmt: skip
     for eps, cal in calibration.items():
@@ -679,7 +695,8 @@ def run_private_tuning(
         [t.cell for t in trials], engine=engine, jobs=jobs, progress=progress,
         desc=f"private tuning {dataset} ({len(trials)} trials)", ray_address=ray_address,
     )  # fmt: skip
-    rows = _collect(trials, dataset, calibration, out / "private_tuning.csv")
+    where = tuning_dir(out, count)
+    rows = _collect(trials, dataset, calibration, where / "private_tuning.csv")
     with (out / "table1.csv").open() as fh:
         table1_rows = [
             {**r, "epsilon": float(r["epsilon"]), "C": float(r["C"]), "eta0": float(r["eta0"]),
@@ -697,15 +714,15 @@ def run_private_tuning(
         "calibration": [calibration[e] for e in calibration],
         "summary": summary,
     }
-    (out / "private_tuning.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "private_tuning.md").write_text(markdown(dataset, summary, count, repetitions, tuning_seed))
+    (where / "private_tuning.json").write_text(json.dumps(report, indent=2) + "\n")
+    (where / "private_tuning.md").write_text(markdown(dataset, summary, count, repetitions, tuning_seed))
     result = {
         **outputs,
-        "private_tuning_csv": out / "private_tuning.csv",
-        "private_tuning_json": out / "private_tuning.json",
-        "private_tuning_table": out / "private_tuning.md",
+        "private_tuning_csv": where / "private_tuning.csv",
+        "private_tuning_json": where / "private_tuning.json",
+        "private_tuning_table": where / "private_tuning.md",
     }
-    png = plot(summary, rows, out / "private_tuning.png", dataset)
+    png = plot(summary, rows, where / "private_tuning.png", dataset)
     if png is not None:
         result["private_tuning_plot"] = png
     return result

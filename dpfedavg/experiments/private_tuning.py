@@ -560,7 +560,7 @@ def markdown(dataset: str, summary: Sequence[dict], count: TrialCount, repetitio
         grid_eps = (
             "-"
             if s["grid_end_to_end_epsilon"] is None
-            else f"{s['grid_end_to_end_epsilon']:.1f} ({s['grid_runs']} runs)"
+            else f"{s['grid_end_to_end_epsilon']:.1f} ({s['grid_runs']} run{'s' if s['grid_runs'] != 1 else ''})"
         )
         if s["tuned_accuracy"] is None:
             tuned = "-"
@@ -588,7 +588,7 @@ def markdown(dataset: str, summary: Sequence[dict], count: TrialCount, repetitio
         lines.append(
             f"* epsilon = {s['epsilon']:g} end to end: one run needs z = {s['per_run_noise_multiplier']:.3f} (PLD), "
             f"private tuning z = {s['tuned_noise_multiplier']:.3f} per trial (RDP, RepeatAndSelectDpEvent), "
-            f"the whole grid search paid by composition ({s['grid_runs']} runs) "
+            f"the whole grid search paid by composition ({s['grid_runs']} run{'s' if s['grid_runs'] != 1 else ''}) "
             f"z = {s['grid_noise_multiplier_at_end_to_end_epsilon']:.3f} per run (PLD)."
         )
     return "\n".join(lines) + "\n"

@@ -158,6 +158,15 @@ def test_virtual_federation_of_the_wrong_size_names_the_fix() -> None:
         DPFedAvg(cfg, dim=4).discover_clients(grid)
 
 
+def test_the_strategy_uses_only_flowers_public_strategy_api() -> None:
+    """DPFedAvg implements Flower's Strategy hooks; it is not a FedAvg with options its overrides ignore."""
+    from flwr.serverapp.strategy import FedAvg, Strategy
+
+    assert issubclass(DPFedAvg, Strategy) and not issubclass(DPFedAvg, FedAvg)
+    strategy = DPFedAvg(_virtual_cfg(), dim=4)
+    assert strategy.aggregate_evaluate(1, []) is None and strategy.configure_evaluate(1, None, None, None) == []
+
+
 @pytest.mark.parametrize(
     ("values", "fragment"),
     [

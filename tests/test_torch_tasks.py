@@ -10,6 +10,7 @@ GPU ``device = "auto"`` puts the same tests on CUDA.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 import types
@@ -300,3 +301,70 @@ def test_torchvision_resnet18_is_preferred_when_it_imports(monkeypatch: pytest.M
     assert features.resnet18() is marker
     monkeypatch.setitem(sys.modules, "torchvision", None)  # "import torchvision" fails: the hand-written one
     assert type(features.resnet18()).__name__ == "ResNet18"
+
+
+# ------------------------------------------------------------------ README: Bring your own model
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SECTION = "## Bring your own model"
+
+
+def _readme_blocks() -> tuple[str, str]:
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    section = text[start:end]
+    python, bash = re.findall(r"```python\n(.*?)```", section, re.S), re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert len(python) == 1 and len(bash) == 1, "the section has exactly one python and one bash block"
+    return python[0], bash[0]
+
+
+def test_readme_example_is_one_module_and_one_command_block() -> None:
+    python, bash = _readme_blocks()
+    assert "def make_task(cfg)" in python and "TorchTask(" in python
+    commands = [line for line in bash.splitlines() if line.strip() and not line.startswith("#")]
+    assert any(c.startswith('flwr run "$DPFEDAVG"') for c in commands)
+    assert any(c.startswith("python -m dpfedavg.run") for c in commands)
+
+
+@pytest.mark.slow
+def test_readme_bring_your_own_model(tmp_path: Path) -> None:
+    """The section's mytask.py and its bash block, as written, from a folder outside the repository.
+
+    ``dpfedavg`` is this checkout (``PYTHONPATH``, as an editable install); ``flwr run`` talks to a
+    private SuperLink (``LocalSuperLink``: its own ports and FLWR_HOME, every process stopped by PID)
+    with the per-run ``uv sync`` on, as a user's local SuperLink has it: torch comes from the
+    environment that runs the SuperLink. Both engines must finish (``config.json`` "final") and,
+    one seed, follow the same trajectory.
+    """
+    import csv
+
+    from dpfedavg.engines.local_superlink import LocalSuperLink
+
+    python, bash = _readme_blocks()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "mytask.py").write_text(python)
+    sl = LocalSuperLink(tmp_path / "superlink", runtime_dependency_install=True)
+    try:
+        sl.start()
+        env = dict(sl.env, PYTHONPATH=str(ROOT), PATH=f"{BIN}:{sl.env.get('PATH', '')}")
+        log = tmp_path / "block.log"
+        with log.open("w") as out:
+            proc = subprocess.run(["bash", "-e", "-c", bash], cwd=project, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=600)
+        assert proc.returncode == 0, log.read_text()[-5000:]
+    finally:
+        sl.stop()
+    assert sl.leftover_pids() == []
+    runs = sorted((project / "outputs").iterdir())
+    assert len(runs) == 2, (runs, log.read_text()[-5000:])
+    curves = []
+    for run in runs:
+        assert json.loads((run / "config.json").read_text())["final"] is not None, log.read_text()[-5000:]
+        with (run / "metrics.csv").open() as fh:
+            curves.append([float(row["test_accuracy"]) for row in csv.DictReader(fh)])
+    assert len(curves[0]) == 11 and curves[0][-1] > 0.2
+    np.testing.assert_allclose(curves[0], curves[1], atol=1e-6)

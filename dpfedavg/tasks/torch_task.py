@@ -292,6 +292,10 @@ class TorchTask:
         self.name = name or cfg.task
         self.num_clients = cfg.num_clients
         self.device = resolve_device(cfg.device)
+        from dpfedavg.runtime import in_app_process
+
+        if in_app_process() and self.device.type == "cpu":  # parallelism comes from the Ray actors (runtime.py)
+            self.torch.set_num_threads(1)
         self.dtype = getattr(self.torch, cfg.torch_dtype)
         self.batch_size = cfg.local_batch_size
         self.weight_decay = cfg.weight_decay if weight_decay is None else float(weight_decay)

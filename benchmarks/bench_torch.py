@@ -7,13 +7,17 @@ Fashion-MNIST; the cost does not depend on the pixel values):
 
 * ``fmnist`` logistic regression 784 x 10 (+10), ``backend = numpy``: the exact closed form of
   the E steps (``LogisticTask.client_batch_update_fn``), the reference;
-* the same with ``backend = torch``: ``torch.func`` gradients, vmapped over each block of clients;
-* ``mlp-fmnist``: the MLP 784-100-10 on torch (79,510 parameters).
+* the same with ``backend = torch``: the same closed form in torch (``LogisticTask._torch_closed_form``);
+* the same objective through the generic :class:`~dpfedavg.tasks.torch_task.TorchTask` path (``torch.func``
+  autograd steps, vmapped over each block of clients; what any ``nn.Module`` gets), loaded as
+  ``task = "<this file>:generic_logistic"`` (a user's ``module:factory``);
+* ``mlp-fmnist``: the MLP 784-100-10 on torch (79,510 parameters), the generic path.
 
 The per-round time is the median of ``elapsed_s`` differences over rounds where the server does
 not evaluate. ``--device cuda`` runs the torch tasks on the GPU.
 
-    python benchmarks/bench_torch.py [--clients 3000] [--rounds 6] [--device auto|cpu|cuda] [--dtype float32]
+    python benchmarks/bench_torch.py [--clients 3000] [--rounds 12] [--device auto|cpu|cuda] [--dtype float32]
+        [--torch-threads N] [--only numpy torch-logistic torch-logistic-vmap torch-mlp]
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ from dpfedavg.engines.batched import run_batched
 from dpfedavg.experiments.scale import make_fmnist_like
 
 
+def generic_logistic(cfg: RunConfig):  # -> LogisticTask
+    """FMNIST logistic regression whose batched updates come from the generic vmapped autograd steps."""
+    from dpfedavg.tasks.logistic import LogisticTask
+
+    task = LogisticTask(cfg.replace(task="fmnist", backend="torch"))
+    task.client_batch_update_fn = lambda ids, server_round=0: task.torch_task.client_batch_update_fn(ids, server_round)
+    return task
+
+
 def per_round(run_dir: Path) -> float:
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     elapsed = [float(r["elapsed_s"]) for r in rows]
@@ -42,11 +55,16 @@ def per_round(run_dir: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=3000)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--device", default="cpu", help="device of the torch tasks (default cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    parser.add_argument("--only", nargs="*", default=None, help="labels to run (numpy, torch-logistic, torch-mlp)")
+    parser.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--only", nargs="*", default=None, help="cells to run (default: all)")
     args = parser.parse_args()
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     tmp = Path(tempfile.mkdtemp(prefix="bench-torch-"))
     data_dir = make_fmnist_like(tmp / "data")
     n, k = args.clients, args.rounds
@@ -57,6 +75,7 @@ def main() -> None:
     cells = {
         "numpy": {"task": "fmnist"},
         "torch-logistic": {"task": "fmnist", "backend": "torch", **torch_keys},
+        "torch-logistic-vmap": {"task": f"{Path(__file__).resolve()}:generic_logistic", **torch_keys},
         "torch-mlp": {"task": "mlp-fmnist", **torch_keys},
     }
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
@@ -70,8 +89,11 @@ def main() -> None:
         out = run_batched(cfg)
         wall = time.monotonic() - t0
         s = per_round(out)
-        where = "numpy closed form" if label == "numpy" else f"torch {args.dtype} / {args.device}"
-        print(f"| {cfg.task} | {where} | {s:.3f} | {1000 * s / (0.2 * n):.2f} | {wall:.1f} |", flush=True)
+        where = {"numpy": "numpy closed form", "torch-logistic": "torch closed form"}.get(label, "torch.func vmap")
+        if label != "numpy":
+            where += f", {args.dtype}, {args.device}, {args.torch_threads or 'default'} torch threads"
+        name = "fmnist" if label.startswith(("numpy", "torch-logistic")) else cfg.task
+        print(f"| {name} | {where} | {s:.3f} | {1000 * s / (0.2 * n):.2f} | {wall:.1f} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
 
 

@@ -29,6 +29,8 @@ from dpfedavg.tasks.torch_task import TorchTask, minibatch_indices  # noqa: E402
 
 F32_RTOL = 1e-5
 F64_TOL = 1e-9
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
 
 
 def _uneven_clients(num_clients: int = 6, features: int = 5, classes: int = 3, seed: int = 0) -> list:
@@ -142,9 +144,15 @@ def test_logistic_torch_backend_equals_the_numpy_backend(tmp_path: Path, dtype: 
     ids = np.array([0, 7, 19])
     w = np.random.default_rng(1).standard_normal(numpy_task.dim) * 0.05
     u_np = numpy_task.client_batch_update_fn(ids)(w, 0.2, 20)
-    u_torch = torch_task.client_batch_update_fn(ids)(w, 0.2, 20)
+    u_torch = torch_task.client_batch_update_fn(ids)(w, 0.2, 20)  # the closed form, in torch
     assert np.linalg.norm(u_np, axis=1).min() > 1.0
     np.testing.assert_allclose(u_torch, u_np, rtol=0, atol=tol * np.abs(u_np).max())
+    # the generic torch.func path (vmapped autograd steps, used with mini-batches) gives the same u
+    u_vmap = torch_task.torch_task.client_batch_update_fn(ids)(w, 0.2, 20)
+    np.testing.assert_allclose(u_vmap, u_np, rtol=0, atol=tol * np.abs(u_np).max())
+    # and so does the ClientApp's path: core.client_update on the torch backend's autograd gradient
+    u_loop = np.stack([client_update(w, torch_task.client_grad_fn(int(i)), 0.2, 20) for i in ids])
+    np.testing.assert_allclose(u_loop, u_np, rtol=0, atol=tol * np.abs(u_np).max())
     np.testing.assert_allclose(torch_task.client_grad_fn(7)(w), numpy_task.client_grad_fn(7)(w), rtol=0,
                                atol=tol * np.abs(numpy_task.client_grad_fn(7)(w)).max())
 
@@ -303,9 +311,30 @@ def test_torchvision_resnet18_is_preferred_when_it_imports(monkeypatch: pytest.M
     assert type(features.resnet18()).__name__ == "ResNet18"
 
 
+def test_run_config_strings_parse_as_flwr_run_does() -> None:
+    from dpfedavg.run import main, parse_run_config
+
+    assert parse_run_config("task='/a b/m.py:f' num-clients=20 clients-per-round=20.0 diagnostics=true") == {
+        "task": "/a b/m.py:f", "num-clients": 20, "clients-per-round": 20.0, "diagnostics": True,
+    }
+    with pytest.raises(ValueError, match="expected key=value"):
+        parse_run_config("num-rounds=3 num-clients")
+    with pytest.raises(ValueError, match="quote strings: task='...'"):
+        parse_run_config("task=mytask:make_task")
+    assert main(["--run-config", "task='quadratc'"]) == 2  # one ConfigError, exit status 2
+
+
+def test_torch_task_modules_import_without_loading_torch() -> None:
+    code = (
+        "import sys\n"
+        "import dpfedavg.config, dpfedavg.tasks, dpfedavg.tasks.torch_task, dpfedavg.tasks.torch_examples, dpfedavg.run\n"
+        "import dpfedavg.engines.batched\n"
+        "assert 'torch' not in sys.modules and 'flwr' not in sys.modules, 'torch or flwr imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+
+
 # ------------------------------------------------------------------ README: Bring your own model
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 SECTION = "## Bring your own model"
 
 

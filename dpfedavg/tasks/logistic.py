@@ -231,7 +231,8 @@ class LogisticTask:
     def client_batch_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> BatchUpdateFn:
         """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for several clients at once, exactly.
 
-        With ``backend = "torch"``: :meth:`TorchTask.client_batch_update_fn` (vmapped gradient steps).
+        With ``backend = "torch"``: the same closed form in torch (:meth:`_torch_closed_form`), or with
+        ``local-batch-size > 0`` the vmapped mini-batch steps of :meth:`TorchTask.client_batch_update_fn`.
 
         The closed form of :func:`dpfedavg.core.client_update` on this
         objective (Alg. 1/2 lines 5-9) that the batched engine uses: a gradient
@@ -248,7 +249,9 @@ class LogisticTask:
         (``tests/test_data.py`` checks it against :func:`client_update`).
         """
         if self.cfg.backend == "torch":
-            return self.torch_task.client_batch_update_fn(client_ids, server_round)
+            if self.cfg.local_batch_size > 0:  # mini-batches: the generic vmapped steps of TorchTask
+                return self.torch_task.client_batch_update_fn(client_ids, server_round)
+            return self._torch_closed_form(client_ids)
         rows = np.sort(np.asarray(self.partition)[np.asarray(client_ids)], axis=1)
         x = np.asarray(self.data.train_x[rows.ravel()], dtype=np.float64).reshape(len(client_ids), rows.shape[1], -1)
         y = np.asarray(self.data.train_y[rows.ravel()]).reshape(rows.shape)
@@ -281,6 +284,44 @@ class LogisticTask:
             delta_w = (1.0 - scale) * weights[None] - np.matmul(x.transpose(0, 2, 1), coef)
             delta = np.concatenate([delta_w.reshape(len(client_ids), -1), bias[None, :] - b], axis=1)
             return delta / lr
+
+        return update
+
+    def _torch_closed_form(self, client_ids: np.ndarray) -> BatchUpdateFn:
+        """The closed form above (same recursion on ``A_t``, ``b_t``, ``c_t``) in torch: CPU or GPU, ``torch-dtype``.
+
+        Tested equal to the numpy closed form and to :func:`dpfedavg.core.client_update` on the torch
+        backend's autograd gradient (:meth:`client_grad_fn`).
+        """
+        tt = self.torch_task
+        torch = tt.torch
+        x_np, y_np, _ = tt.data.block(np.asarray(client_ids))  # rows in ascending order, as above
+        x, y = tt._x(x_np), tt._y(y_np)
+        gram = torch.matmul(x, x.transpose(1, 2))
+        d, c, lam, m, num = self.feature_dim, self.num_classes, self.cfg.weight_decay, x.shape[1], x.shape[0]
+        onehot = torch.nn.functional.one_hot(y, c).to(tt.dtype)
+
+        def update(w: Vector, lr: float, num_steps: int) -> np.ndarray:
+            if num_steps < 1:
+                raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
+            if not lr > 0:
+                raise ValueError(f"local learning rate eta_k must be > 0, got {lr!r}")
+            w_t = torch.as_tensor(np.asarray(w, dtype=np.float64), device=tt.device).to(tt.dtype)
+            weights, bias = w_t[: d * c].reshape(d, c), w_t[d * c :]
+            base_logits = torch.matmul(x, weights)  # X W_k, (B, m, c)
+            decay = 1.0 - lr * lam
+            coef = torch.zeros((num, m, c), device=tt.device, dtype=tt.dtype)  # A_t
+            b = bias.expand(num, c).clone()  # b_t
+            scale = 1.0  # c_t
+            for _ in range(num_steps):
+                logits = scale * base_logits + torch.matmul(gram, coef) + b[:, None, :]
+                residual = (torch.softmax(logits, dim=2) - onehot) / m  # P_t
+                coef = decay * coef - lr * residual
+                b = decay * b - lr * residual.sum(dim=1)
+                scale *= decay
+            delta_w = (1.0 - scale) * weights[None] - torch.matmul(x.transpose(1, 2), coef)
+            delta = torch.cat([delta_w.reshape(num, -1), bias[None, :] - b], dim=1)
+            return (delta.to(torch.float64) / lr).cpu().numpy()
 
         return update
 

@@ -41,7 +41,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache-dir", str, "-", 'real-data tasks: where prepared features are cached; "" = ~/.cache/dpfedavg', "a path or \"\""),  # noqa: E501
     Option("weight-decay", float, "lambda", "real-data tasks: L2 regularization (PyTorch weight_decay); paper: 1e-4", "a float >= 0", non_negative, trajectory=True),  # noqa: E501
     Option("feature-image-size", int, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32, trajectory=True),  # noqa: E501
-    Option("backend", str, "-", "logistic-regression tasks: numpy (exact closed form of the local steps) or torch (torch.func, CPU or GPU: see device, torch-dtype)", choices=BACKENDS),  # noqa: E501
+    Option("backend", str, "-", "logistic-regression tasks: numpy (exact closed form of the local steps) or torch (the same closed form in torch, CPU or GPU: see device, torch-dtype; torch.func steps with local-batch-size > 0)", choices=BACKENDS),  # noqa: E501
 )
 # fmt: on
 

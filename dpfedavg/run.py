@@ -35,7 +35,9 @@ def parse_run_config(text: str) -> dict[str, Any]:
         try:
             out[key] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"run config {key}={value}: not a TOML value ({err}); quote strings: {key}='...'") from None
+            raise ValueError(
+                f"run config {key}={value}: not a TOML value ({err}); quote strings: {key}='...'"
+            ) from None
         pos = match.end()
     return out
 

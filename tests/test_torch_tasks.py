@@ -45,8 +45,13 @@ def _uneven_clients(num_clients: int = 6, features: int = 5, classes: int = 3, s
 def _mlp_task(dtype: str = "float64", batch_size: int = 0, **kw) -> TorchTask:
     clients = _uneven_clients()
     cfg = RunConfig(
-        task="mlp-test", num_clients=len(clients), clients_per_round=3.0, torch_dtype=dtype,
-        local_batch_size=batch_size, weight_decay=0.01, seed=3,
+        task="mlp-test",
+        num_clients=len(clients),
+        clients_per_round=3.0,
+        torch_dtype=dtype,
+        local_batch_size=batch_size,
+        weight_decay=0.01,
+        seed=3,
     )
     model = lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))  # noqa: E731
     return TorchTask(cfg, model=model, clients=clients, test=clients[0], **kw)
@@ -153,8 +158,12 @@ def test_logistic_torch_backend_equals_the_numpy_backend(tmp_path: Path, dtype: 
     # and so does the ClientApp's path: core.client_update on the torch backend's autograd gradient
     u_loop = np.stack([client_update(w, torch_task.client_grad_fn(int(i)), 0.2, 20) for i in ids])
     np.testing.assert_allclose(u_loop, u_np, rtol=0, atol=tol * np.abs(u_np).max())
-    np.testing.assert_allclose(torch_task.client_grad_fn(7)(w), numpy_task.client_grad_fn(7)(w), rtol=0,
-                               atol=tol * np.abs(numpy_task.client_grad_fn(7)(w)).max())
+    np.testing.assert_allclose(
+        torch_task.client_grad_fn(7)(w),
+        numpy_task.client_grad_fn(7)(w),
+        rtol=0,
+        atol=tol * np.abs(numpy_task.client_grad_fn(7)(w)).max(),
+    )
 
 
 def test_numpy_backend_rejects_minibatches(tmp_path: Path) -> None:
@@ -242,9 +251,21 @@ def test_a_factory_that_returns_no_task_is_a_config_error(user_module: Path) -> 
         build_task(cfg)
     with pytest.raises(ConfigError, match="has num_clients = 4, but 'num-clients' = 5"):
         factory = load_task_factory("user_tasks_p18:make_task")
-        fake = types.SimpleNamespace(**{k: getattr(factory(RunConfig(num_clients=4, clients_per_round=4.0)), k)
-                                        for k in ("name", "dim", "metric_names", "headline_metric",
-                                                  "initial_weights", "client_grad_fn", "evaluate")}, num_clients=4)
+        fake = types.SimpleNamespace(
+            **{
+                k: getattr(factory(RunConfig(num_clients=4, clients_per_round=4.0)), k)
+                for k in (
+                    "name",
+                    "dim",
+                    "metric_names",
+                    "headline_metric",
+                    "initial_weights",
+                    "client_grad_fn",
+                    "evaluate",
+                )
+            },
+            num_clients=4,
+        )
         sys.modules["user_tasks_p18"].wrong_size = lambda cfg: fake
         build_task(RunConfig(task="user_tasks_p18:wrong_size", num_clients=5, clients_per_round=5.0))
 
@@ -288,9 +309,19 @@ def test_mlp_digits_trains_two_rounds_with_the_batched_engine(tmp_path: Path) ->
     from dpfedavg.engines.batched import run_batched
 
     cfg = RunConfig(
-        task="mlp-digits", cache_dir=str(tmp_path / "cache"), output_dir=str(tmp_path / "out"), run_name="r",
-        num_rounds=2, num_clients=20, clients_per_round=10.0, local_steps=5, local_lr=0.3, clip=5.0,
-        epsilon=0.0, noise_multiplier=0.5, checkpoint_every=0,
+        task="mlp-digits",
+        cache_dir=str(tmp_path / "cache"),
+        output_dir=str(tmp_path / "out"),
+        run_name="r",
+        num_rounds=2,
+        num_clients=20,
+        clients_per_round=10.0,
+        local_steps=5,
+        local_lr=0.3,
+        clip=5.0,
+        epsilon=0.0,
+        noise_multiplier=0.5,
+        checkpoint_every=0,
     )
     run_dir = run_batched(cfg, threads=2)
     rows = (run_dir / "metrics.csv").read_text().splitlines()
@@ -315,7 +346,10 @@ def test_run_config_strings_parse_as_flwr_run_does() -> None:
     from dpfedavg.run import main, parse_run_config
 
     assert parse_run_config("task='/a b/m.py:f' num-clients=20 clients-per-round=20.0 diagnostics=true") == {
-        "task": "/a b/m.py:f", "num-clients": 20, "clients-per-round": 20.0, "diagnostics": True,
+        "task": "/a b/m.py:f",
+        "num-clients": 20,
+        "clients-per-round": 20.0,
+        "diagnostics": True,
     }
     with pytest.raises(ValueError, match="expected key=value"):
         parse_run_config("num-rounds=3 num-clients")
@@ -327,7 +361,8 @@ def test_run_config_strings_parse_as_flwr_run_does() -> None:
 def test_torch_task_modules_import_without_loading_torch() -> None:
     code = (
         "import sys\n"
-        "import dpfedavg.config, dpfedavg.tasks, dpfedavg.tasks.torch_task, dpfedavg.tasks.torch_examples, dpfedavg.run\n"
+        "import dpfedavg.config, dpfedavg.tasks, dpfedavg.tasks.torch_task, dpfedavg.tasks.torch_examples\n"
+        "import dpfedavg.run\n"
         "import dpfedavg.engines.batched\n"
         "assert 'torch' not in sys.modules and 'flwr' not in sys.modules, 'torch or flwr imported'\n"
     )
@@ -382,8 +417,9 @@ def test_readme_bring_your_own_model(tmp_path: Path) -> None:
         env = dict(sl.env, PYTHONPATH=str(ROOT), PATH=f"{BIN}:{sl.env.get('PATH', '')}")
         log = tmp_path / "block.log"
         with log.open("w") as out:
-            proc = subprocess.run(["bash", "-e", "-c", bash], cwd=project, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=600)
+            proc = subprocess.run(
+                ["bash", "-e", "-c", bash], cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600
+            )
         assert proc.returncode == 0, log.read_text()[-5000:]
     finally:
         sl.stop()

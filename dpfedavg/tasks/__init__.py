@@ -154,17 +154,20 @@ def build_task(cfg: RunConfig) -> Task:
     if cfg.task in TASKS:
         return TASKS[cfg.task](cfg)
     if ":" not in cfg.task:
-        raise ConfigError(f"invalid run config: 'task' = {cfg.task!r}: allowed: {', '.join(TASKS)} or 'module:factory'")
+        allowed = ", ".join(TASKS)
+        raise ConfigError(f"invalid run config: 'task' = {cfg.task!r}: allowed: {allowed} or 'module:factory'")
     task = load_task_factory(cfg.task)(cfg)
     missing = [m for m in REQUIRED_MEMBERS if not hasattr(task, m)]
     if missing:
         raise ConfigError(
-            f"invalid run config: 'task' = {cfg.task!r} returned a {type(task).__name__}, not a Task: it lacks {', '.join(missing)} "
-            "(see dpfedavg/tasks/base.py; dpfedavg.tasks.torch_task.TorchTask makes one from a torch model)"
+            f"invalid run config: 'task' = {cfg.task!r} returned a {type(task).__name__}, not a Task: "
+            f"it lacks {', '.join(missing)} (see dpfedavg/tasks/base.py; "
+            "dpfedavg.tasks.torch_task.TorchTask makes one from a torch model)"
         )
     if task.num_clients != cfg.num_clients:
         raise ConfigError(
-            f"invalid run config: 'task' = {cfg.task!r} has num_clients = {task.num_clients}, but 'num-clients' = {cfg.num_clients}"
+            f"invalid run config: 'task' = {cfg.task!r} has num_clients = {task.num_clients}, "
+            f"but 'num-clients' = {cfg.num_clients}"
         )
     return task
 

@@ -62,7 +62,9 @@ def cnn_fmnist() -> Any:
     )
 
 
-def _on_shards(cfg: RunConfig, dataset: str, model: Callable[[], Any], x_shape: tuple[int, ...] | None = None) -> TorchTask:
+def _on_shards(
+    cfg: RunConfig, dataset: str, model: Callable[[], Any], x_shape: tuple[int, ...] | None = None
+) -> TorchTask:
     split = ShardSplit(cfg, dataset)
 
     def load() -> tuple[Any, Any, Any]:

@@ -470,7 +470,10 @@ class TorchTask:
             w0 = torch.as_tensor(np.asarray(w, dtype=np.float64), device=self.device)
             w_local = w0.expand(len(ids), -1).clone()
             streams = (
-                [minibatch_indices(self.cfg.seed, int(i), server_round, int(c), self.batch_size) for i, c in zip(ids, counts, strict=True)]  # noqa: E501
+                [
+                    minibatch_indices(self.cfg.seed, int(i), server_round, int(c), self.batch_size)
+                    for i, c in zip(ids, counts, strict=True)
+                ]  # noqa: E501
                 if self.batch_size > 0
                 else None
             )

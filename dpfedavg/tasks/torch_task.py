@@ -141,7 +141,9 @@ class ArrayClients:
             raise ConfigError(
                 f"invalid run config: 'num-clients' = {num_clients}, but the task has data for {len(clients)} clients"
             )
-        self._clients, self.num_clients = clients, num_clients
+        self.num_clients = num_clients
+        # a function may load data: call it once per client (the server's training objective needs them all)
+        self._clients = lru_cache(maxsize=4096)(clients) if callable(clients) else clients
 
     def client(self, client_id: int) -> tuple[np.ndarray, np.ndarray]:
         """``(x_i, y_i)`` of client ``i`` as numpy arrays."""

@@ -296,12 +296,12 @@ def test_examples_run_on_generated_data_of_the_right_shape(
     tmp_path: Path, task: str, dataset: str, features: str, dim: int, classes: int
 ) -> None:
     _fake_prepared(tmp_path, dataset, features, 1000, dim, classes)
-    cfg = RunConfig(task=task, cache_dir=str(tmp_path), num_clients=10, clients_per_round=10.0)
+    cfg = RunConfig(task=task, cache_dir=str(tmp_path), num_clients=10, clients_per_round=10.0, torch_dtype="float64")
     t = build_task(cfg)
     w = t.initial_weights()
     u = t.client_batch_update_fn(np.array([0, 9]))(w, 0.05, 2)
     assert u.shape == (2, t.dim) and np.isfinite(u).all() and np.abs(u).max() > 0
-    np.testing.assert_allclose(u[1], client_update(w, t.client_grad_fn(9), 0.05, 2), atol=F32_RTOL * np.abs(u).max())
+    np.testing.assert_allclose(u[1], client_update(w, t.client_grad_fn(9), 0.05, 2), rtol=F64_TOL, atol=F64_TOL)
     assert set(t.evaluate(w)) == {"test_accuracy", "test_loss", "train_loss"}
 
 

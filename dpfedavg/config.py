@@ -80,7 +80,7 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 #: (``OPTIONS`` of the task modules, collected by :func:`dpfedavg.tasks.task_options`).
 # fmt: off
 OPTIONS: tuple[Option, ...] = (
-    Option("task", str, "-", "objective and data", trajectory=True),
+    Option("task", str, "-", "objective and data: a registered task or a user's 'module:factory' / '/path/file.py:factory'", trajectory=True),  # noqa: E501
     Option("algorithm", str, "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP", choices=ALGORITHMS),  # noqa: E501
     Option("num-rounds", int, "K", "communication rounds", "an integer >= 1", lambda x: x >= 1),
     Option("local-steps", int, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True),  # noqa: E501

@@ -34,6 +34,9 @@ class Option:
     sentinel: str | None = None
     #: Defines the trajectory: a resumed run may not change it (see :mod:`dpfedavg.checkpoint`).
     trajectory: bool = False
+    #: The privacy guarantee depends on it: a resumed run may not change it, and ``config.json`` records it
+    #: with the guarantee (see :func:`dpfedavg.checkpoint.privacy_signature`).
+    privacy: bool = False
 
     @property
     def attr(self) -> str:

@@ -45,7 +45,8 @@ from dpfedavg.core import (
     server_lr_at,
 )
 from dpfedavg.core.mechanism import get_placement
-from dpfedavg.core.secagg import SecAggPrivacyTerms, privacy_terms
+from dpfedavg.core.noise import noise_law
+from dpfedavg.core.secagg import SecAggPrivacyTerms
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
 
@@ -64,9 +65,10 @@ SECAGG_MAX_DELTA_SLACK = 1e-3
 def secagg_privacy_terms(
     server: DPServer, bits: int | None = None, clip_stds: float | None = None
 ) -> SecAggPrivacyTerms:
-    """:func:`dpfedavg.core.secagg.privacy_terms` of this run (or with other ``bits`` / ``clip_stds``)."""
+    """The run's noise law's privacy terms (:meth:`dpfedavg.core.noise.NoiseLaw.privacy_terms`; for secure
+    aggregation :func:`dpfedavg.core.secagg.privacy_terms`), or with other ``bits`` / ``clip_stds``."""
     cfg, plan = server.cfg, server.plan
-    return privacy_terms(
+    return server.noise_law.privacy_terms(
         clip=cfg.clip,
         noise_multiplier=plan.noise_multiplier,
         std_at_n=server.placement.client_std(plan.noise_multiplier, cfg.clip, cfg.clients_per_round, cfg.num_clients),
@@ -213,6 +215,8 @@ class DPServer:
         self.epsilon_each_round = epsilon_each_round
         #: The noise placement: what the clients and the server add, and what is accounted.
         self.placement = get_placement(cfg.noise_placement)
+        #: The noise law: what each client's zeta is, and what it adds to the guarantee (:mod:`dpfedavg.core.noise`).
+        self.noise_law = noise_law(cfg.secure_aggregation)
         if cfg.secure_aggregation and self.plan.dp:
             check_secure_aggregation(self)
         self.momentum: Vector = np.zeros(dim)

@@ -39,6 +39,7 @@ BACKENDS: tuple[str, ...] = ("numpy", "torch")
 OPTIONS: tuple[Option, ...] = (
     Option("data-dir", str, "-", 'real-data tasks: folder with local dataset files (offline use); "" = download', "a path or \"\""),  # noqa: E501
     Option("cache-dir", str, "-", 'real-data tasks: where prepared features are cached; "" = ~/.cache/dpfedavg', "a path or \"\""),  # noqa: E501
+    Option("data-seed", int, "-", "real-data tasks: seed of the shard split of the training data across the clients (the federation); -1 = seed", "an integer >= -1 (-1 = seed)", lambda x: x >= -1, trajectory=True),  # noqa: E501
     Option("weight-decay", float, "lambda", "real-data tasks: L2 regularization (PyTorch weight_decay); paper: 1e-4", "a float >= 0", non_negative, trajectory=True),  # noqa: E501
     Option("feature-image-size", int, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32, trajectory=True),  # noqa: E501
     Option("backend", str, "-", "logistic-regression tasks: numpy (exact closed form of the local steps) or torch (the same closed form in torch, CPU or GPU: see device, torch-dtype; torch.func steps with local-batch-size > 0)", choices=BACKENDS),  # noqa: E501
@@ -112,14 +113,19 @@ class ShardSplit:
 
     @cached_property
     def partition(self) -> np.ndarray:
-        """``(n, m)`` training indices per client: the paper's shard split, cached on disk."""
+        """``(n, m)`` training indices per client: the paper's shard split, cached on disk.
+
+        Seeded by ``data-seed`` (``seed`` when it is -1): private tuning keeps the federation fixed
+        while every trial draws its own sampling and noise.
+        """
         directory: Path = self.data.directory
-        path = directory / f"partition-n{self.num_clients}-seed{self.cfg.seed}.npy"
+        seed = self.cfg.data_seed if self.cfg.data_seed >= 0 else self.cfg.seed
+        path = directory / f"partition-n{self.num_clients}-seed{seed}.npy"
         if not path.exists():
             with locked(directory / ".partition.lock"):
                 if not path.exists():
                     try:
-                        split = paper_shard_partition(self.data.train_y, self.num_clients, self.cfg.seed)
+                        split = paper_shard_partition(self.data.train_y, self.num_clients, seed)
                     except ValueError as err:
                         raise ConfigError(f"invalid run config: 'num-clients' = {self.num_clients}: {err}") from None
                     save_npy(path, split)

@@ -39,6 +39,9 @@ CASES = {
     "digits-noise-diagnostics": {"task": "digits", "num-clients": 30, "clients-per-round": 12.0, "local-lr": 0.05,
                                  "epsilon": 3.0, "algorithm": "clip", "clip": 1.0, "diagnostics": True,
                                  "clients-per-node": 7},
+    "mlp-digits-minibatch-torch": {"task": "mlp-digits", "num-clients": 20, "clients-per-round": 8.0,
+                                   "local-lr": 0.3, "clip": 5.0, "epsilon": 3.0, "local-steps": 3,
+                                   "local-batch-size": 4, "torch-dtype": "float64", "clients-per-node": 6},
 }  # fmt: skip
 
 

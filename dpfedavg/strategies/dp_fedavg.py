@@ -355,8 +355,11 @@ class DPFedAvg(FedAvg):
         if src in self._replied:
             raise ValueError(f"second reply from node {src} in this round")
         self._replied.add(src)
-        bound = self.cfg.clip if get_bound(self.cfg.algorithm).private else float("inf")
-        update, norm, clean = parse_train_reply(msg.content, self.dim, diagnostics=self.cfg.diagnostics, clip=bound)
+        # the bound of this round's vectors (C, or C_aug with adaptive-clip's count coordinate)
+        bound = self.server.sensitivity if get_bound(self.cfg.algorithm).private else float("inf")
+        update, norm, clean = parse_train_reply(
+            msg.content, self.server.release_dim, diagnostics=self.cfg.diagnostics, clip=bound
+        )
         return ClientResult(self._sampled[src], update, norm, clean)
 
     def aggregate_train(

@@ -7,14 +7,16 @@ synthetic
     The paper's §4.4 experiment (Figures 1-3)::
 
         python run_sim.py synthetic [--C 40 50 100] [--init I1 I2] [--eta 0.0003 0.001 0.003]
-            [--seeds 3] [--rounds 500] [--engine batched|flower] [--jobs N | --ray-address ADDRESS]
+            [--seeds 3] [--rounds 500] [--algorithms clip norm adaptive-clip]
+            [--engine batched|flower] [--jobs N | --ray-address ADDRESS]
             [--out results/synthetic]
 
 table1
     The paper's §5 Table 1 protocol on one dataset::
 
         python run_sim.py table1 --dataset fmnist|cifar10|cifar100|digits [--epsilon 5 1.5]
-            [--clip ...] [--lr ...] [--seeds 3] [--rounds 200] [--engine ...] [--jobs N | --ray-address ADDRESS]
+            [--clip ...] [--lr ...] [--seeds 3] [--rounds 200] [--algorithms clip norm adaptive-clip]
+            [--engine ...] [--jobs N | --ray-address ADDRESS]
             [--out DIR]
             [--data-dir DIR] [--cache-dir DIR]
 
@@ -180,8 +182,9 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
     _setup_logging(args.verbose)
     try:
         synthetic_cells(
-            Path(args.out), clips=args.C, inits=args.init, etas=args.eta, seeds=args.seeds, rounds=args.rounds
-        )
+            Path(args.out), clips=args.C, inits=args.init, etas=args.eta, seeds=args.seeds, rounds=args.rounds,
+            algorithms=args.algorithms,
+        )  # fmt: skip
     except ConfigError as err:
         _fail(_as_flags(str(err), _SYNTHETIC_FLAGS))
     t0 = time.monotonic()
@@ -197,6 +200,7 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
             jobs=args.jobs,
             progress=not args.no_progress,
             ray_address=args.ray_address,
+            algorithms=args.algorithms,
         )
     except SweepError as err:
         _fail(str(err))
@@ -235,6 +239,7 @@ def _cmd_table1(args: argparse.Namespace) -> None:
         "rounds": args.rounds,
         "data_dir": args.data_dir,
         "cache_dir": args.cache_dir,
+        "algorithms": args.algorithms,
     }
     if any(e <= 0 for e in args.epsilon):
         _fail(f"--epsilon = {args.epsilon}: expected values > 0")
@@ -405,6 +410,12 @@ def _add_sweep_flags(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--verbose", action="store_true", help="log every run's progress")
 
 
+def _add_algorithms_flag(p: argparse.ArgumentParser) -> None:
+    choices = ("clip", "norm", "adaptive-clip")
+    p.add_argument("--algorithms", nargs="+", choices=choices, default=list(choices),
+                   help="private algorithms of the grid (default: all three; adaptive-clip: C is C_0)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="run_sim.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -417,6 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eta", type=float, nargs="+", default=[0.0003, 0.001, 0.003], help="eta = beta values")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     p.add_argument("--rounds", type=int, default=500, help="K (default 500, as the paper)")
+    _add_algorithms_flag(p)
     _add_sweep_flags(p, "results/synthetic")
     p.set_defaults(func=_cmd_synthetic)
 
@@ -433,6 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help=f"K (default {DEFAULT_ROUNDS}; see README)")
     p.add_argument("--data-dir", default="", help="local dataset files (offline use)")
     p.add_argument("--cache-dir", default="", help="prepared-feature cache (default ~/.cache/dpfedavg)")
+    _add_algorithms_flag(p)
     _add_sweep_flags(p, "results/table1-<dataset>")
     p.set_defaults(func=_cmd_table1)
 

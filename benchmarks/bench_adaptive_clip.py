@@ -69,7 +69,7 @@ def _micro(variants: dict, repeats: int) -> dict[str, float]:
     import numpy as np
 
     from dpfedavg.core import noise_rng, private_block_update
-    from dpfedavg.core.local import instructions_grid
+    from dpfedavg.core.noise import round_noise_law
     from dpfedavg.core.types import ClientResult
     from dpfedavg.server.dp_server import DPServer
 
@@ -88,7 +88,7 @@ def _micro(variants: dict, repeats: int) -> dict[str, float]:
             m = min(len(clients), r)
             ups = private_block_update(u[:m], algorithm=ins.algorithm, clip=ins.clip, noise_std=ins.noise_std,
                                        rngs=[noise_rng(ins.noise_seed, int(c)) for c in clients[:m]],
-                                       secagg_grid=instructions_grid(ins), count_scale=ins.count_scale)  # fmt: skip
+                                       law=round_noise_law(ins), count_scale=ins.count_scale)  # fmt: skip
             res = [ClientResult(int(c), x.noisy, x.update_norm, None) for c, x in zip(clients[:m], ups, strict=True)]
             server.finish_round(k, res)
             out[name].append(time.perf_counter() - t0)

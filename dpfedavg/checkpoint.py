@@ -88,17 +88,20 @@ class Checkpoint:
         return [RoundEvent(q, z) for q, z in self.accountant_history]
 
 
+#: run_config keys the privacy guarantee depends on (``Option.privacy``): a resume that changes one is refused.
+PRIVACY_KEYS: tuple[str, ...] = tuple(opt.key for opt in OPTIONS if opt.privacy)
+
+
 def privacy_signature(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, Any]:
-    """The settings the privacy guarantee depends on; a resume must not change any of them."""
+    """The settings the privacy guarantee depends on (``Option.privacy`` keys, and the plan's ``z`` and ``q``).
+
+    A resume must not change any of them.
+    """
+    now = cfg.to_run_config()
     return {
-        "algorithm": cfg.algorithm,
-        "clip (C)": cfg.clip,
+        **{key: now[key] for key in PRIVACY_KEYS},
         "noise multiplier (z)": plan.noise_multiplier,
         "sampling rate (q = r/n)": plan.q,
-        "num-clients (n)": cfg.num_clients,
-        "delta": plan.delta,
-        "accountant": plan.accountant,
-        "noise-placement": plan.placement,
     }
 
 

@@ -68,6 +68,9 @@ class Option:
     sentinel: str | None = None
     #: Defines the trajectory: a resumed run may not change it (see :mod:`dpfedavg.checkpoint`).
     trajectory: bool = False
+    #: The privacy guarantee depends on it: a resumed run may not change it, and ``config.json`` records it
+    #: with the guarantee (see :func:`dpfedavg.checkpoint.privacy_signature`).
+    privacy: bool = False
 
     @property
     def attr(self) -> str:
@@ -101,30 +104,30 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # fmt: off
 OPTIONS: tuple[Option, ...] = (
     Option("task", str, "-", "objective and data", trajectory=True),
-    Option("algorithm", str, "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP, adaptive-clip = DP-FedAvg with C_k following a quantile of the update norms (Andrew et al. 2021)", choices=ALGORITHMS),  # noqa: E501
+    Option("algorithm", str, "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP, adaptive-clip = DP-FedAvg with C_k following a quantile of the update norms (Andrew et al. 2021)", choices=ALGORITHMS, privacy=True),  # noqa: E501
     Option("num-rounds", int, "K", "communication rounds", "an integer >= 1", lambda x: x >= 1),
     Option("local-steps", int, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True),  # noqa: E501
     Option("local-lr", float, "eta_0", "initial local learning rate", "a float > 0", _positive, trajectory=True),
     Option("lr-decay", float, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: _positive(x) and x <= 1, trajectory=True),  # noqa: E501
     Option("server-lr", float, "beta_k", 'global step; "eta" means beta_k = eta_k', f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"', _positive, sentinel=SERVER_LR_FOLLOWS_LOCAL, trajectory=True),  # noqa: E501
     Option("server-momentum", float, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: _non_negative(x) and x < 1, trajectory=True),  # noqa: E501
-    Option("num-clients", int, "n", "number of clients (= supernodes)", "an integer >= 1", lambda x: x >= 1),
-    Option("clients-per-round", float, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", _positive),  # noqa: E501
-    Option("clip", float, "C", "clipping threshold (clip; adaptive-clip: the initial C_0) / scaling factor (norm)", "a float > 0", _positive),  # noqa: E501
+    Option("num-clients", int, "n", "number of clients (= supernodes)", "an integer >= 1", lambda x: x >= 1, privacy=True),  # noqa: E501
+    Option("clients-per-round", float, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", _positive, privacy=True),  # noqa: E501
+    Option("clip", float, "C", "clipping threshold (clip; adaptive-clip: the initial C_0) / scaling factor (norm)", "a float > 0", _positive, privacy=True),  # noqa: E501
     # privacy
     Option("epsilon", float, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target", "a float >= 0 (0 = no target)", _non_negative),  # noqa: E501
-    Option("delta", float, "delta", "delta of the reported (epsilon, delta)", "a float in (0, 1)", lambda x: math.isfinite(x) and 0 < x < 1),  # noqa: E501
+    Option("delta", float, "delta", "delta of the reported (epsilon, delta)", "a float in (0, 1)", lambda x: math.isfinite(x) and 0 < x < 1, privacy=True),  # noqa: E501
     Option("noise-multiplier", float, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'a float >= 0 or "{NOISE_MULTIPLIER_AUTO}"', _non_negative, sentinel=NOISE_MULTIPLIER_AUTO),  # noqa: E501
-    Option("accountant", str, "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=ACCOUNTANTS),  # noqa: E501
+    Option("accountant", str, "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=ACCOUNTANTS, privacy=True),  # noqa: E501
     Option("max-epsilon", float, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", _non_negative),  # noqa: E501
-    Option("noise-placement", str, "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=NOISE_PLACEMENTS),  # noqa: E501
+    Option("noise-placement", str, "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=NOISE_PLACEMENTS, privacy=True),  # noqa: E501
     # adaptive clipping (algorithm = adaptive-clip; Andrew, Thakkar, McMahan, Ramaswamy 2021)
     Option("target-quantile", float, "gamma", "adaptive-clip: C_k follows this quantile of the update norms", "a float in [0, 1]", lambda x: 0 <= x <= 1, trajectory=True),  # noqa: E501
     Option("clip-lr", float, "eta_C", "adaptive-clip: C_{k+1} = C_k exp(-eta_C (b_k - gamma)), b_k the privately counted fraction of unclipped updates", "a float >= 0", _non_negative, trajectory=True),  # noqa: E501
     Option("clip-count-stddev", float, "sigma_b", f'adaptive-clip: std of the noise on the count of unclipped updates; must exceed z/2 (the update then gets z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2)); "{CLIP_COUNT_STDDEV_AUTO}" = r/20', f'a float > 0 or "{CLIP_COUNT_STDDEV_AUTO}"', _positive, sentinel=CLIP_COUNT_STDDEV_AUTO, trajectory=True),  # noqa: E501
     # run
     Option("seed", int, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0, trajectory=True),
-    Option("diagnostics", bool, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)"),  # noqa: E501
+    Option("diagnostics", bool, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)", privacy=True),  # noqa: E501
     Option("output-dir", str, "-", "results root; relative paths are relative to the SuperLink's working directory", "a non-empty path", lambda x: bool(x.strip())),  # noqa: E501
     Option("run-name", str, "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x))),  # noqa: E501
     Option("node-wait-timeout", float, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),  # noqa: E501
@@ -134,10 +137,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("resume", bool, "-", "continue the run in <output-dir>/<run-name> from its checkpoint (needs run-name)"),  # noqa: E501
     Option("secure-noise", bool, "-", "draw DP noise from OS-seeded generators nobody can replay (production); false = seeded, reproducible (research)", trajectory=True),  # noqa: E501
     # secure aggregation (SecAgg+, client-side noise)
-    Option("secure-aggregation", bool, "-", "aggregate through Flower's SecAgg+ so the server learns only the sum (needs noise-placement client or client-calibrated)", trajectory=True),  # noqa: E501
-    Option("secagg-quantization-bits", int, "-", "secure aggregation: Q = 2^bits grid levels per coordinate in [-c, c]; needs num-clients * 2^bits < 2^secagg-modulus-bits", "an integer in [1, 30]", lambda x: 1 <= x <= 30, trajectory=True),  # noqa: E501
+    Option("secure-aggregation", bool, "-", "aggregate through Flower's SecAgg+ so the server learns only the sum (needs noise-placement client or client-calibrated)", trajectory=True, privacy=True),  # noqa: E501
+    Option("secagg-quantization-bits", int, "-", "secure aggregation: Q = 2^bits grid levels per coordinate in [-c, c]; needs num-clients * 2^bits < 2^secagg-modulus-bits", "an integer in [1, 30]", lambda x: 1 <= x <= 30, trajectory=True, privacy=True),  # noqa: E501
     Option("secagg-modulus-bits", int, "-", "secure aggregation: the protocol adds integers mod M = 2^bits (Flower allows at most 2^32)", "an integer in [2, 32]", lambda x: 2 <= x <= 32),  # noqa: E501
-    Option("secagg-clip-stds", float, "k", "secure aggregation: coordinates are clipped to c >= C + k s (s = a client's noise std); P(any clip) <= 2 exp(-k^2/2) per coordinate", "a float >= 0", _non_negative, trajectory=True),  # noqa: E501
+    Option("secagg-clip-stds", float, "k", "secure aggregation: coordinates are clipped to c >= C + k s (s = a client's noise std); P(any clip) <= 2 exp(-k^2/2) per coordinate", "a float >= 0", _non_negative, trajectory=True, privacy=True),  # noqa: E501
     Option("secagg-num-shares", float, "-", "secure aggregation: SecAgg+ neighbours each client shares its keys with: an integer >= 3 (all clients when a round has fewer), or a fraction in (0, 1] of the round's clients (1.0 = every pair, classic SecAgg)", "an integer >= 3 or a fraction in (0, 1]", lambda x: (0 < x <= 1) or (x >= 3 and x == int(x))),  # noqa: E501
     Option("secagg-reconstruction-threshold", float, "-", "secure aggregation: fraction of a client's shares needed to unmask; above 0.5 so the server cannot learn both a client's mask and its pairwise keys; a round whose survivors fall below it is skipped", "a fraction in (0.5, 1]", lambda x: 0.5 < x <= 1),  # noqa: E501
     Option("secagg-timeout", float, "-", "secure aggregation: seconds each of the 4 SecAgg+ stages waits for replies; 0 = round-timeout", "a float >= 0", _non_negative),  # noqa: E501

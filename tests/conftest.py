@@ -26,3 +26,18 @@ def _flower_task_identity():
 
     ensure_task_identity()
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_left_behind():
+    """After the whole session, stop any child process a test left running (by PID) and say which."""
+    yield
+    import psutil
+
+    from dpfedavg.engines.local_superlink import stop_processes
+
+    left = {p.pid: p for p in psutil.Process().children(recursive=True)}
+    if left:
+        names = ", ".join(f"{p.pid} {p.name()}" for p in left.values() if p.is_running())
+        sys.stderr.write(f"\nconftest: stopping processes the tests left behind: {names}\n")
+        stop_processes(left)

@@ -25,7 +25,7 @@ from dpfedavg.core.adaptive_clip import (
     next_clip,
     update_noise_multiplier,
 )
-from dpfedavg.core.local import instructions_grid
+from dpfedavg.core.noise import round_noise_law
 from dpfedavg.core.types import ClientResult
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.privacy.accounting import epsilon_for, plan_privacy
@@ -100,7 +100,7 @@ def _released(placement: str, secagg: bool, rounds: int) -> tuple[np.ndarray, np
         assert len(clients) == r and ins.clip == cfg.clip
         updates = private_block_update(u, algorithm="adaptive-clip", clip=ins.clip, noise_std=ins.noise_std,
                                        rngs=[noise_rng(ins.noise_seed, i) for i in range(r)],
-                                       secagg_grid=instructions_grid(ins), count_scale=ins.count_scale)  # fmt: skip
+                                       law=round_noise_law(ins), count_scale=ins.count_scale)  # fmt: skip
         results = [ClientResult(i, up.noisy, up.update_norm, None) for i, up in enumerate(updates)]
         w_new = server.finish_round(k, results)
         b.append(server.history[k].frac_unclipped)

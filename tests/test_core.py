@@ -257,3 +257,26 @@ def test_reservoir_random_iterate_is_uniform(num_rounds: int) -> None:
     freq = np.bincount(picks, minlength=num_rounds) / len(picks)
     p = 1 / num_rounds
     assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / len(picks)))
+
+
+def test_noise_laws_add_what_they_account() -> None:
+    """Gaussian law: std as asked (5%), zero terms; the round's discrete law: every coordinate on the grid, in range."""
+    from dpfedavg.core import NOISE_LAWS, noise_law, round_noise_law
+    from dpfedavg.core.secagg import SecAggGrid
+    from dpfedavg.core.types import RoundInstructions
+
+    assert set(NOISE_LAWS) == {"gaussian", "discrete-gaussian"}
+    assert noise_law(False).name == "gaussian" and noise_law(True).name == "discrete-gaussian"
+    g = np.zeros(20000)
+    zeta = noise_law(False).add(g, 1.0, 0.7, np.random.default_rng(0))
+    assert abs(zeta.std() - 0.7) < 0.05 * 0.7
+    assert noise_law(False).privacy_terms(delta=1e-6).delta_including_clipping == 1e-6
+    ins = RoundInstructions(1, 0.1, 1, "clip", 1.0, 0.05, 3, False)
+    assert round_noise_law(ins).name == "gaussian"
+    grid = SecAggGrid.for_round(1.0, 0.05, 10.0, 16, 32)
+    ins = RoundInstructions(1, 0.1, 1, "clip", 1.0, 0.05, 3, False, grid.step, grid.clipping_range)
+    law = round_noise_law(ins)
+    y = law.add(np.full(500, 0.01), 1.0, 0.05, np.random.default_rng(1))
+    assert law.name == "discrete-gaussian"
+    np.testing.assert_array_equal(y, np.round(y / grid.step) * grid.step)
+    assert np.all(np.abs(y) <= grid.clipping_range) and abs(np.std(y - 0.01) - 0.05) < 0.01

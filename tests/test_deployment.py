@@ -31,7 +31,7 @@ def test_run_survives_a_killed_supernode_and_counts_the_dropout(tmp_path: Path, 
     rounds, before = (3, 1) if secure else (4, 2)
     out = tmp_path / "out"
     values = (
-        f"num-clients={N} clients-per-round={float(N)} num-rounds={rounds} dim=20 round-timeout=45.0 "
+        f"num-clients={N} clients-per-round={float(N)} num-rounds={rounds} dim=20 round-timeout=150.0 "
         f"node-wait-timeout=120.0 checkpoint-every=1 output-dir='{out}' run-name='deploy'"
     )
     if secure:
@@ -56,7 +56,8 @@ def test_run_survives_a_killed_supernode_and_counts_the_dropout(tmp_path: Path, 
     assert (out / "deploy" / "model.npz").exists()
     rows = list(csv.DictReader((out / "deploy" / "metrics.csv").open()))[1:]
     assert all(int(r["num_sampled"]) == N for r in rows)  # q = 1
-    # (a 45 s round timeout: a ClientApp process starts per run, which takes seconds on a loaded machine)
+    # round-timeout 150 s: healthy ClientApps start slowly on a loaded machine; the killed node is not waited for,
+    # Flower answers for it with NODE_UNAVAILABLE once its heartbeats stop (an event, not this timeout)
     assert [int(r["num_received"]) for r in rows[:before]] == [N] * before, rows
     after = rounds - before
     assert [(int(r["num_received"]), int(r["num_dropped"])) for r in rows[before:]] == [(N - 1, 1)] * after, rows

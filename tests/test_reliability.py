@@ -162,13 +162,14 @@ def _interrupted(tmp_path: Path) -> RunConfig:
 @pytest.mark.parametrize(
     ("change", "fragments"),
     [
-        ({"clip": 4.0}, ["clip (C)", "privacy-relevant"]),
+        ({"clip": 4.0}, ["clip", "privacy-relevant"]),
         ({"epsilon": 6.0}, ["noise multiplier (z)", "privacy-relevant"]),
         ({"clients_per_round": 6.0}, ["sampling rate (q = r/n)"]),
         ({"delta": 1e-6}, ["delta"]),
         ({"noise_placement": "server"}, ["noise-placement"]),
         ({"accountant": "rdp"}, ["accountant"]),
         ({"algorithm": "clip"}, ["algorithm"]),
+        ({"diagnostics": True}, ["diagnostics", "privacy-relevant"]),
         ({"local_lr": 0.01}, ["'local-lr'"]),
         ({"seed": 4}, ["'seed'"]),
         ({"dim": 31}, ["'dim'", "model dimension"]),

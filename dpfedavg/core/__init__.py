@@ -19,14 +19,13 @@ from dpfedavg.core.dp import (
 from dpfedavg.core.local import (
     ClientUpdate,
     LocalTrainingDiverged,
-    add_noise,
     client_round_update,
     client_update,
-    instructions_grid,
     local_steps,
     private_block_update,
     private_client_update,
 )
+from dpfedavg.core.noise import NOISE_LAWS, NoiseLaw, noise_law, round_noise_law
 from dpfedavg.core.secagg import SecAggGrid
 from dpfedavg.core.seeding import SECURE_NOISE_SEED, Stream, make_rng, noise_rng, round_noise_seed, secure_rng
 from dpfedavg.core.server import (
@@ -49,10 +48,13 @@ __all__ = [
     "ClientUpdate",
     "LocalTrainingDiverged",
     "GradFn",
+    "NOISE_LAWS",
+    "NoiseLaw",
     "SecAggGrid",
+    "noise_law",
+    "round_noise_law",
     "Stream",
     "Vector",
-    "add_noise",
     "fixed_denominator_mean",
     "bound_sensitivity",
     "client_noise_std",
@@ -70,7 +72,6 @@ __all__ = [
     "poisson_sample",
     "private_block_update",
     "private_client_update",
-    "instructions_grid",
     "round_noise_seed",
     "secure_rng",
     "server_lr_at",

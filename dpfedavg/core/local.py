@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpfedavg.core.adaptive_clip import append_count, augmented_bound
-from dpfedavg.core.dp import bound_sensitivity, gaussian_noise, get_bound
-from dpfedavg.core.secagg import SecAggGrid, encode
+from dpfedavg.core.dp import bound_sensitivity, get_bound
+from dpfedavg.core.noise import NOISE_LAWS, GaussianLaw, NoiseLaw, round_noise_law
 from dpfedavg.core.seeding import noise_rng
 from dpfedavg.core.types import Algorithm, GradFn, RoundInstructions, Vector
 
@@ -21,9 +21,7 @@ __all__ = [
     "ClientUpdate",
     "private_client_update",
     "private_block_update",
-    "add_noise",
     "client_round_update",
-    "instructions_grid",
 ]
 
 logger = logging.getLogger(__name__)
@@ -85,16 +83,15 @@ def private_client_update(
     clip: float,
     noise_std: float,
     rng: np.random.Generator,
-    secagg_grid: SecAggGrid | None = None,
+    law: NoiseLaw | None = None,
     count_scale: float = 0.0,
 ) -> ClientUpdate:
     """Alg. 1 / Alg. 2 lines 4-10 for one client.
 
     ``u`` from ``E`` local steps, ``g = clip(u, C)`` (``clip``), ``g = C u/||u||``
-    (``norm``) or ``g = u`` (``none``), then ``g + zeta`` with
-    ``zeta ~ N(0, noise_std^2 I)`` drawn from ``rng``. With ``secagg_grid``
-    (secure aggregation) ``g`` is rounded to the grid and the noise is
-    discrete Gaussian on it (:func:`dpfedavg.core.secagg.encode`).
+    (``norm``) or ``g = u`` (``none``), then ``g + zeta`` with ``zeta`` of std
+    ``noise_std`` drawn from ``rng`` by the noise ``law`` (:mod:`dpfedavg.core.noise`;
+    Gaussian by default, the discrete Gaussian on the round's grid under secure aggregation).
     """
     u = client_update(w, grad_fn, lr, num_steps)
     (update,) = private_block_update(
@@ -103,7 +100,7 @@ def private_client_update(
         clip=clip,
         noise_std=noise_std,
         rngs=[rng],
-        secagg_grid=secagg_grid,
+        law=law,
         count_scale=count_scale,
     )
     if update is None:
@@ -121,16 +118,16 @@ def private_block_update(
     clip: float,
     noise_std: float,
     rngs: Sequence[np.random.Generator],
-    secagg_grid: SecAggGrid | None = None,
+    law: NoiseLaw | None = None,
     count_scale: float = 0.0,
 ) -> list[ClientUpdate | None]:
     """Alg. 1 / Alg. 2 lines 9-10 for a block of clients: the one client pipeline of every engine.
 
     ``u`` holds one client update per row (``(B, dim)``); row ``b`` is bounded to ``g``
     (:func:`~dpfedavg.core.dp.bound_sensitivity`, row-wise) and noised from ``rngs[b]``
-    (:func:`add_noise`). A row with NaN/Inf (local training diverged) gives ``None``: that client
-    sends nothing. The ClientApp calls it with a block of one (:func:`private_client_update`), the
-    batched engine with a block of sampled clients.
+    by the noise ``law`` (:class:`~dpfedavg.core.noise.NoiseLaw`; ``None`` = Gaussian). A row with
+    NaN/Inf (local training diverged) gives ``None``: that client sends nothing. The ClientApp calls it
+    with a block of one (:func:`private_client_update`), the batched engine with a block of sampled clients.
 
     With ``adaptive-clip`` (``count_scale = s > 0``) each row of ``g`` gets the extra coordinate
     ``s (1[||u|| <= C] - 1/2)`` before the noise, and the whole ``d + 1``-vector is bounded by
@@ -149,43 +146,15 @@ def private_block_update(
     if adaptive:
         g = append_count(g, norms, clip, count_scale)
         bound = augmented_bound(clip, count_scale)
+    law = law if law is not None else NOISE_LAWS[GaussianLaw.name]
     out: list[ClientUpdate | None] = []
     for row, rng in enumerate(rngs):
         if not finite[row]:
             out.append(None)
             continue
-        noisy = add_noise(g[row], bound, noise_std, rng, secagg_grid)
+        noisy = law.add(g[row], bound, noise_std, rng)
         out.append(ClientUpdate(noisy=noisy, clean=g[row], update_norm=float(norms[row])))
     return out
-
-
-def add_noise(
-    g: Vector, clip: float, noise_std: float, rng: np.random.Generator, secagg_grid: SecAggGrid | None = None
-) -> Vector:
-    """Alg. 1 line 10: ``g + zeta``, ``zeta ~ N(0, noise_std^2 I)`` from ``rng``.
-
-    With ``secagg_grid`` (secure aggregation) the sum of what this returns is
-    what the protocol computes: ``g`` rounded to the grid (norm still ``<= C =
-    clip``) plus discrete Gaussian noise on it (:func:`dpfedavg.core.secagg.encode`).
-    """
-    if secagg_grid is None:
-        return g + gaussian_noise(g.shape[0], noise_std, rng, dtype=g.dtype)
-    noisy, clipped = encode(g, secagg_grid, clip, noise_std, rng)
-    if clipped:
-        logger.warning("%d coordinates of g + zeta fell outside the secure-aggregation range: clipped", clipped)
-    return noisy
-
-
-def instructions_grid(ins: RoundInstructions) -> SecAggGrid | None:
-    """The secure-aggregation grid the round's instructions carry (``None`` without secure aggregation).
-
-    A client only needs the step and the range to encode; the modulus is the
-    protocol's (the server sets it in the SecAgg+ setup stage), so it is 0 here.
-    """
-    if ins.secagg_step <= 0:
-        return None
-    levels = round(2 * ins.secagg_range / ins.secagg_step)
-    return SecAggGrid(step=ins.secagg_step, clipping_range=ins.secagg_range, levels=levels, modulus=0)
 
 
 def client_round_update(w: Vector, grad_fn: GradFn, ins: RoundInstructions, client_id: int) -> ClientUpdate:
@@ -199,6 +168,6 @@ def client_round_update(w: Vector, grad_fn: GradFn, ins: RoundInstructions, clie
         clip=ins.clip,
         noise_std=ins.noise_std,
         rng=noise_rng(ins.noise_seed, client_id),
-        secagg_grid=instructions_grid(ins),
+        law=round_noise_law(ins),
         count_scale=ins.count_scale,
     )

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpfedavg.core.dp import gaussian_noise
+from dpfedavg.core.noise import GaussianLaw
 from dpfedavg.core.types import Vector
 
 __all__ = [
@@ -184,13 +185,12 @@ def released_sum(
 ) -> Vector:
     """One round's released sum ``sum_i (g_i + zeta_i) + top-up`` for the included clients' rows ``g``.
 
-    The same two steps the engines run (each client's :func:`~dpfedavg.core.local.add_noise` with
+    The same two steps the engines run (each client's Gaussian law, :class:`~dpfedavg.core.noise.GaussianLaw`, with
     :meth:`NoisePlacement.client_std`, then the server's :meth:`NoisePlacement.server_std`), without
     local training: ``g`` (``(m, d)``, ``m <= num_sampled``) are the bounded updates of the clients whose
     replies entered the sum. Used by the privacy auditor and the tests.
     """
-    from dpfedavg.core.local import add_noise  # local import: local imports dp, secagg
-
+    law = GaussianLaw()
     g = np.atleast_2d(np.asarray(g, dtype=np.float64))
     m, dim = g.shape
     if len(client_rngs) != m:
@@ -198,7 +198,7 @@ def released_sum(
     std = placement.client_std(noise_multiplier, clip, clients_per_round, num_sampled)
     total = np.zeros(dim)
     for row, rng in zip(g, client_rngs, strict=True):
-        total += add_noise(row, clip, std, rng)
+        total += law.add(row, clip, std, rng)
     top = placement.server_std(noise_multiplier, clip, clients_per_round, num_sampled, m)
     if top > 0:
         total += gaussian_noise(dim, top, server_rng)

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from dpfedavg.deploy.credentials import Credentials, generate_credentials, generate_supernode_key
-from dpfedavg.engines.local_superlink import free_port, leftover_pids, stop_processes
+from dpfedavg.engines.local_superlink import free_port, leftover_pids, processes_with_home, stop_processes
 
 __all__ = ["LoopbackFederation"]
 
@@ -202,10 +202,11 @@ class LoopbackFederation:
     def stop(self) -> None:
         """Terminate every process this federation started (by PID), then kill what is left."""
         self._remember_descendants()
+        self._known.update(processes_with_home(self.home))
         stop_processes(self._known)
 
     def leftover_pids(self) -> list[int]:
-        return leftover_pids(self._known)
+        return leftover_pids({**self._known, **processes_with_home(self.home)})
 
     def __enter__(self) -> LoopbackFederation:
         try:

@@ -1,7 +1,7 @@
 """The batched engine: Alg. 1 / Alg. 2 vectorized over the sampled clients, in one process.
 
 The same core functions as the Flower ClientApp (``client_update``,
-``bound_sensitivity``, ``add_noise`` with the per-client generator
+``bound_sensitivity``, the noise law's ``add`` with the per-client generator
 ``noise_rng(noise_seed, client_id)``) applied to a ``(B, dim)`` block of
 clients at a time, and the same server (:class:`~dpfedavg.server.dp_server.DPServer`):
 one seed gives the Flower engine's trajectory, noise on or off, without
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import client_update, instructions_grid, noise_rng, private_block_update
+from dpfedavg.core import client_update, noise_rng, private_block_update, round_noise_law
 from dpfedavg.core.types import ClientResult, GradFn, RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan, plan_privacy
 from dpfedavg.server.dp_server import DPServer
@@ -63,7 +63,7 @@ def _block_results(
         clip=ins.clip,
         noise_std=ins.noise_std,
         rngs=[noise_rng(ins.noise_seed, int(cid)) for cid in ids],
-        secagg_grid=instructions_grid(ins),
+        law=round_noise_law(ins),
         count_scale=ins.count_scale,
     )
     results, failed = [], []

@@ -54,6 +54,26 @@ def stop_processes(known: dict[int, psutil.Process]) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def processes_with_home(home: Path) -> dict[int, psutil.Process]:
+    """Processes of this user whose environment has ``FLWR_HOME=home``: everything a private SuperLink spawned.
+
+    Catches what a PID tree misses: a SuperLink the ``flwr`` CLI starts detached (it does so when it cannot
+    reach the one it expects), Ray workers re-parented to init. ``home`` is unique to one SuperLink, so this
+    never matches a user's own Flower processes.
+    """
+    found: dict[int, psutil.Process] = {}
+    me = os.getuid()
+    for proc in psutil.process_iter(["uids"]):
+        try:
+            if proc.info["uids"] is None or proc.info["uids"].real != me:
+                continue
+            if proc.environ().get("FLWR_HOME") == str(home) and proc.pid != os.getpid():
+                found[proc.pid] = proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
 def leftover_pids(known: dict[int, psutil.Process]) -> list[int]:
     """PIDs of ``known`` that still run (zombies do not count)."""
     return [pid for pid, p in known.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -149,7 +169,12 @@ class LocalSuperLink:
     def flwr_run(
         self, run_config: str = "", federation_config: str = "", timeout: float = 600.0
     ) -> subprocess.CompletedProcess:
-        """`flwr run <repo> --stream` with the given overrides; returns the finished CLI process."""
+        """`flwr run <repo> --stream` with the given overrides; returns the finished CLI process.
+
+        Refuses to start when this SuperLink is down: the CLI would then start a detached SuperLink of its own.
+        """
+        if self.process is None or self.process.poll() is not None:
+            raise RuntimeError(f"this local SuperLink is not running (see {self.log_path}); start() it first")
         command = [str(BIN / "flwr"), "run", str(ROOT), "--stream"]
         if run_config:
             command += ["--run-config", run_config]
@@ -174,14 +199,18 @@ class LocalSuperLink:
         return subprocess.CompletedProcess(command, proc.returncode, out, "")
 
     def stop(self) -> None:
-        """Terminate every process this SuperLink started (by PID), then the SuperLink."""
+        """Terminate every process this SuperLink started (by PID), then the SuperLink.
+
+        Also every process carrying this SuperLink's private ``FLWR_HOME`` (:func:`processes_with_home`).
+        """
         self._remember_descendants()
+        self._known.update(processes_with_home(self.home))
         stop_processes(self._known)
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
     def leftover_pids(self) -> list[int]:
         """PIDs of processes started by this SuperLink that still run (should be empty after stop)."""
-        return leftover_pids(self._known)
+        return leftover_pids({**self._known, **processes_with_home(self.home)})
 
     def __enter__(self) -> LocalSuperLink:
         self.start()

@@ -53,7 +53,8 @@ from dpfedavg.core import (
 from dpfedavg.core.adaptive_clip import AdaptiveClip
 from dpfedavg.core.dp import get_bound
 from dpfedavg.core.mechanism import get_placement
-from dpfedavg.core.secagg import SecAggPrivacyTerms, privacy_terms
+from dpfedavg.core.noise import noise_law
+from dpfedavg.core.secagg import SecAggPrivacyTerms
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.privacy.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
 
@@ -72,7 +73,8 @@ SECAGG_MAX_DELTA_SLACK = 1e-3
 def secagg_privacy_terms(
     server: DPServer, bits: int | None = None, clip_stds: float | None = None
 ) -> SecAggPrivacyTerms:
-    """:func:`dpfedavg.core.secagg.privacy_terms` of this run (or with other ``bits`` / ``clip_stds``).
+    """The run's noise law's privacy terms (:meth:`dpfedavg.core.noise.NoiseLaw.privacy_terms`; for secure
+    aggregation :func:`dpfedavg.core.secagg.privacy_terms`), or with other ``bits`` / ``clip_stds``.
 
     With ``adaptive-clip`` the bound ``C_aug`` changes every round, and the grid step (a power of two
     ``>= 2 (C_aug + k s) / Q``) with it; the terms are taken at the worst ratio of noise std to step that
@@ -88,7 +90,7 @@ def secagg_privacy_terms(
         needed = 2.0 * (bound + clip_stds * std_n) / 2**bits
         worst = math.ldexp(1.0, math.ceil(math.log2(needed))) / needed * (1.0 + 1e-9)
         bound, std_n = bound * worst, std_n * worst
-    return privacy_terms(
+    return server.noise_law.privacy_terms(
         clip=bound,
         noise_multiplier=plan.noise_multiplier,
         std_at_n=std_n,
@@ -96,7 +98,7 @@ def secagg_privacy_terms(
         bits=bits,
         modulus_bits=cfg.secagg_modulus_bits,
         num_clients=cfg.num_clients,
-        dim=server.dim,
+        dim=server.release_dim,  # adaptive-clip's count coordinate is encoded too
         rounds=cfg.num_rounds,
         epsilon=plan.target_epsilon if plan.calibrated else plan.nominal_epsilon,
         delta=plan.delta,
@@ -240,6 +242,8 @@ class DPServer:
         self.epsilon_each_round = epsilon_each_round
         #: The noise placement: what the clients and the server add, and what is accounted.
         self.placement = get_placement(cfg.noise_placement)
+        #: The noise law: what each client's zeta is, and what it adds to the guarantee (:mod:`dpfedavg.core.noise`).
+        self.noise_law = noise_law(cfg.secure_aggregation)
         #: ``adaptive-clip``: ``C_k`` and its update rule (Andrew et al. 2021); ``None`` for a fixed ``C``.
         self.adaptive: AdaptiveClip | None = None
         if get_bound(cfg.algorithm).adaptive:

@@ -1,0 +1,131 @@
+"""Noise laws: what a client adds to its bounded update ``g`` (Alg. 1 line 10) and what the law adds to the guarantee.
+
+A noise law is the third kind of privacy-mechanism object, beside the sensitivity bounds
+(:data:`dpfedavg.core.dp.BOUNDS`: what ``g`` is) and the noise placements
+(:data:`dpfedavg.core.mechanism.PLACEMENTS`: who adds how much). Each law owns, in one place,
+
+* :meth:`NoiseLaw.add`: ``g -> g + zeta`` with ``zeta`` of the per-client std the placement chose, and
+* :meth:`NoiseLaw.privacy_terms`: how far the released sum is from the Gaussian mechanism
+  ``N(0, (zC)^2 I)`` the accountant charges (``tau``, the clipping probability, the resulting delta).
+
+Two laws ship (:data:`NOISE_LAWS`):
+
+``gaussian``
+    ``zeta ~ N(0, s^2 I)``; the released sum *is* the accountant's Gaussian mechanism, so the terms are zero.
+``discrete-gaussian``
+    Secure aggregation (:mod:`dpfedavg.core.secagg`): ``g`` rounded to the round's integer grid, discrete Gaussian
+    noise on it, coordinates clipped to ``[-c, c]``; its terms come from
+    :func:`dpfedavg.core.secagg.privacy_terms` (Kairouz, Liu, Steinke 2021).
+
+A run uses the law :func:`noise_law` names for its config; a client builds the round's law from its
+instructions (:func:`round_noise_law`), so every engine adds noise through the same object.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+from dpfedavg.core.dp import gaussian_noise
+from dpfedavg.core.secagg import SecAggGrid, SecAggPrivacyTerms, encode, privacy_terms
+from dpfedavg.core.types import RoundInstructions, Vector
+
+__all__ = [
+    "NOISE_LAWS",
+    "DiscreteGaussianLaw",
+    "GaussianLaw",
+    "NoiseLaw",
+    "noise_law",
+    "round_noise_law",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class NoiseLaw(Protocol):
+    """What a client adds to ``g`` and what that adds to the run's ``(epsilon, delta)``."""
+
+    name: ClassVar[str]
+
+    def add(self, g: Vector, clip: float, noise_std: float, rng: np.random.Generator) -> Vector:
+        """``g + zeta`` (Alg. 1 line 10) with ``zeta`` of per-coordinate std ``noise_std`` drawn from ``rng``."""
+
+    def privacy_terms(
+        self,
+        *,
+        clip: float,
+        noise_multiplier: float,
+        std_at_n: float,
+        clip_stds: float,
+        bits: int,
+        modulus_bits: int,
+        num_clients: int,
+        dim: int,
+        rounds: int,
+        epsilon: float,
+        delta: float,
+    ) -> SecAggPrivacyTerms:
+        """How the released sum departs from the Gaussian mechanism the accountant charges (zero for ``gaussian``)."""
+
+
+@dataclass(frozen=True)
+class GaussianLaw:
+    """``zeta ~ N(0, s^2 I)``: the released sum carries exactly the accountant's ``N(0, (zC)^2 I)``."""
+
+    name: ClassVar[str] = "gaussian"
+
+    def add(self, g: Vector, clip: float, noise_std: float, rng: np.random.Generator) -> Vector:
+        return g + gaussian_noise(g.shape[0], noise_std, rng, dtype=g.dtype)
+
+    def privacy_terms(self, *, delta: float, **_: object) -> SecAggPrivacyTerms:
+        return SecAggPrivacyTerms(tau=0.0, tau_slack=0.0, clip_probability=0.0, delta_including_clipping=delta)
+
+
+@dataclass(frozen=True)
+class DiscreteGaussianLaw:
+    """Secure aggregation's law: ``g`` on the round's integer ``grid`` plus discrete Gaussian noise on it.
+
+    ``grid`` is the round's grid (a client gets step and range in its instructions); the server-side
+    :meth:`privacy_terms` needs none (it derives the worst-case grid at ``|S_k| = n`` itself).
+    """
+
+    grid: SecAggGrid | None = None
+    name: ClassVar[str] = "discrete-gaussian"
+
+    def add(self, g: Vector, clip: float, noise_std: float, rng: np.random.Generator) -> Vector:
+        if self.grid is None:
+            raise ValueError("the discrete Gaussian law adds noise on a round's grid; build it with the round's grid")
+        noisy, clipped = encode(g, self.grid, clip, noise_std, rng)
+        if clipped:
+            logger.warning("%d coordinates of g + zeta fell outside the secure-aggregation range: clipped", clipped)
+        return noisy
+
+    def privacy_terms(self, **kwargs: object) -> SecAggPrivacyTerms:
+        return privacy_terms(**kwargs)  # type: ignore[arg-type]
+
+
+#: name -> the law (a run's law is chosen by :func:`noise_law`).
+NOISE_LAWS: dict[str, NoiseLaw] = {GaussianLaw.name: GaussianLaw(), DiscreteGaussianLaw.name: DiscreteGaussianLaw()}
+
+
+def noise_law(secure_aggregation: bool) -> NoiseLaw:
+    """The run's law: ``discrete-gaussian`` under secure aggregation, ``gaussian`` otherwise."""
+    return NOISE_LAWS[DiscreteGaussianLaw.name if secure_aggregation else GaussianLaw.name]
+
+
+def round_noise_law(ins: RoundInstructions) -> NoiseLaw:
+    """The law a client applies in the round its instructions describe.
+
+    With secure aggregation the instructions carry the round's grid step and range; a client only
+    needs those to encode (the modulus is the protocol's, set by the server in the SecAgg+ setup stage,
+    so it is 0 here).
+    """
+    if ins.secagg_step <= 0:
+        return NOISE_LAWS[GaussianLaw.name]
+    levels = round(2 * ins.secagg_range / ins.secagg_step)
+    grid = SecAggGrid(step=ins.secagg_step, clipping_range=ins.secagg_range, levels=levels, modulus=0)
+    return DiscreteGaussianLaw(grid)

@@ -53,8 +53,8 @@ __all__ = [
     "DEFAULT_TARGET_QUANTILE",
     "COUNT_STDDEV_PER_EXPECTED_CLIENT",
     "AdaptiveClip",
-    "append_count",
     "augmented_bound",
+    "count_coordinate",
     "count_scale",
     "count_stddev_for_inflation",
     "default_count_stddev",
@@ -116,15 +116,13 @@ def augmented_bound(clip: float, scale: float) -> float:
     return math.hypot(clip, scale / 2.0)
 
 
-def append_count(g: np.ndarray, update_norms: np.ndarray, clip: float, scale: float) -> np.ndarray:
-    """``(g_i, s (b_i - 1/2))`` per row, ``b_i = 1[||u_i|| <= C]`` (the client's side of Algorithm 1).
+def count_coordinate(update_norms: np.ndarray, clip: float, scale: float) -> np.ndarray:
+    """``s (b_i - 1/2)`` per client, ``b_i = 1[||u_i|| <= C]`` (the client's side of Algorithm 1).
 
-    ``g`` is ``(B, d)`` (already clipped to ``C``), ``update_norms`` the ``||u_i||`` before clipping.
+    ``update_norms`` are the ``||u_i||`` before clipping; each client appends its value to its clipped ``g_i``.
     """
-    g = np.atleast_2d(g)
     unclipped = (np.asarray(update_norms, dtype=np.float64) <= clip).astype(np.float64)
-    column = scale * (unclipped - 0.5)
-    return np.concatenate([g, column.astype(g.dtype)[:, None]], axis=1)
+    return scale * (unclipped - 0.5)
 
 
 def next_clip(clip: float, unclipped_fraction: float, target_quantile: float, clip_lr: float) -> float:

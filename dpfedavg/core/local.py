@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpfedavg.core.adaptive_clip import append_count, augmented_bound
+from dpfedavg.core.adaptive_clip import augmented_bound, count_coordinate
 from dpfedavg.core.dp import bound_sensitivity, get_bound
 from dpfedavg.core.noise import NOISE_LAWS, GaussianLaw, NoiseLaw, round_noise_law
 from dpfedavg.core.seeding import noise_rng
@@ -142,18 +142,18 @@ def private_block_update(
     norms = np.linalg.norm(u, axis=1)
     finite = np.all(np.isfinite(u), axis=1)
     g = bound_sensitivity(u, algorithm, clip)
-    bound = clip
-    if adaptive:
-        g = append_count(g, norms, clip, count_scale)
-        bound = augmented_bound(clip, count_scale)
+    bound, count = clip, None
+    if adaptive:  # each row becomes (g_i, s (b_i - 1/2)), one row at a time (no (B, d + 1) copy of the block)
+        bound, count = augmented_bound(clip, count_scale), count_coordinate(norms, clip, count_scale).astype(g.dtype)
     law = law if law is not None else NOISE_LAWS[GaussianLaw.name]
     out: list[ClientUpdate | None] = []
     for row, rng in enumerate(rngs):
         if not finite[row]:
             out.append(None)
             continue
-        noisy = law.add(g[row], bound, noise_std, rng)
-        out.append(ClientUpdate(noisy=noisy, clean=g[row], update_norm=float(norms[row])))
+        g_row = g[row] if count is None else np.concatenate([g[row], count[row : row + 1]])
+        noisy = law.add(g_row, bound, noise_std, rng)
+        out.append(ClientUpdate(noisy=noisy, clean=g_row, update_norm=float(norms[row])))
     return out
 
 

@@ -19,6 +19,12 @@ table1
             [--engine ...] [--jobs N | --ray-address ADDRESS]
             [--out DIR]
             [--data-dir DIR] [--cache-dir DIR]
+            [--private-tuning [--trials-distribution negative-binomial|poisson] [--trials-mean 10]
+             [--trials-shape 1] [--repetitions 10] [--tuning-seed 0]]
+
+    With ``--private-tuning`` also the private hyperparameter selection of
+    Papernot & Steinke 2022 (dpfedavg/experiments/private_tuning.py) and its
+    table at equal end-to-end epsilon next to the per-run table.
 
 privacy
     Noise multiplier for a target (epsilon, delta), the epsilon it gives under
@@ -175,7 +181,7 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
-    from dpfedavg.experiments.synthetic import run_synthetic, synthetic_cells
+    from dpfedavg.experiments.synthetic import ALGORITHMS, run_synthetic, synthetic_cells
     from dpfedavg.sweep import SweepError
 
     _check_common(args)
@@ -183,7 +189,7 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
     try:
         synthetic_cells(
             Path(args.out), clips=args.C, inits=args.init, etas=args.eta, seeds=args.seeds, rounds=args.rounds,
-            algorithms=args.algorithms,
+            algorithms=args.algorithms or ALGORITHMS,
         )  # fmt: skip
     except ConfigError as err:
         _fail(_as_flags(str(err), _SYNTHETIC_FLAGS))
@@ -200,7 +206,7 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
             jobs=args.jobs,
             progress=not args.no_progress,
             ray_address=args.ray_address,
-            algorithms=args.algorithms,
+            algorithms=args.algorithms or ALGORITHMS,
         )
     except SweepError as err:
         _fail(str(err))
@@ -224,12 +230,15 @@ def _cmd_table1(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
+    from dpfedavg.experiments.table1 import ALGORITHMS as TABLE1_ALGORITHMS
     from dpfedavg.experiments.table1 import run_table1, table1_cells
     from dpfedavg.sweep import SweepError
     from dpfedavg.tasks.datasets import DataUnavailableError
 
     _check_common(args)
     _setup_logging(args.verbose)
+    if args.private_tuning:
+        return _cmd_private_tuning(args)
     out = Path(args.out.replace("<dataset>", args.dataset))
     grid = {
         "epsilons": args.epsilon,
@@ -239,7 +248,7 @@ def _cmd_table1(args: argparse.Namespace) -> None:
         "rounds": args.rounds,
         "data_dir": args.data_dir,
         "cache_dir": args.cache_dir,
-        "algorithms": args.algorithms,
+        "algorithms": args.algorithms or TABLE1_ALGORITHMS,
     }
     if any(e <= 0 for e in args.epsilon):
         _fail(f"--epsilon = {args.epsilon}: expected values > 0")
@@ -261,6 +270,93 @@ def _cmd_table1(args: argparse.Namespace) -> None:
     for name, path in outputs.items():
         print(f"  {name}: {path}")
     print(outputs["table"].read_text())
+
+
+_TUNING_FLAGS = {
+    **_TABLE1_FLAGS,
+    "trials-distribution": "--trials-distribution",
+    "trials-mean": "--trials-mean",
+    "trials-shape": "--trials-shape",
+    "repetitions": "--repetitions",
+    "tuning-seed": "--tuning-seed",
+}
+
+
+def _cmd_private_tuning(args: argparse.Namespace) -> None:
+    """``table1 --private-tuning``: the per-run table, then private tuning (Papernot & Steinke 2022)."""
+    import time
+
+    from dpfedavg.config import ConfigError
+    from dpfedavg.experiments.private_tuning import (
+        TUNED_ALGORITHMS,
+        TrialCount,
+        plan_trials,
+        run_private_tuning,
+        tuning_dir,
+    )
+    from dpfedavg.experiments.table1 import table1_cells
+    from dpfedavg.sweep import SweepError
+    from dpfedavg.tasks.datasets import DataUnavailableError
+
+    out = Path(args.out.replace("<dataset>", args.dataset))
+    if any(e <= 0 for e in args.epsilon):
+        _fail(f"--epsilon = {args.epsilon}: expected values > 0")
+    grid = {"clips": args.clip, "lrs": args.lr, "rounds": args.rounds, "data_dir": args.data_dir,
+            "cache_dir": args.cache_dir, "algorithms": args.algorithms or TUNED_ALGORITHMS}  # fmt: skip
+    try:  # every option checked, T and the grid points drawn, z calibrated: before any run
+        count = TrialCount(args.trials_distribution, args.trials_mean, args.trials_shape)
+        cells = table1_cells(out, args.dataset, epsilons=args.epsilon, seeds=args.seeds, **grid)
+        trials, calibration = plan_trials(
+            tuning_dir(out, count), args.dataset, epsilons=args.epsilon, count=count,
+            repetitions=args.repetitions, tuning_seed=args.tuning_seed, **grid,
+        )  # fmt: skip
+    except ConfigError as err:
+        _fail(_as_flags(str(err), _TUNING_FLAGS))
+    where = f"Ray cluster {args.ray_address}" if args.ray_address else f"{args.jobs} jobs"
+    print(f"table1 {args.dataset} --private-tuning: {len(cells)} grid runs + {len(trials)} trials "
+          f"({count.describe()}, {args.repetitions} repetitions), engine {args.engine}, {where}, "
+          f"results in {out}")  # fmt: skip
+    for eps, cal in calibration.items():
+        print(f"  (epsilon, delta) = ({eps:g}, {cal['delta']:g}) end to end: z = {cal['noise_multiplier']:.4g} "
+              f"per trial (epsilon {cal['trial_epsilon']:.3g} per trial, RDP)")  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        outputs = run_private_tuning(
+            out, args.dataset, epsilons=args.epsilon, seeds=args.seeds, count=count, repetitions=args.repetitions,
+            tuning_seed=args.tuning_seed, engine=args.engine, jobs=args.jobs, progress=not args.no_progress,
+            ray_address=args.ray_address, **grid,
+        )  # fmt: skip
+    except (SweepError, DataUnavailableError, ConfigError) as err:
+        _fail(str(err))
+    print(f"table1 {args.dataset} --private-tuning: done in {time.monotonic() - t0:.0f} s")
+    for name, path in outputs.items():
+        print(f"  {name}: {path}")
+    print(outputs["table"].read_text())
+    print(outputs["private_tuning_table"].read_text())
+
+
+def _add_private_tuning_flags(p: argparse.ArgumentParser) -> None:
+    from dpfedavg.experiments.private_tuning import (
+        DEFAULT_DISTRIBUTION,
+        DEFAULT_MEAN,
+        DEFAULT_REPETITIONS,
+        DEFAULT_SHAPE,
+        TRIAL_DISTRIBUTIONS,
+    )
+
+    p.add_argument("--private-tuning", action="store_true",
+                   help="also tune (C, eta_0) privately: a random number of trials, the best released, "
+                   "(epsilon, delta)-DP end to end (Papernot & Steinke 2022)")  # fmt: skip
+    p.add_argument("--trials-distribution", default=DEFAULT_DISTRIBUTION,
+                   help=f"number of trials T: {' or '.join(TRIAL_DISTRIBUTIONS)} "
+                   f"(default {DEFAULT_DISTRIBUTION})")  # fmt: skip
+    p.add_argument("--trials-mean", type=float, default=DEFAULT_MEAN, help=f"E[T] (default {DEFAULT_MEAN:g})")
+    p.add_argument("--trials-shape", type=float, default=DEFAULT_SHAPE,
+                   help=f"negative binomial shape eta >= 0: 0 logarithmic, 1 geometric "
+                   f"(default {DEFAULT_SHAPE:g})")  # fmt: skip
+    p.add_argument("--repetitions", type=int, default=DEFAULT_REPETITIONS,
+                   help=f"independent repetitions of the whole tuning (default {DEFAULT_REPETITIONS})")  # fmt: skip
+    p.add_argument("--tuning-seed", type=int, default=0, help="seed of the draws of T, grid points, seeds (default 0)")
 
 
 def _cmd_scale(args: argparse.Namespace) -> None:
@@ -412,8 +508,9 @@ def _add_sweep_flags(p: argparse.ArgumentParser, default_out: str) -> None:
 
 def _add_algorithms_flag(p: argparse.ArgumentParser) -> None:
     choices = ("clip", "norm", "adaptive-clip")
-    p.add_argument("--algorithms", nargs="+", choices=choices, default=list(choices),
-                   help="private algorithms of the grid (default: all three; adaptive-clip: C is C_0)")  # fmt: skip
+    p.add_argument("--algorithms", nargs="+", choices=choices, default=None,
+                   help="private algorithms of the grid (default: all three; with --private-tuning: clip norm; "
+                        "adaptive-clip: C is C_0)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -447,6 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-dir", default="", help="prepared-feature cache (default ~/.cache/dpfedavg)")
     _add_algorithms_flag(p)
     _add_sweep_flags(p, "results/table1-<dataset>")
+    _add_private_tuning_flags(p)
     p.set_defaults(func=_cmd_table1)
 
     p = sub.add_parser("privacy", help="noise multiplier for a target (epsilon, delta); accountants vs the paper")

@@ -150,6 +150,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("dim", int, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1, trajectory=True),
     Option("data-dir", str, "-", 'real-data tasks: folder with local dataset files (offline use); "" = download', "a path or \"\""),  # noqa: E501
     Option("cache-dir", str, "-", 'real-data tasks: where prepared features are cached; "" = ~/.cache/dpfedavg', "a path or \"\""),  # noqa: E501
+    Option("data-seed", int, "-", "real-data tasks: seed of the shard split of the training data across the clients (the federation); -1 = seed", "an integer >= -1 (-1 = seed)", lambda x: x >= -1, trajectory=True),  # noqa: E501
     Option("weight-decay", float, "lambda", "real-data tasks: L2 regularization (PyTorch weight_decay); paper: 1e-4", "a float >= 0", _non_negative, trajectory=True),  # noqa: E501
     Option("feature-image-size", int, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32, trajectory=True),  # noqa: E501
 )
@@ -235,6 +236,7 @@ class RunConfig:
     dim: int = 200
     data_dir: str = ""
     cache_dir: str = ""
+    data_seed: int = -1  # -1: the shard split follows seed
     weight_decay: float = 1e-4
     feature_image_size: int = 224
 

@@ -18,12 +18,20 @@ import numpy as np
 
 from dpfedavg.core.adaptive_clip import count_stddev_for_inflation, default_count_stddev
 
-__all__ = ["ADAPTIVE", "COUNT_NOISE_INFLATION", "adaptive_values", "clip_curves"]
+__all__ = ["ADAPTIVE", "COUNT_NOISE_INFLATION", "adaptive_values", "clip_curves", "sweep_count_stddev"]
 
 #: The algorithm name of the sweeps' adaptive rows.
 ADAPTIVE = "adaptive-clip"
 #: The sweeps' noise split: the update's noise multiplier is z_u = 1.1 z.
 COUNT_NOISE_INFLATION = 1.1
+
+
+def sweep_count_stddev(noise_multiplier: float, clients_per_round: float) -> float:
+    """The sweeps' ``sigma_b``: ``max(r/20, the sigma_b with z_u = 1.1 z)``."""
+    sigma_b = default_count_stddev(clients_per_round)
+    if noise_multiplier > 0:
+        sigma_b = max(sigma_b, count_stddev_for_inflation(noise_multiplier, COUNT_NOISE_INFLATION))
+    return float(sigma_b)
 
 
 def adaptive_values(values: dict[str, Any]) -> dict[str, Any]:
@@ -36,12 +44,11 @@ def adaptive_values(values: dict[str, Any]) -> dict[str, Any]:
     from dpfedavg.privacy.accounting import calibrate_noise_multiplier
 
     cfg = RunConfig.from_run_config({**values, "algorithm": "clip"})
-    r = cfg.clients_per_round
-    sigma_b = default_count_stddev(r)
     if cfg.epsilon > 0:
         z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, cfg.sampling_rate, cfg.num_rounds, cfg.accountant)
-        sigma_b = max(sigma_b, count_stddev_for_inflation(z, COUNT_NOISE_INFLATION))
-    return {**values, "algorithm": ADAPTIVE, "clip-count-stddev": float(sigma_b)}
+    else:
+        z = cfg.noise_multiplier or 0.0
+    return {**values, "algorithm": ADAPTIVE, "clip-count-stddev": sweep_count_stddev(z, cfg.clients_per_round)}
 
 
 def clip_curves(run_dirs: Sequence[tuple[Any, Path]]) -> dict[Any, np.ndarray]:

@@ -98,14 +98,19 @@ class LogisticTask:
 
     @cached_property
     def partition(self) -> np.ndarray:
-        """``(n, m)`` training indices per client: the paper's shard split, cached on disk."""
+        """``(n, m)`` training indices per client: the paper's shard split, cached on disk.
+
+        Seeded by ``data-seed`` (``seed`` when it is -1): private tuning keeps the federation fixed
+        while every trial draws its own sampling and noise.
+        """
         directory: Path = self.data.directory
-        path = directory / f"partition-n{self.num_clients}-seed{self.cfg.seed}.npy"
+        seed = self.cfg.data_seed if self.cfg.data_seed >= 0 else self.cfg.seed
+        path = directory / f"partition-n{self.num_clients}-seed{seed}.npy"
         if not path.exists():
             with locked(directory / ".partition.lock"):
                 if not path.exists():
                     try:
-                        split = paper_shard_partition(self.data.train_y, self.num_clients, self.cfg.seed)
+                        split = paper_shard_partition(self.data.train_y, self.num_clients, seed)
                     except ValueError as err:
                         raise ConfigError(f"invalid run config: 'num-clients' = {self.num_clients}: {err}") from None
                     save_npy(path, split)

@@ -237,9 +237,11 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: i
         if not same:
             problems.append(f"{key}: {old!r} in the checkpoint, {value!r} now (privacy-relevant)")
     now = cfg.to_run_config()
+    defaults = {opt.key: opt.default for opt in OPTIONS}
     for key in TRAJECTORY_KEYS:
-        if ckpt.run_config.get(key) != now.get(key):
-            problems.append(f"{key!r}: {ckpt.run_config.get(key)!r} in the checkpoint, {now.get(key)!r} now")
+        old = ckpt.run_config.get(key, defaults[key])  # a key added since the checkpoint: its default
+        if old != now.get(key):
+            problems.append(f"{key!r}: {old!r} in the checkpoint, {now.get(key)!r} now")
     if ckpt.w.shape != (dim,):
         problems.append(f"model dimension: {ckpt.w.shape[0]} in the checkpoint, {dim} now")
     if ckpt.round >= cfg.num_rounds:

@@ -95,6 +95,15 @@ def _grad_fn(cfg: RunConfig, client_id: int) -> GradFn:
     return _task(cfg).client_grad_fn(client_id)
 
 
+def _round_grad_fn(cfg: RunConfig, client_id: int, server_round: int) -> GradFn:
+    """Client ``i``'s gradient oracle for this round: the task's ``client_round_grad_fn`` when it has one
+    (local steps that depend on the round: the torch tasks' mini-batches), else the cached :func:`_grad_fn`."""
+    round_grad = getattr(_task(cfg), "client_round_grad_fn", None)
+    if round_grad is not None:
+        return round_grad(client_id, server_round)
+    return _grad_fn(cfg, client_id)
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Report this node's client id so the server can sample by client."""
@@ -131,7 +140,7 @@ def _secure_train(msg: Message, context: Context, cfg: RunConfig, client_id: int
     )
     if ins.secagg_step <= 0:
         raise ValueError("a secure-aggregation round without a quantization grid (secagg-step)")
-    result = client_round_update(w, _grad_fn(cfg, client_id), ins, client_id)
+    result = client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([result.noisy]), num_examples=1, metrics={})
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
@@ -147,7 +156,7 @@ def train(msg: Message, context: Context) -> Message:
     secure = secure_noise_required(context, cfg)
     ins = enforce_secure_noise(instructions_from_config_record(msg.content[CONFIG]), secure)
     w = from_array_record(msg.content[ARRAYS])
-    result = client_round_update(w, _grad_fn(cfg, client_id), ins, client_id)
+    result = client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
     metrics: dict[str, int | float] = {NUM_EXAMPLES: 1, PARTITION_ID: client_id}
     if not secure:  # un-noised statistics of this client's data: seeded research mode only
         metrics[UPDATE_NORM] = result.update_norm

@@ -12,13 +12,16 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from dpfedavg.core.adaptive_clip import DEFAULT_CLIP_LR, DEFAULT_TARGET_QUANTILE, default_count_stddev
 from dpfedavg.core.dp import ALGORITHMS, get_bound
 from dpfedavg.core.mechanism import PLACEMENTS
+from dpfedavg.options import ConfigError, Option
+from dpfedavg.options import non_negative as _non_negative
+from dpfedavg.options import positive as _positive
 
 __all__ = [
     "ACCOUNTANTS",
@@ -49,61 +52,40 @@ ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 NOISE_PLACEMENTS: tuple[str, ...] = tuple(PLACEMENTS)
 
 
-class ConfigError(ValueError):
-    """A run configuration is invalid. The message names each key, value and what is allowed."""
+def _task_options() -> tuple[Option, ...]:
+    from dpfedavg.tasks import task_options  # the tasks declare their own keys (tasks import config lazily)
+
+    return task_options()
 
 
-@dataclass(frozen=True)
-class Option:
-    """One run_config key: its type, paper symbol and allowed values; its default is the :class:`RunConfig` field's."""
+def _check_task(name: str) -> str | None:
+    """``None`` if ``task`` names a registered task or loads a user's ``module:factory``, else the error text."""
+    from dpfedavg.tasks import TASKS, load_task_factory
 
-    key: str
-    kind: type
-    symbol: str
-    help: str
-    allowed: str = ""
-    check: Callable[[Any], bool] | None = None
-    choices: tuple[Any, ...] | None = None
-    #: A string accepted instead of a number; it becomes ``None`` in the dataclass.
-    sentinel: str | None = None
-    #: Defines the trajectory: a resumed run may not change it (see :mod:`dpfedavg.checkpoint`).
-    trajectory: bool = False
-    #: The privacy guarantee depends on it: a resumed run may not change it, and ``config.json`` records it
-    #: with the guarantee (see :func:`dpfedavg.checkpoint.privacy_signature`).
-    privacy: bool = False
-
-    @property
-    def attr(self) -> str:
-        """The dataclass field name (snake_case)."""
-        return self.key.replace("-", "_")
-
-    @property
-    def default(self) -> Any:
-        """The default as a run_config value (the sentinel for ``None``), from the :class:`RunConfig` field."""
-        value = _FIELD_DEFAULTS[self.attr]
-        return self.sentinel if (value is None and self.sentinel is not None) else value
-
-
-def _positive(x: float) -> bool:
-    return math.isfinite(x) and x > 0
-
-
-def _non_negative(x: float) -> bool:
-    return math.isfinite(x) and x >= 0
-
-
-def _task_names() -> tuple[str, ...]:
-    from dpfedavg.tasks import TASKS  # local import: tasks import core only
-
-    return tuple(TASKS)
+    if ":" in name:
+        try:
+            load_task_factory(name)
+        except ConfigError as err:
+            return str(err)
+        return None
+    if name in TASKS:
+        return None
+    allowed = ", ".join(repr(c) for c in TASKS)
+    hint = difflib.get_close_matches(name, list(TASKS), n=1)
+    more = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return (
+        f"'task' = {name!r}: allowed values are {allowed}{more}, "
+        "or your own 'module:factory' / '/path/to/file.py:factory' (README: Bring your own model)"
+    )
 
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
-#: Every run_config key. Task-specific keys are marked in ``help``.
+#: Every run_config key: the general ones here, then the keys each task declares beside itself
+#: (``OPTIONS`` of the task modules, collected by :func:`dpfedavg.tasks.task_options`).
 # fmt: off
 OPTIONS: tuple[Option, ...] = (
-    Option("task", str, "-", "objective and data", trajectory=True),
+    Option("task", str, "-", "objective and data: a registered task or a user's 'module:factory' / '/path/file.py:factory'", trajectory=True),  # noqa: E501
     Option("algorithm", str, "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP, adaptive-clip = DP-FedAvg with C_k following a quantile of the update norms (Andrew et al. 2021)", choices=ALGORITHMS, privacy=True),  # noqa: E501
     Option("num-rounds", int, "K", "communication rounds", "an integer >= 1", lambda x: x >= 1),
     Option("local-steps", int, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True),  # noqa: E501
@@ -145,15 +127,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("secagg-reconstruction-threshold", float, "-", "secure aggregation: fraction of a client's shares needed to unmask; above 0.5 so the server cannot learn both a client's mask and its pairwise keys; a round whose survivors fall below it is skipped", "a fraction in (0.5, 1]", lambda x: 0.5 < x <= 1),  # noqa: E501
     Option("secagg-timeout", float, "-", "secure aggregation: seconds each of the 4 SecAgg+ stages waits for replies; 0 = round-timeout", "a float >= 0", _non_negative),  # noqa: E501
     Option("eval-every", int, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
-    # Task-specific keys (ignored by tasks that do not use them).
-    Option("init", str, "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2"), trajectory=True),  # noqa: E501
-    Option("dim", int, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1, trajectory=True),
-    Option("data-dir", str, "-", 'real-data tasks: folder with local dataset files (offline use); "" = download', "a path or \"\""),  # noqa: E501
-    Option("cache-dir", str, "-", 'real-data tasks: where prepared features are cached; "" = ~/.cache/dpfedavg', "a path or \"\""),  # noqa: E501
-    Option("data-seed", int, "-", "real-data tasks: seed of the shard split of the training data across the clients (the federation); -1 = seed", "an integer >= -1 (-1 = seed)", lambda x: x >= -1, trajectory=True),  # noqa: E501
-    Option("weight-decay", float, "lambda", "real-data tasks: L2 regularization (PyTorch weight_decay); paper: 1e-4", "a float >= 0", _non_negative, trajectory=True),  # noqa: E501
-    Option("feature-image-size", int, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32, trajectory=True),  # noqa: E501
-)
+) + _task_options()  # task-specific keys (ignored by tasks that do not use them)
 # fmt: on
 
 _BY_KEY = {opt.key: opt for opt in OPTIONS}
@@ -177,9 +151,10 @@ def _coerce(opt: Option, value: Any) -> tuple[Any, str | None]:
     if not ok:
         want = opt.allowed or ("true or false" if kind is bool else f"a {kind.__name__}")
         return None, f"'{opt.key}' = {value!r} ({type(value).__name__}): expected {want}"
-    choices = opt.choices
     if opt.key == "task":
-        choices = _task_names()
+        err = _check_task(value)
+        return (None, err) if err else (value, None)
+    choices = opt.choices
     if choices is not None and value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
@@ -239,6 +214,10 @@ class RunConfig:
     data_seed: int = -1  # -1: the shard split follows seed
     weight_decay: float = 1e-4
     feature_image_size: int = 224
+    backend: str = "numpy"
+    device: str = "auto"
+    torch_dtype: str = "float32"
+    local_batch_size: int = 0
 
     @property
     def sampling_rate(self) -> float:

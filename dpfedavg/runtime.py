@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["setup_app_process"]
+__all__ = ["in_app_process", "setup_app_process"]
 
 _done = False
 
@@ -37,3 +37,11 @@ def setup_app_process(level: int = logging.INFO) -> logging.Logger:
         threadpool_limits(limits=1, user_api="blas")
         _done = True
     return pkg_logger
+
+
+def in_app_process() -> bool:
+    """Whether :func:`setup_app_process` ran here (a Flower ClientApp / ServerApp process: one math thread).
+
+    The torch tasks read it to use one CPU thread too (:mod:`dpfedavg.tasks.torch_task`).
+    """
+    return _done

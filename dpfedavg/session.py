@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
     """``<output-dir>/<run-name>``; the default name is ``<task>-<algorithm>-<UTC time>-<run id>``."""
-    name = cfg.run_name or f"{cfg.task}-{cfg.algorithm}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{run_id}"
+    task = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.task.rsplit("/", 1)[-1])  # a user's "/path/mytask.py:make_task"
+    name = cfg.run_name or f"{task}-{cfg.algorithm}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{run_id}"
     return Path(cfg.output_dir).expanduser().resolve() / name
 
 

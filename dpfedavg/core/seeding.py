@@ -30,6 +30,7 @@ class Stream(IntEnum):
     NOISE = 3  #: per-round noise seeds, keyed by round
     ITERATE = 4  #: the random output iterate k~ (Alg. 1 line 13), keyed by round
     SERVER_NOISE = 5  #: noise the server adds (noise-placement = server), keyed by round
+    MINIBATCH = 6  #: local mini-batches of torch tasks (local-batch-size > 0), keyed by client and round
 
 
 def make_rng(seed: int, stream: Stream, *keys: int) -> np.random.Generator:

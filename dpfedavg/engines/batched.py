@@ -38,11 +38,15 @@ logger = logging.getLogger(__name__)
 BLOCK_ELEMENTS = 4_000_000
 
 
-def _batch_grad(task: Task, client_ids: np.ndarray) -> GradFn:
+def _batch_grad(task: Task, client_ids: np.ndarray, server_round: int) -> GradFn:
+    round_grad = getattr(task, "client_round_grad_fn", None)
     batched = getattr(task, "client_batch_grad_fn", None)
-    if batched is not None:
+    if batched is not None and round_grad is None:
         return batched(client_ids)
-    fns = [task.client_grad_fn(int(i)) for i in client_ids]
+    if round_grad is not None:  # a task whose local steps depend on the round (mini-batches)
+        fns = [round_grad(int(i), server_round) for i in client_ids]
+    else:
+        fns = [task.client_grad_fn(int(i)) for i in client_ids]
     return lambda w: np.stack([fn(row) for fn, row in zip(fns, w, strict=True)])
 
 
@@ -51,11 +55,14 @@ def _block_results(
 ) -> tuple[list[ClientResult], list[int]]:
     """One block of clients: their results in ascending id, and the ids whose local training diverged."""
     closed_form = getattr(task, "client_batch_update_fn", None)
-    if closed_form is not None:  # the task's exact closed form of client_update (tested against it)
-        u = closed_form(ids)(w, ins.local_lr, ins.local_steps)
+    if closed_form is not None:  # the task's client_update for a block (closed form or vmapped; tested against it)
+        if getattr(task, "client_round_grad_fn", None) is not None:  # round-dependent local steps (mini-batches)
+            u = closed_form(ids, server_round=ins.server_round)(w, ins.local_lr, ins.local_steps)
+        else:
+            u = closed_form(ids)(w, ins.local_lr, ins.local_steps)
     else:
         w_block = np.repeat(w[None, :], len(ids), axis=0)
-        u = client_update(w_block, _batch_grad(task, ids), ins.local_lr, ins.local_steps)
+        u = client_update(w_block, _batch_grad(task, ids, ins.server_round), ins.local_lr, ins.local_steps)
     # the ClientApp's pipeline, on the block (with secure aggregation: what each client hands to the protocol)
     updates = private_block_update(
         u,

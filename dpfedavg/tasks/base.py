@@ -47,8 +47,13 @@ class Task(Protocol):
         """
 
     # Optional, for speed: ``client_batch_update_fn(client_ids) -> BatchUpdateFn``, the
-    # client updates ``u`` of E local steps from the shared ``w_k`` in closed form; it must
-    # equal :func:`dpfedavg.core.client_update` on :meth:`client_batch_grad_fn` (tested).
+    # client updates ``u`` of E local steps from the shared ``w_k`` in closed form (or vmapped, the
+    # torch tasks); it must equal :func:`dpfedavg.core.client_update` on :meth:`client_batch_grad_fn` (tested).
+    #
+    # Optional, for local steps that depend on the round (the torch tasks' mini-batches):
+    # ``client_round_grad_fn(client_id, server_round) -> GradFn``. When a task has it, the ClientApp and
+    # the batched engine call it instead of :meth:`client_grad_fn`, and call
+    # ``client_batch_update_fn(client_ids, server_round=k)``.
 
     def evaluate(self, w: Vector) -> dict[str, float]:
         """Server-side metrics of the global model ``w`` (keys: :attr:`metric_names`)."""

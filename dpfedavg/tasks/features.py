@@ -1,11 +1,11 @@
 """ResNet-18 (ImageNet) penultimate-layer features for CIFAR-10/100 (paper §5), in plain torch.
 
-The architecture is written out here with torchvision's module names, so
-torchvision's ImageNet checkpoint (``resnet18-f37072fd.pth``, IMAGENET1K_V1)
-loads with ``strict=True``; torchvision itself is never imported. (On the CPU
-build of torch 2.13.0 the matching torchvision wheel cannot even be imported:
-"operator torchvision::nms does not exist".) torch is imported lazily, only by
-the CIFAR tasks.
+The model is torchvision's ``resnet18`` when torchvision imports; otherwise the
+architecture written out here with torchvision's module names (the fallback: on
+the CPU build of torch 2.13.0 the matching torchvision wheel cannot be imported,
+"operator torchvision::nms does not exist"). Either way torchvision's ImageNet
+checkpoint (``resnet18-f37072fd.pth``, IMAGENET1K_V1) loads with ``strict=True``.
+torch is imported lazily, only by the CIFAR tasks.
 
 Images are scaled to [0, 1], resized (bilinear) to ``image_size`` and
 normalized with the ImageNet mean and std; the 512-d output of the global
@@ -23,7 +23,15 @@ import numpy as np
 
 from dpfedavg.tasks.errors import DataUnavailableError
 
-__all__ = ["WEIGHTS_FILE", "WEIGHTS_URL", "extract_features", "load_resnet18", "resnet18"]
+__all__ = [
+    "WEIGHTS_FILE",
+    "WEIGHTS_URL",
+    "extract_features",
+    "handwritten_resnet18",
+    "load_resnet18",
+    "penultimate_features",
+    "resnet18",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +52,35 @@ def _torch() -> Any:
     return torch
 
 
+def _torchvision() -> Any | None:
+    """torchvision, or ``None`` when it does not import (not installed, or built for another torch)."""
+    try:
+        import torchvision
+    except Exception as err:  # noqa: BLE001 - e.g. RuntimeError "operator torchvision::nms does not exist"
+        logger.info("torchvision does not import (%s: %s): using the hand-written ResNet-18", type(err).__name__, err)
+        return None
+    return torchvision
+
+
 def resnet18() -> Any:
-    """An (untrained) ResNet-18 with torchvision's parameter names and the 1000-way ``fc``."""
+    """An (untrained) ResNet-18: torchvision's when torchvision imports, else :func:`handwritten_resnet18`."""
+    _torch()
+    torchvision = _torchvision()
+    if torchvision is not None:
+        return torchvision.models.resnet18(weights=None)
+    return handwritten_resnet18()
+
+
+def penultimate_features(model: Any, x: Any) -> Any:
+    """The 512-d output of the global average pool (before ``fc``), for either ResNet-18 (same module names)."""
+    torch = _torch()
+    x = model.maxpool(model.relu(model.bn1(model.conv1(x))))
+    x = model.layer4(model.layer3(model.layer2(model.layer1(x))))
+    return torch.flatten(model.avgpool(x), 1)
+
+
+def handwritten_resnet18() -> Any:
+    """An (untrained) ResNet-18 with torchvision's parameter names and the 1000-way ``fc`` (the fallback)."""
     torch = _torch()
     nn = torch.nn
 
@@ -162,6 +197,6 @@ def extract_features(
                     x, size=(image_size, image_size), mode="bilinear", align_corners=False
                 )
             x = (x - mean) / std
-            out[start : start + len(batch)] = model.features(x).float().cpu().numpy()
+            out[start : start + len(batch)] = penultimate_features(model, x).float().cpu().numpy()
     logger.info("extracted %s features %s on %s", desc, out.shape, device)
     return out

@@ -14,17 +14,37 @@ objective ``f = (1/n) sum_i f_i``.
 
 from __future__ import annotations
 
-from functools import cached_property
+from collections.abc import Callable
+from functools import cached_property, lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
+from dpfedavg.options import ConfigError, Option, non_negative
 from dpfedavg.tasks.datasets import DATASETS, PreparedData, locked, prepare_dataset, save_npy
 from dpfedavg.tasks.partition import paper_shard_partition
 
-__all__ = ["LogisticTask", "softmax_cross_entropy"]
+if TYPE_CHECKING:
+    from dpfedavg.config import RunConfig
+
+__all__ = ["BACKENDS", "OPTIONS", "LogisticTask", "ShardSplit", "softmax_cross_entropy"]
+
+#: Where the local steps run: numpy (the exact closed form) or torch (:mod:`dpfedavg.tasks.torch_task`).
+BACKENDS: tuple[str, ...] = ("numpy", "torch")
+
+#: The real-data tasks' own run_config keys (collected into the config by :func:`dpfedavg.tasks.task_options`).
+# fmt: off
+OPTIONS: tuple[Option, ...] = (
+    Option("data-dir", str, "-", 'real-data tasks: folder with local dataset files (offline use); "" = download', "a path or \"\""),  # noqa: E501
+    Option("cache-dir", str, "-", 'real-data tasks: where prepared features are cached; "" = ~/.cache/dpfedavg', "a path or \"\""),  # noqa: E501
+    Option("data-seed", int, "-", "real-data tasks: seed of the shard split of the training data across the clients (the federation); -1 = seed", "an integer >= -1 (-1 = seed)", lambda x: x >= -1, trajectory=True),  # noqa: E501
+    Option("weight-decay", float, "lambda", "real-data tasks: L2 regularization (PyTorch weight_decay); paper: 1e-4", "a float >= 0", non_negative, trajectory=True),  # noqa: E501
+    Option("feature-image-size", int, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32, trajectory=True),  # noqa: E501
+    Option("backend", str, "-", "logistic-regression tasks: numpy (exact closed form of the local steps) or torch (the same closed form in torch, CPU or GPU: see device, torch-dtype; torch.func steps with local-batch-size > 0)", choices=BACKENDS),  # noqa: E501
+)
+# fmt: on
 
 #: Rows per chunk when the server evaluates on a whole split (bounds memory).
 EVAL_CHUNK = 8192
@@ -69,22 +89,17 @@ class _Client:
         return float(ce.mean() + 0.5 * self.lam * (w @ w))
 
 
-class LogisticTask:
-    """Logistic regression on ``digits``, ``fmnist``, ``cifar10`` or ``cifar100``."""
+class ShardSplit:
+    """A prepared dataset (:mod:`dpfedavg.tasks.datasets`) and the paper's shard split of it over ``num-clients``.
 
-    metric_names = ("test_accuracy", "test_loss", "train_loss")
-    headline_metric = "test_accuracy"
-    #: Computed from the clients' private training data: withheld with secure-noise (see Task).
-    training_data_metrics = ("train_loss",)
+    Shared by the logistic-regression tasks and the torch examples (:mod:`dpfedavg.tasks.torch_examples`).
+    """
 
-    def __init__(self, cfg: RunConfig) -> None:
-        self.name = cfg.task
-        self.spec = DATASETS[cfg.task]
+    def __init__(self, cfg: RunConfig, dataset: str) -> None:
+        self.name = dataset
         self.cfg = cfg
         self.num_clients = cfg.num_clients
-        self.num_classes = self.spec.num_classes
 
-    # ------------------------------------------------------------------ data
     @cached_property
     def data(self) -> PreparedData:
         """The prepared, memory-mapped dataset (prepared on first use)."""
@@ -116,6 +131,43 @@ class LogisticTask:
                     save_npy(path, split)
         return np.load(path, mmap_mode="r")
 
+
+class LogisticTask:
+    """Logistic regression on ``digits``, ``fmnist``, ``cifar10`` or ``cifar100``."""
+
+    metric_names = ("test_accuracy", "test_loss", "train_loss")
+    headline_metric = "test_accuracy"
+    #: Computed from the clients' private training data: withheld with secure-noise (see Task).
+    training_data_metrics = ("train_loss",)
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.name = cfg.task
+        self.spec = DATASETS[cfg.task]
+        self.split = ShardSplit(cfg, cfg.task)
+        self.cfg = cfg
+        self.num_clients = cfg.num_clients
+        self.num_classes = self.spec.num_classes
+        if cfg.backend == "numpy" and cfg.local_batch_size:
+            raise ConfigError(
+                f"invalid run config: 'local-batch-size' = {cfg.local_batch_size} with 'backend' = 'numpy': the numpy "
+                "backend runs full-batch steps (the paper); use backend='torch' for mini-batches, or local-batch-size=0"
+            )
+        if cfg.backend == "torch":  # fail here (no torch, no CUDA) rather than in the first round
+            from dpfedavg.tasks.torch_task import resolve_device
+
+            resolve_device(cfg.device)
+
+    # ------------------------------------------------------------------ data
+    @property
+    def data(self) -> PreparedData:
+        """The prepared, memory-mapped dataset (prepared on first use)."""
+        return self.split.data
+
+    @property
+    def partition(self) -> np.ndarray:
+        """``(n, m)`` training indices per client: the paper's shard split, cached on disk."""
+        return self.split.partition
+
     @property
     def feature_dim(self) -> int:
         return int(self.data.train_x.shape[1])
@@ -131,8 +183,34 @@ class LogisticTask:
         rows = np.sort(np.asarray(self.partition[client_id]))
         return _Client(self.data.train_x[rows], self.data.train_y[rows], self.num_classes, self.cfg.weight_decay)
 
+    @cached_property
+    def torch_task(self):  # -> TorchTask
+        """The same objective on torch (``backend = "torch"``): a linear model, same data, same ``w`` layout."""
+        from dpfedavg.tasks.torch_task import ShardedClients, TorchTask, linear_softmax_model
+
+        return TorchTask(
+            self.cfg,
+            model=lambda: linear_softmax_model(self.feature_dim, self.num_classes),
+            clients=ShardedClients(lambda: (self.data.train_x, self.data.train_y, self.partition), self.num_clients),
+            loss="cross_entropy",
+            name=self.name,
+        )
+
     def client_grad_fn(self, client_id: int) -> GradFn:
+        if self.cfg.backend == "torch":
+            return self.torch_task.client_grad_fn(client_id)
         return self.client(client_id).grad
+
+    def client_round_grad_fn(self, client_id: int, server_round: int) -> GradFn:
+        """Client ``i``'s gradient oracle in round ``k`` (mini-batches need the round; torch backend only)."""
+        if self.cfg.backend == "torch":
+            return self.torch_task.client_round_grad_fn(client_id, server_round)
+        return self._cached_grad(client_id)
+
+    @cached_property
+    def _cached_grad(self) -> Callable[[int], GradFn]:
+        """Each client's numpy gradient, built once (a ClientApp asks for it every round)."""
+        return lru_cache(maxsize=4096)(self.client_grad_fn)
 
     def client_batch_grad_fn(self, client_ids: np.ndarray) -> GradFn:
         """Gradients of several clients at once (every client has the same number of examples)."""
@@ -156,8 +234,11 @@ class LogisticTask:
 
         return grad
 
-    def client_batch_update_fn(self, client_ids: np.ndarray) -> BatchUpdateFn:
+    def client_batch_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> BatchUpdateFn:
         """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for several clients at once, exactly.
+
+        With ``backend = "torch"``: the same closed form in torch (:meth:`_torch_closed_form`), or with
+        ``local-batch-size > 0`` the vmapped mini-batch steps of :meth:`TorchTask.client_batch_update_fn`.
 
         The closed form of :func:`dpfedavg.core.client_update` on this
         objective (Alg. 1/2 lines 5-9) that the batched engine uses: a gradient
@@ -173,6 +254,10 @@ class LogisticTask:
         The same iterates as the step-by-step loop, up to float64 rounding
         (``tests/test_data.py`` checks it against :func:`client_update`).
         """
+        if self.cfg.backend == "torch":
+            if self.cfg.local_batch_size > 0:  # mini-batches: the generic vmapped steps of TorchTask
+                return self.torch_task.client_batch_update_fn(client_ids, server_round)
+            return self._torch_closed_form(client_ids)
         rows = np.sort(np.asarray(self.partition)[np.asarray(client_ids)], axis=1)
         x = np.asarray(self.data.train_x[rows.ravel()], dtype=np.float64).reshape(len(client_ids), rows.shape[1], -1)
         y = np.asarray(self.data.train_y[rows.ravel()]).reshape(rows.shape)
@@ -205,6 +290,44 @@ class LogisticTask:
             delta_w = (1.0 - scale) * weights[None] - np.matmul(x.transpose(0, 2, 1), coef)
             delta = np.concatenate([delta_w.reshape(len(client_ids), -1), bias[None, :] - b], axis=1)
             return delta / lr
+
+        return update
+
+    def _torch_closed_form(self, client_ids: np.ndarray) -> BatchUpdateFn:
+        """The closed form above (same recursion on ``A_t``, ``b_t``, ``c_t``) in torch: CPU or GPU, ``torch-dtype``.
+
+        Tested equal to the numpy closed form and to :func:`dpfedavg.core.client_update` on the torch
+        backend's autograd gradient (:meth:`client_grad_fn`).
+        """
+        tt = self.torch_task
+        torch = tt.torch
+        x_np, y_np, _ = tt.data.block(np.asarray(client_ids))  # rows in ascending order, as above
+        x, y = tt._x(x_np), tt._y(y_np)
+        gram = torch.matmul(x, x.transpose(1, 2))
+        d, c, lam, m, num = self.feature_dim, self.num_classes, self.cfg.weight_decay, x.shape[1], x.shape[0]
+        onehot = torch.nn.functional.one_hot(y, c).to(tt.dtype)
+
+        def update(w: Vector, lr: float, num_steps: int) -> np.ndarray:
+            if num_steps < 1:
+                raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
+            if not lr > 0:
+                raise ValueError(f"local learning rate eta_k must be > 0, got {lr!r}")
+            w_t = torch.as_tensor(np.asarray(w, dtype=np.float64), device=tt.device).to(tt.dtype)
+            weights, bias = w_t[: d * c].reshape(d, c), w_t[d * c :]
+            base_logits = torch.matmul(x, weights)  # X W_k, (B, m, c)
+            decay = 1.0 - lr * lam
+            coef = torch.zeros((num, m, c), device=tt.device, dtype=tt.dtype)  # A_t
+            b = bias.expand(num, c).clone()  # b_t
+            scale = 1.0  # c_t
+            for _ in range(num_steps):
+                logits = scale * base_logits + torch.matmul(gram, coef) + b[:, None, :]
+                residual = (torch.softmax(logits, dim=2) - onehot) / m  # P_t
+                coef = decay * coef - lr * residual
+                b = decay * b - lr * residual.sum(dim=1)
+                scale *= decay
+            delta_w = (1.0 - scale) * weights[None] - torch.matmul(x.transpose(1, 2), coef)
+            delta = torch.cat([delta_w.reshape(num, -1), bias[None, :] - b], dim=1)
+            return (delta.to(torch.float64) / lr).cpu().numpy()
 
         return update
 

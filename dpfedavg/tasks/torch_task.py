@@ -1,0 +1,548 @@
+"""Any ``torch.nn.Module`` as a :class:`~dpfedavg.tasks.base.Task`, vectorized over clients with ``torch.func``.
+
+The model is a flat parameter vector ``w`` (the parameters of ``model.named_parameters()``
+in order, each flattened row-major), the protocol's ``w_k``. Client ``i``'s objective is
+
+    ``f_i(w) = (1/m_i) sum_j loss(model(w, x_j), y_j) + (lambda/2) ||w||^2``
+
+over its ``m_i`` examples (``lambda`` = ``weight-decay``, PyTorch's ``weight_decay`` on every
+parameter). Alg. 1 / Alg. 2 lines 5-9: ``E`` local gradient steps
+``w_{k,t+1} = w_{k,t} - eta_k grad f_i(w_{k,t})`` and ``u = (w_k - w_{k,E}) / eta_k``.
+
+* :meth:`TorchTask.client_grad_fn`: one client's full-batch gradient (the ClientApp calls
+  :func:`dpfedavg.core.client_update` on it, in float64 numpy, as for every task);
+* :meth:`TorchTask.client_batch_update_fn`: the ``u`` of a block of clients in one call, for the
+  batched engine: ``torch.func.grad`` of the loss through ``functional_call``, ``vmap`` over the
+  clients (each with its own copy of ``w``), the E steps a loop over that vmapped step. Clients
+  with different example counts are padded to the block's largest and masked. The iterates are
+  kept in float64 and cast to the working dtype (``torch-dtype``) for each gradient, which is what
+  the ClientApp path does, so the two engines agree to the rounding of one gradient;
+* :meth:`TorchTask.evaluate`: server-side test accuracy / loss and the training objective
+  ``f = (1/n) sum_i f_i``.
+
+Device: ``device = "auto"`` uses CUDA when torch sees a GPU (in a Ray simulation, the GPU share
+``client-resources-num-gpus`` gives each ClientApp; Ray hides the GPUs from ClientApps that got
+none), else the CPU; ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` choose. ``torch-dtype`` is float32
+(default) or float64 (exact-equality tests).
+
+Local mini-batches (``local-batch-size = b > 0``; 0 is the paper's full batch): each of the E
+steps of round ``k`` uses ``min(b, m_i)`` of client ``i``'s examples drawn without replacement
+from ``make_rng(seed, Stream.MINIBATCH, i, k)``, the same draws in every engine. The update is
+still one client's, so the DP accounting (user-level, on ``||g|| <= C``) does not change.
+
+Models must keep their state in parameters: buffers (e.g. BatchNorm's running statistics) are
+used as constants and not trained (use GroupNorm / LayerNorm). torch is imported lazily: this
+module imports without it, and only a torch task loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dpfedavg.core.seeding import Stream, make_rng
+from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
+from dpfedavg.options import ConfigError, Option
+
+if TYPE_CHECKING:
+    from dpfedavg.config import RunConfig
+
+__all__ = [
+    "DEVICES",
+    "OPTIONS",
+    "TORCH_DTYPES",
+    "ArrayClients",
+    "ShardedClients",
+    "TorchTask",
+    "linear_softmax_model",
+    "minibatch_indices",
+    "resolve_device",
+]
+
+logger = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu", "cuda")
+TORCH_DTYPES: tuple[str, ...] = ("float32", "float64")
+
+#: Rows per chunk when the server evaluates (bounds memory).
+EVAL_CHUNK = 4096
+#: Clients per block when the server computes the training objective.
+EVAL_CLIENT_BLOCK = 256
+
+
+def _device_ok(value: str) -> bool:
+    if value in DEVICES:
+        return True
+    return value.startswith("cuda:") and value[5:].isdigit()
+
+
+#: The torch tasks' own run_config keys (collected into the config by :func:`dpfedavg.tasks.task_options`).
+# fmt: off
+OPTIONS: tuple[Option, ...] = (
+    Option("device", str, "-", 'torch tasks: "auto" (CUDA when torch sees a GPU, e.g. the one Ray gives a ClientApp with client-resources-num-gpus; else CPU), "cpu", "cuda" or "cuda:N"', '"auto", "cpu", "cuda" or "cuda:N"', _device_ok),  # noqa: E501
+    Option("torch-dtype", str, "-", "torch tasks: float32 (default) or float64 (the iterates are float64 either way)", choices=TORCH_DTYPES, trajectory=True),  # noqa: E501
+    Option("local-batch-size", int, "b", "torch tasks: examples per local step; 0 = full batch (the paper); b > 0: each of the E steps uses min(b, m_i) examples drawn from (seed, client, round)", "an integer >= 0 (0 = full batch)", lambda x: x >= 0, trajectory=True),  # noqa: E501
+)
+# fmt: on
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as err:
+        raise ConfigError(
+            "invalid run config: this task runs on torch, which is not installed: pip install -e '.[torch]' "
+            "(torch is an extra, see README: Bring your own model)"
+        ) from err
+    return torch
+
+
+def resolve_device(name: str) -> Any:
+    """The ``torch.device`` for the ``device`` key (``auto``: CUDA when available)."""
+    torch = _torch()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"invalid run config: 'device' = {name!r}, but torch sees no CUDA device here "
+            f"(torch {torch.__version__}, cuda {torch.version.cuda}); allowed: 'auto' (CUDA when present) or 'cpu'"
+        )
+    return torch.device(name)
+
+
+def minibatch_indices(seed: int, client_id: int, server_round: int, num_examples: int, batch_size: int) -> Any:
+    """An endless stream of sorted mini-batches of ``min(b, m)`` indices of client ``i``'s examples in round ``k``.
+
+    Drawn without replacement from ``make_rng(seed, Stream.MINIBATCH, i, k)``; the ClientApp and
+    the batched engine draw the same batches for the same (seed, client, round).
+    """
+    rng = make_rng(seed, Stream.MINIBATCH, client_id, server_round)
+    size = min(batch_size, num_examples)
+    while True:
+        yield np.sort(rng.choice(num_examples, size=size, replace=False))
+
+
+# ---------------------------------------------------------------------------------------------- client data
+class ArrayClients:
+    """Per-client examples as arrays or tensors: ``clients[i] = (x_i, y_i)``, or a function ``i -> (x_i, y_i)``.
+
+    A function is called only for the clients a process needs (a ClientApp: its own), so data can be
+    loaded lazily; the examples' leading dimension is the example index.
+    """
+
+    def __init__(self, clients: Sequence[tuple[Any, Any]] | Callable[[int], tuple[Any, Any]], num_clients: int) -> None:
+        if not callable(clients) and len(clients) != num_clients:
+            raise ConfigError(
+                f"invalid run config: 'num-clients' = {num_clients}, but the task has data for {len(clients)} clients"
+            )
+        self.num_clients = num_clients
+        # a function may load data: call it once per client (the server's training objective needs them all)
+        self._clients = lru_cache(maxsize=4096)(clients) if callable(clients) else clients
+
+    def client(self, client_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(x_i, y_i)`` of client ``i`` as numpy arrays."""
+        if not 0 <= client_id < self.num_clients:
+            raise ValueError(f"client id {client_id} outside [0, {self.num_clients})")
+        x, y = self._clients(client_id) if callable(self._clients) else self._clients[client_id]
+        x, y = _numpy(x), _numpy(y)
+        if len(x) != len(y) or len(x) == 0:
+            raise ValueError(f"client {client_id}: {len(x)} inputs and {len(y)} targets (need equal, >= 1)")
+        return x, y
+
+    def block(self, client_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The clients' examples padded to the largest: ``x (B, m_max, ...)``, ``y (B, m_max, ...)``, ``m (B,)``."""
+        parts = [self.client(int(i)) for i in client_ids]
+        counts = np.array([len(y) for _, y in parts])
+        m_max = int(counts.max())
+        x = np.zeros((len(parts), m_max, *parts[0][0].shape[1:]), dtype=parts[0][0].dtype)
+        y = np.zeros((len(parts), m_max, *parts[0][1].shape[1:]), dtype=parts[0][1].dtype)
+        for b, (xi, yi) in enumerate(parts):
+            x[b, : len(xi)], y[b, : len(yi)] = xi, yi
+        return x, y, counts
+
+
+class ShardedClients(ArrayClients):
+    """Clients that own rows of shared arrays: client ``i`` has rows ``partition[i]`` of ``(x, y)``.
+
+    ``load() -> (x, y, partition)`` is called on first use (building a task stays cheap);
+    ``partition`` is ``(n, m)`` (every client has ``m`` examples, e.g. the paper's shard split
+    :func:`dpfedavg.tasks.partition.paper_shard_partition`); ``x`` may be memory-mapped, only the
+    rows asked for are read. ``x_shape`` reshapes each example (e.g. ``(1, 28, 28)`` for a CNN).
+    """
+
+    def __init__(
+        self, load: Callable[[], tuple[Any, Any, np.ndarray]], num_clients: int, x_shape: tuple[int, ...] | None = None
+    ) -> None:
+        self._load, self.num_clients, self.x_shape = load, num_clients, x_shape
+        self._clients = self.client
+
+    @cached_property
+    def arrays(self) -> tuple[Any, Any, np.ndarray]:
+        x, y, partition = self._load()
+        partition = np.asarray(partition)
+        if len(partition) != self.num_clients:
+            raise ValueError(f"the partition has {len(partition)} clients, expected {self.num_clients}")
+        return x, y, partition
+
+    def _rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x_all, y_all, _ = self.arrays
+        x = np.asarray(x_all[rows.ravel()])
+        y = np.asarray(y_all[rows.ravel()])
+        if self.x_shape is not None:
+            x = x.reshape(len(x), *self.x_shape)
+        return x, y
+
+    def client(self, client_id: int) -> tuple[np.ndarray, np.ndarray]:
+        if not 0 <= client_id < self.num_clients:
+            raise ValueError(f"client id {client_id} outside [0, {self.num_clients})")
+        return self._rows(np.sort(self.arrays[2][client_id]))
+
+    def block(self, client_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows = np.sort(self.arrays[2][np.asarray(client_ids)], axis=1)
+        x, y = self._rows(rows)
+        b, m = rows.shape
+        return x.reshape(b, m, *x.shape[1:]), y.reshape(b, m, *y.shape[1:]), np.full(b, m)
+
+
+def linear_softmax_model(num_features: int, num_classes: int) -> Any:
+    """``x -> x W + b`` with ``W`` of shape ``(d, c)`` and ``b`` of shape ``(c,)``, both zero.
+
+    The parameters flatten to ``[vec(W), b]``, the layout of :class:`~dpfedavg.tasks.logistic.LogisticTask`.
+    """
+    torch = _torch()
+
+    class LinearSoftmax(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(num_features, num_classes))
+            self.bias = torch.nn.Parameter(torch.zeros(num_classes))
+
+        def forward(self, x: Any) -> Any:
+            return x @ self.weight + self.bias
+
+    return LinearSoftmax()
+
+
+def _numpy(a: Any) -> np.ndarray:
+    if hasattr(a, "detach"):  # a torch tensor
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
+
+
+# ---------------------------------------------------------------------------------------------- the task
+@dataclass(frozen=True)
+class _Layout:
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    numels: tuple[int, ...]
+
+    @property
+    def dim(self) -> int:
+        return int(sum(self.numels))
+
+
+class TorchTask:
+    """A task from a torch model, per-client data and a loss (see the module docstring).
+
+    Parameters
+    ----------
+    cfg:
+        The run config: ``num-clients``, ``seed`` (initial weights: the model is built under
+        ``torch.manual_seed(seed)``), ``weight-decay``, ``device``, ``torch-dtype``, ``local-batch-size``.
+    model:
+        An ``nn.Module`` or a zero-argument factory returning one (called under the seed).
+    clients:
+        Per-client examples: a sequence of ``(x_i, y_i)`` (arrays or tensors), a function
+        ``i -> (x_i, y_i)`` (called only for the clients a process needs), or an
+        :class:`ArrayClients` / :class:`ShardedClients`.
+    loss:
+        ``"cross_entropy"`` (integer class targets), ``"mse"``, or a function
+        ``loss(outputs, targets) -> per-example losses`` of shape ``(m,)``.
+    test:
+        ``(x, y)`` held by the server, or a zero-argument function returning it; ``None``: no test metrics.
+    name:
+        The task's name (default: ``cfg.task``).
+    weight_decay:
+        ``lambda``; default ``cfg.weight_decay``.
+    classification:
+        Report test accuracy (default: when ``loss = "cross_entropy"``).
+    """
+
+    #: Computed from the clients' training data: withheld with secure-noise (see Task).
+    training_data_metrics = ("train_loss",)
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        model: Any,
+        clients: Any,
+        loss: str | Callable[[Any, Any], Any] = "cross_entropy",
+        test: tuple[Any, Any] | Callable[[], tuple[Any, Any]] | None = None,
+        name: str | None = None,
+        weight_decay: float | None = None,
+        classification: bool | None = None,
+    ) -> None:
+        self.torch = _torch()
+        self.cfg = cfg
+        self.name = name or cfg.task
+        self.num_clients = cfg.num_clients
+        self.device = resolve_device(cfg.device)
+        from dpfedavg.runtime import in_app_process
+
+        if in_app_process() and self.device.type == "cpu":  # parallelism comes from the Ray actors (runtime.py)
+            self.torch.set_num_threads(1)
+        self.dtype = getattr(self.torch, cfg.torch_dtype)
+        self.batch_size = cfg.local_batch_size
+        self.weight_decay = cfg.weight_decay if weight_decay is None else float(weight_decay)
+        if isinstance(loss, str) and loss not in ("cross_entropy", "mse"):
+            raise ValueError(f"loss = {loss!r}: expected 'cross_entropy', 'mse' or a function (outputs, y) -> (m,)")
+        self.loss = loss
+        self.classification = (loss == "cross_entropy") if classification is None else classification
+        self.data = clients if isinstance(clients, ArrayClients) else ArrayClients(clients, cfg.num_clients)
+        if self.data.num_clients != cfg.num_clients:
+            raise ConfigError(
+                f"invalid run config: 'num-clients' = {cfg.num_clients}, but task {self.name!r} has "
+                f"{self.data.num_clients} clients"
+            )
+        self._test_source = test
+        self._model_source = model
+        self._client_tensors = lru_cache(maxsize=4096)(self._load_client)  # a ClientApp serves many clients
+        self._lock = threading.Lock()  # functional_call swaps the module's parameters: one call at a time
+        if test is None:
+            self.metric_names: tuple[str, ...] = ("train_loss",)
+        elif self.classification:
+            self.metric_names = ("test_accuracy", "test_loss", "train_loss")
+        else:
+            self.metric_names = ("test_loss", "train_loss")
+        self.headline_metric = self.metric_names[0]
+
+    # ------------------------------------------------------------------ model
+    @cached_property
+    def module(self) -> Any:
+        """The model on the task's device and dtype, built under ``torch.manual_seed(seed)``."""
+        torch = self.torch
+        source = self._model_source
+        if isinstance(source, torch.nn.Module):
+            module = source
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.cfg.seed)
+                module = source()
+            if not isinstance(module, torch.nn.Module):
+                raise TypeError(f"the model factory returned {type(module).__name__}, not a torch.nn.Module")
+        return module.to(device=self.device, dtype=self.dtype).eval()
+
+    @cached_property
+    def layout(self) -> _Layout:
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"task {self.name!r}: the model has no trainable parameters")
+        return _Layout(
+            tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named), tuple(p.numel() for _, p in named)
+        )
+
+    @property
+    def dim(self) -> int:
+        """Length of the flat parameter vector ``w``."""
+        return self.layout.dim
+
+    @cached_property
+    def _buffers(self) -> dict[str, Any]:
+        return {n: b.detach() for n, b in self.module.named_buffers()}
+
+    def initial_weights(self) -> Vector:
+        """``w_0``: the model's initial parameters (built under the seed), flattened, float64."""
+        params = dict(self.module.named_parameters())
+        return np.concatenate([params[n].detach().cpu().double().numpy().ravel() for n in self.layout.names])
+
+    def _params(self, flat: Any) -> dict[str, Any]:
+        chunks = self.torch.split(flat, self.layout.numels)
+        params = {n: c.view(s) for n, c, s in zip(self.layout.names, chunks, self.layout.shapes, strict=True)}
+        params.update(self._buffers)
+        return params
+
+    def _forward(self, flat: Any, x: Any) -> Any:
+        return self.torch.func.functional_call(self.module, self._params(flat), (x,))
+
+    def _per_example(self, out: Any, y: Any) -> Any:
+        functional = self.torch.nn.functional
+        if self.loss == "cross_entropy":
+            return functional.cross_entropy(out, y, reduction="none")
+        if self.loss == "mse":
+            return functional.mse_loss(out, y.reshape(out.shape), reduction="none").reshape(out.shape[0], -1).mean(1)
+        per = self.loss(out, y)
+        if per.ndim != 1 or per.shape[0] != out.shape[0]:
+            raise ValueError(
+                f"task {self.name!r}: the loss returned shape {tuple(per.shape)}; it must return one loss per "
+                f"example, shape ({out.shape[0]},) (e.g. reduction='none')"
+            )
+        return per
+
+    def _objective(self, flat: Any, x: Any, y: Any, mask: Any) -> Any:
+        """``f_i(w)`` on the examples where ``mask`` is true (padding excluded)."""
+        per = self._per_example(self._forward(flat, x), y)
+        mean = self.torch.where(mask, per, self.torch.zeros_like(per)).sum() / mask.sum()
+        return mean + 0.5 * self.weight_decay * (flat * flat).sum()
+
+    @cached_property
+    def _grad(self) -> Callable[..., Any]:
+        return self.torch.func.grad(self._objective)
+
+    @cached_property
+    def _block_grad(self) -> Callable[..., Any]:
+        return self.torch.func.vmap(self._grad, in_dims=(0, 0, 0, 0))
+
+    # ------------------------------------------------------------------ tensors
+    def _x(self, x: np.ndarray) -> Any:
+        return self.torch.tensor(x, device=self.device, dtype=self.dtype)  # a copy (x may be a read-only memmap)
+
+    def _y(self, y: np.ndarray) -> Any:
+        if np.issubdtype(y.dtype, np.integer):
+            return self.torch.tensor(y, device=self.device, dtype=self.torch.long)
+        return self.torch.tensor(y, device=self.device, dtype=self.dtype)
+
+    # ------------------------------------------------------------------ clients
+    def _load_client(self, client_id: int) -> tuple[Any, Any, Any]:
+        x_np, y_np = self.data.client(client_id)
+        mask = self.torch.ones(len(y_np), dtype=self.torch.bool, device=self.device)
+        return self._x(x_np), self._y(y_np), mask
+
+    def client_grad_fn(self, client_id: int) -> GradFn:
+        """``grad f_i`` (full batch) of client ``i``: float64 numpy in and out, computed in ``torch-dtype``."""
+        tensors = self._client_tensors(client_id)
+        return self._single_grad_fn(lambda: tensors)
+
+    def client_round_grad_fn(self, client_id: int, server_round: int) -> GradFn:
+        """Client ``i``'s gradient oracle in round ``k``: full batch, or the round's mini-batches one per call.
+
+        The engines call this (not :meth:`client_grad_fn`) when a task has it, so that mini-batches
+        follow the round (``local-batch-size``); with full batches it is :meth:`client_grad_fn`.
+        """
+        if self.batch_size <= 0:
+            return self.client_grad_fn(client_id)
+        x, y, _ = self._client_tensors(client_id)
+        batches = minibatch_indices(self.cfg.seed, client_id, server_round, len(y), self.batch_size)
+
+        def next_batch() -> tuple[Any, Any, Any]:
+            idx = self.torch.as_tensor(next(batches), device=self.device)
+            return x[idx], y[idx], self.torch.ones(len(idx), dtype=self.torch.bool, device=self.device)
+
+        return self._single_grad_fn(next_batch)
+
+    def _single_grad_fn(self, batch: Callable[[], tuple[Any, Any, Any]]) -> GradFn:
+        torch = self.torch
+        self.layout  # noqa: B018 - build the module before any torch.func transform
+
+        def grad(w: Vector) -> Vector:
+            flat = torch.as_tensor(np.asarray(w, dtype=np.float64), device=self.device).to(self.dtype)
+            with self._lock:
+                g = self._grad(flat, *batch())
+            return g.detach().to(torch.float64).cpu().numpy()
+
+        return grad
+
+    def client_batch_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> BatchUpdateFn:
+        """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for a block of clients in one call (``(B, dim)``).
+
+        One ``vmap`` over the clients per step (Alg. 1/2 lines 5-9); the iterates are float64, each
+        gradient is computed in ``torch-dtype``, as in :meth:`client_grad_fn` under
+        :func:`dpfedavg.core.client_update` (tested equal). ``server_round`` picks the round's mini-batches.
+        """
+        torch = self.torch
+        self.layout  # noqa: B018 - build the module before any torch.func transform
+        ids = np.asarray(client_ids)
+        x_np, y_np, counts = self.data.block(ids)
+        x, y = self._x(x_np), self._y(y_np)
+        m_max = x.shape[1]
+        full_mask = torch.as_tensor(np.arange(m_max)[None, :] < counts[:, None], device=self.device)
+        rows = torch.arange(len(ids), device=self.device)[:, None]
+
+        def update(w: Vector, lr: float, num_steps: int) -> np.ndarray:
+            if num_steps < 1:
+                raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
+            if not lr > 0:
+                raise ValueError(f"local learning rate eta_k must be > 0, got {lr!r}")
+            w0 = torch.as_tensor(np.asarray(w, dtype=np.float64), device=self.device)
+            w_local = w0.expand(len(ids), -1).clone()
+            streams = (
+                [
+                    minibatch_indices(self.cfg.seed, int(i), server_round, int(c), self.batch_size)
+                    for i, c in zip(ids, counts, strict=True)
+                ]  # noqa: E501
+                if self.batch_size > 0
+                else None
+            )
+            with self._lock:
+                for _ in range(num_steps):
+                    if streams is None:
+                        xb, yb, mb = x, y, full_mask
+                    else:
+                        picks = [next(s) for s in streams]
+                        width = max(len(p) for p in picks)
+                        idx = np.zeros((len(ids), width), dtype=np.int64)
+                        valid = np.zeros((len(ids), width), dtype=bool)
+                        for b, p in enumerate(picks):
+                            idx[b, : len(p)], valid[b, : len(p)] = p, True
+                        idx_t = torch.as_tensor(idx, device=self.device)
+                        xb, yb = x[rows, idx_t], y[rows, idx_t]
+                        mb = torch.as_tensor(valid, device=self.device)
+                    g = self._block_grad(w_local.to(self.dtype), xb, yb, mb)
+                    w_local -= lr * g.to(torch.float64)
+            return ((w0[None, :] - w_local) / lr).cpu().numpy()
+
+        return update
+
+    # ------------------------------------------------------------------ evaluation
+    @cached_property
+    def test_data(self) -> tuple[np.ndarray, np.ndarray] | None:
+        source = self._test_source
+        if source is None:
+            return None
+        x, y = source() if callable(source) else source
+        return _numpy(x), _numpy(y)
+
+    def _test_scores(self, flat: Any) -> tuple[float, float]:
+        assert self.test_data is not None
+        x_all, y_all = self.test_data
+        loss_sum, correct = 0.0, 0
+        for start in range(0, len(y_all), EVAL_CHUNK):
+            x, y = self._x(x_all[start : start + EVAL_CHUNK]), self._y(y_all[start : start + EVAL_CHUNK])
+            out = self._forward(flat, x)
+            loss_sum += float(self._per_example(out, y).double().sum())
+            if self.classification:
+                correct += int((out.argmax(dim=1) == y).sum())
+        return loss_sum / len(y_all), correct / len(y_all)
+
+    def _train_objective(self, flat: Any) -> float:
+        """``f(w) = (1/n) sum_i f_i(w)``."""
+        torch = self.torch
+        objective = torch.func.vmap(self._objective, in_dims=(None, 0, 0, 0))
+        total = 0.0
+        for start in range(0, self.num_clients, EVAL_CLIENT_BLOCK):
+            ids = np.arange(start, min(start + EVAL_CLIENT_BLOCK, self.num_clients))
+            x_np, y_np, counts = self.data.block(ids)
+            mask = torch.as_tensor(np.arange(x_np.shape[1])[None, :] < counts[:, None], device=self.device)
+            total += float(objective(flat, self._x(x_np), self._y(y_np), mask).double().sum())
+        return total / self.num_clients
+
+    def evaluate(self, w: Vector) -> dict[str, float]:
+        """Test accuracy / loss (with test data) and the training objective ``f(w)`` over the clients' data."""
+        torch = self.torch
+        self.layout  # noqa: B018 - build the module before any torch.func transform
+        flat = torch.as_tensor(np.asarray(w, dtype=np.float64), device=self.device).to(self.dtype)
+        out: dict[str, float] = {}
+        with self._lock, torch.no_grad():
+            if self.test_data is not None:
+                test_loss, test_acc = self._test_scores(flat)
+                if self.classification:
+                    out["test_accuracy"] = test_acc
+                out["test_loss"] = test_loss
+            out["train_loss"] = self._train_objective(flat)
+        return out

@@ -7,14 +7,16 @@ synthetic
     The paper's §4.4 experiment (Figures 1-3)::
 
         python run_sim.py synthetic [--C 40 50 100] [--init I1 I2] [--eta 0.0003 0.001 0.003]
-            [--seeds 3] [--rounds 500] [--engine batched|flower] [--jobs N | --ray-address ADDRESS]
+            [--seeds 3] [--rounds 500] [--algorithms clip norm adaptive-clip]
+            [--engine batched|flower] [--jobs N | --ray-address ADDRESS]
             [--out results/synthetic]
 
 table1
     The paper's §5 Table 1 protocol on one dataset::
 
         python run_sim.py table1 --dataset fmnist|cifar10|cifar100|digits [--epsilon 5 1.5]
-            [--clip ...] [--lr ...] [--seeds 3] [--rounds 200] [--engine ...] [--jobs N | --ray-address ADDRESS]
+            [--clip ...] [--lr ...] [--seeds 3] [--rounds 200] [--algorithms clip norm adaptive-clip]
+            [--engine ...] [--jobs N | --ray-address ADDRESS]
             [--out DIR]
             [--data-dir DIR] [--cache-dir DIR]
             [--private-tuning [--trials-distribution negative-binomial|poisson] [--trials-mean 10]
@@ -183,15 +185,16 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
-    from dpfedavg.experiments.synthetic import run_synthetic, synthetic_cells
+    from dpfedavg.experiments.synthetic import ALGORITHMS, run_synthetic, synthetic_cells
     from dpfedavg.sweep import SweepError
 
     _check_common(args)
     _setup_logging(args.verbose)
     try:
         synthetic_cells(
-            Path(args.out), clips=args.C, inits=args.init, etas=args.eta, seeds=args.seeds, rounds=args.rounds
-        )
+            Path(args.out), clips=args.C, inits=args.init, etas=args.eta, seeds=args.seeds, rounds=args.rounds,
+            algorithms=args.algorithms or ALGORITHMS,
+        )  # fmt: skip
     except ConfigError as err:
         _fail(_as_flags(str(err), _SYNTHETIC_FLAGS))
     t0 = time.monotonic()
@@ -207,6 +210,7 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
             jobs=args.jobs,
             progress=not args.no_progress,
             ray_address=args.ray_address,
+            algorithms=args.algorithms or ALGORITHMS,
         )
     except SweepError as err:
         _fail(str(err))
@@ -230,6 +234,7 @@ def _cmd_table1(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
+    from dpfedavg.experiments.table1 import ALGORITHMS as TABLE1_ALGORITHMS
     from dpfedavg.experiments.table1 import run_table1, table1_cells
     from dpfedavg.sweep import SweepError
     from dpfedavg.tasks.datasets import DataUnavailableError
@@ -247,6 +252,7 @@ def _cmd_table1(args: argparse.Namespace) -> None:
         "rounds": args.rounds,
         "data_dir": args.data_dir,
         "cache_dir": args.cache_dir,
+        "algorithms": args.algorithms or TABLE1_ALGORITHMS,
     }
     if any(e <= 0 for e in args.epsilon):
         _fail(f"--epsilon = {args.epsilon}: expected values > 0")
@@ -285,7 +291,13 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
-    from dpfedavg.experiments.private_tuning import TrialCount, plan_trials, run_private_tuning, tuning_dir
+    from dpfedavg.experiments.private_tuning import (
+        TUNED_ALGORITHMS,
+        TrialCount,
+        plan_trials,
+        run_private_tuning,
+        tuning_dir,
+    )
     from dpfedavg.experiments.table1 import table1_cells
     from dpfedavg.sweep import SweepError
     from dpfedavg.tasks.datasets import DataUnavailableError
@@ -294,7 +306,7 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
     if any(e <= 0 for e in args.epsilon):
         _fail(f"--epsilon = {args.epsilon}: expected values > 0")
     grid = {"clips": args.clip, "lrs": args.lr, "rounds": args.rounds, "data_dir": args.data_dir,
-            "cache_dir": args.cache_dir}  # fmt: skip
+            "cache_dir": args.cache_dir, "algorithms": args.algorithms or TUNED_ALGORITHMS}  # fmt: skip
     try:  # every option checked, T and the grid points drawn, z calibrated: before any run
         count = TrialCount(args.trials_distribution, args.trials_mean, args.trials_shape)
         cells = table1_cells(out, args.dataset, epsilons=args.epsilon, seeds=args.seeds, **grid)
@@ -508,6 +520,13 @@ def _add_sweep_flags(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--verbose", action="store_true", help="log every run's progress")
 
 
+def _add_algorithms_flag(p: argparse.ArgumentParser) -> None:
+    choices = ("clip", "norm", "adaptive-clip")
+    p.add_argument("--algorithms", nargs="+", choices=choices, default=None,
+                   help="private algorithms of the grid (default: all three; with --private-tuning: clip norm; "
+                        "adaptive-clip: C is C_0)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="run_sim.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -520,6 +539,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eta", type=float, nargs="+", default=[0.0003, 0.001, 0.003], help="eta = beta values")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     p.add_argument("--rounds", type=int, default=500, help="K (default 500, as the paper)")
+    _add_algorithms_flag(p)
     _add_sweep_flags(p, "results/synthetic")
     p.set_defaults(func=_cmd_synthetic)
 
@@ -536,6 +556,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help=f"K (default {DEFAULT_ROUNDS}; see README)")
     p.add_argument("--data-dir", default="", help="local dataset files (offline use)")
     p.add_argument("--cache-dir", default="", help="prepared-feature cache (default ~/.cache/dpfedavg)")
+    _add_algorithms_flag(p)
     _add_sweep_flags(p, "results/table1-<dataset>")
     _add_private_tuning_flags(p)
     p.set_defaults(func=_cmd_table1)

@@ -14,7 +14,8 @@ on:
   noise whether or not the run was interrupted;
 * the accountant's history (one ``(q, z_k)`` per round, with the noise the
   round actually carried), so epsilon continues from where it was, never from 0;
-* the per-round statistics, server-side evaluations and the trajectory so far.
+* the per-round statistics, server-side evaluations and the trajectory so far;
+* with ``adaptive-clip``, the next round's clipping threshold ``C_{k+1}`` (exact: JSON floats round-trip).
 
 The file is written to a temporary file in the same folder, flushed to disk
 and renamed over the old one (``os.replace`` is atomic), so a crash or a
@@ -80,6 +81,8 @@ class Checkpoint:
     evaluated: dict[int, dict[str, float]]
     elapsed_s: float = 0.0
     trajectory: np.ndarray | None = None
+    #: ``adaptive-clip``: ``C_{k+1}``, the threshold of the round after ``round``.
+    adaptive_clip: float | None = None
 
     def accountant_events(self) -> list[RoundEvent]:
         return [RoundEvent(q, z) for q, z in self.accountant_history]
@@ -150,6 +153,7 @@ def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
         "history": ckpt.history,
         "evaluated": ckpt.evaluated,
         "elapsed_s": ckpt.elapsed_s,
+        "adaptive_clip": ckpt.adaptive_clip,
     }
     arrays: dict[str, np.ndarray] = {
         "meta": np.array(json.dumps(_encode(meta), default=_json_default)),
@@ -212,6 +216,7 @@ def load_checkpoint(directory: Path) -> Checkpoint:
         evaluated={int(k): v for k, v in meta["evaluated"].items()},
         elapsed_s=float(meta["elapsed_s"]),
         trajectory=trajectory,
+        adaptive_clip=None if meta.get("adaptive_clip") is None else float(meta["adaptive_clip"]),
     )
 
 

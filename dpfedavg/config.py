@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dpfedavg.core.adaptive_clip import DEFAULT_CLIP_LR, DEFAULT_TARGET_QUANTILE, default_count_stddev
 from dpfedavg.core.dp import ALGORITHMS, get_bound
 from dpfedavg.core.mechanism import PLACEMENTS
 from dpfedavg.options import ConfigError, Option
@@ -24,6 +25,7 @@ from dpfedavg.options import positive as _positive
 
 __all__ = [
     "ACCOUNTANTS",
+    "CLIP_COUNT_STDDEV_AUTO",
     "NOISE_MULTIPLIER_AUTO",
     "NOISE_PLACEMENTS",
     "OPTIONS",
@@ -42,6 +44,9 @@ DEFAULT_NUM_ROUNDS = 200
 
 #: ``noise-multiplier`` value meaning "calibrate z from epsilon and delta".
 NOISE_MULTIPLIER_AUTO = "auto"
+
+#: ``clip-count-stddev`` value meaning ``sigma_b = r / 20`` (Andrew et al. 2021).
+CLIP_COUNT_STDDEV_AUTO = "auto"
 
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 NOISE_PLACEMENTS: tuple[str, ...] = tuple(PLACEMENTS)
@@ -81,7 +86,7 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # fmt: off
 OPTIONS: tuple[Option, ...] = (
     Option("task", str, "-", "objective and data: a registered task or a user's 'module:factory' / '/path/file.py:factory'", trajectory=True),  # noqa: E501
-    Option("algorithm", str, "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP", choices=ALGORITHMS, privacy=True),  # noqa: E501
+    Option("algorithm", str, "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP, adaptive-clip = DP-FedAvg with C_k following a quantile of the update norms (Andrew et al. 2021)", choices=ALGORITHMS, privacy=True),  # noqa: E501
     Option("num-rounds", int, "K", "communication rounds", "an integer >= 1", lambda x: x >= 1),
     Option("local-steps", int, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True),  # noqa: E501
     Option("local-lr", float, "eta_0", "initial local learning rate", "a float > 0", _positive, trajectory=True),
@@ -90,7 +95,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("server-momentum", float, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: _non_negative(x) and x < 1, trajectory=True),  # noqa: E501
     Option("num-clients", int, "n", "number of clients (= supernodes, or clients-per-node times them)", "an integer >= 1", lambda x: x >= 1, privacy=True),  # noqa: E501
     Option("clients-per-round", float, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", _positive, privacy=True),  # noqa: E501
-    Option("clip", float, "C", "clipping threshold (clip) / scaling factor (norm)", "a float > 0", _positive, privacy=True),  # noqa: E501
+    Option("clip", float, "C", "clipping threshold (clip; adaptive-clip: the initial C_0) / scaling factor (norm)", "a float > 0", _positive, privacy=True),  # noqa: E501
     # privacy
     Option("epsilon", float, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target", "a float >= 0 (0 = no target)", _non_negative),  # noqa: E501
     Option("delta", float, "delta", "delta of the reported (epsilon, delta)", "a float in (0, 1)", lambda x: math.isfinite(x) and 0 < x < 1, privacy=True),  # noqa: E501
@@ -98,6 +103,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("accountant", str, "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=ACCOUNTANTS, privacy=True),  # noqa: E501
     Option("max-epsilon", float, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", _non_negative),  # noqa: E501
     Option("noise-placement", str, "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=NOISE_PLACEMENTS, privacy=True),  # noqa: E501
+    # adaptive clipping (algorithm = adaptive-clip; Andrew, Thakkar, McMahan, Ramaswamy 2021)
+    Option("target-quantile", float, "gamma", "adaptive-clip: C_k follows this quantile of the update norms", "a float in [0, 1]", lambda x: 0 <= x <= 1, trajectory=True),  # noqa: E501
+    Option("clip-lr", float, "eta_C", "adaptive-clip: C_{k+1} = C_k exp(-eta_C (b_k - gamma)), b_k the privately counted fraction of unclipped updates", "a float >= 0", _non_negative, trajectory=True),  # noqa: E501
+    Option("clip-count-stddev", float, "sigma_b", f'adaptive-clip: std of the noise on the count of unclipped updates; must exceed z/2 (the update then gets z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2)); "{CLIP_COUNT_STDDEV_AUTO}" = r/20', f'a float > 0 or "{CLIP_COUNT_STDDEV_AUTO}"', _positive, sentinel=CLIP_COUNT_STDDEV_AUTO, trajectory=True),  # noqa: E501
     # run
     Option("seed", int, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0, trajectory=True),
     Option("diagnostics", bool, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)", privacy=True),  # noqa: E501
@@ -178,6 +187,9 @@ class RunConfig:
     accountant: str = "pld"
     max_epsilon: float = 0.0
     noise_placement: str = "client-calibrated"
+    target_quantile: float = DEFAULT_TARGET_QUANTILE
+    clip_lr: float = DEFAULT_CLIP_LR
+    clip_count_stddev: float | None = None  # None: r / 20
     seed: int = 0
     diagnostics: bool = False
     output_dir: str = "outputs"
@@ -218,6 +230,13 @@ class RunConfig:
     def num_nodes(self) -> int:
         """SuperNodes the federation has: ``ceil(num-clients / clients-per-node)``."""
         return -(-self.num_clients // self.clients_per_node)
+
+    @property
+    def count_stddev(self) -> float:
+        """``sigma_b`` of ``adaptive-clip``: ``clip-count-stddev``, or ``r / 20`` for ``"auto"``."""
+        if self.clip_count_stddev is None:
+            return default_count_stddev(self.clients_per_round)
+        return self.clip_count_stddev
 
     def to_run_config(self) -> dict[str, Any]:
         """The kebab-case dict this config came from (``server-lr`` None -> "eta")."""

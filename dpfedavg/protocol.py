@@ -102,6 +102,7 @@ def instructions_to_config_record(ins: RoundInstructions) -> ConfigRecord:
             "diagnostics": ins.diagnostics,
             "secagg-step": ins.secagg_step,
             "secagg-range": ins.secagg_range,
+            "count-scale": ins.count_scale,
         }
     )
 
@@ -119,6 +120,7 @@ def instructions_from_config_record(record: ConfigRecord) -> RoundInstructions:
         diagnostics=bool(record["diagnostics"]),
         secagg_step=float(record.get("secagg-step", 0.0)),
         secagg_range=float(record.get("secagg-range", 0.0)),
+        count_scale=float(record.get("count-scale", 0.0)),
     )
 
 

@@ -29,6 +29,7 @@ from dpfedavg.checkpoint import (
 )
 from dpfedavg.config import RunConfig
 from dpfedavg.core import server_noise_std
+from dpfedavg.core.adaptive_clip import update_noise_multiplier
 from dpfedavg.core.dp import get_bound
 from dpfedavg.core.mechanism import get_placement
 from dpfedavg.core.secagg import quantization_error_bound
@@ -124,9 +125,29 @@ def describe_privacy(cfg: RunConfig, plan: PrivacyPlan, server: DPServer | None 
             + ("; each sampled client also learns |S_k|" if placement.per_client == "cohort" else "")
         ),
         "sensitivity_of_sum": cfg.clip,
+        "adaptive_clipping": describe_adaptive_clipping(cfg, plan) if get_bound(cfg.algorithm).adaptive else None,
         "secure_aggregation": (
             describe_secure_aggregation(server) if server is not None and cfg.secure_aggregation else None
         ),
+    }
+
+
+def describe_adaptive_clipping(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, Any]:
+    """``adaptive-clip``'s noise split (Andrew et al. 2021, Theorem 1) and what each round releases."""
+    z = plan.noise_multiplier
+    return {
+        "reference": "Andrew, Thakkar, McMahan, Ramaswamy 2021, Differentially private learning with adaptive clipping",
+        "initial_clip": cfg.clip,
+        "target_quantile": cfg.target_quantile,
+        "clip_lr": cfg.clip_lr,
+        "count_stddev": cfg.count_stddev,
+        "update_noise_multiplier": update_noise_multiplier(z, cfg.count_stddev) if plan.dp else 0.0,
+        "released": (
+            "per round: the update sum with N(0, (z_u C_k)^2 I) and T_k = sum_i (1[||u_i|| <= C_k] - 1/2) + "
+            "N(0, sigma_b^2); b_k = 1/2 + T_k / r (metrics.csv frac_unclipped), C_{k+1} = C_k exp(-eta_C (b_k - "
+            "gamma)); together one Gaussian mechanism with noise multiplier z (sensitivity C_k and 1/2)"
+        ),
+        "sensitivity_of_sum": "C_k (metrics.csv clip), changing every round",
     }
 
 
@@ -266,6 +287,7 @@ class RunSession:
             random_round=ckpt.random_round,
             accountant_history=ckpt.accountant_history,
             history=ckpt.history,
+            adaptive_clip=ckpt.adaptive_clip,
         )
         self.evaluated = dict(ckpt.evaluated)
         if ckpt.trajectory is not None:
@@ -304,6 +326,7 @@ class RunSession:
             evaluated=self.evaluated,
             elapsed_s=time.monotonic() - self._t0,
             trajectory=np.stack(self.trajectory) if self.trajectory else None,
+            adaptive_clip=state["adaptive_clip"],
         )
         try:
             save_checkpoint(self.directory, ckpt)
@@ -341,6 +364,8 @@ class RunSession:
             logger.info("round %d/%d | %s", server_round, self.cfg.num_rounds, shown)
         else:
             clipped = "" if math.isnan(stats.frac_clipped) else f" | clipped {100 * stats.frac_clipped:.0f}%"
+            if not math.isnan(stats.frac_unclipped):  # adaptive-clip: C_k and the released b_k
+                clipped = f" | C {stats.clip:.4g}, unclipped (noised) {100 * stats.frac_unclipped:.0f}%"
             logger.info(
                 "round %d/%d | sampled %d, received %d | %s%s | epsilon %.4g",
                 server_round,

@@ -36,7 +36,13 @@ def _no_process_left_behind():
 
     from dpfedavg.engines.local_superlink import stop_processes
 
-    left = {p.pid: p for p in psutil.Process().children(recursive=True)}
+    # multiprocessing's resource tracker / forkserver live until this process exits (and ignore SIGTERM)
+    helpers = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+    left = {
+        p.pid: p
+        for p in psutil.Process().children(recursive=True)
+        if not any(h in " ".join(p.cmdline()) for h in helpers)
+    }
     if left:
         names = ", ".join(f"{p.pid} {p.name()}" for p in left.values() if p.is_running())
         sys.stderr.write(f"\nconftest: stopping processes the tests left behind: {names}\n")

@@ -108,10 +108,12 @@ def test_run_sim_synthetic_small_grid(tmp_path: Path) -> None:
         reader = csv.DictReader(fh)
         rows = list(reader)
     assert tuple(reader.fieldnames) == SYNTHETIC_COLUMNS
-    assert len(rows) == 2 * 2 * 13  # algorithms x seeds x (K + 1 rounds)
-    assert {r["algorithm"] for r in rows} == {"clip", "norm"}
+    assert len(rows) == 3 * 2 * 13  # algorithms x seeds x (K + 1 rounds)
+    assert {r["algorithm"] for r in rows} == {"clip", "norm", "adaptive-clip"}
     assert all(float(r["snr"]) > 0 for r in rows if r["round"] != "0")
-    for name in ("figure1.png", "figure2.png", "figure3.png", "summary.md"):
+    assert len({r["C_k"] for r in rows if r["algorithm"] == "adaptive-clip" and r["round"] != "0"}) > 1
+    assert "adaptive: f - f*" in (out / "summary.md").read_text()
+    for name in ("figure1.png", "figure2.png", "figure3.png", "adaptive.png", "summary.md"):
         assert (out / name).stat().st_size > 0
     again = _run_sim(*args, cwd=tmp_path)  # a finished sweep reruns nothing
     assert again.returncode == 0 and "done in" in again.stdout
@@ -128,10 +130,11 @@ def test_run_sim_table1_digits_small_grid(tmp_path: Path) -> None:
         reader = csv.DictReader(fh)
         rows = list(reader)
     assert tuple(reader.fieldnames) == TABLE1_COLUMNS
-    assert len(rows) == 2 * 2 + 1  # (clip, norm) x 2 C + FedAvg
+    assert len(rows) == 3 * 2 + 1  # (clip, norm, adaptive-clip) x 2 C + FedAvg
     assert all(0.0 <= float(r["last5_test_accuracy"]) <= 1.0 for r in rows)
     table = (out / "table1.md").read_text()
     assert "| Clipping |" in table and "| Normalization |" in table and "| FedAvg (w/o privacy) |" in table
+    assert "| Adaptive clipping (C = C_0) |" in table and (out / "curves.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(

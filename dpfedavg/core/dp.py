@@ -80,12 +80,17 @@ class SensitivityBound:
         differentially private with noise; ``False`` (``none``) means no DP.
     title:
         How logs name the algorithm.
+    adaptive:
+        ``C`` is not fixed: it follows a quantile of the update norms (``adaptive-clip``, Andrew et al. 2021;
+        :mod:`dpfedavg.core.adaptive_clip`). Each client then also reports whether it was clipped, as one
+        extra, noised coordinate of its vector, and the server keeps ``C_k`` as state.
     """
 
     name: str
     apply: Callable[[Vector, float], Vector]
     private: bool
     title: str
+    adaptive: bool = False
 
 
 def _identity(u: Vector, c: float) -> Vector:
@@ -99,6 +104,9 @@ BOUNDS: dict[str, SensitivityBound] = {
         SensitivityBound("clip", clip, True, "DP-FedAvg (clipping, Alg. 1)"),
         SensitivityBound("norm", normalize, True, "DP-NormFedAvg (Alg. 2)"),
         SensitivityBound("none", _identity, False, "FedAvg (no DP)"),
+        SensitivityBound(
+            "adaptive-clip", clip, True, "DP-FedAvg with adaptive clipping (Andrew et al. 2021)", adaptive=True
+        ),
     )
 }
 ALGORITHMS: tuple[str, ...] = tuple(BOUNDS)
@@ -113,7 +121,7 @@ def get_bound(algorithm: str) -> SensitivityBound:
 
 
 def bound_sensitivity(u: Vector, algorithm: Algorithm, c: float) -> Vector:
-    """Return ``g`` for the given algorithm (:data:`BOUNDS`): ``clip``, ``norm`` or ``none`` (``g = u``)."""
+    """``g`` for the algorithm (:data:`BOUNDS`): ``clip`` / ``adaptive-clip``, ``norm`` or ``none`` (``g = u``)."""
     return get_bound(algorithm).apply(u, c)
 
 

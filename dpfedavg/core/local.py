@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpfedavg.core.dp import bound_sensitivity
+from dpfedavg.core.adaptive_clip import augmented_bound, count_coordinate
+from dpfedavg.core.dp import bound_sensitivity, get_bound
 from dpfedavg.core.noise import NOISE_LAWS, GaussianLaw, NoiseLaw, round_noise_law
 from dpfedavg.core.seeding import noise_rng
 from dpfedavg.core.types import Algorithm, GradFn, RoundInstructions, Vector
@@ -58,7 +59,9 @@ class ClientUpdate:
     Attributes
     ----------
     noisy:
-        ``g + zeta``: the only thing a client sends in normal operation (line 10).
+        ``g + zeta``: the only thing a client sends in normal operation (line 10). With
+        ``adaptive-clip`` ``g`` has one more coordinate, ``s (1[||u|| <= C] - 1/2)``
+        (:mod:`dpfedavg.core.adaptive_clip`).
     clean:
         ``g`` (clipped / normalized update, no noise). Research diagnostics only.
     update_norm:
@@ -81,6 +84,7 @@ def private_client_update(
     noise_std: float,
     rng: np.random.Generator,
     law: NoiseLaw | None = None,
+    count_scale: float = 0.0,
 ) -> ClientUpdate:
     """Alg. 1 / Alg. 2 lines 4-10 for one client.
 
@@ -91,7 +95,13 @@ def private_client_update(
     """
     u = client_update(w, grad_fn, lr, num_steps)
     (update,) = private_block_update(
-        u[None, :], algorithm=algorithm, clip=clip, noise_std=noise_std, rngs=[rng], law=law
+        u[None, :],
+        algorithm=algorithm,
+        clip=clip,
+        noise_std=noise_std,
+        rngs=[rng],
+        law=law,
+        count_scale=count_scale,
     )
     if update is None:
         raise LocalTrainingDiverged(
@@ -109,6 +119,7 @@ def private_block_update(
     noise_std: float,
     rngs: Sequence[np.random.Generator],
     law: NoiseLaw | None = None,
+    count_scale: float = 0.0,
 ) -> list[ClientUpdate | None]:
     """Alg. 1 / Alg. 2 lines 9-10 for a block of clients: the one client pipeline of every engine.
 
@@ -117,21 +128,32 @@ def private_block_update(
     by the noise ``law`` (:class:`~dpfedavg.core.noise.NoiseLaw`; ``None`` = Gaussian). A row with
     NaN/Inf (local training diverged) gives ``None``: that client sends nothing. The ClientApp calls it
     with a block of one (:func:`private_client_update`), the batched engine with a block of sampled clients.
+
+    With ``adaptive-clip`` (``count_scale = s > 0``) each row of ``g`` gets the extra coordinate
+    ``s (1[||u|| <= C] - 1/2)`` before the noise, and the whole ``d + 1``-vector is bounded by
+    ``C_aug = sqrt(C^2 + s^2/4)`` (:mod:`dpfedavg.core.adaptive_clip`, Andrew et al. 2021, Algorithm 1).
     """
     u = np.atleast_2d(u)
     if len(rngs) != u.shape[0]:
         raise ValueError(f"one generator per client: {u.shape[0]} rows, {len(rngs)} generators")
+    adaptive = get_bound(algorithm).adaptive
+    if adaptive != (count_scale > 0):
+        raise ValueError(f"algorithm {algorithm!r} with count_scale = {count_scale!r}: adaptive-clip needs s > 0")
     norms = np.linalg.norm(u, axis=1)
     finite = np.all(np.isfinite(u), axis=1)
     g = bound_sensitivity(u, algorithm, clip)
+    bound, count = clip, None
+    if adaptive:  # each row becomes (g_i, s (b_i - 1/2)), one row at a time (no (B, d + 1) copy of the block)
+        bound, count = augmented_bound(clip, count_scale), count_coordinate(norms, clip, count_scale).astype(g.dtype)
     law = law if law is not None else NOISE_LAWS[GaussianLaw.name]
     out: list[ClientUpdate | None] = []
     for row, rng in enumerate(rngs):
         if not finite[row]:
             out.append(None)
             continue
-        noisy = law.add(g[row], clip, noise_std, rng)
-        out.append(ClientUpdate(noisy=noisy, clean=g[row], update_norm=float(norms[row])))
+        g_row = g[row] if count is None else np.concatenate([g[row], count[row : row + 1]])
+        noisy = law.add(g_row, bound, noise_std, rng)
+        out.append(ClientUpdate(noisy=noisy, clean=g_row, update_norm=float(norms[row])))
     return out
 
 
@@ -147,4 +169,5 @@ def client_round_update(w: Vector, grad_fn: GradFn, ins: RoundInstructions, clie
         noise_std=ins.noise_std,
         rng=noise_rng(ins.noise_seed, client_id),
         law=round_noise_law(ins),
+        count_scale=ins.count_scale,
     )

@@ -17,8 +17,9 @@ GradFn = Callable[[Vector], Vector]
 #: ``(w_k, eta_k, E) -> u`` of shape ``(B, dim)``: a task's exact closed form of ``client_update`` for B clients.
 BatchUpdateFn = Callable[[Vector, float, int], np.ndarray]
 
-#: ``clip`` = DP-FedAvg (Alg. 1), ``norm`` = DP-NormFedAvg (Alg. 2), ``none`` = FedAvg, no DP.
-Algorithm = Literal["clip", "norm", "none"]
+#: ``clip`` = DP-FedAvg (Alg. 1), ``norm`` = DP-NormFedAvg (Alg. 2), ``none`` = FedAvg, no DP,
+#: ``adaptive-clip`` = DP-FedAvg with C following a quantile of the update norms (Andrew et al. 2021).
+Algorithm = Literal["clip", "norm", "none", "adaptive-clip"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class RoundInstructions:
     #: Secure aggregation: the round's grid step ``Delta`` and range ``c`` (see ``core.secagg``); 0 = off.
     secagg_step: float = 0.0
     secagg_range: float = 0.0
+    #: ``adaptive-clip``: the scale ``s`` of the extra coordinate ``s (1[||u|| <= C] - 1/2)`` (see
+    #: ``core.adaptive_clip``); 0 for the other algorithms.
+    count_scale: float = 0.0
 
 
 class ClientResult(NamedTuple):

@@ -72,6 +72,7 @@ def _block_results(
         noise_std=ins.noise_std,
         rngs=[noise_rng(ins.noise_seed, int(cid)) for cid in ids],
         law=round_noise_law(ins),
+        count_scale=ins.count_scale,
     )
     results, failed = [], []
     for client_id, update in zip(ids, updates, strict=True):

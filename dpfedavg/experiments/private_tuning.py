@@ -82,6 +82,7 @@ from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfedavg.config import ConfigError
+from dpfedavg.experiments.adaptive import ADAPTIVE, sweep_count_stddev
 from dpfedavg.privacy.accounting import RoundEvent, calibrate_noise_multiplier, epsilon_for
 from dpfedavg.sweep import Cell, make_cell, run_cells
 
@@ -107,6 +108,8 @@ DEFAULT_DISTRIBUTION = "negative-binomial"
 DEFAULT_MEAN = 10.0
 DEFAULT_SHAPE = 1.0  # geometric
 DEFAULT_REPETITIONS = 10
+#: The algorithms tuned unless told otherwise (``adaptive-clip`` on request: ``algorithms=``, ``--algorithms``).
+TUNED_ALGORITHMS = ("clip", "norm")
 
 PRIVATE_TUNING_COLUMNS = (
     "dataset",
@@ -365,6 +368,7 @@ def plan_trials(
     trials and, per epsilon, the calibration (``z``, epsilon per trial, ``q``,
     ``K``, ``delta``). Nothing runs; a bad option raises ConfigError.
     """
+    grid_kwargs = {"algorithms": TUNED_ALGORITHMS, **grid_kwargs}
     if not (isinstance(repetitions, int) and repetitions >= 1):
         raise ConfigError(f"invalid private tuning: 'repetitions' = {repetitions!r}: expected an integer >= 1")
     if not (isinstance(tuning_seed, int) and tuning_seed >= 0):
@@ -400,6 +404,8 @@ def plan_trials(
                     values = cfg.to_run_config()
                     del values["output-dir"], values["run-name"]
                     values.update({"epsilon": 0.0, "noise-multiplier": z, "seed": int(seeds[j]), "data-seed": rep})
+                    if alg == ADAPTIVE:  # the count's noise follows the trial's z (experiments.adaptive)
+                        values["clip-count-stddev"] = sweep_count_stddev(z, cfg.clients_per_round)
                     key = f"{dataset}-{alg}-e2e-eps{eps:g}-rep{rep}-trial{j}-C{cfg.clip:g}-lr{cfg.local_lr:g}"
                     cell = make_cell(out, key, values)
                     trials.append(Trial(alg, float(eps), rep, t, j, cfg.clip, cfg.local_lr, int(seeds[j]), z, cell))
@@ -655,6 +661,7 @@ def run_private_tuning(
     cache_dir: str = "",
     progress: bool = True,
     ray_address: str | None = None,
+    algorithms: Sequence[str] = TUNED_ALGORITHMS,
 ) -> dict[str, Path]:
     """The per-run table (:func:`~dpfedavg.experiments.table1.run_table1`), then the tuning trials; both tables.
 
@@ -669,7 +676,8 @@ def run_private_tuning(
     from dpfedavg.tasks import build_task
 
     out = Path(out)
-    grid_kwargs = {"clips": clips, "lrs": lrs, "rounds": rounds, "data_dir": data_dir, "cache_dir": cache_dir}
+    grid_kwargs = {"clips": clips, "lrs": lrs, "rounds": rounds, "data_dir": data_dir, "cache_dir": cache_dir,
+                   "algorithms": tuple(algorithms)}  # fmt: skip
     # Everything is drawn, calibrated and validated before the first run starts.
     trials, calibration = plan_trials(
         tuning_dir(out, count), dataset, epsilons=epsilons, count=count, repetitions=repetitions,

@@ -8,9 +8,12 @@ as the paper does. Every run keeps the SNR diagnostic (clients report their
 clean ``g``; fine in simulation, never with real users).
 
 Outputs in ``out``: ``synthetic.csv`` (``algorithm,C,init,eta,seed,round,
-suboptimality,snr``), ``figure1.png`` (suboptimality), ``figure2.png`` (SNR),
-``figure3.png`` (trajectories) and ``summary.md`` (the numbers behind the
-paper's claims).
+suboptimality,snr,C_k``), ``figure1.png`` (suboptimality), ``figure2.png`` (SNR),
+``figure3.png`` (trajectories), ``adaptive.png`` (adaptive clipping beside clip and norm, with C_k)
+and ``summary.md`` (the numbers behind the paper's claims).
+
+The grid also has ``adaptive-clip`` rows (Andrew et al. 2021; not in the paper): ``C`` is the initial
+``C_0``, ``sigma_b`` as :func:`dpfedavg.experiments.adaptive.adaptive_values` chooses it.
 
 Figure 3's projection: the trajectories ``w_k - w*`` of the clip and the norm
 run (seed 0) are projected on ``e1`` = the unit vector from ``w*`` to ``w_0``
@@ -30,13 +33,16 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values
 from dpfedavg.sweep import Cell, make_cell, run_cells
 
 __all__ = ["SYNTHETIC_COLUMNS", "synthetic_cells", "run_synthetic"]
 
 logger = logging.getLogger(__name__)
 
-SYNTHETIC_COLUMNS = ("algorithm", "C", "init", "eta", "seed", "round", "suboptimality", "snr")
+SYNTHETIC_COLUMNS = ("algorithm", "C", "init", "eta", "seed", "round", "suboptimality", "snr", "C_k")
+#: The algorithms of the grid: the paper's two, and adaptive clipping (C is then C_0).
+ALGORITHMS = ("clip", "norm", ADAPTIVE)
 #: The two cases of the paper's Figure 3 (init, C, eta).
 FIGURE3_CASES = (("I1", 50.0, 0.003), ("I1", 100.0, 0.001))
 
@@ -55,6 +61,7 @@ def synthetic_cells(
     rounds: int,
     epsilon: float = 5.0,
     delta: float = 1e-6,
+    algorithms: Sequence[str] = ALGORITHMS,
 ) -> list[Cell]:
     """The grid's cells (validated: a bad value raises ConfigError before anything runs)."""
     cells = []
@@ -62,7 +69,7 @@ def synthetic_cells(
         for init in inits:
             for eta in etas:
                 for seed in range(seeds):
-                    for alg in ("clip", "norm"):
+                    for alg in algorithms:
                         values = {
                             "task": "quadratic",
                             "algorithm": alg,
@@ -82,6 +89,8 @@ def synthetic_cells(
                             "diagnostics": True,
                             "save-trajectory": seed == 0 and (init, float(c), float(eta)) in FIGURE3_CASES,
                         }
+                        if alg == ADAPTIVE:
+                            values = adaptive_values(values)
                         cells.append(make_cell(out, _key(alg, c, init, eta, seed), values))
     return cells
 
@@ -103,6 +112,7 @@ def collect(cells: Sequence[Cell], path: Path) -> list[dict]:
                         "round": int(r["round"]),
                         "suboptimality": float(r["suboptimality"]),
                         "snr": float(r["snr"]) if r["snr"] else float("nan"),
+                        "C_k": float(r["clip"]) if r.get("clip") else float("nan"),
                     }
                 )
     with path.open("w", newline="") as fh:
@@ -193,8 +203,8 @@ def _plot_trajectories(cells: Sequence[Cell], out: Path, z: float, plt) -> Path 
             if (cell.cfg.init, cell.cfg.clip, cell.cfg.local_lr, cell.cfg.seed) == (init, c, eta, 0)
             and (cell.directory / "trajectory.npy").exists()
         }
-        if set(found) == {"clip", "norm"}:
-            cases.append((init, c, eta, found))
+        if {"clip", "norm"} <= set(found):  # Figure 3 is the paper's: clip and norm
+            cases.append((init, c, eta, {alg: found[alg] for alg in ("clip", "norm")}))
     if not cases:
         logger.info("Figure 3 skipped: the grid has none of its cases %s", FIGURE3_CASES)
         return None
@@ -247,14 +257,89 @@ def summarize(rows: list[dict], z: float, tail: int = 50) -> str:
     ]
     for c, init, eta in sorted({k[1:] for k in by}):
         clip_v, norm_v = np.mean(by[("clip", c, init, eta)]), np.mean(by[("norm", c, init, eta)])
-        pairs = [v for (cc, ii, ee, _, _), v in snr.items() if (cc, ii, ee) == (c, init, eta) and len(v) == 2]
+        pairs = [
+            v for (cc, ii, ee, _, _), v in snr.items() if (cc, ii, ee) == (c, init, eta) and {"clip", "norm"} <= set(v)
+        ]
         share = np.mean([v["norm"] >= v["clip"] * (1 - 1e-9) for v in pairs]) if pairs else float("nan")
         lines.append(
             f"| {init} | {c:g} | {eta:g} | {clip_v:.4g} | {norm_v:.4g} | {clip_v / norm_v:.3g} | {100 * share:.1f}% |"
         )
     lines.append("")
     lines.append(f"f - f*: mean over the last {tail} rounds and over seeds. SNR pairs: same seed, same round.")
+    if any(k[0] == ADAPTIVE for k in by):
+        lines += ["", *_adaptive_table(rows, by)]
     return "\n".join(lines) + "\n"
+
+
+def _adaptive_table(rows: list[dict], by: dict) -> list[str]:
+    """Adaptive clipping (C = C_0) beside clip and norm at the same C, and where C_k ended."""
+    last_round = max(r["round"] for r in rows)
+    final_c = defaultdict(list)
+    for r in rows:
+        if r["algorithm"] == ADAPTIVE and r["round"] == last_round:
+            final_c[(r["C"], r["init"], r["eta"])].append(r["C_k"])
+    lines = [
+        "Adaptive clipping (Andrew et al. 2021; C is the initial C_0, target quantile 0.5, eta_C = 0.2):",
+        "",
+        "| init | C (C_0) | eta | clip: f - f* | norm: f - f* | adaptive: f - f* | adaptive / norm | final C_K |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c, init, eta in sorted({k[1:] for k in by if k[0] == ADAPTIVE}):
+        v = {alg: np.mean(by[(alg, c, init, eta)]) if by.get((alg, c, init, eta)) else float("nan")
+             for alg in ALGORITHMS}  # fmt: skip
+        lines.append(
+            f"| {init} | {c:g} | {eta:g} | {v['clip']:.4g} | {v['norm']:.4g} | {v[ADAPTIVE]:.4g} | "
+            f"{v[ADAPTIVE] / v['norm']:.3g} | {np.mean(final_c[(c, init, eta)]):.4g} |"
+        )
+    return lines
+
+
+def plot_adaptive(rows: list[dict], out: Path, z: float, eta: float) -> Path | None:
+    """``adaptive.png``: per init, f - f* of clip / norm / adaptive-clip at each C (= C_0), and C_k over rounds."""
+    if not any(r["algorithm"] == ADAPTIVE for r in rows):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clips = sorted({r["C"] for r in rows})
+    inits = sorted({r["init"] for r in rows})
+    curves, c_k = _curves(rows, "suboptimality"), _curves(rows, "C_k")
+    fig, axes = plt.subplots(len(inits), len(clips) + 1, figsize=(4.0 * (len(clips) + 1), 3.3 * len(inits)),
+                             squeeze=False)  # fmt: skip
+    styles = {"clip": ("--", "tab:orange", "Clip"), "norm": ("-", "tab:blue", "Norm"),
+              ADAPTIVE: (":", "tab:green", "Adaptive clip")}  # fmt: skip
+    colors = dict(zip(clips, plt.cm.viridis(np.linspace(0.1, 0.85, len(clips))), strict=True))
+    for i, init in enumerate(inits):
+        for j, c in enumerate(clips):
+            ax = axes[i][j]
+            for alg, (style, color, name) in styles.items():
+                y = curves.get((alg, c, init, eta))
+                if y is not None:
+                    ax.plot(np.arange(len(y)), y, style, color=color, label=name, lw=1.3)
+            ax.set_yscale("log")
+            ax.set_title(f"{init}: C (= C_0) = {c:g}, eta = {eta:g}", fontsize=10)
+            ax.set_xlabel("round k")
+            ax.set_ylabel("f(w_k) - f*")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        ax = axes[i][-1]
+        for c in clips:
+            y = c_k.get((ADAPTIVE, c, init, eta))
+            if y is not None:
+                ax.plot(np.arange(1, len(y)), y[1:], color=colors[c], label=f"C_0 = {c:g}", lw=1.3)
+        ax.set_title(f"{init}: adaptive C_k (eta = {eta:g})", fontsize=10)
+        ax.set_xlabel("round k")
+        ax.set_ylabel("C_k")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Adaptive clipping beside clip and norm, mean over seeds; (5, 1e-6)-DP, z = {z:.3f}", fontsize=11)
+    fig.tight_layout()
+    path = out / "adaptive.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def run_synthetic(
@@ -270,17 +355,21 @@ def run_synthetic(
     snr_eta: float | None = None,
     progress: bool = True,
     ray_address: str | None = None,
+    algorithms: Sequence[str] = ALGORITHMS,
 ) -> dict[str, Path]:
     """Run (or resume) the grid (on a Ray cluster with ``ray_address``), then write the CSV, figures and summary."""
     from dpfedavg.privacy.accounting import plan_privacy
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cells = synthetic_cells(out, clips=clips, inits=inits, etas=etas, seeds=seeds, rounds=rounds)
+    cells = synthetic_cells(out, clips=clips, inits=inits, etas=etas, seeds=seeds, rounds=rounds, algorithms=algorithms)
     run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc="synthetic", ray_address=ray_address)
     z = plan_privacy(cells[0].cfg).noise_multiplier
     rows = collect(cells, out / "synthetic.csv")
     snr_eta = snr_eta if snr_eta is not None else sorted(etas)[len(etas) // 2]
     figures = plot(rows, cells, out, z, snr_eta)
+    adaptive_figure = plot_adaptive(rows, out, z, snr_eta)
+    if adaptive_figure is not None:
+        figures.append(adaptive_figure)
     (out / "summary.md").write_text(summarize(rows, z))
     return {"csv": out / "synthetic.csv", "summary": out / "summary.md", **{p.stem: p for p in figures}}

@@ -8,6 +8,11 @@ epsilon, algorithm) the best (C, eta_0) is the one with the highest test
 accuracy averaged over the last 5 rounds and over seeds; FedAvg (no DP) is
 tuned over eta_0. The paper does not state K: it is ``--rounds`` (default
 :data:`DEFAULT_ROUNDS`, see the README for why).
+
+Beyond the paper, the grid has ``adaptive-clip`` rows (Andrew et al. 2021): ``C`` is the initial
+``C_0``, ``sigma_b`` as :func:`dpfedavg.experiments.adaptive.adaptive_values` chooses it. After the
+grid, the best setting of each (algorithm, epsilon) is rerun with an evaluation every 10 rounds
+(``<out>/curves``) for ``curves.png``: test accuracy and C_k over the rounds.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values, clip_curves
 from dpfedavg.sweep import Cell, make_cell, run_cells
 
 __all__ = ["CLIPS", "DEFAULT_ROUNDS", "LEARNING_RATES", "PAPER_TABLE1", "run_table1", "table1_cells"]
@@ -55,7 +61,12 @@ TABLE1_COLUMNS = (
     "last5_test_accuracy",
     "epsilon_spent",
     "noise_multiplier",
+    "final_clip",
 )
+#: The private algorithms of the grid (FedAvg without DP is always added).
+ALGORITHMS = ("clip", "norm", ADAPTIVE)
+#: The best settings' rerun (``curves.png``) evaluates every this many rounds.
+CURVE_EVAL_EVERY = 10
 
 
 def table1_cells(
@@ -69,6 +80,7 @@ def table1_cells(
     rounds: int = DEFAULT_ROUNDS,
     data_dir: str = "",
     cache_dir: str = "",
+    algorithms: Sequence[str] = ALGORITHMS,
 ) -> list[Cell]:
     """Every run of the grid, plus the FedAvg baseline over eta_0 (validated before anything runs)."""
     n = NUM_CLIENTS[dataset]
@@ -87,13 +99,15 @@ def table1_cells(
         "cache-dir": cache_dir,
     }
     cells = []
-    for alg in ("clip", "norm"):
+    for alg in algorithms:
         for eps in epsilons:
             for c in clips:
                 for lr in lrs:
                     for seed in range(seeds):
                         key = f"{dataset}-{alg}-eps{eps:g}-C{c:g}-lr{lr:g}-seed{seed}"
                         values = {**base, "algorithm": alg, "epsilon": eps, "clip": c, "local-lr": lr, "seed": seed}
+                        if alg == ADAPTIVE:
+                            values = adaptive_values(values)
                         cells.append(make_cell(out, key, values))
     for lr in lrs:
         for seed in range(seeds):
@@ -108,6 +122,8 @@ def collect(cells: Sequence[Cell], dataset: str, path: Path) -> list[dict]:
     rows = []
     for cell in cells:
         saved = json.loads((cell.directory / "config.json").read_text())
+        with (cell.directory / "metrics.csv").open() as fh:
+            last = list(csv.DictReader(fh))[-1]
         cfg = cell.cfg
         rows.append(
             {
@@ -120,6 +136,7 @@ def collect(cells: Sequence[Cell], dataset: str, path: Path) -> list[dict]:
                 "last5_test_accuracy": saved["final"]["last5_test_accuracy"],
                 "epsilon_spent": saved["final"]["epsilon"],
                 "noise_multiplier": saved["privacy"]["noise_multiplier"],
+                "final_clip": float(last["clip"]) if last.get("clip") else float("nan"),  # C_K (adaptive-clip)
             }
         )
     with path.open("w", newline="") as fh:
@@ -160,7 +177,10 @@ def markdown(dataset: str, best: dict, epsilons: Sequence[float], rounds: int) -
     header = "| Algo. | " + " | ".join(f"({e:g}, 1e-5)-DP: ours | paper" for e in epsilons) + " |"
     sep = "|---|" + "---|---|" * len(epsilons)
     lines = [f"**{dataset}** (K = {rounds}; mean ± std over seeds of the last-5-round test accuracy)", "", header, sep]
-    for alg, name in (("clip", "Clipping"), ("norm", "Normalization")):
+    names = [("clip", "Clipping"), ("norm", "Normalization")]
+    if any((ADAPTIVE, e) in best for e in epsilons):
+        names.append((ADAPTIVE, "Adaptive clipping (C = C_0)"))
+    for alg, name in names:
         cells = [f"{fmt(best.get((alg, e)))} | {paper_value((alg, e))}" for e in epsilons]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     fedavg = best.get(("none", float("inf")))
@@ -183,6 +203,7 @@ def run_table1(
     cache_dir: str = "",
     progress: bool = True,
     ray_address: str | None = None,
+    algorithms: Sequence[str] = ALGORITHMS,
 ) -> dict[str, Path]:
     """Run (or resume) the grid for ``dataset`` (on a Ray cluster with ``ray_address``); write the CSV and table.
 
@@ -196,7 +217,7 @@ def run_table1(
     out.mkdir(parents=True, exist_ok=True)
     cells = table1_cells(
         out, dataset, epsilons=epsilons, clips=clips, lrs=lrs, seeds=seeds, rounds=rounds,
-        data_dir=data_dir, cache_dir=cache_dir,
+        data_dir=data_dir, cache_dir=cache_dir, algorithms=algorithms,
     )  # fmt: skip
     # Prepare the data (download, features, shard split) once, before the workers start.
     prep = RunConfig.from_run_config(
@@ -207,5 +228,71 @@ def run_table1(
         _ = build_task(prep.replace(seed=seed)).partition
     run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc=f"table1 {dataset}", ray_address=ray_address)
     rows = collect(cells, dataset, out / "table1.csv")
-    (out / "table1.md").write_text(markdown(dataset, best_settings(rows), epsilons, rounds))
-    return {"csv": out / "table1.csv", "table": out / "table1.md"}
+    best = best_settings(rows)
+    (out / "table1.md").write_text(markdown(dataset, best, epsilons, rounds))
+    outputs = {"csv": out / "table1.csv", "table": out / "table1.md"}
+    curves = curve_cells(out, cells, best, seeds)
+    if curves:
+        run_cells(
+            curves, engine=engine, jobs=jobs, progress=progress, desc=f"curves {dataset}", ray_address=ray_address
+        )
+        outputs["curves"] = plot_curves(curves, best, out / "curves.png", dataset)
+    return outputs
+
+
+def curve_cells(out: Path, cells: Sequence[Cell], best: dict, seeds: int) -> list[Cell]:
+    """The best (C, eta_0) of each private (algorithm, epsilon), every seed, evaluated every 10 rounds."""
+    by_key = {(c.cfg.algorithm, c.cfg.epsilon, c.cfg.clip, c.cfg.local_lr, c.cfg.seed): c for c in cells}
+    curves = []
+    for (alg, eps), (_, _, c, lr, _) in sorted(best.items()):
+        if alg == "none":
+            continue
+        for seed in range(seeds):
+            cell = by_key[(alg, eps, c, lr, seed)]
+            values = {**cell.cfg.to_run_config(), "eval-every": CURVE_EVAL_EVERY}
+            curves.append(make_cell(out / "curves", cell.key, values))
+    return curves
+
+
+def plot_curves(curves: Sequence[Cell], best: dict, path: Path, dataset: str) -> Path:
+    """``curves.png``: per epsilon, test accuracy over the rounds (mean over seeds) and C_k, best settings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epsilons = sorted({c.cfg.epsilon for c in curves}, reverse=True)
+    accuracy: dict = defaultdict(list)
+    for cell in curves:
+        with (cell.directory / "metrics.csv").open() as fh:
+            points = [(int(r["round"]), float(r["test_accuracy"])) for r in csv.DictReader(fh) if r["test_accuracy"]]
+        accuracy[(cell.cfg.algorithm, cell.cfg.epsilon)].append(points)
+    c_k = clip_curves([((c.cfg.algorithm, c.cfg.epsilon), c.directory) for c in curves])
+    styles = {"clip": ("--", "tab:orange", "Clipping"), "norm": ("-", "tab:blue", "Normalization"),
+              ADAPTIVE: (":", "tab:green", "Adaptive clipping")}  # fmt: skip
+    fig, axes = plt.subplots(2, len(epsilons), figsize=(5.0 * len(epsilons), 6.4), squeeze=False)
+    for j, eps in enumerate(epsilons):
+        for alg, (style, color, name) in styles.items():
+            if (alg, eps) not in accuracy:
+                continue
+            _, _, c, lr, _ = best[(alg, eps)]
+            runs = accuracy[(alg, eps)]
+            rounds = [k for k, _ in runs[0]]
+            mean = np.mean([[a for _, a in run] for run in runs], axis=0)
+            label = f"{name} (C{'_0' if alg == ADAPTIVE else ''} = {c:g}, eta0 = {lr:g})"
+            axes[0][j].plot(rounds, 100 * mean, style, color=color, label=label, lw=1.4, marker=".")
+            y = c_k[(alg, eps)]
+            axes[1][j].plot(np.arange(1, len(y) + 1), y, style, color=color, label=name, lw=1.4)
+        axes[0][j].set_title(f"{dataset}, ({eps:g}, 1e-5)-DP: best setting per algorithm", fontsize=10)
+        axes[0][j].set_ylabel("test accuracy (%)")
+        axes[1][j].set_ylabel("C_k")
+        axes[1][j].set_yscale("log")
+        for ax in axes[:, j]:
+            ax.set_xlabel("round k")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{dataset}: accuracy and clipping threshold over the rounds (mean over seeds)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

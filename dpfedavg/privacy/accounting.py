@@ -37,6 +37,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfedavg.config import ACCOUNTANTS, NOISE_PLACEMENTS, ConfigError, RunConfig
+from dpfedavg.core.adaptive_clip import min_count_stddev
 from dpfedavg.core.dp import get_bound
 from dpfedavg.core.mechanism import get_placement
 
@@ -330,6 +331,18 @@ class PrivacyPlan:
         return RoundAccountant(self.accountant, self.delta)
 
 
+def _reject_count_stddev(cfg: RunConfig, z: float, calibrated: bool) -> None:
+    """``adaptive-clip`` with ``sigma_b <= z/2``: Andrew et al.'s noise split (Theorem 1) has no ``z_u``."""
+    given = "auto = r/20 = " if cfg.clip_count_stddev is None else ""
+    how = f"calibrated for epsilon = {cfg.epsilon:g}" if calibrated else "the noise-multiplier"
+    raise ConfigError(
+        f"invalid run config: 'clip-count-stddev' = {given}{cfg.count_stddev:g} with 'algorithm' = "
+        f"'adaptive-clip' and z = {z:.5g} ({how}): the count of unclipped updates alone would spend the round's "
+        f"whole budget (z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2) needs sigma_b > z/2); allowed: clip-count-stddev > "
+        f"{min_count_stddev(z):.5g} (the update's noise multiplier z_u grows as sigma_b approaches it)"
+    )
+
+
 def plan_privacy(cfg: RunConfig) -> PrivacyPlan:
     """Calibrate or take ``z`` and check the budget, before anything starts.
 
@@ -337,7 +350,8 @@ def plan_privacy(cfg: RunConfig) -> PrivacyPlan:
     ------
     dpfedavg.config.ConfigError
         A budget ``max-epsilon`` that the first round already exceeds, or that
-        cannot hold because the run has no noise.
+        cannot hold because the run has no noise; ``adaptive-clip`` with
+        ``clip-count-stddev <= z/2`` (checked after ``z`` is calibrated).
     """
     q = cfg.sampling_rate
     max_eps = cfg.max_epsilon if cfg.max_epsilon > 0 else None
@@ -348,6 +362,8 @@ def plan_privacy(cfg: RunConfig) -> PrivacyPlan:
     else:
         z, calibrated = (cfg.noise_multiplier or 0.0), False
     dp = z > 0
+    if dp and get_bound(cfg.algorithm).adaptive and not cfg.count_stddev > min_count_stddev(z):
+        _reject_count_stddev(cfg, z, calibrated)
     nominal = epsilon_for(z, q, cfg.num_rounds, cfg.delta, cfg.accountant) if dp else math.inf
     if max_eps is not None:
         if not dp:

@@ -14,6 +14,11 @@ two halves:
   ``r`` (line 12), apply momentum and ``beta_k``, and charge the accountant the
   round's (nominal) event.
 
+With ``adaptive-clip`` the server also holds ``C_k`` (:class:`~dpfedavg.core.adaptive_clip.AdaptiveClip`):
+the clients' vectors have one more coordinate (their noised count of unclipped updates), the noise
+placement sees the augmented bound ``C_aug`` instead of ``C``, and closing a round splits the count off,
+releases ``b_k`` and moves to ``C_{k+1}`` (Andrew et al. 2021).
+
 The Flower strategy (:class:`~dpfedavg.strategies.DPFedAvg`) and the batched
 engine (:mod:`dpfedavg.engines.batched`) both drive this class, so the two
 engines run the same server math.
@@ -22,6 +27,7 @@ engines run the same server math.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -44,6 +50,8 @@ from dpfedavg.core import (
     secure_rng,
     server_lr_at,
 )
+from dpfedavg.core.adaptive_clip import AdaptiveClip
+from dpfedavg.core.dp import get_bound
 from dpfedavg.core.mechanism import get_placement
 from dpfedavg.core.noise import noise_law
 from dpfedavg.core.secagg import SecAggPrivacyTerms
@@ -66,17 +74,31 @@ def secagg_privacy_terms(
     server: DPServer, bits: int | None = None, clip_stds: float | None = None
 ) -> SecAggPrivacyTerms:
     """The run's noise law's privacy terms (:meth:`dpfedavg.core.noise.NoiseLaw.privacy_terms`; for secure
-    aggregation :func:`dpfedavg.core.secagg.privacy_terms`), or with other ``bits`` / ``clip_stds``."""
+    aggregation :func:`dpfedavg.core.secagg.privacy_terms`), or with other ``bits`` / ``clip_stds``.
+
+    With ``adaptive-clip`` the bound ``C_aug`` changes every round, and the grid step (a power of two
+    ``>= 2 (C_aug + k s) / Q``) with it; the terms are taken at the worst ratio of noise std to step that
+    any ``C_k`` can give (the step just past a power of two), so they hold in every round.
+    """
     cfg, plan = server.cfg, server.plan
+    bits = cfg.secagg_quantization_bits if bits is None else bits
+    clip_stds = cfg.secagg_clip_stds if clip_stds is None else clip_stds
+    bound = server.sensitivity
+    std_n = server.placement.client_std(plan.noise_multiplier, bound, cfg.clients_per_round, cfg.num_clients)
+    if server.adaptive is not None and std_n > 0:
+        # everything scales with C_aug except the power-of-two rounding of the step: scale to the worst case
+        needed = 2.0 * (bound + clip_stds * std_n) / 2**bits
+        worst = math.ldexp(1.0, math.ceil(math.log2(needed))) / needed * (1.0 + 1e-9)
+        bound, std_n = bound * worst, std_n * worst
     return server.noise_law.privacy_terms(
-        clip=cfg.clip,
+        clip=bound,
         noise_multiplier=plan.noise_multiplier,
-        std_at_n=server.placement.client_std(plan.noise_multiplier, cfg.clip, cfg.clients_per_round, cfg.num_clients),
-        clip_stds=cfg.secagg_clip_stds if clip_stds is None else clip_stds,
-        bits=cfg.secagg_quantization_bits if bits is None else bits,
+        std_at_n=std_n,
+        clip_stds=clip_stds,
+        bits=bits,
         modulus_bits=cfg.secagg_modulus_bits,
         num_clients=cfg.num_clients,
-        dim=server.dim,
+        dim=server.release_dim,  # adaptive-clip's count coordinate is encoded too
         rounds=cfg.num_rounds,
         epsilon=plan.target_epsilon if plan.calibrated else plan.nominal_epsilon,
         delta=plan.delta,
@@ -102,7 +124,7 @@ def check_secure_aggregation(server: DPServer) -> None:
     """
     cfg, plan = server.cfg, server.plan
     n, errors = cfg.num_clients, []
-    std_n = server.placement.client_std(plan.noise_multiplier, cfg.clip, cfg.clients_per_round, n)
+    std_n = server.placement.client_std(plan.noise_multiplier, server.sensitivity, cfg.clients_per_round, n)
 
     def terms(bits: int, clip_stds: float) -> SecAggPrivacyTerms:
         return secagg_privacy_terms(server, bits, clip_stds)
@@ -164,6 +186,11 @@ class RoundStats:
     beta: float = float("nan")
     snr: float = float("nan")
     frac_clipped: float = float("nan")
+    #: The round's clipping threshold / scaling factor C (C_k with adaptive-clip; NaN without a bound).
+    clip: float = float("nan")
+    #: adaptive-clip: b_k, the released (noised) fraction of unclipped updates, 1/2 + T_k / r; it replaces
+    #: ``frac_clipped``, which is not computed for adaptive-clip.
+    frac_unclipped: float = float("nan")
     mean_update_norm: float = float("nan")
     noise_multiplier: float = float("nan")
     epsilon: float = float("nan")
@@ -217,6 +244,18 @@ class DPServer:
         self.placement = get_placement(cfg.noise_placement)
         #: The noise law: what each client's zeta is, and what it adds to the guarantee (:mod:`dpfedavg.core.noise`).
         self.noise_law = noise_law(cfg.secure_aggregation)
+        #: ``adaptive-clip``: ``C_k`` and its update rule (Andrew et al. 2021); ``None`` for a fixed ``C``.
+        self.adaptive: AdaptiveClip | None = None
+        if get_bound(cfg.algorithm).adaptive:
+            self.adaptive = AdaptiveClip(
+                clip=cfg.clip,
+                target_quantile=cfg.target_quantile,
+                clip_lr=cfg.clip_lr,
+                count_stddev=cfg.count_stddev,
+                noise_multiplier=self.plan.noise_multiplier,
+            )
+        #: Length of what each client sends and the round releases: ``d``, or ``d + 1`` with the count.
+        self.release_dim = dim + (1 if self.adaptive is not None else 0)
         if cfg.secure_aggregation and self.plan.dp:
             check_secure_aggregation(self)
         self.momentum: Vector = np.zeros(dim)
@@ -238,6 +277,19 @@ class DPServer:
         """Epsilon spent so far for ``delta`` (``inf`` without DP)."""
         return self.accountant.epsilon if self.accountant is not None else float("inf")
 
+    @property
+    def clip(self) -> float:
+        """The next round's ``C``: ``C_k`` with ``adaptive-clip``, the ``clip`` key otherwise."""
+        return self.adaptive.clip if self.adaptive is not None else self.cfg.clip
+
+    @property
+    def sensitivity(self) -> float:
+        """The norm bound of one client's vector in the next round (the ``C`` of the noise placement).
+
+        ``C``, or ``C_aug = sqrt(C_k^2 + s^2/4)`` with ``adaptive-clip`` (the count coordinate included).
+        """
+        return self.adaptive.augmented_clip if self.adaptive is not None else self.cfg.clip
+
     def noise_stds(self, num_sampled: int) -> tuple[float, float]:
         """``(per-client std, server std on the sum)`` of a round with ``num_sampled`` clients, all included."""
         return self.noise_stds_for(num_sampled, num_sampled)
@@ -250,7 +302,7 @@ class DPServer:
         """
         if not self.plan.dp:
             return 0.0, 0.0
-        z, c, r = self.noise_multiplier, self.cfg.clip, self.cfg.clients_per_round
+        z, c, r = self.noise_multiplier, self.sensitivity, self.cfg.clients_per_round
         return (
             self.placement.client_std(z, c, r, num_sampled),
             self.placement.server_std(z, c, r, num_sampled, num_included),
@@ -269,7 +321,7 @@ class DPServer:
         if not self.cfg.secure_aggregation:
             return None
         return SecAggGrid.for_round(
-            self.cfg.clip,
+            self.sensitivity,
             self.noise_stds(num_sampled)[0],
             self.cfg.secagg_clip_stds,
             self.cfg.secagg_quantization_bits,
@@ -294,12 +346,13 @@ class DPServer:
             local_lr=local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay),
             local_steps=self.cfg.local_steps,
             algorithm=self.cfg.algorithm,
-            clip=self.cfg.clip,
+            clip=self.clip,
             noise_std=self.noise_stds(num_sampled)[0],
             noise_seed=SECURE_NOISE_SEED if self.cfg.secure_noise else round_noise_seed(self.cfg.seed, k),
             diagnostics=self.cfg.diagnostics,
             secagg_step=grid.step if grid is not None else 0.0,
             secagg_range=grid.clipping_range if grid is not None else 0.0,
+            count_scale=self.adaptive.scale if self.adaptive is not None else 0.0,
         )
 
     def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
@@ -321,6 +374,7 @@ class DPServer:
             "random_round": self.random_round,
             "accountant_history": [(e.q, e.z) for e in history],
             "history": {k: asdict(v) for k, v in self.history.items()},
+            "adaptive_clip": self.adaptive.clip if self.adaptive is not None else None,
         }
 
     def restore(
@@ -331,8 +385,12 @@ class DPServer:
         random_round: int | None,
         accountant_history: list[tuple[float, float | None]],
         history: dict[int, dict[str, Any]],
+        adaptive_clip: float | None = None,
     ) -> None:
-        """Load the state :meth:`state` returned; the accountant replays every round's event."""
+        """Load the state :meth:`state` returned; the accountant replays every round's event.
+
+        ``adaptive_clip`` is ``C_{k+1}`` of an ``adaptive-clip`` run (required for one, refused otherwise).
+        """
         momentum = np.asarray(momentum, dtype=np.float64)
         if momentum.shape != (self.dim,):
             raise ValueError(f"momentum has shape {momentum.shape}, expected ({self.dim},)")
@@ -346,6 +404,13 @@ class DPServer:
         elif accountant_history:
             raise ValueError("the checkpoint has privacy events but this run has no DP")
         self.history = {int(k): RoundStats(**v) for k, v in history.items()}
+        if (adaptive_clip is None) != (self.adaptive is None):
+            raise ValueError(
+                f"the checkpoint's adaptive clipping state ({adaptive_clip!r}) does not fit "
+                f"algorithm {self.cfg.algorithm!r}"
+            )
+        if self.adaptive is not None:
+            self.adaptive.clip = float(adaptive_clip)
 
     # ----------------------------------------------------------------- round
     def begin_round(self, server_round: int, w: Vector) -> tuple[np.ndarray, RoundInstructions]:
@@ -393,8 +458,8 @@ class DPServer:
         or rejected are dropouts.
         """
         self._check_open(server_round)
-        total = np.zeros(self.dim)
-        clean_total = np.zeros(self.dim) if self.cfg.diagnostics else None
+        total = np.zeros(self.release_dim)
+        clean_total = np.zeros(self.release_dim) if self.cfg.diagnostics else None
         norms: list[float] = []
         last_id = -1
         for result in results:
@@ -415,8 +480,8 @@ class DPServer:
         """
         self._check_open(server_round)
         total = np.asarray(total, dtype=np.float64)
-        if total.shape != (self.dim,):
-            raise ValueError(f"the secure sum has shape {total.shape}, expected ({self.dim},)")
+        if total.shape != (self.release_dim,):
+            raise ValueError(f"the secure sum has shape {total.shape}, expected ({self.release_dim},)")
         return self._close_round(server_round, total.copy(), num_received, [], None, num_failed, 0)
 
     def skip_round(self, server_round: int, reason: str) -> Vector:
@@ -430,7 +495,7 @@ class DPServer:
         self._check_open(server_round)
         self.history[server_round].skipped = 1
         logger.warning("Round %d: no update could be summed (%s); the round releases noise only", server_round, reason)
-        return self._close_round(server_round, np.zeros(self.dim), 0, [], None, 0, 0)
+        return self._close_round(server_round, np.zeros(self.release_dim), 0, [], None, 0, 0)
 
     def _check_open(self, server_round: int) -> None:
         if self._w is None or self._round != server_round:
@@ -456,13 +521,20 @@ class DPServer:
         # the server's share: all of (zC)^2 for `server` placement, the missing replies' share otherwise
         server_std = self.noise_stds_for(stats.num_sampled, num_received)[1]
         if server_std > 0:
-            total += gaussian_noise(self.dim, server_std, self._rng(Stream.SERVER_NOISE, server_round - 1))
+            total += gaussian_noise(self.release_dim, server_std, self._rng(Stream.SERVER_NOISE, server_round - 1))
+        stats.clip = self.clip if get_bound(self.cfg.algorithm).private else float("nan")
+        if self.adaptive is not None:  # the released count T_k rides as the last coordinate (core.adaptive_clip)
+            total, released_count = self.adaptive.split(total)
+            if clean_total is not None:
+                clean_total = clean_total[:-1]
+            stats.clip, stats.frac_unclipped = self.adaptive.step(released_count, r)
         a = fixed_denominator_mean(total, r)
         w_new, self.momentum = momentum_step(self._w, self.momentum, a, stats.beta, self.cfg.server_momentum)
         if norms and not self.cfg.secure_noise:  # un-noised statistics of client data: seeded research mode only
             norms_arr = np.asarray(norms)
             stats.mean_update_norm = float(norms_arr.mean())
-            stats.frac_clipped = float(np.mean(norms_arr > self.cfg.clip))
+            if self.adaptive is None:  # adaptive-clip releases the private b_k instead
+                stats.frac_clipped = float(np.mean(norms_arr > self.cfg.clip))
         if clean_total is not None:
             clean_mean = clean_total / r
             noise_norm = float(np.linalg.norm(a - clean_mean))

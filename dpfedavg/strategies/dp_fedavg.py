@@ -369,12 +369,13 @@ class DPFedAvg(Strategy):
         The server divides by the fixed r, applies momentum and charges the accountant; every sampled
         client that is neither received, failed nor rejected is a dropout.
         """
-        bound = self.cfg.clip if get_bound(self.cfg.algorithm).private else float("inf")
+        # the bound of this round's vectors (C, or C_aug with adaptive-clip's count coordinate)
+        bound = self.server.sensitivity if get_bound(self.cfg.algorithm).private else float("inf")
         checked = collect_replies(
             server_round,
             replies,
             self._sampled,
-            dim=self.dim,
+            dim=self.server.release_dim,
             diagnostics=self.cfg.diagnostics,
             clip=bound,
             block=self.cfg.clients_per_node > 1,

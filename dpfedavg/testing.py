@@ -169,3 +169,14 @@ def _copy_message(msg: Message) -> Message:
     if msg.has_error():
         return Message(msg.error, metadata=copy.copy(msg.metadata))
     return Message(copy.deepcopy(msg.content), metadata=copy.copy(msg.metadata))
+
+
+def superlink_unavailable_reply(msg: Message) -> Message:
+    """The error reply Flower's SuperLink sends for ``msg`` when its node went offline.
+
+    Built by Flower's own function, so it comes from the SuperLink's id (not the node's) and only
+    ``reply_to_message_id`` links it to ``msg``: what a deployed run receives (issue 19's regression).
+    """
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    return create_message_error_unavailable_res_message(msg.metadata, "node_unavail")

@@ -25,7 +25,7 @@ from dpfedavg.protocol import (
     to_array_record,
 )
 from dpfedavg.strategies import DPFedAvg, FederationError
-from dpfedavg.testing import InProcessGrid
+from dpfedavg.testing import InProcessGrid, superlink_unavailable_reply
 
 DIM = 6
 
@@ -474,8 +474,6 @@ def test_a_second_reply_from_the_same_node_is_rejected() -> None:
 
 
 def test_unavailable_and_disconnected_nodes_are_dropouts_not_failures(caplog) -> None:
-    from flwr.app.error import Error
-    from flwr.common.constant import ErrorCode
 
     cfg = small_cfg(**{"clients-per-round": 10.0, "local-lr": 1.0})
 
@@ -484,7 +482,7 @@ def test_unavailable_and_disconnected_nodes_are_dropouts_not_failures(caplog) ->
         if msg.metadata.message_type == "query":
             return client_app(msg, context)
         if pid == 4:  # what the SuperLink answers for a node that went offline
-            return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node unavailable"), reply_to=msg)
+            return superlink_unavailable_reply(msg)
         if pid == 5:
             raise RuntimeError("a real failure")
         return Message(_good(pid), reply_to=msg)

@@ -11,8 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MetricRecord
-from flwr.app.error import Error
-from flwr.common.constant import ErrorCode
 
 from dpfedavg import server_app
 from dpfedavg.client_app import app as client_app
@@ -28,7 +26,7 @@ from dpfedavg.protocol import (
     to_array_record,
 )
 from dpfedavg.strategies import DPFedAvg, FederationError
-from dpfedavg.testing import InProcessGrid
+from dpfedavg.testing import InProcessGrid, superlink_unavailable_reply
 
 CASES = {
     "quadratic-noise": {"task": "quadratic", "dim": 30, "num-clients": 12, "clients-per-round": 6.0,
@@ -86,7 +84,7 @@ def test_a_node_failure_counts_each_of_its_sampled_clients() -> None:
         if msg.metadata.message_type == "train" and pid == 1:
             raise RuntimeError("the node crashed")
         if msg.metadata.message_type == "train" and pid == 2:
-            return Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="node unavailable"), reply_to=msg)
+            return superlink_unavailable_reply(msg)
         reply = client_app(msg, context)
         if msg.metadata.message_type == "train" and pid == 3:
             reply.content[ARRAYS][block_key(UPDATE_KEY, 16)] = to_array_record(np.full(4, np.nan))["w"]

@@ -73,6 +73,12 @@ def collect_replies(
     unavailable = 0
     for msg in replies:
         src = msg.metadata.src_node_id
+        if msg.has_error() and msg.error.code in UNAVAILABLE_CODES:
+            # The SuperLink answers for a node that went offline, from its own id (Flower's
+            # create_message_error_unavailable_res_message): that node's clients dropped out, and
+            # the server counts every sampled client without a reply as a dropout.
+            unavailable += 1
+            continue
         if src not in sampled:
             _reject(out, server_round, src, f"reply from node {src}, which was not sampled this round", 1)
             continue
@@ -82,18 +88,14 @@ def collect_replies(
         replied.add(src)
         clients = sampled[src]
         if msg.has_error():
-            # Flower answers for a node that went offline with an error reply: its clients dropped out.
-            if msg.error.code in UNAVAILABLE_CODES:
-                unavailable += 1
-            else:
-                out.num_failed += len(clients)
-                logger.warning(
-                    "Round %d: node %d failed (%d sampled clients): %s",
-                    server_round,
-                    src,
-                    len(clients),
-                    msg.error.reason[:300],
-                )
+            out.num_failed += len(clients)
+            logger.warning(
+                "Round %d: node %d failed (%d sampled clients): %s",
+                server_round,
+                src,
+                len(clients),
+                msg.error.reason[:300],
+            )
             continue
         try:
             if not block:

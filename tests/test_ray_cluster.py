@@ -82,7 +82,8 @@ def _assert_same_cells(a: Path, b: Path) -> None:
 def test_table1_sweep_on_the_cluster_equals_a_local_sweep(cluster: LoopbackRayCluster, tmp_path: Path) -> None:
     """Digits Table 1 cells as Ray tasks on both nodes: the local sweep's files; a rerun runs nothing."""
     grid = ["table1", "--dataset", "digits", "--epsilon", "5", "--clip", "62.5", "--lr", "0.032", "0.008",
-            "--seeds", "2", "--rounds", "10", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]  # fmt: skip
+            "--algorithms", "clip", "norm", "--seeds", "2", "--rounds", "10",
+            "--cache-dir", str(tmp_path / "cache"), "--no-progress"]  # fmt: skip
     local = _run_sim(*grid, "--jobs", "1", "--out", str(tmp_path / "local"), cwd=tmp_path)
     assert local.returncode == 0, local.stderr[-3000:]
     remote = _run_sim(*grid, "--ray-address", cluster.address, "--out", str(tmp_path / "ray"), cwd=tmp_path)
@@ -124,7 +125,7 @@ def test_a_node_killed_mid_sweep_loses_no_cell(cluster: LoopbackRayCluster, tmp_
     Runs last: the cluster has one node afterwards.
     """
     grid = ["synthetic", "--C", "50", "--init", "I1", "--eta", "0.003", "0.001", "--seeds", "2", "--rounds", "60",
-            "--no-progress"]  # fmt: skip
+            "--algorithms", "clip", "norm", "--no-progress"]  # fmt: skip
     out = tmp_path / "ray"
     cmd = [sys.executable, str(ROOT / "run_sim.py"), *grid, "--ray-address", cluster.address, "--out", str(out)]
     with (tmp_path / "sweep.log").open("w") as log:

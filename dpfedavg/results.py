@@ -107,7 +107,7 @@ class RunRecorder:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            logger.debug("matplotlib is not installed: no metrics.png")
+            logger.info("metrics.png not written: matplotlib is not installed (pip install matplotlib)")
             return None
         with self.metrics_path.open(newline="") as fh:
             rows = list(csv.DictReader(fh))

@@ -83,7 +83,12 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfedavg.config import ConfigError
 from dpfedavg.experiments.adaptive import ADAPTIVE, sweep_count_stddev
-from dpfedavg.privacy.accounting import RoundEvent, calibrate_noise_multiplier, epsilon_for
+from dpfedavg.privacy.accounting import (
+    RoundEvent,
+    calibrate_noise_multiplier,
+    epsilon_for,
+    smallest_noise_multiplier,
+)
 from dpfedavg.sweep import Cell, make_cell, run_cells
 
 __all__ = [
@@ -287,25 +292,17 @@ def calibrate_tuning_noise(
 ) -> float:
     """The smallest ``z`` (to ``rel_tol`` relative) whose tuning procedure is ``(epsilon, delta)``-DP end to end.
 
-    Bisection on :func:`tuning_epsilon`: the returned ``z`` satisfies the target.
+    Bisection on :func:`tuning_epsilon` (:func:`~dpfedavg.privacy.accounting.smallest_noise_multiplier`):
+    the returned ``z`` satisfies the target.
     """
     if not epsilon > 0:
         raise ConfigError(f"invalid private tuning: 'epsilon' = {epsilon!r}: expected a number > 0")
-    lo, hi = 0.0, 1.0
-    while tuning_epsilon(hi, q, rounds, delta, count) > epsilon:
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e6:
-            raise ConfigError(
-                f"invalid private tuning: no noise multiplier below 1e6 reaches epsilon = {epsilon:g} "
-                f"(delta = {delta:g}) for {count.describe()}"
-            )
-    while hi - lo > rel_tol * hi:
-        mid = 0.5 * (lo + hi)
-        if tuning_epsilon(mid, q, rounds, delta, count) > epsilon:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    try:
+        return smallest_noise_multiplier(
+            lambda z: tuning_epsilon(z, q, rounds, delta, count), epsilon, rel_tol, f" (delta = {delta:g})"
+        )
+    except ValueError as err:
+        raise ConfigError(f"invalid private tuning: {err} for {count.describe()}") from None
 
 
 # ----------------------------------------------------------------------- trials

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -48,6 +49,7 @@ __all__ = [
     "RoundEvent",
     "RoundAccountant",
     "calibrate_noise_multiplier",
+    "smallest_noise_multiplier",
     "epsilon_for",
     "realized_noise_multiplier",
     "paper_sigma",
@@ -266,29 +268,42 @@ def epsilon_for(noise_multiplier: float, q: float, rounds: int, delta: float, ki
     return RoundAccountant(kind, delta).compose(RoundEvent(q, noise_multiplier), rounds)
 
 
+def smallest_noise_multiplier(
+    epsilon_of: Callable[[float], float], epsilon: float, rel_tol: float = 1e-3, what: str = ""
+) -> float:
+    """The smallest ``z`` (to ``rel_tol`` relative) with ``epsilon_of(z) <= epsilon``; ``epsilon_of`` decreasing.
+
+    Bisection on ``z``: the returned ``z`` always satisfies the target, and ``z * (1 - rel_tol)`` may
+    not. Raises ``ValueError`` (naming ``what``) when ``epsilon <= 0`` or no ``z`` below 1e6 reaches it.
+    """
+    if not epsilon > 0:
+        raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+    lo, hi = 0.0, 1.0
+    while epsilon_of(hi) > epsilon:
+        lo, hi = hi, 2.0 * hi
+        if hi > 1e6:
+            raise ValueError(f"no noise multiplier below 1e6 reaches epsilon={epsilon}{what}")
+    while hi - lo > rel_tol * hi:
+        mid = 0.5 * (lo + hi)
+        if epsilon_of(mid) > epsilon:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 @lru_cache(maxsize=64)
 def calibrate_noise_multiplier(
     epsilon: float, delta: float, q: float, rounds: int, kind: str, rel_tol: float = 1e-3
 ) -> float:
     """The smallest ``z`` (to ``rel_tol`` relative) with ``epsilon_for(z) <= epsilon``.
 
-    Bisection on ``z`` with :func:`epsilon_for`: the returned ``z`` always
-    satisfies the target, and ``z * (1 - rel_tol)`` may not.
+    Bisection on ``z`` with :func:`epsilon_for` (:func:`smallest_noise_multiplier`): the returned
+    ``z`` always satisfies the target, and ``z * (1 - rel_tol)`` may not.
     """
-    if not epsilon > 0:
-        raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
-    lo, hi = 0.0, 1.0
-    while epsilon_for(hi, q, rounds, delta, kind) > epsilon:
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e6:
-            raise ValueError(f"no noise multiplier below 1e6 reaches epsilon={epsilon} (delta={delta})")
-    while hi - lo > rel_tol * hi:
-        mid = 0.5 * (lo + hi)
-        if epsilon_for(mid, q, rounds, delta, kind) > epsilon:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return smallest_noise_multiplier(
+        lambda z: epsilon_for(z, q, rounds, delta, kind), epsilon, rel_tol, f" (delta={delta})"
+    )
 
 
 def paper_sigma(

@@ -25,12 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_engines import per_round
+from bench_engines import fmnist_workload, per_round
 
 from dpfedavg.config import RunConfig
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.experiments.adaptive import adaptive_values
-from dpfedavg.experiments.scale import make_fmnist_like
 
 
 def main() -> None:
@@ -41,11 +40,8 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=30)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-adaptive-"))
-    data_dir = make_fmnist_like(tmp / "data")
     n, k = args.clients, args.rounds
-    base = {"task": "fmnist", "num-clients": n, "clients-per-round": 0.2 * n, "num-rounds": k, "eval-every": k,
-            "epsilon": 5.0, "delta": 1e-5, "local-lr": 0.01, "clip": 62.5, "data-dir": str(data_dir),
-            "cache-dir": str(tmp / "cache"), "output-dir": str(tmp / "out"), "checkpoint-every": 0}  # fmt: skip
+    base = {**fmnist_workload(tmp, n, k), "checkpoint-every": 0}
     variants = {"clip": {**base, "algorithm": "clip"}, "adaptive-clip": adaptive_values({**base, "algorithm": "clip"})}
     times: dict[str, list[float]] = {name: [] for name in variants}
     print(f"load average before: {os.getloadavg()}", flush=True)
@@ -54,8 +50,8 @@ def main() -> None:
             t0 = time.monotonic()
             out = run_batched(RunConfig.from_run_config({**values, "run-name": f"{name}-{repeat}"}), threads=1)
             if repeat > 0:  # the first pair prepares the data
-                times[name].append(per_round(out, k))
-            print(f"  {name} repeat {repeat}: {per_round(out, k):.4f} s/round ({time.monotonic() - t0:.1f} s)")
+                times[name].append(per_round(out))
+            print(f"  {name} repeat {repeat}: {per_round(out):.4f} s/round ({time.monotonic() - t0:.1f} s)")
     micro = _micro(variants, args.micro)
     print(f"load average after: {os.getloadavg()}")
     print("| algorithm | n | r | whole run: s per round (median of runs' medians) | client pipeline + server close, "

@@ -23,16 +23,15 @@ not evaluate. ``--device cuda`` runs the torch tasks on the GPU.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from bench_engines import fmnist_workload, per_round  # noqa: I001 - a sibling script
+
 from dpfedavg.config import RunConfig
 from dpfedavg.engines.batched import run_batched
-from dpfedavg.experiments.scale import make_fmnist_like
 
 
 def generic_logistic(cfg: RunConfig):  # -> LogisticTask
@@ -42,14 +41,6 @@ def generic_logistic(cfg: RunConfig):  # -> LogisticTask
     task = LogisticTask(cfg.replace(task="fmnist", backend="torch"))
     task.client_batch_update_fn = lambda ids, server_round=0: task.torch_task.client_batch_update_fn(ids, server_round)
     return task
-
-
-def per_round(run_dir: Path) -> float:
-    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
-    elapsed = [float(r["elapsed_s"]) for r in rows]
-    plain = [b - a for k, (a, b) in enumerate(zip(elapsed, elapsed[1:], strict=False), start=1)
-             if rows[k]["test_accuracy"] == ""]  # fmt: skip
-    return statistics.median(plain)
 
 
 def main() -> None:
@@ -66,11 +57,8 @@ def main() -> None:
 
         torch.set_num_threads(args.torch_threads)
     tmp = Path(tempfile.mkdtemp(prefix="bench-torch-"))
-    data_dir = make_fmnist_like(tmp / "data")
     n, k = args.clients, args.rounds
-    base = {"num-clients": n, "clients-per-round": 0.2 * n, "num-rounds": k, "eval-every": k, "epsilon": 5.0,
-            "delta": 1e-5, "local-lr": 0.01, "clip": 62.5, "data-dir": str(data_dir),
-            "cache-dir": str(tmp / "cache"), "output-dir": str(tmp / "out")}  # fmt: skip
+    base = fmnist_workload(tmp, n, k)  # each cell sets its task
     torch_keys = {"device": args.device, "torch-dtype": args.dtype}
     cells = {
         "numpy": {"task": "fmnist"},

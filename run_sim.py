@@ -48,7 +48,7 @@ audit
     Empirical privacy audit: runs one round's release many times on two
     neighbouring federations (a canary client absent/present, or sending 0/C e_1
     under zero-out) and reports a statistically valid lower bound on epsilon
-    next to the accountant's epsilon (see dpfedavg/audit.py)::
+    next to the accountant's epsilon (see dpfedavg/privacy/audit.py)::
 
         python run_sim.py audit [--placement client-calibrated|client|server|legacy-client]
             [--num-clients 100] [--clients-per-round R] [--dim 200] [--rounds 200]
@@ -165,7 +165,7 @@ def _check_common(args: argparse.Namespace) -> None:
     if getattr(args, "ray_address", None) is not None:
         if args.engine != "batched":
             _fail("--ray-address runs batched cells as Ray tasks: use --engine batched")
-        from dpfedavg.sweep import SweepError, check_ray_address
+        from dpfedavg.experiments.sweep import SweepError, check_ray_address
 
         try:  # before any data preparation or output folder: one clear error if the cluster is not there
             args.ray_address = check_ray_address(args.ray_address)  # auto -> the address it found
@@ -185,8 +185,8 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
+    from dpfedavg.experiments.sweep import SweepError
     from dpfedavg.experiments.synthetic import ALGORITHMS, run_synthetic, synthetic_cells
-    from dpfedavg.sweep import SweepError
 
     _check_common(args)
     _setup_logging(args.verbose)
@@ -234,9 +234,9 @@ def _cmd_table1(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
+    from dpfedavg.experiments.sweep import SweepError
     from dpfedavg.experiments.table1 import ALGORITHMS as TABLE1_ALGORITHMS
     from dpfedavg.experiments.table1 import run_table1, table1_cells
-    from dpfedavg.sweep import SweepError
     from dpfedavg.tasks.datasets import DataUnavailableError
 
     _check_common(args)
@@ -298,8 +298,8 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
         run_private_tuning,
         tuning_dir,
     )
+    from dpfedavg.experiments.sweep import SweepError
     from dpfedavg.experiments.table1 import table1_cells
-    from dpfedavg.sweep import SweepError
     from dpfedavg.tasks.datasets import DataUnavailableError
 
     out = Path(args.out.replace("<dataset>", args.dataset))
@@ -428,8 +428,8 @@ def _cmd_privacy(args: argparse.Namespace) -> None:
 
 
 def _cmd_audit(args: argparse.Namespace) -> None:
-    from dpfedavg.audit import AUDIT_PLACEMENTS, AuditSetting, plot_roc, run_audit
     from dpfedavg.privacy.accounting import calibrate_noise_multiplier
+    from dpfedavg.privacy.audit import AUDIT_PLACEMENTS, AuditSetting, plot_roc, run_audit
 
     allowed = ", ".join(AUDIT_PLACEMENTS)
     _fail_unless(args.placement in AUDIT_PLACEMENTS, f"--placement {args.placement!r}: expected one of {allowed}")

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from dpfedavg.deploy.loopback import LoopbackFederation
 
-CLIENTAPP_IMPORTS = "import flwr.supernode.cli, dpfedavg.client_app"
+CLIENTAPP_IMPORTS = "import flwr.supernode.cli, dpfedavg.flower.client_app"
 
 
 def clientapp_start_seconds(repeats: int = 3) -> tuple[float, float]:

@@ -36,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 
 from dpfedavg.deploy.ray_loopback import LoopbackRayCluster
-from dpfedavg.sweep import RAY_TASK_FILE
+from dpfedavg.experiments.sweep import RAY_TASK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,10 +32,10 @@ class Option:
     choices: tuple[Any, ...] | None = None
     #: A string accepted instead of a number; it becomes ``None`` in the dataclass.
     sentinel: str | None = None
-    #: Defines the trajectory: a resumed run may not change it (see :mod:`dpfedavg.checkpoint`).
+    #: Defines the trajectory: a resumed run may not change it (see :mod:`dpfedavg.io.checkpoint`).
     trajectory: bool = False
     #: The privacy guarantee depends on it: a resumed run may not change it, and ``config.json`` records it
-    #: with the guarantee (see :func:`dpfedavg.checkpoint.privacy_signature`).
+    #: with the guarantee (see :func:`dpfedavg.io.checkpoint.privacy_signature`).
     privacy: bool = False
 
     @property

@@ -22,7 +22,7 @@ signal.signal(signal.SIGTERM, _terminate)
 @pytest.fixture(autouse=True)
 def _flower_task_identity():
     """Let tests create Flower Messages outside a run (Flower needs a task identity)."""
-    from dpfedavg.testing import ensure_task_identity
+    from dpfedavg.flower.testing import ensure_task_identity
 
     ensure_task_identity()
     yield

@@ -12,9 +12,6 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from dpfedavg import server_app
-from dpfedavg.checkpoint import load_checkpoint
-from dpfedavg.client_app import app as client_app
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import noise_rng, private_block_update
 from dpfedavg.core.adaptive_clip import (
@@ -28,9 +25,12 @@ from dpfedavg.core.adaptive_clip import (
 from dpfedavg.core.noise import round_noise_law
 from dpfedavg.core.types import ClientResult
 from dpfedavg.engines.batched import run_batched
+from dpfedavg.flower import server_app
+from dpfedavg.flower.client_app import app as client_app
+from dpfedavg.flower.testing import InProcessGrid
+from dpfedavg.io.checkpoint import load_checkpoint
 from dpfedavg.privacy.accounting import epsilon_for, plan_privacy
 from dpfedavg.server.dp_server import DPServer
-from dpfedavg.testing import InProcessGrid
 
 
 def _cfg(**overrides) -> RunConfig:

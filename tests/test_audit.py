@@ -1,4 +1,4 @@
-"""The privacy auditor (dpfedavg/audit.py): it catches the old variance leak, finds no violation in the fixed
+"""The privacy auditor (dpfedavg/privacy/audit.py): it catches the old variance leak, finds no violation in the fixed
 placements, is not toothless, and its exact-epsilon check agrees with closed forms and Monte Carlo."""
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from dpfedavg.audit import (
+from dpfedavg.core.mechanism import ADD_REMOVE, get_placement, released_sum
+from dpfedavg.core.server import poisson_sample
+from dpfedavg.privacy.accounting import calibrate_noise_multiplier, epsilon_for
+from dpfedavg.privacy.audit import (
     AuditSetting,
     _delta_of_pair,
     epsilon_lower_bound,
@@ -22,9 +25,6 @@ from dpfedavg.audit import (
     released_sums_batch,
     run_audit,
 )
-from dpfedavg.core.mechanism import ADD_REMOVE, get_placement, released_sum
-from dpfedavg.core.server import poisson_sample
-from dpfedavg.privacy.accounting import calibrate_noise_multiplier, epsilon_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIP = 50.0

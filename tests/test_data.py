@@ -234,7 +234,7 @@ def test_missing_dataset_says_what_to_download_and_where(tmp_path: Path, monkeyp
 def test_missing_dataset_through_the_server_app_is_one_error_line(tmp_path: Path, monkeypatch) -> None:
     from flwr.app import Context, RecordDict
 
-    from dpfedavg import server_app
+    from dpfedavg.flower import server_app
 
     _offline(monkeypatch)
     records: list[logging.LogRecord] = []
@@ -306,7 +306,7 @@ def test_non_cifar_tasks_never_import_torch(tmp_path: Path) -> None:
         f"task = build_task(RunConfig(task='digits', cache_dir={str(tmp_path)!r}))\n"
         "task.client_grad_fn(0)(task.initial_weights())\n"
         "task.evaluate(task.initial_weights())\n"
-        "import dpfedavg.client_app, dpfedavg.server_app\n"
+        "import dpfedavg.flower.client_app, dpfedavg.flower.server_app\n"
         "assert 'torch' not in sys.modules and 'torchvision' not in sys.modules, 'torch imported'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -314,9 +314,9 @@ def test_non_cifar_tasks_never_import_torch(tmp_path: Path) -> None:
 
 
 def test_digits_training_is_far_above_chance(tmp_path: Path) -> None:
-    from dpfedavg import server_app
-    from dpfedavg.client_app import app as client_app
-    from dpfedavg.testing import InProcessGrid
+    from dpfedavg.flower import server_app
+    from dpfedavg.flower.client_app import app as client_app
+    from dpfedavg.flower.testing import InProcessGrid
 
     accuracy = {}
     for algorithm in ("norm", "none"):

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpfedavg import server_app
-from dpfedavg.client_app import app as client_app
 from dpfedavg.config import RunConfig
 from dpfedavg.engines.batched import run_batched
+from dpfedavg.experiments.sweep import cell_done, make_cell, run_cells
 from dpfedavg.experiments.synthetic import SYNTHETIC_COLUMNS
 from dpfedavg.experiments.table1 import TABLE1_COLUMNS, markdown
-from dpfedavg.sweep import cell_done, make_cell, run_cells
-from dpfedavg.testing import InProcessGrid
+from dpfedavg.flower import server_app
+from dpfedavg.flower.client_app import app as client_app
+from dpfedavg.flower.testing import InProcessGrid
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def _cells(out: Path, rounds: int = 3) -> list:
 
 
 def test_sweep_resumes_and_reruns_only_missing_or_stale_cells(tmp_path: Path, monkeypatch) -> None:
-    import dpfedavg.sweep as sweep
+    import dpfedavg.experiments.sweep as sweep
 
     ran: list[str] = []
     real = sweep._run_batched_cell
@@ -158,7 +158,7 @@ def test_run_sim_rejects_bad_flags_before_running(args: list[str], fragment: str
 
 
 def test_ray_address_without_ray_is_one_clear_error(monkeypatch) -> None:
-    from dpfedavg.sweep import SweepError, check_ray_address
+    from dpfedavg.experiments.sweep import SweepError, check_ray_address
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     with pytest.raises(SweepError, match="--ray-address needs ray"):

@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from flwr.app import Context, Message, RecordDict
 
-from dpfedavg import server_app
-from dpfedavg.client_app import app as client_app
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED
+from dpfedavg.flower import server_app
+from dpfedavg.flower.client_app import app as client_app
+from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.privacy.accounting import (
     RoundAccountant,
     RoundEvent,
@@ -26,8 +28,6 @@ from dpfedavg.privacy.accounting import (
     realized_noise_multiplier,
 )
 from dpfedavg.server.dp_server import DPServer
-from dpfedavg.strategies import DPFedAvg
-from dpfedavg.testing import InProcessGrid
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -200,7 +200,7 @@ def _aggregate_noise(placement: str, rounds: int, seed: int, dropped: frozenset[
     strategy.discover_clients(grid)
     from flwr.app import ConfigRecord
 
-    from dpfedavg.protocol import ARRAYS, to_array_record
+    from dpfedavg.flower.protocol import ARRAYS, to_array_record
 
     samples = []
     w = np.zeros(200)
@@ -348,7 +348,7 @@ def test_privacy_cli_bad_flags(flags: list[str], fragment: str) -> None:
 
 # ------------------------------------------------------------------ secure mode
 def _seeded_train_message(cfg: RunConfig, node: int, dim: int) -> Message:
-    from dpfedavg.protocol import ARRAYS, CONFIG, instructions_to_config_record, to_array_record
+    from dpfedavg.flower.protocol import ARRAYS, CONFIG, instructions_to_config_record, to_array_record
 
     ins = DPServer(cfg, dim).instructions(3, cfg.num_clients)
     assert ins.noise_seed != SECURE_NOISE_SEED  # the server sends a replayable seed
@@ -359,7 +359,7 @@ def _seeded_train_message(cfg: RunConfig, node: int, dim: int) -> Message:
 @pytest.mark.parametrize("node_says", [True, False], ids=["node-secure", "node-default"])
 def test_the_client_enforces_secure_noise_from_its_own_node_config(node_says: bool) -> None:
     """A SuperNode started with secure-noise=true ignores the server's noise seed; by default it follows it."""
-    from dpfedavg.protocol import ARRAYS, METRICS, UPDATE_KEY
+    from dpfedavg.flower.protocol import ARRAYS, METRICS, UPDATE_KEY
 
     dim = 2000
     cfg = RunConfig.from_run_config({"num-clients": 4, "clients-per-round": 4.0, "dim": dim, "epsilon": 0.0,
@@ -444,8 +444,8 @@ def _pair_variances(placement: str, z: float, c: float, n: int) -> tuple[float, 
     included; the variance is what the placement object says the clients and the server add
     (``AuditSetting.sum_variance``, without the auditor's rounding snap).
     """
-    from dpfedavg.audit import AuditSetting
     from dpfedavg.core.mechanism import ZERO_OUT
+    from dpfedavg.privacy.audit import AuditSetting
 
     setting = AuditSetting(placement, n, float(n), dim=1, rounds=1, noise_multiplier=z, clip=c, delta=1e-6)
     v1 = setting.sum_variance(n)
@@ -464,7 +464,7 @@ def test_reported_epsilon_is_the_true_privacy_loss_of_each_placement(n, dim, rou
     a slightly pessimistic discretization). The old `client` placement (legacy-client) has v0 != v1, and
     the true epsilon is far above what it reported: 9.4 against 5.0 for the old default run.
     """
-    from dpfedavg.audit import exact_epsilon_gaussian_pair
+    from dpfedavg.privacy.audit import exact_epsilon_gaussian_pair
 
     c = 50.0
     z = calibrate_noise_multiplier(epsilon, delta, 1.0, rounds, "pld")

@@ -23,7 +23,7 @@ from dpfedavg.config import RunConfig
 from dpfedavg.deploy.ray_loopback import LoopbackRayCluster
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.engines.local_superlink import LocalSuperLink
-from dpfedavg.sweep import RAY_TASK_FILE
+from dpfedavg.experiments.sweep import RAY_TASK_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -13,14 +13,12 @@ import numpy as np
 import pytest
 from flwr.app import Context, Message, MetricRecord, RecordDict
 
-from dpfedavg import checkpoint as ckpt_mod
-from dpfedavg import server_app
-from dpfedavg.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
-from dpfedavg.client_app import app as client_app
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED
 from dpfedavg.engines.batched import run_batched
-from dpfedavg.protocol import (
+from dpfedavg.flower import server_app
+from dpfedavg.flower.client_app import app as client_app
+from dpfedavg.flower.protocol import (
     ARRAYS,
     CONFIG,
     DIAGNOSTICS,
@@ -29,8 +27,10 @@ from dpfedavg.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.strategies import DPFedAvg
-from dpfedavg.testing import InProcessGrid
+from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.testing import InProcessGrid
+from dpfedavg.io import checkpoint as ckpt_mod
+from dpfedavg.io.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
 
 BASE = {
     "task": "quadratic",

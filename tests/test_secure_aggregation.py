@@ -12,8 +12,6 @@ from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.quantization import quantize
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
-from dpfedavg import server_app
-from dpfedavg.client_app import app as client_app
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import SecAggGrid, Stream, client_round_update, gaussian_noise, make_rng, normalize
 from dpfedavg.core.secagg import (
@@ -24,12 +22,14 @@ from dpfedavg.core.secagg import (
     quantization_error_bound,
 )
 from dpfedavg.engines.batched import run_batched
+from dpfedavg.flower import server_app
+from dpfedavg.flower.client_app import app as client_app
+from dpfedavg.flower.secure_aggregation import workflow_for
+from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.privacy import plan_privacy
 from dpfedavg.privacy.accounting import epsilon_for
-from dpfedavg.strategies import DPFedAvg
-from dpfedavg.strategies.secure_aggregation import workflow_for
 from dpfedavg.tasks import build_task
-from dpfedavg.testing import InProcessGrid
 
 # ------------------------------------------------------------------ encoding
 

@@ -10,12 +10,12 @@ import pytest
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from reference import run_reference_for
 
-from dpfedavg import server_app
-from dpfedavg.client_app import app as client_app
 from dpfedavg.config import RunConfig
 from dpfedavg.core import Stream, make_rng, poisson_sample, round_noise_seed
-from dpfedavg.privacy import plan_privacy
-from dpfedavg.protocol import (
+from dpfedavg.flower import server_app
+from dpfedavg.flower.client_app import app as client_app
+from dpfedavg.flower.federation import FederationError
+from dpfedavg.flower.protocol import (
     ARRAYS,
     CONFIG,
     METRICS,
@@ -24,8 +24,9 @@ from dpfedavg.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.strategies import DPFedAvg, FederationError
-from dpfedavg.testing import InProcessGrid, superlink_unavailable_reply
+from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.testing import InProcessGrid, superlink_unavailable_reply
+from dpfedavg.privacy import plan_privacy
 
 DIM = 6
 
@@ -410,7 +411,7 @@ def _replying(make_content) -> Callable:
 def _good(pid: int, value: float = 1.0, clean_norm: float | None = None) -> RecordDict:
     from flwr.app import Array, ArrayRecord
 
-    from dpfedavg.protocol import CLEAN_UPDATE_KEY, DIAGNOSTICS
+    from dpfedavg.flower.protocol import CLEAN_UPDATE_KEY, DIAGNOSTICS
 
     content = RecordDict({ARRAYS: to_array_record(np.full(DIM, value), UPDATE_KEY),
                           METRICS: MetricRecord({"update-norm": 1.0})})  # fmt: skip

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MetricRecord
 
-from dpfedavg import server_app
-from dpfedavg.client_app import app as client_app
-from dpfedavg.client_app import hosted_clients
 from dpfedavg.config import ConfigError, RunConfig
-from dpfedavg.protocol import (
+from dpfedavg.flower import server_app
+from dpfedavg.flower.client_app import app as client_app
+from dpfedavg.flower.client_app import hosted_clients
+from dpfedavg.flower.federation import FederationError
+from dpfedavg.flower.protocol import (
     ARRAYS,
     CLIENT_IDS,
     METRICS,
@@ -25,8 +26,8 @@ from dpfedavg.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.strategies import DPFedAvg, FederationError
-from dpfedavg.testing import InProcessGrid, superlink_unavailable_reply
+from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.testing import InProcessGrid, superlink_unavailable_reply
 
 CASES = {
     "quadratic-noise": {"task": "quadratic", "dim": 30, "num-clients": 12, "clients-per-round": 6.0,

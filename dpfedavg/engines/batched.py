@@ -156,7 +156,7 @@ def run_batched(
     from dpfedavg.privacy.accounting import plan_privacy
     from dpfedavg.server.dp_server import DPServer
     from dpfedavg.server.loop import run_rounds
-    from dpfedavg.session import RunSession
+    from dpfedavg.server.session import RunSession
 
     threads = threads if threads is not None else (os.cpu_count() or 1)
     plan = plan if plan is not None else plan_privacy(cfg)

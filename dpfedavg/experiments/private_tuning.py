@@ -83,13 +83,13 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfedavg.config import ConfigError
 from dpfedavg.experiments.adaptive import ADAPTIVE, sweep_count_stddev
+from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
 from dpfedavg.privacy.accounting import (
     RoundEvent,
     calibrate_noise_multiplier,
     epsilon_for,
     smallest_noise_multiplier,
 )
-from dpfedavg.sweep import Cell, make_cell, run_cells
 
 __all__ = [
     "PRIVATE_TUNING_COLUMNS",

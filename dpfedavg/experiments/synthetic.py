@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values
-from dpfedavg.sweep import Cell, make_cell, run_cells
+from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
 
 __all__ = ["SYNTHETIC_COLUMNS", "synthetic_cells", "run_synthetic"]
 

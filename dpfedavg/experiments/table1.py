@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values, clip_curves
-from dpfedavg.sweep import Cell, make_cell, run_cells
+from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
 
 __all__ = ["CLIPS", "DEFAULT_ROUNDS", "LEARNING_RATES", "PAPER_TABLE1", "run_table1", "table1_cells"]
 

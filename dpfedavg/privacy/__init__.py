@@ -1,7 +1,7 @@
 """Privacy: the accountant (dp-accounting) and the privacy plan of a run. No Flower import.
 
 The noise placements themselves (what is added and what is accounted) are
-:mod:`dpfedavg.core.mechanism`; the empirical auditor is :mod:`dpfedavg.audit`.
+:mod:`dpfedavg.core.mechanism`; the empirical auditor is :mod:`dpfedavg.privacy.audit`.
 """
 
 from dpfedavg.privacy.accounting import (

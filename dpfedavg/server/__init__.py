@@ -1,6 +1,6 @@
 """The server side of Alg. 1 / Alg. 2 without Flower: state, per-round math, budget, secure-aggregation checks.
 
-The Flower strategy (:mod:`dpfedavg.strategies`) and the batched engine
+The Flower strategy (:mod:`dpfedavg.flower.strategy`) and the batched engine
 (:mod:`dpfedavg.engines.batched`) both drive :class:`DPServer`. No Flower import.
 """
 

@@ -19,7 +19,7 @@ the clients' vectors have one more coordinate (their noised count of unclipped u
 placement sees the augmented bound ``C_aug`` instead of ``C``, and closing a round splits the count off,
 releases ``b_k`` and moves to ``C_{k+1}`` (Andrew et al. 2021).
 
-The Flower strategy (:class:`~dpfedavg.strategies.DPFedAvg`) and the batched
+The Flower strategy (:class:`~dpfedavg.flower.strategy.DPFedAvg`) and the batched
 engine (:mod:`dpfedavg.engines.batched`) both drive this class, so the two
 engines run the same server math.
 """
@@ -364,7 +364,7 @@ class DPServer:
 
     # ------------------------------------------------------------ checkpoint
     def state(self) -> dict[str, Any]:
-        """What a checkpoint needs from the server after a round (see :mod:`dpfedavg.checkpoint`)."""
+        """What a checkpoint needs from the server after a round (see :mod:`dpfedavg.io.checkpoint`)."""
         if self._round is not None:
             raise RuntimeError(f"cannot checkpoint in the middle of round {self._round}")
         history = self.accountant.history if self.accountant is not None else []

@@ -294,7 +294,7 @@ class TorchTask:
         self.name = name or cfg.task
         self.num_clients = cfg.num_clients
         self.device = resolve_device(cfg.device)
-        from dpfedavg.runtime import in_app_process
+        from dpfedavg.flower.runtime import in_app_process
 
         if in_app_process() and self.device.type == "cpu":  # parallelism comes from the Ray actors (runtime.py)
             self.torch.set_num_threads(1)

@@ -10,11 +10,12 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.flower.federation import FederationError
+from dpfedavg.flower.protocol import from_array_record, to_array_record
+from dpfedavg.flower.runtime import setup_app_process
+from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.privacy import PrivacyPlan, plan_privacy
-from dpfedavg.protocol import from_array_record, to_array_record
-from dpfedavg.runtime import setup_app_process
-from dpfedavg.session import RunSession
-from dpfedavg.strategies import DPFedAvg, FederationError
+from dpfedavg.server.session import RunSession
 from dpfedavg.tasks import build_task
 from dpfedavg.tasks.datasets import DataUnavailableError
 

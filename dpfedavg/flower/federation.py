@@ -20,7 +20,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from dpfedavg.config import RunConfig
-from dpfedavg.protocol import CONFIG, METRICS, NUM_PARTITIONS, PARTITION_ID, QUERY
+from dpfedavg.flower.protocol import CONFIG, METRICS, NUM_PARTITIONS, PARTITION_ID, QUERY
 
 __all__ = ["Federation", "FederationError"]
 

@@ -18,7 +18,7 @@ from flwr.compat.common import recorddict_compat as compat
 from dpfedavg.config import RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED, GradFn, client_round_update
 from dpfedavg.core.types import RoundInstructions
-from dpfedavg.protocol import (
+from dpfedavg.flower.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
     CLIENT_IDS,
@@ -37,7 +37,7 @@ from dpfedavg.protocol import (
     instructions_from_config_record,
     to_array_record,
 )
-from dpfedavg.runtime import setup_app_process
+from dpfedavg.flower.runtime import setup_app_process
 from dpfedavg.tasks import Task, build_task
 
 app = ClientApp()

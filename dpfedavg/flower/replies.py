@@ -1,7 +1,7 @@
 """A round's TRAIN replies, client by client: what the server sums, and who failed, was rejected or dropped out.
 
-The message-level checks are :mod:`dpfedavg.protocol`'s (:func:`~dpfedavg.protocol.parse_train_reply`
-for a SuperNode that is one client, :func:`~dpfedavg.protocol.parse_block_reply` for a SuperNode
+The message-level checks are :mod:`dpfedavg.flower.protocol`'s (:func:`~dpfedavg.flower.protocol.parse_train_reply`
+for a SuperNode that is one client, :func:`~dpfedavg.flower.protocol.parse_block_reply` for a SuperNode
 hosting a block of virtual clients); this module turns the replies of one round into per-client
 results and counts for :meth:`dpfedavg.server.dp_server.DPServer.finish_round`:
 
@@ -27,7 +27,7 @@ from flwr.app import Message
 from flwr.common.constant import ErrorCode
 
 from dpfedavg.core.types import ClientResult
-from dpfedavg.protocol import parse_block_reply, parse_train_reply
+from dpfedavg.flower.protocol import parse_block_reply, parse_train_reply
 
 __all__ = ["RoundReplies", "collect_replies"]
 

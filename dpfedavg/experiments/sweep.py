@@ -139,8 +139,8 @@ def _ray_cell(values: dict) -> dict:
 
     import ray
 
-    from dpfedavg.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-    from dpfedavg.results import write_config_json
+    from dpfedavg.io.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+    from dpfedavg.io.results import write_config_json
 
     _quiet_worker()
     t0 = time.monotonic()
@@ -168,7 +168,7 @@ def _ray_cell(values: dict) -> dict:
 
 def _write_cell_files(cell: Cell, result: dict) -> None:
     """Write a Ray cell's files; config.json last, so a cell counts as done only when all its files are there."""
-    from dpfedavg.results import atomic_write_bytes
+    from dpfedavg.io.results import atomic_write_bytes
 
     directory = cell.directory
     directory.mkdir(parents=True, exist_ok=True)

@@ -19,14 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from dpfedavg.checkpoint import (
-    CHECKPOINT_FILE,
-    Checkpoint,
-    check_compatible,
-    load_checkpoint,
-    privacy_signature,
-    save_checkpoint,
-)
 from dpfedavg.config import RunConfig
 from dpfedavg.core import server_noise_std
 from dpfedavg.core.adaptive_clip import update_noise_multiplier
@@ -34,8 +26,16 @@ from dpfedavg.core.dp import get_bound
 from dpfedavg.core.mechanism import get_placement
 from dpfedavg.core.secagg import quantization_error_bound
 from dpfedavg.core.types import Vector
+from dpfedavg.io.checkpoint import (
+    CHECKPOINT_FILE,
+    Checkpoint,
+    check_compatible,
+    load_checkpoint,
+    privacy_signature,
+    save_checkpoint,
+)
+from dpfedavg.io.results import RunRecorder, package_versions
 from dpfedavg.privacy.accounting import PrivacyPlan
-from dpfedavg.results import RunRecorder, package_versions
 from dpfedavg.server.dp_server import DPServer, RoundStats, secagg_privacy_terms
 from dpfedavg.tasks import Task
 

@@ -13,7 +13,7 @@ The server math (sampling, aggregation, momentum, schedules, accounting, the
 random iterate) lives in :class:`~dpfedavg.server.dp_server.DPServer`, shared
 with the batched engine. Which node hosts which clients is
 :mod:`.federation`'s, the per-client reply checks :mod:`.replies`'
-(message layout: :mod:`dpfedavg.protocol`); this module builds the round's
+(message layout: :mod:`dpfedavg.flower.protocol`); this module builds the round's
 messages (one per node, naming its sampled clients when it hosts several) and
 hands the checked results to the server.
 """
@@ -32,8 +32,8 @@ from flwr.serverapp.strategy import Result, Strategy
 from dpfedavg.config import RunConfig
 from dpfedavg.core.dp import get_bound
 from dpfedavg.core.types import RoundInstructions, Vector
-from dpfedavg.privacy.accounting import PrivacyPlan
-from dpfedavg.protocol import (
+from dpfedavg.flower.federation import Federation
+from dpfedavg.flower.protocol import (
     ARRAYS,
     CLIENT_IDS,
     CONFIG,
@@ -41,11 +41,11 @@ from dpfedavg.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
+from dpfedavg.flower.replies import collect_replies
+from dpfedavg.flower.secure_aggregation import SecureSum, secure_sum, workflow_for
+from dpfedavg.privacy.accounting import PrivacyPlan
 from dpfedavg.server.dp_server import DPServer, RoundStats
 from dpfedavg.server.loop import run_rounds
-from dpfedavg.strategies.federation import Federation
-from dpfedavg.strategies.replies import collect_replies
-from dpfedavg.strategies.secure_aggregation import SecureSum, secure_sum, workflow_for
 
 __all__ = ["DPFedAvg", "FlowerRunner"]
 

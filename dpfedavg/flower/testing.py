@@ -7,7 +7,7 @@ callable) directly, one node after the other. Message contents are
 deep-copied on the way in and out, as serialization would. It exists so that
 strategies can be tested in isolation, quickly and deterministically:
 
->>> from dpfedavg.client_app import app as client_app
+>>> from dpfedavg.flower.client_app import app as client_app
 >>> grid = InProcessGrid(client_app, num_nodes=10, run_config={...})  # doctest: +SKIP
 >>> strategy.start(grid=grid, initial_arrays=...)  # doctest: +SKIP
 
@@ -52,7 +52,7 @@ class InProcessGrid(Grid):
     Parameters
     ----------
     client_fn:
-        Usually :data:`dpfedavg.client_app.app`; any ``(Message, Context) -> Message | None``.
+        Usually :data:`dpfedavg.flower.client_app.app`; any ``(Message, Context) -> Message | None``.
     num_nodes:
         Number of SuperNodes; node ``j`` gets ``partition-id`` ``partition_ids[j]``.
     run_config:

@@ -1,0 +1,1 @@
+"""Run outputs on disk: ``metrics.csv``, ``config.json``, ``model.npz`` and the checkpoint."""

@@ -50,7 +50,7 @@ audit
     under zero-out) and reports a statistically valid lower bound on epsilon
     next to the accountant's epsilon (see dpfedavg/privacy/audit.py)::
 
-        python run_sim.py audit [--placement client-calibrated|client|server|legacy-client]
+        python run_sim.py audit [--placement client-calibrated|client|server]
             [--num-clients 100] [--clients-per-round R] [--dim 200] [--rounds 200]
             [--epsilon 5 | --noise-multiplier Z] [--delta 1e-6] [--clip 50] [--trials 1000]
             [--seed 0] [--confidence 0.95] [--accountant pld|rdp] [--plot roc.png] [--json]
@@ -65,9 +65,11 @@ allowed) and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -103,56 +105,27 @@ def _as_flags(message: str, flags: dict[str, str]) -> str:
     return message
 
 
-def privacy_report(
-    *,
-    epsilon: float,
-    delta: float,
-    num_clients: int,
-    clients_per_round: float,
-    rounds: int,
-    accountant: str,
-    clip: float,
-) -> dict[str, Any]:
-    """Calibrate z for (epsilon, delta) and compare accountants and the paper's formula."""
+def _privacy_report(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate the flags as a run config (one error naming the flag), then the library's report."""
     from dpfedavg.config import ConfigError, RunConfig
-    from dpfedavg.privacy.accounting import calibrate_noise_multiplier, epsilon_for, paper_sigma
+    from dpfedavg.privacy.calibration import privacy_report
+    from dpfedavg.privacy.params import DpParams
 
     try:
-        cfg = RunConfig.from_run_config(
-            {
-                "epsilon": epsilon,
-                "delta": delta,
-                "num-clients": num_clients,
-                "clients-per-round": clients_per_round,
-                "num-rounds": rounds,
-                "accountant": accountant,
-                "clip": clip,
-            }
+        cfg = RunConfig(
+            epsilon=args.epsilon,
+            delta=args.delta,
+            num_clients=args.num_clients,
+            clients_per_round=args.clients_per_round,
+            num_rounds=args.rounds,
+            accountant=args.accountant,
+            clip=args.clip,
         )
     except ConfigError as err:
         _fail(_as_flags(str(err), _PRIVACY_FLAGS))
     if not cfg.epsilon > 0:
-        _fail(f"--epsilon = {epsilon!r}: expected a float > 0")
-    q = cfg.sampling_rate
-    z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, q, cfg.num_rounds, cfg.accountant)
-    sigma = z * cfg.clip / cfg.clients_per_round
-    sigma_paper = paper_sigma(cfg.epsilon, cfg.delta, cfg.num_clients, cfg.num_rounds, cfg.clip)
-    return {
-        "noise_multiplier": z,
-        "sigma": sigma,
-        "epsilon_rdp": epsilon_for(z, q, cfg.num_rounds, cfg.delta, "rdp"),
-        "epsilon_pld": epsilon_for(z, q, cfg.num_rounds, cfg.delta, "pld"),
-        "accountant": cfg.accountant,
-        "target_epsilon": cfg.epsilon,
-        "delta": cfg.delta,
-        "q": q,
-        "rounds": cfg.num_rounds,
-        "clip": cfg.clip,
-        "clients_per_round": cfg.clients_per_round,
-        "num_clients": cfg.num_clients,
-        "paper_sigma_constant_1": sigma_paper,
-        "paper_constant_implied": (sigma / sigma_paper) ** 2,
-    }
+        _fail(f"--epsilon = {args.epsilon!r}: expected a float > 0")
+    return privacy_report(DpParams.from_config(cfg), clip=cfg.clip)
 
 
 def _check_common(args: argparse.Namespace) -> None:
@@ -291,15 +264,10 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
-    from dpfedavg.experiments.private_tuning import (
-        TUNED_ALGORITHMS,
-        TrialCount,
-        plan_trials,
-        run_private_tuning,
-        tuning_dir,
-    )
+    from dpfedavg.experiments.private_tuning import TUNED_ALGORITHMS, plan_trials, run_private_tuning, tuning_dir
     from dpfedavg.experiments.sweep import SweepError
     from dpfedavg.experiments.table1 import table1_cells
+    from dpfedavg.privacy.selection import TrialCount
     from dpfedavg.tasks.datasets import DataUnavailableError
 
     out = Path(args.out.replace("<dataset>", args.dataset))
@@ -340,13 +308,8 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
 
 
 def _add_private_tuning_flags(p: argparse.ArgumentParser) -> None:
-    from dpfedavg.experiments.private_tuning import (
-        DEFAULT_DISTRIBUTION,
-        DEFAULT_MEAN,
-        DEFAULT_REPETITIONS,
-        DEFAULT_SHAPE,
-        TRIAL_DISTRIBUTIONS,
-    )
+    from dpfedavg.experiments.private_tuning import DEFAULT_REPETITIONS
+    from dpfedavg.privacy.selection import DEFAULT_DISTRIBUTION, DEFAULT_MEAN, DEFAULT_SHAPE, TRIAL_DISTRIBUTIONS
 
     p.add_argument("--private-tuning", action="store_true",
                    help="also tune (C, eta_0) privately: a random number of trials, the best released, "
@@ -401,15 +364,7 @@ def _cmd_scale(args: argparse.Namespace) -> None:
 
 
 def _cmd_privacy(args: argparse.Namespace) -> None:
-    report = privacy_report(
-        epsilon=args.epsilon,
-        delta=args.delta,
-        num_clients=args.num_clients,
-        clients_per_round=args.clients_per_round,
-        rounds=args.rounds,
-        accountant=args.accountant,
-        clip=args.clip,
-    )
+    report = _privacy_report(args)
     if args.json:
         print(json.dumps(report))
         return
@@ -428,50 +383,38 @@ def _cmd_privacy(args: argparse.Namespace) -> None:
 
 
 def _cmd_audit(args: argparse.Namespace) -> None:
-    from dpfedavg.privacy.accounting import calibrate_noise_multiplier
-    from dpfedavg.privacy.audit import AUDIT_PLACEMENTS, AuditSetting, plot_roc, run_audit
+    from dpfedavg.privacy.audit import AuditSetting, plot_roc, run_audit
+    from dpfedavg.privacy.calibration import calibrate_noise_multiplier
 
-    allowed = ", ".join(AUDIT_PLACEMENTS)
-    _fail_unless(args.placement in AUDIT_PLACEMENTS, f"--placement {args.placement!r}: expected one of {allowed}")
-    _fail_unless(args.num_clients >= 2, f"--num-clients {args.num_clients}: expected an integer >= 2")
-    r = float(args.num_clients) if args.clients_per_round is None else args.clients_per_round
-    _fail_unless(
-        0 < r <= args.num_clients,
-        f"--clients-per-round {r:g}: expected a number in (0, --num-clients = {args.num_clients}]",
-    )
-    if args.placement in ("client", "legacy-client"):
-        _fail_unless(
-            r == args.num_clients,
-            f"--placement {args.placement} needs q = 1: --clients-per-round ({r:g}) must equal "
-            f"--num-clients ({args.num_clients})",
-        )
-    _fail_unless(args.dim >= 1, f"--dim {args.dim}: expected an integer >= 1")
-    _fail_unless(args.rounds >= 1, f"--rounds {args.rounds}: expected an integer >= 1")
     _fail_unless(args.trials >= 10, f"--trials {args.trials}: expected an integer >= 10")
-    _fail_unless(0 < args.delta < 1, f"--delta {args.delta!r}: expected a float in (0, 1)")
     _fail_unless(0 < args.confidence < 1, f"--confidence {args.confidence!r}: expected a float in (0, 1)")
-    _fail_unless(args.clip > 0, f"--clip {args.clip!r}: expected a float > 0")
+    r = float(args.num_clients) if args.clients_per_round is None else args.clients_per_round
     if args.noise_multiplier is not None:
         _fail_unless(args.epsilon is None, "--epsilon and --noise-multiplier: give one of them, not both")
-        _fail_unless(args.noise_multiplier > 0, f"--noise-multiplier {args.noise_multiplier!r}: expected a float > 0")
-        z = args.noise_multiplier
-    else:
-        epsilon = 5.0 if args.epsilon is None else args.epsilon
-        _fail_unless(epsilon > 0, f"--epsilon {epsilon!r}: expected a float > 0")
-        z = calibrate_noise_multiplier(epsilon, args.delta, r / args.num_clients, args.rounds, args.accountant)
+    epsilon = 5.0 if args.epsilon is None else args.epsilon
+    _fail_unless(epsilon > 0, f"--epsilon {epsilon!r}: expected a float > 0")
+    try:  # the setting checks n, r, d, K, C, z, delta, the placement and its participation rule
+        setting = AuditSetting(
+            placement=args.placement,
+            num_clients=args.num_clients,
+            clients_per_round=r,
+            dim=args.dim,
+            rounds=args.rounds,
+            noise_multiplier=args.noise_multiplier if args.noise_multiplier is not None else 1.0,
+            clip=args.clip,
+            delta=args.delta,
+            accountant=args.accountant,
+        )
+    except ValueError as err:
+        message = str(err)
+        for name, flag in _AUDIT_FLAGS.items():
+            message = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", flag, message)
+        _fail(message)
+    if args.noise_multiplier is None:
+        z = calibrate_noise_multiplier(epsilon, args.delta, setting.q, args.rounds, args.accountant)
+        setting = dataclasses.replace(setting, noise_multiplier=z)
     if not args.verbose:
         logging.getLogger("dpfedavg").setLevel(logging.WARNING)
-    setting = AuditSetting(
-        placement=args.placement,
-        num_clients=args.num_clients,
-        clients_per_round=r,
-        dim=args.dim,
-        rounds=args.rounds,
-        noise_multiplier=z,
-        clip=args.clip,
-        delta=args.delta,
-        accountant=args.accountant,
-    )
     progress = not args.json and sys.stderr.isatty()
     result = run_audit(setting, args.trials, seed=args.seed, confidence=args.confidence, progress=progress)
     report = result.as_dict()
@@ -505,6 +448,20 @@ def _cmd_audit(args: argparse.Namespace) -> None:
         print(f"  ROC: {r_['plot']}")
 
 
+#: AuditSetting's field names -> the audit command's flags, to phrase its errors in flags.
+_AUDIT_FLAGS = {
+    "num_clients": "--num-clients",
+    "clients_per_round": "--clients-per-round",
+    "dim": "--dim",
+    "rounds": "--rounds",
+    "noise_multiplier": "--noise-multiplier",
+    "clip": "--clip",
+    "delta": "--delta",
+    "'clients-per-round'": "--clients-per-round",
+    "'num-clients'": "--num-clients",
+}
+
+
 def _add_sweep_flags(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--engine", choices=("batched", "flower"), default="batched", help="default: batched")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cells run in parallel (default: CPUs)")
@@ -521,13 +478,20 @@ def _add_sweep_flags(p: argparse.ArgumentParser, default_out: str) -> None:
 
 
 def _add_algorithms_flag(p: argparse.ArgumentParser) -> None:
-    choices = ("clip", "norm", "adaptive-clip")
+    from dpfedavg.core.dp import BOUNDS
+
+    choices = tuple(name for name, bound in BOUNDS.items() if bound.private)
     p.add_argument("--algorithms", nargs="+", choices=choices, default=None,
-                   help="private algorithms of the grid (default: all three; with --private-tuning: clip norm; "
-                        "adaptive-clip: C is C_0)")  # fmt: skip
+                   help="private algorithms of the grid (default: all of them; with --private-tuning: the paper's "
+                        "two; adaptive-clip: C is C_0)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
+    from dpfedavg.config import RunConfig
+    from dpfedavg.core.mechanism import PLACEMENTS
+    from dpfedavg.privacy.accountants import ACCOUNTANTS
+
+    defaults = RunConfig()
     parser = argparse.ArgumentParser(
         prog="run_sim.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -567,12 +531,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-clients", type=int, required=True, help="n")
     p.add_argument("--clients-per-round", type=float, required=True, help="r (expected cohort); q = r/n")
     p.add_argument("--rounds", type=int, required=True, help="K")
-    p.add_argument("--accountant", choices=("rdp", "pld"), default="pld", help="accountant used to calibrate z")
+    p.add_argument("--accountant", choices=tuple(ACCOUNTANTS), default=defaults.accountant,
+                   help=f"accountant used to calibrate z (default {defaults.accountant})")  # fmt: skip
     p.add_argument("--clip", type=float, default=50.0, help="C, for sigma = z C / r (default 50)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_privacy)
 
-    p = sub.add_parser("scale", help="speed and memory of one engine at n clients (issue 7's benchmark)")
+    p = sub.add_parser("scale", help="speed and memory of one engine at n clients (the scale benchmark)")
     p.add_argument("--num-clients", type=int, required=True, help="n (q = 0.2; try 100, 1000, 5000, 10000)")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds after one warm-up (default 5)")
     p.add_argument("--engine", choices=("flower", "batched", "loop"), default="flower", help="default: flower")
@@ -580,10 +545,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients-per-node", type=int, default=None,
                    help="flower: virtual clients per simulated SuperNode (default: ceil(n / 20), the recommended "
                    "setup; 1 = one SuperNode per client)")  # fmt: skip
-    p.add_argument("--noise-placement", choices=("client-calibrated", "client", "server"), default="client-calibrated",
-                   help="default: client (z_k varies with the reply count, so the PLD accountant builds a new "
-                   "distribution every round)")  # fmt: skip
-    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld", help="default: pld")
+    p.add_argument("--noise-placement", choices=tuple(PLACEMENTS), default=defaults.noise_placement,
+                   help=f"default: {defaults.noise_placement}")  # fmt: skip
+    p.add_argument("--accountant", choices=tuple(ACCOUNTANTS), default=defaults.accountant,
+                   help=f"default: {defaults.accountant}")  # fmt: skip
     p.add_argument("--secure-aggregation", action="store_true", help="aggregate through SecAgg+ (with secure noise)")
     p.add_argument("--num-shares", type=float, default=11.0,
                    help="with --secure-aggregation: secagg-num-shares (default 11; 1.0 = every pair)")  # fmt: skip
@@ -592,9 +557,8 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=_cmd_scale)
 
     p = sub.add_parser("audit", help="empirical lower bound on epsilon vs the accountant's (privacy auditor)")
-    p.add_argument("--placement", default="client-calibrated",
-                   help="client-calibrated (default), client, server, or legacy-client (the old mis-accounted "
-                   "client placement, kept to show the auditor catches it)")  # fmt: skip
+    p.add_argument("--placement", choices=tuple(PLACEMENTS), default=defaults.noise_placement,
+                   help=f"the noise placement to audit (default {defaults.noise_placement})")  # fmt: skip
     p.add_argument("--num-clients", type=int, default=100, help="n, canary included (default 100)")
     p.add_argument("--clients-per-round", type=float, default=None, help="r; q = r/n (default: n, q = 1)")
     p.add_argument("--dim", type=int, default=200, help="d (default 200)")
@@ -606,7 +570,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trials", type=int, default=1000, help="runs per neighbouring federation (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="default 0")
     p.add_argument("--confidence", type=float, default=0.95, help="of the lower bound (default 0.95)")
-    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld", help="for the reported epsilon")
+    p.add_argument("--accountant", choices=tuple(ACCOUNTANTS), default=defaults.accountant,
+                   help="for the reported epsilon")  # fmt: skip
     p.add_argument("--plot", default="", help="write the ROC curve (PNG) to this path")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verbose", action="store_true", help="log the audit")

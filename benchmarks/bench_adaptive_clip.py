@@ -48,7 +48,9 @@ def main() -> None:
     for repeat in range(args.repeats + 1):
         for name, values in variants.items():
             t0 = time.monotonic()
-            out = run_batched(RunConfig.from_run_config({**values, "run-name": f"{name}-{repeat}"}), threads=1)
+            out = run_batched(
+                RunConfig.from_run_config({**values, "run-name": f"{name}-{repeat}"}), threads=1
+            ).directory
             if repeat > 0:  # the first pair prepares the data
                 times[name].append(per_round(out))
             print(f"  {name} repeat {repeat}: {per_round(out):.4f} s/round ({time.monotonic() - t0:.1f} s)")

@@ -57,7 +57,7 @@ def main() -> None:
     print("| engine | n | r | s per round (median) | ms per sampled client | wall (s) |")
     print("|---|---|---|---|---|---|")
     t0 = time.monotonic()
-    out = run_batched(RunConfig.from_run_config({**values, "run-name": "batched"}))
+    out = run_batched(RunConfig.from_run_config({**values, "run-name": "batched"})).directory
     wall = time.monotonic() - t0
     s = per_round(out)
     print(f"| batched | {n} | {0.2 * n:g} | {s:.3f} | {1000 * s / (0.2 * n):.2f} | {wall:.1f} |", flush=True)

@@ -74,7 +74,7 @@ def main() -> None:
             continue
         cfg = RunConfig.from_run_config({**base, **values, "run-name": label})
         t0 = time.monotonic()
-        out = run_batched(cfg)
+        out = run_batched(cfg).directory
         wall = time.monotonic() - t0
         s = per_round(out)
         where = {"numpy": "numpy closed form", "torch-logistic": "torch closed form"}.get(label, "torch.func vmap")

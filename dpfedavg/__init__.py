@@ -1,10 +1,74 @@
-"""dpfedavg: DP-FedAvg (clipping) and DP-NormFedAvg (normalization) on Flower.
+"""dpfedavg: DP-FedAvg (clipping) and DP-NormFedAvg (normalization) with user-level differential privacy, on Flower.
 
-Das, Hashemi, Sanghavi, Dhillon, "On the Convergence of Differentially Private
-Federated Learning on Non-Lipschitz Objectives, and with Normalized Client
-Updates". The math lives in :mod:`dpfedavg.core`; the Flower glue in
-:mod:`dpfedavg.flower.client_app`, :mod:`dpfedavg.flower.server_app` and
-:mod:`dpfedavg.flower.strategy`.
+Das, Hashemi, Sanghavi, Dhillon, "On the Convergence of Differentially Private Federated Learning on
+Non-Lipschitz Objectives, and with Normalized Client Updates". The public API:
+
+* :class:`RunConfig` (every key, validated) and :class:`ConfigError`;
+* :func:`run` (train with the batched engine) and its :class:`RunResult`;
+* :class:`Task` (what a task provides), :class:`TorchTask` and :class:`ArrayClients` (any ``torch.nn.Module``
+  with your data);
+* :class:`DPFedAvg` (the Flower strategy) and :class:`InProcessGrid` (a Flower Grid in this process, to test
+  a strategy in isolation);
+* :func:`calibrate_noise_multiplier` and :func:`epsilon_for` (the accountant, for planning).
+
+Names other than :class:`RunConfig` and :class:`ConfigError` are imported on first use, so ``import dpfedavg``
+loads neither Flower nor torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from dpfedavg.config import ConfigError, RunConfig
+
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it (imported on first access).
+_LAZY: dict[str, str] = {
+    "run": "dpfedavg.api",
+    "RunResult": "dpfedavg.server.session",
+    "Task": "dpfedavg.tasks.base",
+    "TorchTask": "dpfedavg.tasks.torch_task",
+    "ArrayClients": "dpfedavg.tasks.torch_task",
+    "DPFedAvg": "dpfedavg.flower.strategy",
+    "InProcessGrid": "dpfedavg.flower.testing",
+    "calibrate_noise_multiplier": "dpfedavg.privacy.calibration",
+    "epsilon_for": "dpfedavg.privacy.calibration",
+}
+
+__all__ = [
+    "ArrayClients",
+    "ConfigError",
+    "DPFedAvg",
+    "InProcessGrid",
+    "RunConfig",
+    "RunResult",
+    "Task",
+    "TorchTask",
+    "__version__",
+    "calibrate_noise_multiplier",
+    "epsilon_for",
+    "run",
+]
+
+if TYPE_CHECKING:
+    from dpfedavg.api import run
+    from dpfedavg.flower.strategy import DPFedAvg
+    from dpfedavg.flower.testing import InProcessGrid
+    from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
+    from dpfedavg.server.session import RunResult
+    from dpfedavg.tasks.base import Task
+    from dpfedavg.tasks.torch_task import ArrayClients, TorchTask
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dpfedavg' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

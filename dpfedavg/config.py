@@ -1,226 +1,222 @@
-"""Run configuration: one frozen dataclass, validated at the boundary.
+"""Run configuration: one frozen dataclass whose fields declare every key, validated whenever one is built.
 
-Flower hands the app a flat ``run_config`` dict with kebab-case keys (the
-defaults live in ``pyproject.toml`` under ``[tool.flwr.app.config]``;
-``--run-config`` overrides them). :func:`RunConfig.from_run_config` turns it
-into a typed :class:`RunConfig` or raises one :class:`ConfigError` that names
-every bad key, its value and what is allowed, before any expensive start-up.
+Flower hands the app a flat ``run_config`` dict with kebab-case keys (the defaults live in
+``pyproject.toml`` under ``[tool.flwr.app.config]``; ``--run-config`` overrides them);
+:meth:`RunConfig.from_run_config` turns it into a typed :class:`RunConfig`. From Python,
+``RunConfig(algorithm="norm", epsilon=5.0)`` builds one directly. Either way every field is
+checked in ``__post_init__`` (its type, range and allowed values, then the combinations) and a bad
+value raises one :class:`ConfigError` naming every bad key, its value and what is allowed, before
+any expensive start-up.
+
+Each key is declared once, on its field: ``local_steps: int = option(20, "E", "...")`` holds the
+default, the paper's symbol, the help text, the allowed values and whether the key defines the
+trajectory or the privacy guarantee (:class:`Option`, collected in :data:`OPTIONS`). The choices of
+``algorithm``, ``noise-placement`` and ``accountant`` are the names of their registries
+(:data:`dpfedavg.core.dp.BOUNDS`, :data:`dpfedavg.core.mechanism.PLACEMENTS`,
+:data:`dpfedavg.privacy.accountants.ACCOUNTANTS`). Whether ``task`` names a task is checked where
+tasks are built (:func:`dpfedavg.tasks.resolve_task`): this module imports no task and no user code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dpfedavg.core.adaptive_clip import DEFAULT_CLIP_LR, DEFAULT_TARGET_QUANTILE, default_count_stddev
-from dpfedavg.core.dp import ALGORITHMS, get_bound
+from dpfedavg.core.dp import BOUNDS
 from dpfedavg.core.mechanism import PLACEMENTS
-from dpfedavg.options import ConfigError, Option
-from dpfedavg.options import non_negative as _non_negative
-from dpfedavg.options import positive as _positive
+from dpfedavg.errors import ConfigError
+from dpfedavg.privacy.accountants import ACCOUNTANTS
+from dpfedavg.privacy.secure_aggregation import SecAggSettings
 
 __all__ = [
-    "ACCOUNTANTS",
-    "CLIP_COUNT_STDDEV_AUTO",
-    "NOISE_MULTIPLIER_AUTO",
-    "NOISE_PLACEMENTS",
+    "BACKENDS",
+    "DEVICES",
     "OPTIONS",
-    "SERVER_LR_FOLLOWS_LOCAL",
+    "TORCH_DTYPES",
     "ConfigError",
     "Option",
     "RunConfig",
+    "non_negative",
+    "positive",
 ]
-
-#: ``server-lr`` value meaning ``beta_k = eta_k`` (the paper's choice in §4.4 and §5).
-SERVER_LR_FOLLOWS_LOCAL = "eta"
-
-#: Default K. The paper's §4.4 uses K = 500; 200 keeps the README's first
-#: command (install + run, 100 simulated clients) under 5 minutes on 2 cores.
-DEFAULT_NUM_ROUNDS = 200
-
-#: ``noise-multiplier`` value meaning "calibrate z from epsilon and delta".
-NOISE_MULTIPLIER_AUTO = "auto"
-
-#: ``clip-count-stddev`` value meaning ``sigma_b = r / 20`` (Andrew et al. 2021).
-CLIP_COUNT_STDDEV_AUTO = "auto"
-
-ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
-NOISE_PLACEMENTS: tuple[str, ...] = tuple(PLACEMENTS)
-
-
-def _task_options() -> tuple[Option, ...]:
-    from dpfedavg.tasks import task_options  # the tasks declare their own keys (tasks import config lazily)
-
-    return task_options()
-
-
-def _check_task(name: str) -> str | None:
-    """``None`` if ``task`` names a registered task or loads a user's ``module:factory``, else the error text."""
-    from dpfedavg.tasks import TASKS, load_task_factory
-
-    if ":" in name:
-        try:
-            load_task_factory(name)
-        except ConfigError as err:
-            return str(err)
-        return None
-    if name in TASKS:
-        return None
-    allowed = ", ".join(repr(c) for c in TASKS)
-    hint = difflib.get_close_matches(name, list(TASKS), n=1)
-    more = f" (did you mean {hint[0]!r}?)" if hint else ""
-    return (
-        f"'task' = {name!r}: allowed values are {allowed}{more}, "
-        "or your own 'module:factory' / '/path/to/file.py:factory' (README: Bring your own model)"
-    )
-
-
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-#: Every run_config key: the general ones here, then the keys each task declares beside itself
-#: (``OPTIONS`` of the task modules, collected by :func:`dpfedavg.tasks.task_options`).
-# fmt: off
-OPTIONS: tuple[Option, ...] = (
-    Option("task", str, "-", "objective and data: a registered task or a user's 'module:factory' / '/path/file.py:factory'", trajectory=True),  # noqa: E501
-    Option("algorithm", str, "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP, adaptive-clip = DP-FedAvg with C_k following a quantile of the update norms (Andrew et al. 2021)", choices=ALGORITHMS, privacy=True),  # noqa: E501
-    Option("num-rounds", int, "K", "communication rounds", "an integer >= 1", lambda x: x >= 1),
-    Option("local-steps", int, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True),  # noqa: E501
-    Option("local-lr", float, "eta_0", "initial local learning rate", "a float > 0", _positive, trajectory=True),
-    Option("lr-decay", float, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: _positive(x) and x <= 1, trajectory=True),  # noqa: E501
-    Option("server-lr", float, "beta_k", 'global step; "eta" means beta_k = eta_k', f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"', _positive, sentinel=SERVER_LR_FOLLOWS_LOCAL, trajectory=True),  # noqa: E501
-    Option("server-momentum", float, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: _non_negative(x) and x < 1, trajectory=True),  # noqa: E501
-    Option("num-clients", int, "n", "number of clients (= supernodes, or clients-per-node times them)", "an integer >= 1", lambda x: x >= 1, privacy=True),  # noqa: E501
-    Option("clients-per-round", float, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", _positive, privacy=True),  # noqa: E501
-    Option("clip", float, "C", "clipping threshold (clip; adaptive-clip: the initial C_0) / scaling factor (norm)", "a float > 0", _positive, privacy=True),  # noqa: E501
-    # privacy
-    Option("epsilon", float, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target", "a float >= 0 (0 = no target)", _non_negative),  # noqa: E501
-    Option("delta", float, "delta", "delta of the reported (epsilon, delta)", "a float in (0, 1)", lambda x: math.isfinite(x) and 0 < x < 1, privacy=True),  # noqa: E501
-    Option("noise-multiplier", float, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'a float >= 0 or "{NOISE_MULTIPLIER_AUTO}"', _non_negative, sentinel=NOISE_MULTIPLIER_AUTO),  # noqa: E501
-    Option("accountant", str, "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=ACCOUNTANTS, privacy=True),  # noqa: E501
-    Option("max-epsilon", float, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", _non_negative),  # noqa: E501
-    Option("noise-placement", str, "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=NOISE_PLACEMENTS, privacy=True),  # noqa: E501
-    # adaptive clipping (algorithm = adaptive-clip; Andrew, Thakkar, McMahan, Ramaswamy 2021)
-    Option("target-quantile", float, "gamma", "adaptive-clip: C_k follows this quantile of the update norms", "a float in [0, 1]", lambda x: 0 <= x <= 1, trajectory=True),  # noqa: E501
-    Option("clip-lr", float, "eta_C", "adaptive-clip: C_{k+1} = C_k exp(-eta_C (b_k - gamma)), b_k the privately counted fraction of unclipped updates", "a float >= 0", _non_negative, trajectory=True),  # noqa: E501
-    Option("clip-count-stddev", float, "sigma_b", f'adaptive-clip: std of the noise on the count of unclipped updates; must exceed z/2 (the update then gets z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2)); "{CLIP_COUNT_STDDEV_AUTO}" = r/20', f'a float > 0 or "{CLIP_COUNT_STDDEV_AUTO}"', _positive, sentinel=CLIP_COUNT_STDDEV_AUTO, trajectory=True),  # noqa: E501
-    # run
-    Option("seed", int, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0, trajectory=True),
-    Option("diagnostics", bool, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)", privacy=True),  # noqa: E501
-    Option("output-dir", str, "-", "results root; relative paths are relative to the SuperLink's working directory", "a non-empty path", lambda x: bool(x.strip())),  # noqa: E501
-    Option("run-name", str, "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x))),  # noqa: E501
-    Option("node-wait-timeout", float, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", _positive),  # noqa: E501
-    Option("round-timeout", float, "-", "seconds a round waits for replies", "a float > 0", _positive),
-    Option("clients-per-node", int, "-", "simulation: clients each SuperNode hosts (virtual clients); the node with partition-id p computes clients p*m .. p*m+m-1, so num-supernodes = ceil(num-clients / m); 1 = one SuperNode per client (deployment)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
-    Option("save-trajectory", bool, "-", "also write trajectory.npy: w_k of every round (Figure 3)", trajectory=True),
-    Option("checkpoint-every", int, "-", "write <run dir>/checkpoint.npz every this many rounds (and at the end); 0 = never", "an integer >= 0", lambda x: x >= 0),  # noqa: E501
-    Option("resume", bool, "-", "continue the run in <output-dir>/<run-name> from its checkpoint (needs run-name)"),  # noqa: E501
-    Option("secure-noise", bool, "-", "draw DP noise from OS-seeded generators nobody can replay (production); false = seeded, reproducible (research)", trajectory=True),  # noqa: E501
-    # secure aggregation (SecAgg+, client-side noise)
-    Option("secure-aggregation", bool, "-", "aggregate through Flower's SecAgg+ so the server learns only the sum (needs noise-placement client or client-calibrated)", trajectory=True, privacy=True),  # noqa: E501
-    Option("secagg-quantization-bits", int, "-", "secure aggregation: Q = 2^bits grid levels per coordinate in [-c, c]; needs num-clients * 2^bits < 2^secagg-modulus-bits", "an integer in [1, 30]", lambda x: 1 <= x <= 30, trajectory=True, privacy=True),  # noqa: E501
-    Option("secagg-modulus-bits", int, "-", "secure aggregation: the protocol adds integers mod M = 2^bits (Flower allows at most 2^32)", "an integer in [2, 32]", lambda x: 2 <= x <= 32),  # noqa: E501
-    Option("secagg-clip-stds", float, "k", "secure aggregation: coordinates are clipped to c >= C + k s (s = a client's noise std); P(any clip) <= 2 exp(-k^2/2) per coordinate", "a float >= 0", _non_negative, trajectory=True, privacy=True),  # noqa: E501
-    Option("secagg-num-shares", float, "-", "secure aggregation: SecAgg+ neighbours each client shares its keys with: an integer >= 3 (all clients when a round has fewer), or a fraction in (0, 1] of the round's clients (1.0 = every pair, classic SecAgg)", "an integer >= 3 or a fraction in (0, 1]", lambda x: (0 < x <= 1) or (x >= 3 and x == int(x))),  # noqa: E501
-    Option("secagg-reconstruction-threshold", float, "-", "secure aggregation: fraction of a client's shares needed to unmask; above 0.5 so the server cannot learn both a client's mask and its pairwise keys; a round whose survivors fall below it is skipped", "a fraction in (0.5, 1]", lambda x: 0.5 < x <= 1),  # noqa: E501
-    Option("secagg-timeout", float, "-", "secure aggregation: seconds each of the 4 SecAgg+ stages waits for replies; 0 = round-timeout", "a float >= 0", _non_negative),  # noqa: E501
-    Option("eval-every", int, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1),  # noqa: E501
-) + _task_options()  # task-specific keys (ignored by tasks that do not use them)
-# fmt: on
-
-_BY_KEY = {opt.key: opt for opt in OPTIONS}
-
-
-def _coerce(opt: Option, value: Any) -> tuple[Any, str | None]:
-    """Return ``(typed value, None)`` or ``(None, error text)``."""
-    if opt.sentinel is not None and value == opt.sentinel:
-        return None, None
-    kind = opt.kind
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok:
-            value = float(value)
-    else:
-        ok = isinstance(value, str)
-    if not ok:
-        want = opt.allowed or ("true or false" if kind is bool else f"a {kind.__name__}")
-        return None, f"'{opt.key}' = {value!r} ({type(value).__name__}): expected {want}"
-    if opt.key == "task":
-        err = _check_task(value)
-        return (None, err) if err else (value, None)
-    choices = opt.choices
-    if choices is not None and value not in choices:
-        allowed = ", ".join(repr(c) for c in choices)
-        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        more = f" (did you mean {hint[0]!r}?)" if hint else ""
-        return None, f"'{opt.key}' = {value!r}: allowed values are {allowed}{more}"
-    if opt.check is not None and not opt.check(value):
-        return None, f"'{opt.key}' = {value!r}: expected {opt.allowed}"
-    return value, None
 
 
 @dataclass(frozen=True)
+class Option:
+    """One run_config key: its type, paper symbol, help, allowed values and default (see :func:`option`)."""
+
+    key: str
+    kind: type
+    symbol: str
+    help: str
+    allowed: str = ""
+    check: Callable[[Any], bool] | None = None
+    choices: tuple[Any, ...] | None = None
+    #: A string accepted instead of a number; it becomes ``None`` in the dataclass.
+    sentinel: str | None = None
+    #: Defines the trajectory: a resumed run may not change it (see :mod:`dpfedavg.io.checkpoint`).
+    trajectory: bool = False
+    #: The privacy guarantee depends on it: a resumed run may not change it, and ``config.json`` records it
+    #: with the guarantee (see :func:`dpfedavg.io.checkpoint.privacy_signature`).
+    privacy: bool = False
+    #: The field's default (``None`` where the sentinel stands for it).
+    field_default: Any = None
+
+    @property
+    def attr(self) -> str:
+        """The dataclass field name (snake_case)."""
+        return self.key.replace("-", "_")
+
+    @property
+    def default(self) -> Any:
+        """The default as a run_config value (the sentinel for ``None``)."""
+        value = self.field_default
+        return self.sentinel if (value is None and self.sentinel is not None) else value
+
+
+def option(
+    default: Any,
+    symbol: str,
+    help: str,  # noqa: A002 - the word argparse uses
+    allowed: str = "",
+    check: Callable[[Any], bool] | None = None,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    sentinel: str | None = None,
+    trajectory: bool = False,
+    privacy: bool = False,
+) -> Any:
+    """A :class:`RunConfig` field declaring its key: the default and everything :class:`Option` holds."""
+    spec = {
+        "symbol": symbol,
+        "help": help,
+        "allowed": allowed,
+        "check": check,
+        "choices": choices,
+        "sentinel": sentinel,
+        "trajectory": trajectory,
+        "privacy": privacy,
+    }
+    return field(default=default, metadata={"option": spec})
+
+
+def positive(x: float) -> bool:
+    """A finite number > 0."""
+    return math.isfinite(x) and x > 0
+
+
+def non_negative(x: float) -> bool:
+    """A finite number >= 0."""
+    return math.isfinite(x) and x >= 0
+
+
+#: ``server-lr`` value meaning ``beta_k = eta_k`` (the paper's choice in §4.4 and §5).
+SERVER_LR_FOLLOWS_LOCAL = "eta"
+#: ``noise-multiplier`` value meaning "calibrate z from epsilon and delta".
+NOISE_MULTIPLIER_AUTO = "auto"
+#: ``clip-count-stddev`` value meaning ``sigma_b = r / 20``.
+CLIP_COUNT_STDDEV_AUTO = "auto"
+#: ``backend`` of the logistic-regression tasks.
+BACKENDS: tuple[str, ...] = ("numpy", "torch")
+#: ``device`` of the torch tasks (and ``cuda:N``).
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+#: ``torch-dtype`` of the torch tasks.
+TORCH_DTYPES: tuple[str, ...] = ("float32", "float64")
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _device_ok(value: str) -> bool:
+    return value in DEVICES or (value.startswith("cuda:") and value[5:].isdigit())
+
+
+# fmt: off
+@dataclass(frozen=True)
 class RunConfig:
-    """A validated run configuration (snake_case fields mirror the kebab-case keys)."""
+    """A validated run configuration (snake_case fields mirror the kebab-case keys).
 
-    task: str = "quadratic"
-    algorithm: str = "norm"
-    num_rounds: int = DEFAULT_NUM_ROUNDS
-    local_steps: int = 20
-    local_lr: float = 0.003
-    lr_decay: float = 1.0
-    server_lr: float | None = None  # None: beta_k = eta_k
-    server_momentum: float = 0.0
-    num_clients: int = 100
-    clients_per_round: float = 100.0
-    clip: float = 50.0
-    epsilon: float = 5.0
-    delta: float = 1e-6
-    noise_multiplier: float | None = None  # None: calibrated from epsilon, delta
-    accountant: str = "pld"
-    max_epsilon: float = 0.0
-    noise_placement: str = "client-calibrated"
-    target_quantile: float = DEFAULT_TARGET_QUANTILE
-    clip_lr: float = DEFAULT_CLIP_LR
-    clip_count_stddev: float | None = None  # None: r / 20
-    seed: int = 0
-    diagnostics: bool = False
-    output_dir: str = "outputs"
-    run_name: str = ""
-    node_wait_timeout: float = 300.0
-    round_timeout: float = 3600.0
-    clients_per_node: int = 1
-    save_trajectory: bool = False
-    checkpoint_every: int = 10
-    resume: bool = False
-    secure_noise: bool = False
-    secure_aggregation: bool = False
-    secagg_quantization_bits: int = 16
-    secagg_modulus_bits: int = 32
-    secagg_clip_stds: float = 10.0
-    secagg_num_shares: float = 11.0
-    secagg_reconstruction_threshold: float = 0.67
-    secagg_timeout: float = 0.0
-    eval_every: int = 1
-    init: str = "I1"
-    dim: int = 200
-    data_dir: str = ""
-    cache_dir: str = ""
-    data_seed: int = -1  # -1: the shard split follows seed
-    weight_decay: float = 1e-4
-    feature_image_size: int = 224
-    backend: str = "numpy"
-    device: str = "auto"
-    torch_dtype: str = "float32"
-    local_batch_size: int = 0
+    Build it from Python (``RunConfig(algorithm="norm", epsilon=5.0)``) or from Flower's flat
+    ``run_config`` (:meth:`from_run_config`); :meth:`replace` changes fields. Every construction is
+    validated: a bad value raises one :class:`ConfigError` naming every bad key.
+    """
 
+    task: str = option("quadratic", "-", "objective and data: a registered task or a user's 'module:factory' / '/path/file.py:factory'", "a task name", lambda x: bool(x.strip()), trajectory=True)  # noqa: E501
+    algorithm: str = option("norm", "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP, adaptive-clip = DP-FedAvg with C_k following a quantile of the update norms (Andrew et al. 2021)", choices=tuple(BOUNDS), privacy=True)  # noqa: E501
+    num_rounds: int = option(200, "K", "communication rounds (the paper's §4.4 uses 500; 200 keeps the first README command short)", "an integer >= 1", lambda x: x >= 1)  # noqa: E501
+    local_steps: int = option(20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True)  # noqa: E501
+    local_lr: float = option(0.003, "eta_0", "initial local learning rate", "a float > 0", positive, trajectory=True)
+    lr_decay: float = option(1.0, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: positive(x) and x <= 1, trajectory=True)  # noqa: E501
+    server_lr: float | None = option(None, "beta_k", 'global step; "eta" means beta_k = eta_k', f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"', positive, sentinel=SERVER_LR_FOLLOWS_LOCAL, trajectory=True)  # noqa: E501
+    server_momentum: float = option(0.0, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: non_negative(x) and x < 1, trajectory=True)  # noqa: E501
+    num_clients: int = option(100, "n", "number of clients (= supernodes, or clients-per-node times them)", "an integer >= 1", lambda x: x >= 1, privacy=True)  # noqa: E501
+    clients_per_round: float = option(100.0, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", positive, privacy=True)  # noqa: E501
+    clip: float = option(50.0, "C", "clipping threshold (clip; adaptive-clip: the initial C_0) / scaling factor (norm)", "a float > 0", positive, privacy=True)  # noqa: E501
+    # privacy
+    epsilon: float = option(5.0, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target", "a float >= 0 (0 = no target)", non_negative)  # noqa: E501
+    delta: float = option(1e-6, "delta", "delta of the reported (epsilon, delta)", "a float in (0, 1)", lambda x: math.isfinite(x) and 0 < x < 1, privacy=True)  # noqa: E501
+    noise_multiplier: float | None = option(None, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'a float >= 0 or "{NOISE_MULTIPLIER_AUTO}"', non_negative, sentinel=NOISE_MULTIPLIER_AUTO)  # noqa: E501
+    accountant: str = option("pld", "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=tuple(ACCOUNTANTS), privacy=True)  # noqa: E501
+    max_epsilon: float = option(0.0, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", non_negative)  # noqa: E501
+    noise_placement: str = option("client-calibrated", "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=tuple(PLACEMENTS), privacy=True)  # noqa: E501
+    # adaptive clipping (algorithm = adaptive-clip; Andrew, Thakkar, McMahan, Ramaswamy 2021)
+    target_quantile: float = option(DEFAULT_TARGET_QUANTILE, "gamma", "adaptive-clip: C_k follows this quantile of the update norms", "a float in [0, 1]", lambda x: 0 <= x <= 1, trajectory=True)  # noqa: E501
+    clip_lr: float = option(DEFAULT_CLIP_LR, "eta_C", "adaptive-clip: C_{k+1} = C_k exp(-eta_C (b_k - gamma)), b_k the privately counted fraction of unclipped updates", "a float >= 0", non_negative, trajectory=True)  # noqa: E501
+    clip_count_stddev: float | None = option(None, "sigma_b", f'adaptive-clip: std of the noise on the count of unclipped updates; must exceed z/2 (the update then gets z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2)); "{CLIP_COUNT_STDDEV_AUTO}" = r/20', f'a float > 0 or "{CLIP_COUNT_STDDEV_AUTO}"', positive, sentinel=CLIP_COUNT_STDDEV_AUTO, trajectory=True)  # noqa: E501
+    # run
+    seed: int = option(0, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0, trajectory=True)
+    diagnostics: bool = option(False, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)", privacy=True)  # noqa: E501
+    output_dir: str = option("outputs", "-", "results root; relative paths are relative to the SuperLink's working directory", "a non-empty path", lambda x: bool(x.strip()))  # noqa: E501
+    run_name: str = option("", "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x)))  # noqa: E501
+    node_wait_timeout: float = option(300.0, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", positive)  # noqa: E501
+    round_timeout: float = option(3600.0, "-", "seconds a round waits for replies", "a float > 0", positive)
+    clients_per_node: int = option(1, "-", "simulation: clients each SuperNode hosts (virtual clients); the node with partition-id p computes clients p*m .. p*m+m-1, so num-supernodes = ceil(num-clients / m); 1 = one SuperNode per client (deployment)", "an integer >= 1", lambda x: x >= 1)  # noqa: E501
+    save_trajectory: bool = option(False, "-", "also write trajectory.npy: w_k of every round (Figure 3)", trajectory=True)  # noqa: E501
+    checkpoint_every: int = option(10, "-", "write <run dir>/checkpoint.npz every this many rounds (and at the end); 0 = never", "an integer >= 0", lambda x: x >= 0)  # noqa: E501
+    resume: bool = option(False, "-", "continue the run in <output-dir>/<run-name> from its checkpoint (needs run-name)")  # noqa: E501
+    secure_noise: bool = option(False, "-", "draw DP noise from OS-seeded generators nobody can replay (production); false = seeded, reproducible (research)", trajectory=True)  # noqa: E501
+    # secure aggregation (SecAgg+, client-side noise)
+    secure_aggregation: bool = option(False, "-", "aggregate through Flower's SecAgg+ so the server learns only the sum (needs a placement where the clients add the noise)", trajectory=True, privacy=True)  # noqa: E501
+    secagg_quantization_bits: int = option(16, "-", "secure aggregation: Q = 2^bits grid levels per coordinate in [-c, c]; needs num-clients * 2^bits < 2^secagg-modulus-bits", "an integer in [1, 30]", lambda x: 1 <= x <= 30, trajectory=True, privacy=True)  # noqa: E501
+    secagg_modulus_bits: int = option(32, "-", "secure aggregation: the protocol adds integers mod M = 2^bits (Flower allows at most 2^32)", "an integer in [2, 32]", lambda x: 2 <= x <= 32)  # noqa: E501
+    secagg_clip_stds: float = option(10.0, "k", "secure aggregation: coordinates are clipped to c >= C + k s (s = a client's noise std); P(any clip) <= 2 exp(-k^2/2) per coordinate", "a float >= 0", non_negative, trajectory=True, privacy=True)  # noqa: E501
+    secagg_num_shares: float = option(11.0, "-", "secure aggregation: SecAgg+ neighbours each client shares its keys with: an integer >= 3 (all clients when a round has fewer), or a fraction in (0, 1] of the round's clients (1.0 = every pair, classic SecAgg)", "an integer >= 3 or a fraction in (0, 1]", lambda x: (0 < x <= 1) or (x >= 3 and x == int(x)))  # noqa: E501
+    secagg_reconstruction_threshold: float = option(0.67, "-", "secure aggregation: fraction of a client's shares needed to unmask; above 0.5 so the server cannot learn both a client's mask and its pairwise keys; a round whose survivors fall below it is skipped", "a fraction in (0.5, 1]", lambda x: 0.5 < x <= 1)  # noqa: E501
+    secagg_timeout: float = option(0.0, "-", "secure aggregation: seconds each of the 4 SecAgg+ stages waits for replies; 0 = round-timeout", "a float >= 0", non_negative)  # noqa: E501
+    eval_every: int = option(1, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1)  # noqa: E501
+    # task-specific keys (ignored by tasks that do not use them)
+    init: str = option("I1", "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2"), trajectory=True)  # noqa: E501
+    dim: int = option(200, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1, trajectory=True)
+    data_dir: str = option("", "-", 'real-data tasks: folder with local dataset files (offline use); "" = download', 'a path or ""')  # noqa: E501
+    cache_dir: str = option("", "-", 'real-data tasks: where prepared features are cached; "" = ~/.cache/dpfedavg', 'a path or ""')  # noqa: E501
+    data_seed: int = option(-1, "-", "real-data tasks: seed of the shard split of the training data across the clients (the federation); -1 = seed", "an integer >= -1 (-1 = seed)", lambda x: x >= -1, trajectory=True)  # noqa: E501
+    weight_decay: float = option(1e-4, "lambda", "real-data tasks: L2 regularization (PyTorch weight_decay); paper: 1e-4", "a float >= 0", non_negative, trajectory=True)  # noqa: E501
+    feature_image_size: int = option(224, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32, trajectory=True)  # noqa: E501
+    backend: str = option("numpy", "-", "logistic-regression tasks: numpy (exact closed form of the local steps) or torch (the same closed form in torch, CPU or GPU: see device, torch-dtype; torch.func steps with local-batch-size > 0)", choices=BACKENDS)  # noqa: E501
+    device: str = option("auto", "-", 'torch tasks: "auto" (CUDA when torch sees a GPU, e.g. the one Ray gives a ClientApp with client-resources-num-gpus; else CPU), "cpu", "cuda" or "cuda:N"', '"auto", "cpu", "cuda" or "cuda:N"', _device_ok)  # noqa: E501
+    torch_dtype: str = option("float32", "-", "torch tasks: float32 (default) or float64 (the iterates are float64 either way)", choices=TORCH_DTYPES, trajectory=True)  # noqa: E501
+    local_batch_size: int = option(0, "b", "torch tasks: examples per local step; 0 = full batch (the paper); b > 0: each of the E steps uses min(b, m_i) examples drawn from (seed, client, round)", "an integer >= 0 (0 = full batch)", lambda x: x >= 0, trajectory=True)  # noqa: E501
+    # fmt: on
+
+    def __post_init__(self) -> None:
+        errors = []
+        for opt in OPTIONS:
+            value, err = _coerce(opt, getattr(self, opt.attr))
+            if err:
+                errors.append(err)
+            else:
+                object.__setattr__(self, opt.attr, value)
+        if not errors:
+            errors = self._cross_check()
+        if errors:
+            raise ConfigError("invalid run config: " + "; ".join(errors))
+
+    # ----------------------------------------------------------------- derived
     @property
     def sampling_rate(self) -> float:
         """``q = r / n``: each client's per-round inclusion probability."""
@@ -238,8 +234,9 @@ class RunConfig:
             return default_count_stddev(self.clients_per_round)
         return self.clip_count_stddev
 
+    # -------------------------------------------------------------- run_config
     def to_run_config(self) -> dict[str, Any]:
-        """The kebab-case dict this config came from (``server-lr`` None -> "eta")."""
+        """The kebab-case dict this config came from (``None`` -> the key's sentinel, e.g. ``"eta"``)."""
         out: dict[str, Any] = {}
         for opt in OPTIONS:
             value = getattr(self, opt.attr)
@@ -255,39 +252,35 @@ class RunConfig:
         run_config:
             Flower's ``context.run_config`` (or any dict of kebab-case keys).
         allow_missing:
-            Fill keys that are absent with the defaults (Flower always passes
-            every key from ``pyproject.toml``; Python users may pass a subset).
+            Fill keys that are absent with the defaults (Flower always passes every key from
+            ``pyproject.toml``; Python users may pass a subset).
 
         Raises
         ------
         ConfigError
-            Listing every unknown key (with a "did you mean"), every value of
-            the wrong type or out of range, and every inconsistent combination.
+            Listing every unknown key (with a "did you mean"), every value of the wrong type or
+            out of range, and every inconsistent combination.
         """
-        errors: list[str] = []
-        values: dict[str, Any] = {}
-        for key in run_config:
-            if key not in _BY_KEY:
-                hint = difflib.get_close_matches(key, list(_BY_KEY), n=1)
-                more = f" (did you mean '{hint[0]}'?)" if hint else ""
-                errors.append(f"unknown key '{key}'{more}")
-        for opt in OPTIONS:
-            if opt.key not in run_config:
-                if not allow_missing:
-                    errors.append(f"missing key '{opt.key}'")
-                continue
-            value, err = _coerce(opt, run_config[opt.key])
-            if err:
-                errors.append(err)
-            else:
-                values[opt.attr] = value
-        if not errors:
+        errors = [_unknown_key(key) for key in run_config if key not in _BY_KEY]
+        if not allow_missing:
+            errors.extend(f"missing key '{key}'" for key in _BY_KEY if key not in run_config)
+        values = {_BY_KEY[key].attr: value for key, value in run_config.items() if key in _BY_KEY}
+        try:
             cfg = cls(**values)
-            errors.extend(cfg._cross_check())
-            if not errors:
-                return cfg
-        raise ConfigError("invalid run config: " + "; ".join(errors))
+        except ConfigError as err:
+            errors.append(str(err).removeprefix("invalid run config: "))
+        if errors:
+            raise ConfigError("invalid run config: " + "; ".join(errors))
+        return cfg
 
+    def replace(self, **changes: Any) -> RunConfig:
+        """A validated copy with some fields changed (snake_case names; a sentinel string or ``None`` for auto)."""
+        unknown = [name for name in changes if name.replace("_", "-") not in _BY_KEY]
+        if unknown:
+            raise ConfigError("invalid run config: " + "; ".join(_unknown_key(n.replace("_", "-")) for n in unknown))
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ combinations
     def _cross_check(self) -> list[str]:
         errors = []
         if self.epsilon > 0 and self.noise_multiplier is not None:
@@ -301,85 +294,73 @@ class RunConfig:
                 f"'clients-per-round' = {self.clients_per_round:g} exceeds 'num-clients' = {self.num_clients}: "
                 "expected 0 < r <= n (set clients-per-round together with num-clients; r = n is full participation)"
             )
+            return errors  # the rules below read q = r / n
         if self.clients_per_node > self.num_clients:
             errors.append(
                 f"'clients-per-node' = {self.clients_per_node} exceeds 'num-clients' = {self.num_clients}: "
                 "expected 1 <= clients-per-node <= num-clients (num-clients = one SuperNode for every client)"
             )
-        if self.noise_placement == "client" and self.clients_per_round != self.num_clients:
-            errors.append(
-                f"'noise-placement' = 'client' with 'clients-per-round' = {self.clients_per_round:g} < 'num-clients' "
-                f"= {self.num_clients} (q = {self.sampling_rate:.4g}): each client adds (zC)^2/r, so the noise in the "
-                "sum grows with the number of clients sampled and whether a client took part shows in its variance; "
-                "no accounting here covers that. Allowed: 'client' only with clients-per-round = num-clients "
-                "(q = 1, zero-out adjacency), or 'client-calibrated' / 'server' for any q"
-            )
+        participation = PLACEMENTS[self.noise_placement].participation_error(self.num_clients, self.clients_per_round)
+        if participation:
+            errors.append(f"'noise-placement' = {self.noise_placement!r} {participation}")
         if self.resume and not self.run_name:
             errors.append(
                 "'resume' = True needs 'run-name': the interrupted run's folder <output-dir>/<run-name> "
                 "holds the checkpoint (the default name has a timestamp, so give runs you may resume a name)"
             )
-        errors.extend(self._check_secure_aggregation())
-        return errors
-
-    def _check_secure_aggregation(self) -> list[str]:
-        if not self.secure_aggregation:
-            return []
-        errors = []
-        if self.clients_per_node > 1:
-            errors.append(
-                f"'secure-aggregation' = True with 'clients-per-node' = {self.clients_per_node}: SecAgg+ hides each "
-                "SuperNode's input from the server, and a node hosting several clients computes each of their updates "
-                "in the clear, so the guarantee would be per node, not per client; allowed: clients-per-node = 1"
-            )
-        if self.noise_placement not in ("client", "client-calibrated"):
-            errors.append(
-                f"'secure-aggregation' = True with 'noise-placement' = {self.noise_placement!r}: the server only sees "
-                "the sum, so the clients must add the noise; allowed: 'client', 'client-calibrated'"
-            )
-        if not get_bound(self.algorithm).private:
-            errors.append(
-                f"'secure-aggregation' = True with 'algorithm' = {self.algorithm!r}: the quantization range comes "
-                "from the bound ||g|| <= C; allowed: 'clip', 'norm'"
-            )
-        if self.diagnostics:
-            errors.append(
-                "'secure-aggregation' = True with 'diagnostics' = True: diagnostics send every client's clean "
-                "update to the server, which secure aggregation exists to prevent; set diagnostics=false"
-            )
-        bits, mbits = self.secagg_quantization_bits, self.secagg_modulus_bits
-        if bits >= mbits:
-            errors.append(f"'secagg-quantization-bits' = {bits} must be below 'secagg-modulus-bits' = {mbits}")
-        elif self.num_clients * 2**bits >= 2**mbits:
-            most = (2**mbits - 1) // 2**bits
-            fit = max(1, mbits - math.ceil(math.log2(self.num_clients + 1)))
-            errors.append(
-                f"'secagg-quantization-bits' = {bits} with 'secagg-modulus-bits' = {mbits} lets at most {most} "
-                f"clients be summed without wrapping around, but all 'num-clients' = {self.num_clients} may be "
-                f"sampled; use secagg-quantization-bits <= {fit}"
+        if self.secure_aggregation:
+            errors.extend(
+                SecAggSettings.from_config(self).config_errors(
+                    placement=PLACEMENTS[self.noise_placement],
+                    bound=BOUNDS[self.algorithm],
+                    num_clients=self.num_clients,
+                    clients_per_node=self.clients_per_node,
+                    diagnostics=self.diagnostics,
+                )
             )
         return errors
 
-    def replace(self, **changes: Any) -> RunConfig:
-        """A validated copy with some fields changed (snake_case names)."""
-        merged = self.to_run_config()
-        for name, value in changes.items():
-            key = name.replace("_", "-")
-            sentinel = _BY_KEY[key].sentinel if key in _BY_KEY else None
-            merged[key] = sentinel if (value is None and sentinel is not None) else value
-        return RunConfig.from_run_config(merged)
+
+#: Every run_config key, in the order of the :class:`RunConfig` fields.
+OPTIONS: tuple[Option, ...] = tuple(
+    Option(
+        key=f.name.replace("_", "-"),
+        kind={"int": int, "float": float, "str": str, "bool": bool}[str(f.type).split("|")[0].strip()],
+        field_default=f.default,
+        **f.metadata["option"],
+    )
+    for f in fields(RunConfig)
+)
+_BY_KEY: dict[str, Option] = {opt.key: opt for opt in OPTIONS}
 
 
-#: The defaults, declared once: the :class:`RunConfig` fields (``pyproject.toml`` repeats them for Flower,
-#: checked equal by ``tests/test_config.py``).
-_FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(RunConfig)}
+def _unknown_key(key: str) -> str:
+    hint = difflib.get_close_matches(key, list(_BY_KEY), n=1)
+    return f"unknown key '{key}'" + (f" (did you mean '{hint[0]}'?)" if hint else "")
 
 
-def _check_options_match_fields() -> None:
-    """Every Option has a RunConfig field and every field an Option (import-time guard)."""
-    keys = {opt.attr for opt in OPTIONS}
-    if keys != set(_FIELD_DEFAULTS):
-        raise AssertionError(f"OPTIONS and RunConfig differ: {sorted(keys ^ set(_FIELD_DEFAULTS))}")
-
-
-_check_options_match_fields()
+def _coerce(opt: Option, value: Any) -> tuple[Any, str | None]:
+    """``(typed value, None)`` or ``(None, error text)``; the sentinel (or ``None``) of a sentinel key is ``None``."""
+    if opt.sentinel is not None and (value is None or value == opt.sentinel):
+        return None, None
+    kind = opt.kind
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        want = opt.allowed or ("true or false" if kind is bool else f"a {kind.__name__}")
+        return None, f"'{opt.key}' = {value!r} ({type(value).__name__}): expected {want}"
+    if opt.choices is not None and value not in opt.choices:
+        allowed = ", ".join(repr(c) for c in opt.choices)
+        hint = difflib.get_close_matches(str(value), [str(c) for c in opt.choices], n=1)
+        more = f" (did you mean {hint[0]!r}?)" if hint else ""
+        return None, f"'{opt.key}' = {value!r}: allowed values are {allowed}{more}"
+    if opt.check is not None and not opt.check(value):
+        return None, f"'{opt.key}' = {value!r}: expected {opt.allowed}"
+    return value, None

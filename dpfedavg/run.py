@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from dpfedavg.engines.batched import run_batched
 
     try:
-        run_dir = run_batched(cfg, progress=args.progress)
+        run_dir = run_batched(cfg, progress=args.progress).directory
     except ConfigError as err:  # found when the task is built (e.g. its data, device or size)
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
+from dpfedavg import epsilon_for
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import noise_rng, private_block_update
 from dpfedavg.core.adaptive_clip import (
@@ -29,8 +30,8 @@ from dpfedavg.flower import server_app
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.io.checkpoint import load_checkpoint
-from dpfedavg.privacy.accounting import epsilon_for, plan_privacy
 from dpfedavg.server.dp_server import DPServer
+from dpfedavg.server.run import plan_for
 
 
 def _cfg(**overrides) -> RunConfig:
@@ -96,7 +97,7 @@ def _released(placement: str, secagg: bool, rounds: int) -> tuple[np.ndarray, np
     clean_sum = (directions * np.minimum(norms, cfg.clip)[:, None]).sum(axis=0)
     b, noise = [], []
     for k in range(1, rounds + 1):
-        clients, ins = server.begin_round(k, np.zeros(dim))
+        clients, ins, _ = server.begin_round(k, np.zeros(dim))
         assert len(clients) == r and ins.clip == cfg.clip
         updates = private_block_update(u, algorithm="adaptive-clip", clip=ins.clip, noise_std=ins.noise_std,
                                        rngs=[noise_rng(ins.noise_seed, i) for i in range(r)],
@@ -189,7 +190,7 @@ def test_config_keys_defaults_and_errors() -> None:
                                      "noise-multiplier": 1.0})  # fmt: skip
     assert (cfg.target_quantile, cfg.clip_lr, cfg.clip_count_stddev, cfg.count_stddev) == (0.5, 0.2, None, 5.0)
     assert cfg.to_run_config()["clip-count-stddev"] == "auto"
-    plan_privacy(cfg)  # sigma_b = 5 > z/2
+    plan_for(cfg)  # sigma_b = 5 > z/2
     for bad, fragment in (({"target-quantile": 1.5}, "'target-quantile' = 1.5"), ({"clip-lr": -0.1}, "'clip-lr'"),
                           ({"clip-count-stddev": 0.0}, "'clip-count-stddev' = 0.0")):  # fmt: skip
         with pytest.raises(ConfigError, match=fragment):
@@ -199,14 +200,17 @@ def test_config_keys_defaults_and_errors() -> None:
 def test_count_noise_too_small_for_the_split_is_one_clear_error() -> None:
     fixed = _cfg(**{"noise-multiplier": 3.0, "clip-count-stddev": 1.5})
     with pytest.raises(ConfigError) as err:
-        plan_privacy(fixed)
+        plan_for(fixed)
     text = str(err.value)
     assert "'clip-count-stddev' = 1.5" in text and "'adaptive-clip'" in text and "clip-count-stddev > 1.5" in text
-    # with noise-multiplier auto, z is calibrated first; the default sigma_b = r/20 = 1 is too small here
+    # with noise-multiplier auto, z is calibrated first; sigma_b = 1 is too small here
     auto = RunConfig.from_run_config({"algorithm": "adaptive-clip", "num-clients": 100, "clients-per-round": 20.0,
-                                      "num-rounds": 200, "epsilon": 5.0, "delta": 1e-5})  # fmt: skip
-    with pytest.raises(ConfigError, match=r"auto = r/20 = 1 .*calibrated for epsilon = 5.*clip-count-stddev > 1\.3"):
-        plan_privacy(auto)
+                                      "num-rounds": 200, "epsilon": 5.0, "delta": 1e-5,
+                                      "clip-count-stddev": 1.0})  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"'clip-count-stddev' = 1 .*calibrated for epsilon = 5.*clip-count-stddev > 1\.3"
+    ):
+        plan_for(auto)
     with pytest.raises(ConfigError, match="clip-count-stddev"):
         run_batched(auto)  # before any task or output is built
 
@@ -222,13 +226,13 @@ def test_resume_is_bit_identical_and_restores_c(tmp_path: Path) -> None:
 
     values = {"num-clients": 12, "clients-per-round": 5.0, "server-momentum": 0.5, "checkpoint-every": 5,
               "save-trajectory": True, "run-name": "run"}  # fmt: skip
-    full = run_batched(_cfg(**values, **{"output-dir": str(tmp_path / "full")}))
+    full = run_batched(_cfg(**values, **{"output-dir": str(tmp_path / "full")})).directory
     cut = _cfg(**values, **{"output-dir": str(tmp_path / "cut")})
     with pytest.raises(Crash):
         run_batched(cut, on_round=crash)
     ckpt = load_checkpoint(tmp_path / "cut" / "run")
-    assert ckpt.round == 5 and ckpt.adaptive_clip is not None and ckpt.adaptive_clip != 5.0
-    resumed = run_batched(cut.replace(resume=True))
+    assert ckpt.round == 5 and ckpt.server.adaptive_clip is not None and ckpt.server.adaptive_clip != 5.0
+    resumed = run_batched(cut.replace(resume=True)).directory
     for key in ("w_final", "w_random_iterate"):
         np.testing.assert_array_equal(np.load(full / "model.npz")[key], np.load(resumed / "model.npz")[key])
     strip = [{k: v for k, v in r.items() if k != "elapsed_s"} for r in _rows(full)]
@@ -249,8 +253,8 @@ def test_both_engines_give_the_same_trajectory_and_c(case: str, tmp_path: Path) 
     """The real ClientApp and strategy (in process) against the batched engine: 1e-6, C_k and b_k included."""
     values = {"num-rounds": 8, "seed": 4, "output-dir": str(tmp_path), "save-trajectory": True, **ENGINE_CASES[case]}
     cfg_b, cfg_f = _cfg(**values, **{"run-name": "batched"}), _cfg(**values, **{"run-name": "flower"})
-    out_b = run_batched(cfg_b)
-    out_f = server_app.run(InProcessGrid(client_app, cfg_f.num_clients, cfg_f.to_run_config()), cfg_f)
+    out_b = run_batched(cfg_b).directory
+    out_f = server_app.run(InProcessGrid(client_app, cfg_f.num_clients, cfg_f.to_run_config()), cfg_f).directory
     np.testing.assert_allclose(np.load(out_b / "trajectory.npy"), np.load(out_f / "trajectory.npy"), rtol=1e-6,
                                atol=1e-7)  # fmt: skip
     rows_b, rows_f = _rows(out_b)[1:], _rows(out_f)[1:]
@@ -267,8 +271,8 @@ def test_secure_aggregation_carries_the_count(tmp_path: Path) -> None:
     cfg = _cfg(**{"num-clients": 10, "clients-per-round": 6.0, "num-rounds": 3, "secure-aggregation": True,
                   "clip": 20.0, "seed": 5, "output-dir": str(tmp_path)})  # fmt: skip
     out = server_app.run(InProcessGrid(client_app, 10, cfg.replace(run_name="secure").to_run_config()),
-                         cfg.replace(run_name="secure"))  # fmt: skip
-    plain = run_batched(cfg.replace(run_name="batched"), threads=1)
+                         cfg.replace(run_name="secure")).directory  # fmt: skip
+    plain = run_batched(cfg.replace(run_name="batched"), threads=1).directory
     np.testing.assert_allclose(np.load(out / "model.npz")["w_final"], np.load(plain / "model.npz")["w_final"],
                                rtol=1e-12, atol=1e-12)  # fmt: skip
     assert [r["clip"] for r in _rows(out)] == [r["clip"] for r in _rows(plain)]

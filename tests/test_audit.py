@@ -1,5 +1,5 @@
-"""The privacy auditor (dpfedavg/privacy/audit.py): it catches the old variance leak, finds no violation in the fixed
-placements, is not toothless, and its exact-epsilon check agrees with closed forms and Monte Carlo."""
+"""The privacy auditor (dpfedavg/privacy/audit.py): it catches a placement's variance leak, finds no violation in
+the shipped placements, is not toothless, and its exact-epsilon check agrees with closed forms and Monte Carlo."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from legacy_placement import LEGACY_CLIENT
 from scipy import optimize, stats
 
-from dpfedavg.core.mechanism import ADD_REMOVE, get_placement, released_sum
+from dpfedavg import calibrate_noise_multiplier, epsilon_for
+from dpfedavg.core.mechanism import PLACEMENTS, Neighbouring, released_sum
 from dpfedavg.core.server import poisson_sample
-from dpfedavg.privacy.accounting import calibrate_noise_multiplier, epsilon_for
 from dpfedavg.privacy.audit import (
     AuditSetting,
-    _delta_of_pair,
+    delta_of_gaussian_pair,
     epsilon_lower_bound,
     exact_epsilon_gaussian_pair,
     exact_epsilon_variance_leak,
@@ -31,7 +32,7 @@ CLIP = 50.0
 DELTA = 1e-5
 
 
-def _setting(placement: str, n: int, r: float, dim: int, rounds: int, epsilon: float) -> AuditSetting:
+def _setting(placement, n: int, r: float, dim: int, rounds: int, epsilon: float) -> AuditSetting:
     z = calibrate_noise_multiplier(epsilon, DELTA, r / n, rounds, "pld")
     return AuditSetting(placement, n, r, dim, rounds, z, CLIP, DELTA)
 
@@ -44,7 +45,7 @@ def test_auditor_catches_legacy_client_variance_leak(n: int, dim: int, rounds: i
     The sums' variance differs by a factor n/(n-1) between the neighbours, which a chi-square on d
     coordinates sees at once: the bound is limited only by the 1000 evaluation trials (about 5.6).
     """
-    setting = _setting("legacy-client", n, n, dim, rounds, epsilon)
+    setting = _setting(LEGACY_CLIENT, n, n, dim, rounds, epsilon)
     result = run_audit(setting, 2000, seed=1)
     assert result.epsilon_reported == pytest.approx(epsilon_for(setting.noise_multiplier, 1.0, rounds, DELTA, "pld"))
     assert result.epsilon_reported == pytest.approx(epsilon, rel=2e-3)
@@ -70,7 +71,7 @@ def test_fixed_placements_stay_below_reported(
     placement: str, n: int, r: float, dim: int, rounds: int, epsilon: float
 ) -> None:
     setting = _setting(placement, n, r, dim, rounds, epsilon)
-    assert setting.adjacency == get_placement(placement).adjacency
+    assert setting.adjacency is PLACEMENTS[placement].adjacency
     result = run_audit(setting, 2000, seed=1)
     assert result.epsilon_lower_bound <= result.epsilon_reported
     if setting.q == 1.0:  # the pair's exact epsilon is the accountant's (the top-up removes the variance leak)
@@ -131,11 +132,11 @@ def test_many_clients_are_sampled_in_bounded_chunks() -> None:
 def _reference_sums(setting: AuditSetting, world: int, trials: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """One round per trial through the core's :func:`released_sum` (the engines' add_noise + top-up)."""
     rng = np.random.default_rng(seed)
-    placement, n = setting.mechanism, setting.num_clients
+    placement, n = setting.placement, setting.num_clients
     t, s = np.empty(trials), np.empty(trials)
     for i in range(trials):
         sampled = poisson_sample(n, setting.q, rng)
-        if world == 0 and setting.adjacency == ADD_REMOVE:
+        if world == 0 and setting.adjacency is Neighbouring.ADD_REMOVE:
             sampled = sampled[sampled != 0]  # the canary (client 0) is not in world 0's federation
         g = np.zeros((sampled.size, setting.dim))
         if world == 1 and sampled.size and sampled[0] == 0:
@@ -156,10 +157,11 @@ def _reference_sums(setting: AuditSetting, world: int, trials: int, seed: int) -
 
 @pytest.mark.parametrize(
     ("placement", "n", "r"),
-    [("client-calibrated", 8, 4), ("server", 8, 4), ("client", 5, 5), ("legacy-client", 5, 5)],
+    [("client-calibrated", 8, 4), ("server", 8, 4), ("client", 5, 5), (LEGACY_CLIENT, 5, 5)],
+    ids=["client-calibrated", "server", "client", "legacy-client"],
 )
 @pytest.mark.parametrize("world", [0, 1])
-def test_batch_release_agrees_with_released_sum(placement: str, n: int, r: float, world: int) -> None:
+def test_batch_release_agrees_with_released_sum(placement, n: int, r: float, world: int) -> None:
     """Same law: the means of <y, e_1>, of ||y||^2 and the variance of <y, e_1> agree within 5 standard errors
     (3000 trials each, fixed seeds), and match the analytic means."""
     setting = AuditSetting(placement, n, r, 20, 1, 1.0, 2.0, DELTA)
@@ -173,7 +175,7 @@ def test_batch_release_agrees_with_released_sum(placement: str, n: int, r: float
     # analytic: E<y, e_1> = P(canary sends) C; E||y||^2 = d E[var] + P(canary sends) C^2
     zc2 = (setting.noise_multiplier * setting.clip) ** 2
     sends = setting.q if world == 1 else 0.0
-    if placement == "legacy-client":
+    if placement is LEGACY_CLIENT:
         var = (n - 1 + world) * zc2 / r  # no top-up: the variance counts the clients
     else:
         var = zc2
@@ -227,7 +229,7 @@ def test_exact_delta_unequal_variances_matches_monte_carlo() -> None:
     lp, lq = loss(yp), -loss(yq)
     for eps in (0.5, 1.0, 2.0):
         mc = max(np.maximum(1 - np.exp(eps - lp), 0).mean(), np.maximum(1 - np.exp(eps - lq), 0).mean())
-        assert _delta_of_pair(eps, m, a, b, dim, 20001) == pytest.approx(mc, abs=0.01)
+        assert delta_of_gaussian_pair(eps, m, a, b, dim, 20001) == pytest.approx(mc, abs=0.01)
 
 
 # ------------------------------------------------------------------------ CLI
@@ -254,14 +256,13 @@ def test_audit_cli_json_and_plot(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "fragment"),
     [
-        (["--placement", "nope"], "--placement 'nope': expected one of client-calibrated, client, server"),
-        (["--placement", "client", "--num-clients", "10", "--clients-per-round", "5"], "--clients-per-round (5)"),
-        (["--placement", "legacy-client", "--num-clients", "10", "--clients-per-round", "5"], "needs q = 1"),
-        (["--clients-per-round", "200"], "--clients-per-round 200: expected a number in (0, --num-clients = 100]"),
+        (["--placement", "client", "--num-clients", "10", "--clients-per-round", "5"], "--clients-per-round = 5 <"),
+        (["--clients-per-round", "200"], "--clients-per-round must be in (0, --num-clients], got 200"),
         (["--confidence", "1.5"], "--confidence 1.5: expected a float in (0, 1)"),
         (["--trials", "3"], "--trials 3: expected an integer >= 10"),
         (["--epsilon", "1", "--noise-multiplier", "2"], "give one of them, not both"),
-        (["--delta", "0"], "--delta 0.0: expected a float in (0, 1)"),
+        (["--delta", "0"], "delta must be in (0, 1), got 0.0"),
+        (["--dim", "0"], "--dim and --rounds must be >= 1, got 0 and 200"),
     ],
 )
 def test_audit_cli_bad_flags(flags: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,6 @@ import pytest
 from dpfedavg.core import (
     Stream,
     bound_sensitivity,
-    client_noise_std,
     client_update,
     clip,
     fixed_denominator_mean,
@@ -26,6 +25,7 @@ from dpfedavg.core import (
     server_lr_at,
     server_noise_std,
 )
+from dpfedavg.core.mechanism import PLACEMENTS
 from dpfedavg.tasks.quadratic import make_client
 
 RNG = np.random.default_rng(1234)
@@ -145,7 +145,7 @@ def test_noise_is_reproducible_from_explicit_generator() -> None:
 def test_per_client_noise_sums_to_z_c_and_averages_to_sigma() -> None:
     """Alg. 1 line 10: r clients each add N(0, r sigma^2 I); the mean carries sigma = zC/r."""
     z, c, r, d = 1.7, 4.0, 25, 20_000
-    std = client_noise_std(z, c, r)
+    std = PLACEMENTS["client"].client_std(z, c, r, r)  # Alg. 1 line 10: z C / sqrt(r) each
     assert std == pytest.approx(np.sqrt(r) * server_noise_std(z, c, r))
     total = sum(gaussian_noise(d, std, make_rng(11, Stream.NOISE, i)) for i in range(r))
     # SE of the std estimate: std/sqrt(2d) = 0.5% -> 3% is ~6 SE

@@ -332,6 +332,6 @@ def test_digits_training_is_far_above_chance(tmp_path: Path) -> None:
                 "run-name": algorithm,
             }
         )
-        out = server_app.run(InProcessGrid(client_app, 100, cfg.to_run_config()), cfg)
+        out = server_app.run(InProcessGrid(client_app, 100, cfg.to_run_config()), cfg).directory
         accuracy[algorithm] = json.loads((out / "config.json").read_text())["final"]["last5_test_accuracy"]
     assert accuracy["norm"] > 0.5 and accuracy["none"] > 0.8  # chance is 0.1

@@ -41,8 +41,8 @@ def test_batched_engine_gives_the_flower_strategy_trajectory(case: str, tmp_path
               "save-trajectory": True, **CASES[case]}  # fmt: skip
     cfg_b = RunConfig.from_run_config({**values, "run-name": "batched"})
     cfg_f = RunConfig.from_run_config({**values, "run-name": "flower"})
-    out_b = run_batched(cfg_b)
-    out_f = server_app.run(InProcessGrid(client_app, cfg_f.num_clients, cfg_f.to_run_config()), cfg_f)
+    out_b = run_batched(cfg_b).directory
+    out_f = server_app.run(InProcessGrid(client_app, cfg_f.num_clients, cfg_f.to_run_config()), cfg_f).directory
     traj_b, traj_f = np.load(out_b / "trajectory.npy"), np.load(out_f / "trajectory.npy")
     assert traj_b.shape == (9, traj_f.shape[1])
     np.testing.assert_allclose(traj_b, traj_f, rtol=1e-6, atol=1e-7)
@@ -180,5 +180,5 @@ def test_batched_engine_threads_do_not_change_the_result(tmp_path: Path) -> None
     models = []
     for threads in (1, 3):
         cfg = RunConfig.from_run_config({**values, "run-name": f"t{threads}"})
-        models.append(np.load(run_batched(cfg, threads=threads) / "model.npz")["w_final"])
+        models.append(np.load(run_batched(cfg, threads=threads).directory / "model.npz")["w_final"])
     np.testing.assert_array_equal(models[0], models[1])

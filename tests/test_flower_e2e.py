@@ -101,7 +101,9 @@ def test_flower_simulation_matches_numpy_reference_and_batched_engine(
     expected = [task.evaluate(w)["dist_to_opt"] for w in ref.trajectory]
     np.testing.assert_allclose(dists, expected, rtol=1e-6)
     # the batched engine, same seed: the same trajectory, round by round
-    batched = run_batched(RunConfig.from_run_config({**values, "output-dir": str(tmp_path), "run-name": "batched"}))
+    batched = run_batched(
+        RunConfig.from_run_config({**values, "output-dir": str(tmp_path), "run-name": "batched"})
+    ).directory
     np.testing.assert_allclose(
         np.load(batched / "trajectory.npy"), np.load(run_dir / "trajectory.npy"), rtol=1e-6, atol=1e-6
     )
@@ -131,7 +133,9 @@ def test_secure_aggregation_in_the_ray_simulation_equals_the_clear_sum(
     rows = _rows(run_dir)[1:]
     assert all(int(r["skipped"]) == 0 and int(r["num_received"]) == int(r["num_sampled"]) for r in rows)
     assert all(r["mean_update_norm"] == "" for r in rows)  # no per-client norm reaches the server
-    batched = run_batched(RunConfig.from_run_config({**values, "output-dir": str(tmp_path), "run-name": "clear"}))
+    batched = run_batched(
+        RunConfig.from_run_config({**values, "output-dir": str(tmp_path), "run-name": "clear"})
+    ).directory
     np.testing.assert_allclose(
         np.load(run_dir / "model.npz")["w_final"], np.load(batched / "model.npz")["w_final"], rtol=1e-12, atol=1e-12
     )

@@ -113,7 +113,7 @@ def test_flwr_run_on_the_cluster_uses_both_nodes(cluster: LoopbackRayCluster, tm
     for node in ("n0", "n1"):
         logs = list((cluster.root / node).glob("session_*/logs/worker-*.out"))
         assert any("ClientAppActor" in p.read_text(errors="replace") for p in logs), node
-    batched = run_batched(RunConfig.from_run_config({**values, "run-name": "batched"}))
+    batched = run_batched(RunConfig.from_run_config({**values, "run-name": "batched"})).directory
     np.testing.assert_allclose(
         np.load(tmp_path / "fl" / "model.npz")["w_final"], np.load(batched / "model.npz")["w_final"], rtol=1e-6
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
+import stat
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +31,7 @@ from dpfedavg.flower.protocol import (
 )
 from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid
-from dpfedavg.io import checkpoint as ckpt_mod
+from dpfedavg.io import atomic
 from dpfedavg.io.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
 
 BASE = {
@@ -81,7 +83,7 @@ def _assert_same_run(a: Path, b: Path) -> None:
 # ---------------------------------------------------------------- batched engine
 @pytest.mark.parametrize("placement", ["client-calibrated", "server"])
 def test_batched_resume_is_bit_identical(tmp_path: Path, placement: str) -> None:
-    full = run_batched(_cfg(tmp_path / "full", **{"noise-placement": placement}))
+    full = run_batched(_cfg(tmp_path / "full", **{"noise-placement": placement})).directory
 
     def crash_after_round_7(server_round: int, w: np.ndarray) -> None:
         if server_round == 7:
@@ -91,7 +93,7 @@ def test_batched_resume_is_bit_identical(tmp_path: Path, placement: str) -> None
     with pytest.raises(_Crash):
         run_batched(cfg, on_round=crash_after_round_7)
     assert load_checkpoint(tmp_path / "cut" / "run").round == 5  # rounds 6-7 are lost and redone
-    resumed = run_batched(cfg.replace(resume=True))
+    resumed = run_batched(cfg.replace(resume=True)).directory
     _assert_same_run(full, resumed)
 
 
@@ -105,12 +107,12 @@ def test_resume_continues_the_accountant_not_from_zero(tmp_path: Path) -> None:
     with pytest.raises(_Crash):
         run_batched(cfg, on_round=crash)
     saved = load_checkpoint(tmp_path / "run")
-    assert len(saved.accountant_history) == 5
-    resumed = run_batched(cfg.replace(resume=True, checkpoint_every=0))
+    assert len(saved.server.accountant["history"]) == 5
+    resumed = run_batched(cfg.replace(resume=True, checkpoint_every=0)).directory
     rows = _rows(resumed)
     epsilons = [float(r["epsilon"]) for r in rows[1:] if r["epsilon"]]
     assert len(rows) == 11 and epsilons[-1] == pytest.approx(_final(resumed)["epsilon"])
-    fresh = run_batched(cfg.replace(run_name="five", num_rounds=5, checkpoint_every=0))
+    fresh = run_batched(cfg.replace(run_name="five", num_rounds=5, checkpoint_every=0)).directory
     assert _final(resumed)["epsilon"] > _final(fresh)["epsilon"] * 1.2  # 10 rounds' worth, not 5
 
 
@@ -132,16 +134,16 @@ class _CrashingGrid(InProcessGrid):
 
 def test_flower_resume_is_bit_identical(tmp_path: Path) -> None:
     cfg_full = _cfg(tmp_path / "full", **{"checkpoint-every": 3})
-    full = server_app.run(InProcessGrid(client_app, 12, cfg_full.to_run_config()), cfg_full)
+    full = server_app.run(InProcessGrid(client_app, 12, cfg_full.to_run_config()), cfg_full).directory
     cfg = _cfg(tmp_path / "cut", **{"checkpoint-every": 3})
     with pytest.raises(_Crash):
         server_app.run(_CrashingGrid(client_app, 12, cfg.to_run_config(), crash_round=8), cfg)
     assert load_checkpoint(tmp_path / "cut" / "run").round == 6
     resumed_cfg = cfg.replace(resume=True)
-    resumed = server_app.run(InProcessGrid(client_app, 12, resumed_cfg.to_run_config(), seed=9), resumed_cfg)
+    resumed = server_app.run(InProcessGrid(client_app, 12, resumed_cfg.to_run_config(), seed=9), resumed_cfg).directory
     _assert_same_run(full, resumed)
     # and the batched engine agrees with both
-    batched = run_batched(_cfg(tmp_path / "batched"))
+    batched = run_batched(_cfg(tmp_path / "batched")).directory
     np.testing.assert_allclose(np.load(batched / "model.npz")["w_final"], np.load(resumed / "model.npz")["w_final"],
                                rtol=1e-9)  # fmt: skip
 
@@ -187,7 +189,7 @@ def test_resume_with_changed_settings_is_refused(tmp_path: Path, change: dict, f
 
 def test_resume_allows_operational_changes(tmp_path: Path) -> None:
     cfg = _interrupted(tmp_path)
-    out = run_batched(cfg.replace(round_timeout=10.0, eval_every=2, checkpoint_every=1))
+    out = run_batched(cfg.replace(round_timeout=10.0, eval_every=2, checkpoint_every=1)).directory
     assert _final(out)["rounds_completed"] == 10
 
 
@@ -196,7 +198,7 @@ def test_resume_errors_are_clear(tmp_path: Path) -> None:
         RunConfig.from_run_config({"resume": True})
     with pytest.raises(CheckpointError, match="no checkpoint at .*checkpoint.npz"):
         run_batched(_cfg(tmp_path, resume=True))
-    finished = run_batched(_cfg(tmp_path, **{"run-name": "done"}))
+    finished = run_batched(_cfg(tmp_path, **{"run-name": "done"})).directory
     with pytest.raises(CheckpointError, match="nothing to do"):
         run_batched(_cfg(tmp_path, **{"run-name": "done", "resume": True}))
     (finished / CHECKPOINT_FILE).write_bytes(b"PK\x03\x04 truncated")
@@ -216,19 +218,20 @@ def test_bad_resume_through_the_server_app_is_one_error_line(tmp_path: Path, cap
 
 # ------------------------------------------------------------ checkpoint failure
 def test_failed_checkpoint_write_keeps_the_last_good_one(tmp_path: Path, monkeypatch, caplog) -> None:
-    real_write = ckpt_mod._write_npz
+    real_fsync = os.fsync
     calls = {"n": 0}
 
-    def write_that_fails_after_the_first(fh, arrays):
-        calls["n"] += 1
+    def fsync_that_fails_after_the_first(fd: int) -> None:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # the folder's fsync after a rename
+            return real_fsync(fd)
+        calls["n"] += 1  # a checkpoint's file: written, now flushed to a disk that is full from the 2nd on
         if calls["n"] == 1:
-            return real_write(fh, arrays)
-        fh.write(b"PK\x03\x04 half a zip file")  # part of the file is written, then the disk fills up
+            return real_fsync(fd)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt_mod, "_write_npz", write_that_fails_after_the_first)
+    monkeypatch.setattr(atomic.os, "fsync", fsync_that_fails_after_the_first)
     with caplog.at_level(logging.ERROR):
-        out = run_batched(_cfg(tmp_path, **{"checkpoint-every": 2}))
+        out = run_batched(_cfg(tmp_path, **{"checkpoint-every": 2})).directory
     assert _final(out)["rounds_completed"] == 10  # training kept going
     assert calls["n"] == 5  # rounds 2, 4, 6, 8 and the final one
     assert load_checkpoint(out).round == 2  # the last good checkpoint is intact and readable
@@ -243,7 +246,7 @@ def test_failed_checkpoint_write_keeps_the_last_good_one(tmp_path: Path, monkeyp
 def test_secure_noise_is_not_reproducible_and_seeded_noise_is(tmp_path: Path) -> None:
     runs = {}
     for name, secure in (("s1", True), ("s2", True), ("p1", False), ("p2", False)):
-        out = run_batched(_cfg(tmp_path, **{"run-name": name, "secure-noise": secure, "checkpoint-every": 0}))
+        out = run_batched(_cfg(tmp_path, **{"run-name": name, "secure-noise": secure, "checkpoint-every": 0})).directory
         runs[name] = np.load(out / "model.npz")["w_final"]
     np.testing.assert_array_equal(runs["p1"], runs["p2"])
     assert np.abs(runs["s1"] - runs["s2"]).max() > 1e-3
@@ -282,8 +285,10 @@ def test_diverging_local_training_is_reported_as_failure_on_both_engines(tmp_pat
                             "server-lr": 0.001})  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # overflow inside the diverging local steps
-        batched = run_batched(cfg.replace(run_name="batched"))
-        flower = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg.replace(run_name="flower"))
+        batched = run_batched(cfg.replace(run_name="batched")).directory
+        flower = server_app.run(
+            InProcessGrid(client_app, 12, cfg.to_run_config()), cfg.replace(run_name="flower")
+        ).directory
     for out in (batched, flower):
         rows = _rows(out)
         assert [int(r["num_failed"]) for r in rows[1:]] == [12, 12]
@@ -311,7 +316,7 @@ def test_faulty_clients_do_not_stop_the_run(tmp_path: Path) -> None:
         return client_app(msg, context)
 
     grid = InProcessGrid(faulty, 12, cfg.to_run_config(), enforce_timeout=True)
-    out = server_app.run(grid, cfg)
+    out = server_app.run(grid, cfg).directory
     rows = _rows(out)[1:]
     assert [(int(r["num_failed"]), int(r["num_dropped"]), int(r["num_rejected"]), int(r["num_received"]))
             for r in rows] == [(1, 1, 1, 9)] * 3  # fmt: skip

@@ -12,6 +12,7 @@ from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.quantization import quantize
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
+from dpfedavg import epsilon_for
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import SecAggGrid, Stream, client_round_update, gaussian_noise, make_rng, normalize
 from dpfedavg.core.secagg import (
@@ -27,8 +28,7 @@ from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.secure_aggregation import workflow_for
 from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid
-from dpfedavg.privacy import plan_privacy
-from dpfedavg.privacy.accounting import epsilon_for
+from dpfedavg.server.run import plan_for
 from dpfedavg.tasks import build_task
 
 # ------------------------------------------------------------------ encoding
@@ -168,9 +168,9 @@ def _survivors_model(cfg: RunConfig, in_sum: set[int], beta: float) -> np.ndarra
     after unmasking from its seeded stream.
     """
     task = build_task(cfg)
-    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_privacy(cfg))
+    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_for(cfg))
     w0 = task.initial_weights()
-    clients, ins = strategy.server.begin_round(1, w0)
+    clients, ins, _ = strategy.server.begin_round(1, w0)
     total = sum(
         (client_round_update(w0, task.client_grad_fn(c), ins, c).noisy for c in sorted(in_sum)), np.zeros(task.dim)
     )
@@ -183,14 +183,14 @@ def _survivors_model(cfg: RunConfig, in_sum: set[int], beta: float) -> np.ndarra
 def _run_flower(cfg: RunConfig, tmp_path, name: str, client=client_app, grid_cls=InProcessGrid, **grid_kwargs):
     cfg = cfg.replace(output_dir=str(tmp_path), run_name=name)
     grid = grid_cls(client, cfg.num_clients, cfg.to_run_config(), **grid_kwargs)
-    return server_app.run(grid, cfg, plan=plan_privacy(cfg)), grid
+    return server_app.run(grid, cfg, plan=plan_for(cfg)).directory, grid
 
 
 def test_secure_aggregate_equals_the_plain_sum_of_the_encoded_updates(tmp_path) -> None:
     """Flower's SecAgg+ run gives exactly the batched engine's run, which sums the same encodings in the clear."""
     cfg = _cfg(**{"noise-placement": "client-calibrated", "server-momentum": 0.5, "num-rounds": 4})
     out, _ = _run_flower(cfg, tmp_path, "secure")
-    plain = run_batched(cfg.replace(output_dir=str(tmp_path), run_name="batched"), threads=1)
+    plain = run_batched(cfg.replace(output_dir=str(tmp_path), run_name="batched"), threads=1).directory
     secure_w = np.load(out / "model.npz")["w_final"]
     np.testing.assert_allclose(secure_w, np.load(plain / "model.npz")["w_final"], rtol=1e-12, atol=1e-12)
     assert len(_rows(out)) == 1 + 4
@@ -254,10 +254,10 @@ def test_the_server_never_receives_an_individual_unmasked_update(tmp_path, monke
     out, grid = _run_flower(cfg, tmp_path, "spy", grid_cls=SpyGrid)
     assert (out / "model.npz").exists()
     task = build_task(cfg)
-    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_privacy(cfg))
+    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_for(cfg))
     # recompute what every sampled client encoded in round 1 (seeded noise: the test can replay it)
     w0 = task.initial_weights()
-    clients, ins = strategy.server.begin_round(1, w0)
+    clients, ins, _ = strategy.server.begin_round(1, w0)
     grid_r1 = strategy.server.secagg_grid(len(clients))
     secrets = []
     for cid in clients:

@@ -26,7 +26,7 @@ from dpfedavg.flower.protocol import (
 )
 from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid, superlink_unavailable_reply
-from dpfedavg.privacy import plan_privacy
+from dpfedavg.server.run import plan_for
 
 DIM = 6
 
@@ -300,8 +300,8 @@ CASES = {
 def test_in_process_run_matches_numpy_reference(case: str, tmp_path) -> None:
     values = {"num-clients": 12, "num-rounds": 6, "dim": 30, "seed": 3, "epsilon": 0.0, **CASES[case]}
     cfg = RunConfig.from_run_config({"output-dir": str(tmp_path), "run-name": case, **values})
-    plan = plan_privacy(cfg)
-    out = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg, plan=plan)
+    plan = plan_for(cfg)
+    out = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg, plan=plan).directory
     ref = run_reference_for(cfg, plan.noise_multiplier)
     model = np.load(out / "model.npz")
     np.testing.assert_allclose(model["w_final"], ref.w_final, rtol=1e-6, atol=1e-9)
@@ -365,7 +365,7 @@ def test_results_files_and_columns(tmp_path) -> None:
     import json
 
     cfg = small_cfg(**{"output-dir": str(tmp_path), "run-name": "cols", "noise-multiplier": 1.0})
-    out = server_app.run(InProcessGrid(client_app, 10, cfg.to_run_config()), cfg)
+    out = server_app.run(InProcessGrid(client_app, 10, cfg.to_run_config()), cfg).directory
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert [int(r["round"]) for r in rows] == list(range(cfg.num_rounds + 1))
     for col in ("round", "num_sampled", "suboptimality", "snr", "dist_to_opt", "frac_clipped", "epsilon"):

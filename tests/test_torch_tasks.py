@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 from dpfedavg.config import ConfigError, RunConfig  # noqa: E402
 from dpfedavg.core import client_update  # noqa: E402
-from dpfedavg.tasks import build_task, load_task_factory  # noqa: E402
+from dpfedavg.tasks import build_task, load_task_factory, resolve_task  # noqa: E402
 from dpfedavg.tasks.datasets import save_npy  # noqa: E402
 from dpfedavg.tasks.torch_task import TorchTask, minibatch_indices  # noqa: E402
 
@@ -239,15 +239,17 @@ def test_task_from_a_module_or_a_file(user_module: Path) -> None:
     ],
 )
 def test_bad_task_specs_are_one_config_error(user_module: Path, spec: str, fragments: list[str]) -> None:
+    """Checked where tasks are resolved (the config imports no task and no user code), before any start-up."""
+    RunConfig.from_run_config({"task": spec})  # a string: the config does not import it
     with pytest.raises(ConfigError) as err:
-        RunConfig.from_run_config({"task": spec})
+        resolve_task(spec)
     for fragment in fragments:
         assert fragment in str(err.value)
 
 
 def test_a_factory_that_returns_no_task_is_a_config_error(user_module: Path) -> None:
     cfg = RunConfig.from_run_config({"task": "user_tasks_p18:not_a_task"})
-    with pytest.raises(ConfigError, match="returned a object, not a Task: it lacks name, num_clients"):
+    with pytest.raises(ConfigError, match="gave a object, not a Task: it lacks name, num_clients"):
         build_task(cfg)
     with pytest.raises(ConfigError, match="has num_clients = 4, but 'num-clients' = 5"):
         factory = load_task_factory("user_tasks_p18:make_task")
@@ -323,7 +325,7 @@ def test_mlp_digits_trains_two_rounds_with_the_batched_engine(tmp_path: Path) ->
         noise_multiplier=0.5,
         checkpoint_every=0,
     )
-    run_dir = run_batched(cfg, threads=2)
+    run_dir = run_batched(cfg, threads=2).directory
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     assert len(rows) == 1 + 3 and "test_accuracy" in rows[0]  # header, round 0 (w_0), rounds 1 and 2
     final = json.loads((run_dir / "config.json").read_text())["final"]

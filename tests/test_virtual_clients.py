@@ -56,8 +56,8 @@ def test_virtual_clients_give_the_one_client_per_node_trajectory(case: str, tmp_
     single = virtual.replace(clients_per_node=1, run_name="single")
     assert virtual.num_nodes == -(-virtual.num_clients // virtual.clients_per_node) < virtual.num_clients
     grid_v = InProcessGrid(client_app, virtual.num_nodes, virtual.to_run_config())
-    out_v = server_app.run(grid_v, virtual)
-    out_s = server_app.run(InProcessGrid(client_app, single.num_clients, single.to_run_config()), single)
+    out_v = server_app.run(grid_v, virtual).directory
+    out_s = server_app.run(InProcessGrid(client_app, single.num_clients, single.to_run_config()), single).directory
     assert max(len(m.content["config"][CLIENT_IDS]) for m in grid_v.sent if m.metadata.message_type == "train") > 1
     traj_v, traj_s = np.load(out_v / "trajectory.npy"), np.load(out_s / "trajectory.npy")
     np.testing.assert_allclose(traj_v, traj_s, rtol=1e-6, atol=1e-7)

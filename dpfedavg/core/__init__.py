@@ -9,7 +9,6 @@ from dpfedavg.core.dp import (
     BOUNDS,
     SensitivityBound,
     bound_sensitivity,
-    client_noise_std,
     clip,
     gaussian_noise,
     get_bound,
@@ -36,7 +35,7 @@ from dpfedavg.core.server import (
     poisson_sample,
     server_lr_at,
 )
-from dpfedavg.core.types import Algorithm, GradFn, Vector
+from dpfedavg.core.types import GradFn, Vector
 
 __all__ = [
     "ALGORITHMS",
@@ -44,7 +43,6 @@ __all__ = [
     "SensitivityBound",
     "get_bound",
     "SECURE_NOISE_SEED",
-    "Algorithm",
     "ClientUpdate",
     "LocalTrainingDiverged",
     "GradFn",
@@ -57,7 +55,6 @@ __all__ = [
     "Vector",
     "fixed_denominator_mean",
     "bound_sensitivity",
-    "client_noise_std",
     "client_update",
     "clip",
     "client_round_update",

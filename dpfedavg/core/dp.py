@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpfedavg.core.types import Algorithm, Vector
+from dpfedavg.core.types import Vector
 
 __all__ = [
     "ALGORITHMS",
@@ -22,7 +22,6 @@ __all__ = [
     "normalize",
     "bound_sensitivity",
     "gaussian_noise",
-    "client_noise_std",
     "server_noise_std",
 ]
 
@@ -120,7 +119,7 @@ def get_bound(algorithm: str) -> SensitivityBound:
         raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {', '.join(map(repr, BOUNDS))}") from None
 
 
-def bound_sensitivity(u: Vector, algorithm: Algorithm, c: float) -> Vector:
+def bound_sensitivity(u: Vector, algorithm: str, c: float) -> Vector:
     """``g`` for the algorithm (:data:`BOUNDS`): ``clip`` / ``adaptive-clip``, ``norm`` or ``none`` (``g = u``)."""
     return get_bound(algorithm).apply(u, c)
 
@@ -144,12 +143,3 @@ def server_noise_std(noise_multiplier: float, c: float, clients_per_round: float
     sensitivity ``C`` of the sum.
     """
     return noise_multiplier * c / clients_per_round
-
-
-def client_noise_std(noise_multiplier: float, c: float, clients_per_round: float) -> float:
-    """Per-client noise std ``sqrt(r) * sigma = z C / sqrt(r)`` (Alg. 1 line 10).
-
-    Each of the (expected) ``r`` clients adds ``N(0, r sigma^2 I)``; the sum of
-    ``r`` of them carries ``N(0, (zC)^2 I)`` and their average ``N(0, sigma^2 I)``.
-    """
-    return noise_multiplier * c / float(np.sqrt(clients_per_round))

@@ -12,7 +12,7 @@ from dpfedavg.core.adaptive_clip import augmented_bound, count_coordinate
 from dpfedavg.core.dp import bound_sensitivity, get_bound
 from dpfedavg.core.noise import NOISE_LAWS, GaussianLaw, NoiseLaw, round_noise_law
 from dpfedavg.core.seeding import noise_rng
-from dpfedavg.core.types import Algorithm, GradFn, RoundInstructions, Vector
+from dpfedavg.core.types import GradFn, RoundInstructions, Vector
 
 __all__ = [
     "LocalTrainingDiverged",
@@ -79,7 +79,7 @@ def private_client_update(
     *,
     lr: float,
     num_steps: int,
-    algorithm: Algorithm,
+    algorithm: str,
     clip: float,
     noise_std: float,
     rng: np.random.Generator,
@@ -114,7 +114,7 @@ def private_client_update(
 def private_block_update(
     u: np.ndarray,
     *,
-    algorithm: Algorithm,
+    algorithm: str,
     clip: float,
     noise_std: float,
     rngs: Sequence[np.random.Generator],
@@ -164,7 +164,7 @@ def client_round_update(w: Vector, grad_fn: GradFn, ins: RoundInstructions, clie
         grad_fn,
         lr=ins.local_lr,
         num_steps=ins.local_steps,
-        algorithm=ins.algorithm,  # type: ignore[arg-type]
+        algorithm=ins.algorithm,
         clip=ins.clip,
         noise_std=ins.noise_std,
         rng=noise_rng(ins.noise_seed, client_id),

@@ -1,30 +1,30 @@
 """Noise placements as objects: each one owns what is added *and* what is accounted.
 
-A round releases ``sum_{i in S_k, included} g_i + noise`` (Alg. 1/2 lines
-10-12, before the division by ``r``). A :class:`NoisePlacement` says how that
-noise is split between the sampled clients (Alg. 1 line 10) and the server,
-and under which neighbouring relation (the privacy unit) the round is the
-Poisson-subsampled Gaussian mechanism ``PoissonSampledDpEvent(q,
-GaussianDpEvent(z))`` that the accountant composes.
+A round releases ``sum_{i in S_k, included} g_i + noise`` (Alg. 1/2 lines 10-12, before the
+division by ``r``). A :class:`NoisePlacement` says how that noise is split between the sampled
+clients (Alg. 1 line 10) and the server, under which neighbouring relation (:class:`Neighbouring`,
+the privacy unit) the round is the Poisson-subsampled Gaussian mechanism
+``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` the accountant composes, and which participation
+that needs (:meth:`NoisePlacement.participation_error`).
 
-The invariant every placement keeps: **the released sum carries exactly
-``N(0, (zC)^2 I)``, whoever took part.** Clients that were sampled but whose
-update did not enter the sum (dropouts, failures, rejected replies, a secure-
-aggregation round that could not finish) leave a gap in the noise, which the
-server fills (:meth:`NoisePlacement.server_std`: the *top-up*). The noise a
-third party sees therefore never depends on how many clients were in the
-round, and every round is charged the nominal ``z``: calibration, the budget
-and the reported epsilon agree exactly. (Without the top-up the variance of
-the released noise would grow with the number of included clients, and
-whether a client took part would show in the variance as well as in the
-mean; see :data:`LEGACY_CLIENT`.)
+The invariant every placement keeps: **the released sum carries exactly ``N(0, (zC)^2 I)``, whoever
+took part.** Clients that were sampled but whose update did not enter the sum (dropouts, failures,
+rejected replies, a secure-aggregation round that could not finish) leave a gap in the noise, which
+the server fills (:meth:`NoisePlacement.server_std`: the *top-up*). The noise a third party sees
+therefore never depends on how many clients were in the round, and every round is charged the
+nominal ``z`` (:meth:`NoisePlacement.accounted_noise_multiplier`): calibration, the budget and the
+reported epsilon agree exactly. (Without the top-up the variance of the released noise would grow
+with the number of included clients, and whether a client took part would show in the variance as
+well as in the mean; the auditor's tests keep such a mis-accounted placement to show that they
+catch it.)
 
-Like pfl-research's ``pfl/privacy`` mechanisms, a placement is small and
-stateless; :func:`get_placement` is the registry the config validates against.
+Like pfl-research's ``pfl/privacy`` mechanisms, a placement is small and stateless; :data:`PLACEMENTS`
+is the registry the config's ``noise-placement`` choices come from.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -34,21 +34,17 @@ from dpfedavg.core.dp import gaussian_noise
 from dpfedavg.core.noise import GaussianLaw
 from dpfedavg.core.types import Vector
 
-__all__ = [
-    "ADD_REMOVE",
-    "ZERO_OUT",
-    "LEGACY_CLIENT",
-    "NoisePlacement",
-    "PLACEMENTS",
-    "get_placement",
-    "released_sum",
-]
+__all__ = ["Neighbouring", "NoisePlacement", "PLACEMENTS", "get_placement", "released_sum"]
 
-#: Neighbouring federations differ by one client's presence (the paper's unit).
-ADD_REMOVE = "add/remove one client"
-#: Neighbouring federations differ in one client's data: the client is present in both, and in one of them it
-#: sends g = 0 (but still its noise). Weaker than add/remove: the number of clients is public.
-ZERO_OUT = "zero-out one client (present in both federations; in one it sends g = 0, with its noise)"
+
+class Neighbouring(enum.Enum):
+    """The neighbouring relation (the privacy unit) under which a placement's accounted event is exact."""
+
+    #: Neighbouring federations differ by one client's presence (the paper's unit).
+    ADD_REMOVE = "add/remove one client"
+    #: Neighbouring federations differ in one client's data: the client is present in both, and in one of them
+    #: it sends g = 0 (but still its noise). Weaker than add/remove: the number of clients is public.
+    ZERO_OUT = "zero-out one client (present in both federations; in one it sends g = 0, with its noise)"
 
 
 @dataclass(frozen=True)
@@ -60,24 +56,45 @@ class NoisePlacement:
     name:
         The ``noise-placement`` key's value.
     adjacency:
-        The neighbouring relation under which the accounted event is exact (:data:`ADD_REMOVE` or
-        :data:`ZERO_OUT`).
+        The neighbouring relation under which the accounted event is exact.
     per_client:
         ``"expected"``: each sampled client adds ``(zC)^2 / r`` (Alg. 1 line 10 literally);
         ``"cohort"``: each adds ``(zC)^2 / |S_k|`` (the server sends ``|S_k|``); ``"none"``: clients add nothing.
-    top_up:
-        Whether the server fills the noise of the sampled clients whose update did not enter the sum
-        (``False`` only for :data:`LEGACY_CLIENT`).
     full_participation_only:
-        The accounting holds only with ``q = 1`` (checked when the config is validated).
+        The accounting holds only with ``q = 1`` (:meth:`participation_error`).
+    description:
+        One line for ``config.json``.
     """
 
     name: str
-    adjacency: str
+    adjacency: Neighbouring
     per_client: str
-    top_up: bool = True
     full_participation_only: bool = False
     description: str = ""
+
+    @property
+    def adds_client_noise(self) -> bool:
+        """Whether the sampled clients add (a share of) the noise: what secure aggregation needs."""
+        return self.per_client != "none"
+
+    @property
+    def clients_learn_cohort_size(self) -> bool:
+        """Whether each sampled client is told ``|S_k|`` (to scale its share)."""
+        return self.per_client == "cohort"
+
+    def participation_error(self, num_clients: int, clients_per_round: float) -> str | None:
+        """Why this placement's accounting does not hold at ``q = r / n``, or ``None`` when it does."""
+        if not self.full_participation_only or clients_per_round == num_clients:
+            return None
+        q = clients_per_round / num_clients
+        ok = ", ".join(repr(p.name) for p in PLACEMENTS.values() if not p.full_participation_only)
+        return (
+            f"with 'clients-per-round' = {clients_per_round:g} < 'num-clients' = {num_clients} (q = {q:.4g}): each "
+            "client adds (zC)^2/r, so the noise in the sum grows with the number of clients sampled and whether a "
+            "client took part shows in its variance; no accounting here covers that. Allowed: "
+            f"{self.name!r} only with clients-per-round = num-clients (q = 1, {self.adjacency.value}), or {ok} "
+            "for any q"
+        )
 
     # ------------------------------------------------------------ what is added
     def client_std(self, noise_multiplier: float, clip: float, clients_per_round: float, num_sampled: int) -> float:
@@ -103,8 +120,6 @@ class NoisePlacement:
         if not 0 <= num_included <= num_sampled:
             raise ValueError(f"need 0 <= num_included <= num_sampled, got {num_included} and {num_sampled}")
         carried = num_included * self.client_std(noise_multiplier, clip, clients_per_round, num_sampled) ** 2
-        if not self.top_up:
-            return 0.0
         missing = zc**2 - carried
         if missing < -1e-9 * zc**2:
             raise ValueError(
@@ -118,44 +133,31 @@ class NoisePlacement:
     def accounted_noise_multiplier(
         self, noise_multiplier: float, clients_per_round: float, num_sampled: int, num_included: int
     ) -> float | None:
-        """``z_k``: the std of the released sum's noise over ``C``; always ``z`` when the server tops up.
+        """``z_k``: the std of the released sum's noise over ``C``: ``z``, because the server tops up.
 
-        ``None`` (a round that released nothing about anyone) only for :data:`LEGACY_CLIENT`, which charged
-        ``z sqrt(m / r)`` for ``m`` included replies and nothing when none was included.
+        ``None`` would mean a round that released nothing about anyone; no placement here returns it.
         """
-        if self.top_up:
-            return noise_multiplier
-        if num_included == 0:
-            return None
-        return noise_multiplier * math.sqrt(num_included / clients_per_round)
+        return noise_multiplier
 
 
 #: Every sampled client adds ``(zC)^2 / |S_k|``; the sum of all of them carries ``(zC)^2`` (default).
 CLIENT_CALIBRATED = NoisePlacement(
     "client-calibrated",
-    ADD_REMOVE,
+    Neighbouring.ADD_REMOVE,
     "cohort",
     description="each sampled client adds N(0, (zC)^2/|S_k|); the server tops up what dropouts left out",
 )
 #: The trusted server adds ``(zC)^2`` once (central DP).
-SERVER = NoisePlacement("server", ADD_REMOVE, "none", description="the server adds N(0, (zC)^2) to the sum")
+SERVER = NoisePlacement(
+    "server", Neighbouring.ADD_REMOVE, "none", description="the server adds N(0, (zC)^2) to the sum"
+)
 #: Alg. 1 line 10 literally: every client adds ``(zC)^2 / r``. Exact only under zero-out adjacency and q = 1.
 CLIENT = NoisePlacement(
     "client",
-    ZERO_OUT,
+    Neighbouring.ZERO_OUT,
     "expected",
     full_participation_only=True,
     description="each client adds N(0, (zC)^2/r) (Alg. 1 line 10); needs q = 1; zero-out adjacency",
-)
-#: What ``client`` placement did before it was fixed: per-client ``(zC)^2 / r``, no top-up, accounted under
-#: add/remove with ``z sqrt(m/r)``, ignoring that the variance of the sum reveals whether a client took part.
-#: Not selectable by config: kept so the privacy auditor's tests can show that they catch it.
-LEGACY_CLIENT = NoisePlacement(
-    "legacy-client",
-    ADD_REMOVE,
-    "expected",
-    top_up=False,
-    description="MIS-ACCOUNTED: per-client N(0, (zC)^2/r) under add/remove (kept only for the auditor's tests)",
 )
 
 #: The placements a run config may name (``noise-placement``).
@@ -163,9 +165,7 @@ PLACEMENTS: dict[str, NoisePlacement] = {p.name: p for p in (CLIENT_CALIBRATED, 
 
 
 def get_placement(name: str) -> NoisePlacement:
-    """The placement called ``name`` (also ``legacy-client``, which no config can select)."""
-    if name == LEGACY_CLIENT.name:
-        return LEGACY_CLIENT
+    """The placement called ``name``; ``ValueError`` naming the allowed ones."""
     try:
         return PLACEMENTS[name]
     except KeyError:
@@ -185,8 +185,8 @@ def released_sum(
 ) -> Vector:
     """One round's released sum ``sum_i (g_i + zeta_i) + top-up`` for the included clients' rows ``g``.
 
-    The same two steps the engines run (each client's Gaussian law, :class:`~dpfedavg.core.noise.GaussianLaw`, with
-    :meth:`NoisePlacement.client_std`, then the server's :meth:`NoisePlacement.server_std`), without
+    The same two steps the engines run (each client's Gaussian law, :class:`~dpfedavg.core.noise.GaussianLaw`,
+    with :meth:`NoisePlacement.client_std`, then the server's :meth:`NoisePlacement.server_std`), without
     local training: ``g`` (``(m, d)``, ``m <= num_sampled``) are the bounded updates of the clients whose
     replies entered the sum. Used by the privacy auditor and the tests.
     """

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -45,7 +45,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@runtime_checkable
 class NoiseLaw(Protocol):
     """What a client adds to ``g`` and what that adds to the run's ``(epsilon, delta)``."""
 

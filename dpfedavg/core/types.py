@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -16,10 +16,6 @@ Vector = npt.NDArray[np.floating]
 GradFn = Callable[[Vector], Vector]
 #: ``(w_k, eta_k, E) -> u`` of shape ``(B, dim)``: a task's exact closed form of ``client_update`` for B clients.
 BatchUpdateFn = Callable[[Vector, float, int], np.ndarray]
-
-#: ``clip`` = DP-FedAvg (Alg. 1), ``norm`` = DP-NormFedAvg (Alg. 2), ``none`` = FedAvg, no DP,
-#: ``adaptive-clip`` = DP-FedAvg with C following a quantile of the update norms (Andrew et al. 2021).
-Algorithm = Literal["clip", "norm", "none", "adaptive-clip"]
 
 
 @dataclass(frozen=True)

@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import client_update, noise_rng, private_block_update, round_noise_law
-from dpfedavg.core.types import ClientResult, GradFn, RoundInstructions, Vector
-from dpfedavg.tasks import Task, build_task
+from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
+from dpfedavg.tasks import Task, task_hooks
 
 if TYPE_CHECKING:  # the server side is imported by run_batched: a ClientApp that computes blocks needs none of it
-    from dpfedavg.privacy.accounting import PrivacyPlan
+    from dpfedavg.privacy.plan import PrivacyPlan
     from dpfedavg.server.dp_server import DPServer
+    from dpfedavg.server.session import RunResult
 
 __all__ = ["run_batched", "client_results"]
 
@@ -39,35 +39,21 @@ logger = logging.getLogger(__name__)
 BLOCK_ELEMENTS = 4_000_000
 
 
-def _batch_grad(task: Task, client_ids: np.ndarray, server_round: int) -> GradFn:
-    round_grad = getattr(task, "client_round_grad_fn", None)
-    batched = getattr(task, "client_batch_grad_fn", None)
-    if batched is not None and round_grad is None:
-        return batched(client_ids)
-    if round_grad is not None:  # a task whose local steps depend on the round (mini-batches)
-        fns = [round_grad(int(i), server_round) for i in client_ids]
-    else:
-        fns = [task.client_grad_fn(int(i)) for i in client_ids]
-    return lambda w: np.stack([fn(row) for fn, row in zip(fns, w, strict=True)])
-
-
 def _block_results(
     task: Task, ids: np.ndarray, w: Vector, ins: RoundInstructions
 ) -> tuple[list[ClientResult], list[int]]:
     """One block of clients: their results in ascending id, and the ids whose local training diverged."""
-    closed_form = getattr(task, "client_batch_update_fn", None)
+    hooks = task_hooks(task)
+    closed_form = hooks.block_update(ids, ins.server_round)
     if closed_form is not None:  # the task's client_update for a block (closed form or vmapped; tested against it)
-        if getattr(task, "client_round_grad_fn", None) is not None:  # round-dependent local steps (mini-batches)
-            u = closed_form(ids, server_round=ins.server_round)(w, ins.local_lr, ins.local_steps)
-        else:
-            u = closed_form(ids)(w, ins.local_lr, ins.local_steps)
+        u = closed_form(w, ins.local_lr, ins.local_steps)
     else:
         w_block = np.repeat(w[None, :], len(ids), axis=0)
-        u = client_update(w_block, _batch_grad(task, ids, ins.server_round), ins.local_lr, ins.local_steps)
+        u = client_update(w_block, hooks.block_grad(task, ids, ins.server_round), ins.local_lr, ins.local_steps)
     # the ClientApp's pipeline, on the block (with secure aggregation: what each client hands to the protocol)
     updates = private_block_update(
         u,
-        algorithm=ins.algorithm,  # type: ignore[arg-type]
+        algorithm=ins.algorithm,
         clip=ins.clip,
         noise_std=ins.noise_std,
         rngs=[noise_rng(ins.noise_seed, int(cid)) for cid in ids],
@@ -125,6 +111,7 @@ def client_results(
 def run_batched(
     cfg: RunConfig,
     *,
+    task: Task | Callable[[RunConfig], Task] | None = None,
     plan: PrivacyPlan | None = None,
     run_id: int | str = "batched",
     progress: bool = False,
@@ -132,11 +119,15 @@ def run_batched(
     client_results_fn=client_results,
     engine: str = "batched",
     threads: int | None = None,
-) -> Path:
-    """Run ``cfg`` with the batched engine; writes the usual results and returns the run directory.
+) -> RunResult:
+    """Run ``cfg`` with the batched engine; writes the usual results and returns the run's result.
 
     Parameters
     ----------
+    task:
+        A Task, or a factory called with ``cfg``; ``None`` builds the task ``cfg.task`` names.
+    plan:
+        The privacy plan, when the caller already has it (a sweep calibrates once for many cells).
     progress:
         Show a progress bar over rounds.
     on_round:
@@ -153,18 +144,12 @@ def run_batched(
     """
     from tqdm.auto import tqdm
 
-    from dpfedavg.privacy.accounting import plan_privacy
-    from dpfedavg.server.dp_server import DPServer
     from dpfedavg.server.loop import run_rounds
-    from dpfedavg.server.session import RunSession
+    from dpfedavg.server.run import prepare_run
 
     threads = threads if threads is not None else (os.cpu_count() or 1)
-    plan = plan if plan is not None else plan_privacy(cfg)
-    task = build_task(cfg)
-    w = task.initial_weights()
-    server = DPServer(cfg, task.dim, plan=plan, epsilon_each_round=False)
-    session = RunSession(cfg, task, server, run_id, engine=engine)
-    w, first_round = session.begin(w)
+    run = prepare_run(cfg, task=task, plan=plan, run_id=run_id, engine=engine, epsilon_each_round=False)
+    session, w, first_round = run.session, run.w, run.first_round
     if on_round is not None and first_round == 1:
         on_round(0, w)
 
@@ -174,8 +159,8 @@ def run_batched(
             on_round(server_round, w_new)
 
     rounds = tqdm(range(first_round, cfg.num_rounds + 1), desc=cfg.run_name or "rounds", disable=not progress)
-    runner = InProcessRunner(task, client_results_fn, threads)
-    result = run_rounds(server, runner, w, rounds, on_round_end=record)
+    runner = InProcessRunner(run.task, client_results_fn, threads)
+    result = run_rounds(run.server, runner, w, rounds, on_round_end=record)
     return session.finish(result.w, stopped_before_round=result.stopped_before_round)
 
 

@@ -41,7 +41,7 @@ def adaptive_values(values: dict[str, Any]) -> dict[str, Any]:
     ``(epsilon, delta)`` as the run will (the calibration is cached).
     """
     from dpfedavg.config import RunConfig
-    from dpfedavg.privacy.accounting import calibrate_noise_multiplier
+    from dpfedavg.privacy.calibration import calibrate_noise_multiplier
 
     cfg = RunConfig.from_run_config({**values, "algorithm": "clip"})
     if cfg.epsilon > 0:

@@ -6,23 +6,9 @@ the choice of the best setting is itself a release about the clients' data,
 and a grid search paid for by composition costs far more than one run.
 Papernot & Steinke 2022 ("Hyperparameter tuning with Renyi differential
 privacy", ICLR 2022) make the selection cheap: run a *random* number ``T`` of
-trials and release only the best one. If one trial is ``(lambda,
-eps(lambda))``-RDP for every order ``lambda``, the whole procedure is
-
-* ``T`` truncated negative binomial (shape ``eta >= 0``, ``gamma`` in (0, 1);
-  ``eta = 1`` geometric, ``eta = 0`` logarithmic), their Theorem 2::
-
-      eps'(lambda) = eps(lambda) + (1 + eta)(1 - 1/lambda^) eps(lambda^)
-                     + (1 + eta) log(1/gamma) / lambda^ + log(E[T]) / (lambda - 1)
-
-  for any ``lambda^ >= 1``;
-* ``T ~ Poisson(mu)``, their Theorem 6: ``eps'(lambda) = eps(lambda) + mu delta^
-  + log(mu) / (lambda - 1)`` with the trial ``(eps^, delta^)``-DP at ``eps^ =
-  log(1 + 1/(lambda - 1))``.
-
-dp-accounting composes this as ``RepeatAndSelectDpEvent(event, mean, shape)``
-(``shape = inf`` is Poisson), in its RDP accountant only (its PLD accountant
-rejects the event), so the calibration here is RDP throughout.
+trials and release only the best one; its accounting (the law of ``T``, the
+end-to-end epsilon, the calibration of ``z``) is :mod:`dpfedavg.privacy.selection`.
+This module plans the trials and runs them; :mod:`.tuning_report` writes the tables.
 
 Protocol (``run_sim.py table1 --private-tuning``), per end-to-end epsilon,
 algorithm and repetition:
@@ -67,51 +53,30 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
-import warnings
 import zlib
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
-import dp_accounting
 import numpy as np
-from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpfedavg.config import ConfigError
 from dpfedavg.experiments.adaptive import ADAPTIVE, sweep_count_stddev
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
-from dpfedavg.privacy.accounting import (
-    RoundEvent,
-    calibrate_noise_multiplier,
-    epsilon_for,
-    smallest_noise_multiplier,
-)
+from dpfedavg.experiments.tuning_report import markdown, plot, summarize
+from dpfedavg.privacy.accountants import RdpAccountant
+from dpfedavg.privacy.selection import TrialCount, calibrate_tuning_noise, trial_epsilon, tuning_epsilon
 
 __all__ = [
     "PRIVATE_TUNING_COLUMNS",
-    "TRIAL_DISTRIBUTIONS",
     "Trial",
-    "TrialCount",
-    "calibrate_tuning_noise",
     "plan_trials",
     "run_private_tuning",
-    "trial_epsilon",
     "tuning_dir",
-    "tuning_epsilon",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: The trial-count distributions (Papernot & Steinke 2022, §3).
-TRIAL_DISTRIBUTIONS = ("negative-binomial", "poisson")
-#: Defaults of ``run_sim.py table1 --private-tuning``.
-DEFAULT_DISTRIBUTION = "negative-binomial"
-DEFAULT_MEAN = 10.0
-DEFAULT_SHAPE = 1.0  # geometric
 DEFAULT_REPETITIONS = 10
 #: The algorithms tuned unless told otherwise (``adaptive-clip`` on request: ``algorithms=``, ``--algorithms``).
 TUNED_ALGORITHMS = ("clip", "norm")
@@ -133,176 +98,6 @@ PRIVATE_TUNING_COLUMNS = (
     "last5_test_accuracy",
     "released",
 )
-_NAMES = {"clip": "Clipping", "norm": "Normalization"}
-
-
-# --------------------------------------------------------------------------- T
-@dataclass(frozen=True)
-class TrialCount:
-    """The distribution of the number of trials ``T`` (Papernot & Steinke 2022, §3).
-
-    ``negative-binomial``: the truncated negative binomial ``D_{eta, gamma}``,
-    ``P[T = k] = (1 - gamma)^k / (gamma^-eta - 1) prod_{l<k} (l + eta)/(l + 1)``
-    for ``k >= 1`` (``eta = shape > 0``; ``eta = 0`` is the logarithmic
-    distribution ``P[T = k] = (1 - gamma)^k / (k log(1/gamma))``), ``gamma``
-    set by the ``mean``. ``poisson``: ``T ~ Poisson(mean)`` (``shape`` unused).
-    """
-
-    distribution: str = DEFAULT_DISTRIBUTION
-    mean: float = DEFAULT_MEAN
-    shape: float = DEFAULT_SHAPE
-
-    def __post_init__(self) -> None:
-        errors = []
-        if self.distribution not in TRIAL_DISTRIBUTIONS:
-            errors.append(
-                f"'trials-distribution' = {self.distribution!r}: expected one of {', '.join(TRIAL_DISTRIBUTIONS)}"
-            )
-        elif self.distribution == "negative-binomial":
-            if not (math.isfinite(self.mean) and self.mean > 1):
-                errors.append(
-                    f"'trials-mean' = {self.mean!r}: expected a number > 1 for the truncated negative binomial "
-                    "(T >= 1 always; mean 1 is a single run)"
-                )
-            if not (math.isfinite(self.shape) and self.shape >= 0):
-                errors.append(
-                    f"'trials-shape' = {self.shape!r}: expected a finite number >= 0 "
-                    "(0 = logarithmic, 1 = geometric; for shape -> infinity use --trials-distribution poisson)"
-                )
-        elif not (math.isfinite(self.mean) and self.mean >= 1):
-            errors.append(f"'trials-mean' = {self.mean!r}: expected a number >= 1 for the Poisson distribution")
-        if errors:
-            raise ConfigError("invalid private tuning: " + "; ".join(errors))
-
-    @property
-    def accounting_shape(self) -> float:
-        """The ``shape`` of dp-accounting's ``RepeatAndSelectDpEvent`` (``inf`` = Poisson)."""
-        return math.inf if self.distribution == "poisson" else float(self.shape)
-
-    @property
-    def gamma(self) -> float:
-        """``gamma`` of the truncated negative binomial with this mean (bisection; its mean <= ``mean``).
-
-        Rounding ``gamma`` up makes the sampled ``T`` no larger on average than
-        the accounted one and ``log(1/gamma)`` no larger than the accounted
-        one, so the accounted bound (Theorem 2) holds for what is sampled.
-        """
-        if self.distribution != "negative-binomial":
-            raise ValueError("gamma is a parameter of the truncated negative binomial only")
-        return _tnb_gamma(float(self.shape), float(self.mean))
-
-    def pmf(self, k: int) -> float:
-        """``P[T = k]``."""
-        if k < 0:
-            return 0.0
-        if self.distribution == "poisson":
-            return math.exp(-self.mean + k * math.log(self.mean) - math.lgamma(k + 1))
-        if k == 0:
-            return 0.0
-        gamma, eta = self.gamma, float(self.shape)
-        if eta == 0:
-            return math.exp(k * math.log1p(-gamma)) / (k * math.log(1.0 / gamma))
-        log_binom = math.lgamma(k + eta) - math.lgamma(eta) - math.lgamma(k + 1)
-        return math.exp(log_binom + k * math.log1p(-gamma)) / math.expm1(-eta * math.log(gamma))
-
-    def sample(self, rng: np.random.Generator) -> int:
-        """One draw of ``T``: Poisson, or a negative binomial conditioned on ``T >= 1`` (rejection)."""
-        if self.distribution == "poisson":
-            return int(rng.poisson(self.mean))
-        gamma, eta = self.gamma, float(self.shape)
-        if eta == 0:
-            return int(rng.logseries(1.0 - gamma))
-        while True:  # NB(eta, gamma) = failures before eta successes; P[0] = gamma^eta
-            t = int(rng.negative_binomial(eta, gamma))
-            if t >= 1:
-                return t
-
-    @property
-    def slug(self) -> str:
-        """A folder name for this distribution: ``negative-binomial-mean10-shape1``, ``poisson-mean10``."""
-        if self.distribution == "poisson":
-            return f"poisson-mean{self.mean:g}"
-        return f"negative-binomial-mean{self.mean:g}-shape{self.shape:g}"
-
-    def describe(self) -> str:
-        if self.distribution == "poisson":
-            return f"T ~ Poisson(mean {self.mean:g})"
-        kind = {0.0: "logarithmic", 1.0: "geometric"}.get(float(self.shape), "")
-        return (
-            f"T ~ truncated negative binomial (shape {self.shape:g}{', ' + kind if kind else ''}; "
-            f"mean {self.mean:g}, gamma = {self.gamma:.4g})"
-        )
-
-
-def _tnb_mean(gamma: float, eta: float) -> float:
-    """``E[T]`` of the truncated negative binomial: ``eta (1 - gamma) / (gamma (1 - gamma^eta))``."""
-    if eta == 0:
-        return (1.0 - gamma) / (gamma * math.log(1.0 / gamma))
-    return eta * (1.0 - gamma) / (gamma * -math.expm1(eta * math.log(gamma)))
-
-
-@lru_cache(maxsize=64)
-def _tnb_gamma(eta: float, mean: float) -> float:
-    if eta == 1.0:
-        return 1.0 / mean  # geometric
-    lo, hi = 0.0, 1.0  # the mean decreases from inf (gamma -> 0) to 1 (gamma -> 1)
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if mid in (lo, hi):
-            break
-        if _tnb_mean(mid, eta) > mean:
-            lo = mid
-        else:
-            hi = mid
-    return hi  # mean(hi) <= mean
-
-
-# ------------------------------------------------------------------ accounting
-def trial_event(q: float, z: float, rounds: int) -> dp_accounting.DpEvent:
-    """One trial: ``K`` rounds of ``PoissonSampled(q, Gaussian(z))`` (the per-run event of the accountant)."""
-    return dp_event.SelfComposedDpEvent(RoundEvent(q, z).dp_event(), rounds)
-
-
-def tuning_event(q: float, z: float, rounds: int, count: TrialCount) -> dp_accounting.DpEvent:
-    """Run ``T`` trials, release the best: dp-accounting's ``RepeatAndSelectDpEvent``."""
-    return dp_event.RepeatAndSelectDpEvent(trial_event(q, z, rounds), count.mean, count.accounting_shape)
-
-
-def _rdp_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
-    accountant = rdp_privacy_accountant.RdpAccountant()
-    accountant.compose(event)
-    return float(accountant.get_epsilon(delta))
-
-
-@lru_cache(maxsize=256)
-def tuning_epsilon(z: float, q: float, rounds: int, delta: float, count: TrialCount) -> float:
-    """End-to-end epsilon of releasing the best of ``T`` trials, each with noise multiplier ``z`` (RDP)."""
-    return _rdp_epsilon(tuning_event(q, z, rounds, count), delta)
-
-
-@lru_cache(maxsize=256)
-def trial_epsilon(z: float, q: float, rounds: int, delta: float) -> float:
-    """Epsilon of one trial alone, with the same (RDP) accountant."""
-    return _rdp_epsilon(trial_event(q, z, rounds), delta)
-
-
-@lru_cache(maxsize=64)
-def calibrate_tuning_noise(
-    epsilon: float, delta: float, q: float, rounds: int, count: TrialCount, rel_tol: float = 1e-3
-) -> float:
-    """The smallest ``z`` (to ``rel_tol`` relative) whose tuning procedure is ``(epsilon, delta)``-DP end to end.
-
-    Bisection on :func:`tuning_epsilon` (:func:`~dpfedavg.privacy.accounting.smallest_noise_multiplier`):
-    the returned ``z`` satisfies the target.
-    """
-    if not epsilon > 0:
-        raise ConfigError(f"invalid private tuning: 'epsilon' = {epsilon!r}: expected a number > 0")
-    try:
-        return smallest_noise_multiplier(
-            lambda z: tuning_epsilon(z, q, rounds, delta, count), epsilon, rel_tol, f" (delta = {delta:g})"
-        )
-    except ValueError as err:
-        raise ConfigError(f"invalid private tuning: {err} for {count.describe()}") from None
 
 
 # ----------------------------------------------------------------------- trials
@@ -388,7 +183,7 @@ def plan_trials(
             "noise_multiplier": z,
             "trial_epsilon": trial_epsilon(z, q, rounds, delta),
             "end_to_end_epsilon": tuning_epsilon(z, q, rounds, delta, count),
-            "accountant": "rdp",
+            "accountant": RdpAccountant.name,
         }
         for rep in range(repetitions):
             rng = _stream(tuning_seed, float(eps), rep)
@@ -448,198 +243,6 @@ def _collect(trials: Sequence[Trial], dataset: str, calibration: dict[float, dic
     return rows
 
 
-def summarize(
-    rows: Sequence[dict],
-    table1_rows: Sequence[dict],
-    calibration: dict[float, dict],
-    repetitions: int,
-    algorithms: Sequence[str],
-) -> list[dict]:
-    """Per (epsilon, algorithm): the per-run table's best next to the privately tuned release."""
-    from dpfedavg.experiments.table1 import best_settings
-
-    per_run = best_settings(list(table1_rows))
-    runs_per_group: dict[tuple, int] = defaultdict(int)
-    z_per_run: dict[tuple, float] = {}
-    for r in table1_rows:
-        runs_per_group[(r["algorithm"], r["epsilon"])] += 1
-        z_per_run[(r["algorithm"], r["epsilon"])] = float(r["noise_multiplier"])
-    untuned = defaultdict(list)  # one run at a grid point picked blindly: no selection, epsilon of one run
-    for r in table1_rows:
-        untuned[(r["algorithm"], r["epsilon"])].append(r["last5_test_accuracy"])
-    released = defaultdict(list)
-    for r in rows:
-        if r["released"]:
-            released[(r["algorithm"], r["epsilon"])].append(r)
-    out = []
-    for eps, cal in calibration.items():
-        for alg in algorithms:
-            rel = sorted(released.get((alg, eps), []), key=lambda r: r["repetition"])
-            accs = [r["last5_test_accuracy"] for r in rel]
-            counts = {}
-            for r in rows:
-                if r["algorithm"] == alg and r["epsilon"] == eps:
-                    counts[r["repetition"]] = r["num_trials"]
-            ts = [counts.get(rep, 0) for rep in range(repetitions)]
-            settings: dict[tuple, int] = defaultdict(int)
-            for r in rel:
-                settings[(r["C"], r["eta0"])] += 1
-            mode = max(settings.items(), key=lambda kv: kv[1]) if settings else None
-            n_runs = runs_per_group.get((alg, eps), 0)
-            z_run = z_per_run.get((alg, eps))
-            grid_eps = (
-                epsilon_for(z_run, cal["q"], cal["rounds"] * n_runs, cal["delta"], "pld")
-                if z_run is not None and n_runs
-                else None
-            )
-            grid_z = (
-                calibrate_noise_multiplier(eps, cal["delta"], cal["q"], cal["rounds"] * n_runs, "pld")
-                if n_runs
-                else None
-            )
-            pr = per_run.get((alg, eps))
-            out.append(
-                {
-                    "algorithm": alg,
-                    "epsilon": eps,
-                    "per_run_accuracy": pr[0] if pr else None,
-                    "per_run_std": pr[1] if pr else None,
-                    "per_run_C": pr[2] if pr else None,
-                    "per_run_eta0": pr[3] if pr else None,
-                    "per_run_seeds": pr[4] if pr else None,
-                    "per_run_noise_multiplier": z_run,
-                    "untuned_accuracy": float(np.mean(untuned[(alg, eps)])) if untuned.get((alg, eps)) else None,
-                    "untuned_std": float(np.std(untuned[(alg, eps)])) if untuned.get((alg, eps)) else None,
-                    "grid_runs": n_runs,
-                    "grid_end_to_end_epsilon": grid_eps,
-                    "grid_noise_multiplier_at_end_to_end_epsilon": grid_z,
-                    "tuned_accuracy": float(np.mean(accs)) if accs else None,
-                    "tuned_std": float(np.std(accs)) if accs else None,
-                    "tuned_min": float(np.min(accs)) if accs else None,
-                    "tuned_max": float(np.max(accs)) if accs else None,
-                    "tuned_released": len(accs),
-                    "tuned_nothing_released": sum(1 for t in ts if t == 0),
-                    "tuned_noise_multiplier": cal["noise_multiplier"],
-                    "tuned_trial_epsilon": cal["trial_epsilon"],
-                    "tuned_end_to_end_epsilon": cal["end_to_end_epsilon"],
-                    "trials_mean": float(np.mean(ts)),
-                    "trials_min": int(min(ts)),
-                    "trials_max": int(max(ts)),
-                    "trials_total": int(sum(ts)),
-                    "tuned_most_released_setting": list(mode[0]) if mode else None,
-                    "tuned_most_released_count": mode[1] if mode else 0,
-                }
-            )
-    return out
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.2f}%"
-
-
-def markdown(dataset: str, summary: Sequence[dict], count: TrialCount, repetitions: int, tuning_seed: int) -> str:
-    """``private_tuning.md``: the per-run table and private tuning side by side."""
-    lines = [
-        f"**{dataset}**: the paper's per-run table next to private hyperparameter tuning (Papernot & Steinke 2022).",
-        f"{count.describe()}; random search over the same (C, eta0) grid; {repetitions} repetitions of the whole "
-        f"tuning procedure (tuning seed {tuning_seed}); selection and report by the last-5-round test accuracy.",
-        "",
-        "| Algo. | epsilon | per-run table: best of grid (mean ± std over seeds) | z per run "
-        "| epsilon of the whole grid search (all runs composed, PLD) | one untuned run: random grid point "
-        "(mean ± std over the grid's runs) | private tuning: released trial "
-        "(mean ± std over repetitions; min-max) | z per trial | epsilon per trial (RDP) | T drawn: mean (min-max) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in summary:
-        name = _NAMES.get(s["algorithm"], s["algorithm"])
-        if s["per_run_accuracy"] is None:
-            per_run = "-"
-        else:
-            per_run = (
-                f"{_pct(s['per_run_accuracy'])} ± {100 * s['per_run_std']:.2f} "
-                f"(C = {s['per_run_C']:g}, eta0 = {s['per_run_eta0']:g})"
-            )
-        z_run = "-" if s["per_run_noise_multiplier"] is None else f"{s['per_run_noise_multiplier']:.3f}"
-        grid_eps = (
-            "-"
-            if s["grid_end_to_end_epsilon"] is None
-            else f"{s['grid_end_to_end_epsilon']:.1f} ({s['grid_runs']} run{'s' if s['grid_runs'] != 1 else ''})"
-        )
-        if s["tuned_accuracy"] is None:
-            tuned = "-"
-        else:
-            tuned = (
-                f"{_pct(s['tuned_accuracy'])} ± {100 * s['tuned_std']:.2f}; "
-                f"{_pct(s['tuned_min'])}-{_pct(s['tuned_max'])}"
-            )
-            if s["tuned_nothing_released"]:
-                tuned += f" ({s['tuned_nothing_released']} repetitions drew T = 0: nothing released)"
-        untuned = (
-            "-" if s["untuned_accuracy"] is None else f"{_pct(s['untuned_accuracy'])} ± {100 * s['untuned_std']:.2f}"
-        )
-        lines.append(
-            f"| {name} | {s['epsilon']:g} | {per_run} | {z_run} | {grid_eps} | {untuned} | {tuned} "
-            f"| {s['tuned_noise_multiplier']:.3f} | {s['tuned_trial_epsilon']:.2f} "
-            f"| {s['trials_mean']:.1f} ({s['trials_min']}-{s['trials_max']}) |"
-        )
-    lines.append("")
-    seen = set()
-    for s in summary:
-        if s["epsilon"] in seen or s["grid_noise_multiplier_at_end_to_end_epsilon"] is None:
-            continue
-        seen.add(s["epsilon"])
-        lines.append(
-            f"* epsilon = {s['epsilon']:g} end to end: one run needs z = {s['per_run_noise_multiplier']:.3f} (PLD), "
-            f"private tuning z = {s['tuned_noise_multiplier']:.3f} per trial (RDP, RepeatAndSelectDpEvent), "
-            f"the whole grid search paid by composition ({s['grid_runs']} run{'s' if s['grid_runs'] != 1 else ''}) "
-            f"z = {s['grid_noise_multiplier_at_end_to_end_epsilon']:.3f} per run (PLD)."
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plot(summary: Sequence[dict], rows: Sequence[dict], path: Path, dataset: str) -> Path | None:
-    """``private_tuning.png``: per epsilon and algorithm, the per-run best and the released trials."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no %s", path.name)
-        return None
-    epsilons = sorted({s["epsilon"] for s in summary}, reverse=True)
-    algorithms = list(dict.fromkeys(s["algorithm"] for s in summary))
-    fig, axes = plt.subplots(1, len(epsilons), figsize=(4.5 * len(epsilons), 4), squeeze=False, sharey=True)
-    jitter = np.random.default_rng(0)
-    for ax, eps in zip(axes[0], epsilons, strict=True):
-        for i, alg in enumerate(algorithms):
-            s = next(x for x in summary if x["epsilon"] == eps and x["algorithm"] == alg)
-            if s["per_run_accuracy"] is not None:
-                ax.errorbar(
-                    i - 0.18, 100 * s["per_run_accuracy"], yerr=100 * s["per_run_std"], fmt="s", color="tab:gray",
-                    capsize=4, label="per-run table (epsilon per run)" if i == 0 else None,
-                )  # fmt: skip
-            accs = [100 * r["last5_test_accuracy"] for r in rows if r["released"] and r["algorithm"] == alg
-                    and r["epsilon"] == eps]  # fmt: skip
-            if accs:
-                ax.scatter(i + 0.18 + jitter.uniform(-0.06, 0.06, len(accs)), accs, s=12, color="tab:blue", alpha=0.5)
-                ax.errorbar(
-                    i + 0.18, np.mean(accs), yerr=np.std(accs), fmt="o", color="tab:blue", capsize=4,
-                    label="private tuning (epsilon end to end)" if i == 0 else None,
-                )  # fmt: skip
-        ax.set_xticks(range(len(algorithms)), [_NAMES.get(a, a) for a in algorithms])
-        ax.set_title(f"{dataset}, epsilon = {eps:g}")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("last-5-round test accuracy (%)")
-    axes[0][0].legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def run_private_tuning(
     out: Path,
     dataset: str,
@@ -649,7 +252,7 @@ def run_private_tuning(
     lrs: Sequence[float],
     seeds: int = 3,
     rounds: int,
-    count: TrialCount = TrialCount(),
+    count: TrialCount | None = None,
     repetitions: int = DEFAULT_REPETITIONS,
     tuning_seed: int = 0,
     engine: str = "batched",
@@ -672,6 +275,7 @@ def run_private_tuning(
     from dpfedavg.experiments.table1 import NUM_CLIENTS, run_table1
     from dpfedavg.tasks import build_task
 
+    count = count if count is not None else TrialCount()
     out = Path(out)
     grid_kwargs = {"clips": clips, "lrs": lrs, "rounds": rounds, "data_dir": data_dir, "cache_dir": cache_dir,
                    "algorithms": tuple(algorithms)}  # fmt: skip

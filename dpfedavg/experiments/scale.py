@@ -131,9 +131,6 @@ class _PeakRss:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def add_root(self, proc: psutil.Process) -> None:
-        self.roots.append(proc)
-
     def sample(self) -> int:
         seen: dict[int, tuple[int, int]] = {}
         for root in list(self.roots):
@@ -280,7 +277,7 @@ def measure(
         with _PeakRss([psutil.Process()]) as rss:
             launched = time.time()
             t0 = time.monotonic()
-            run_dir = run_batched(cfg, client_results_fn=results_fn, engine=engine)
+            run_dir = run_batched(cfg, client_results_fn=results_fn, engine=engine).directory
             wall = time.monotonic() - t0
     result = _summarize(run_dir, cfg, launched, wall, rss.peak, engine)
     result.prepare_seconds = prepare_seconds

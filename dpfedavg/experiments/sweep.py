@@ -81,7 +81,7 @@ def _quiet_worker() -> None:
 def _run_batched_cell(cfg: RunConfig) -> str:
     from dpfedavg.engines.batched import run_batched
 
-    return str(run_batched(cfg, threads=1))  # the sweep runs cells in parallel processes instead
+    return str(run_batched(cfg, threads=1).directory)  # the sweep runs cells in parallel processes instead
 
 
 #: Where a cell ran on a Ray cluster (node id, host, pid, seconds): written beside its results.
@@ -168,7 +168,7 @@ def _ray_cell(values: dict) -> dict:
 
 def _write_cell_files(cell: Cell, result: dict) -> None:
     """Write a Ray cell's files; config.json last, so a cell counts as done only when all its files are there."""
-    from dpfedavg.io.results import atomic_write_bytes
+    from dpfedavg.io.atomic import atomic_write_bytes
 
     directory = cell.directory
     directory.mkdir(parents=True, exist_ok=True)

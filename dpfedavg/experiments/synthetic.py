@@ -358,13 +358,13 @@ def run_synthetic(
     algorithms: Sequence[str] = ALGORITHMS,
 ) -> dict[str, Path]:
     """Run (or resume) the grid (on a Ray cluster with ``ray_address``), then write the CSV, figures and summary."""
-    from dpfedavg.privacy.accounting import plan_privacy
+    from dpfedavg.server.run import plan_for
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cells = synthetic_cells(out, clips=clips, inits=inits, etas=etas, seeds=seeds, rounds=rounds, algorithms=algorithms)
     run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc="synthetic", ray_address=ray_address)
-    z = plan_privacy(cells[0].cfg).noise_multiplier
+    z = plan_for(cells[0].cfg).noise_multiplier
     rows = collect(cells, out / "synthetic.csv")
     snr_eta = snr_eta if snr_eta is not None else sorted(etas)[len(etas) // 2]
     figures = plot(rows, cells, out, z, snr_eta)

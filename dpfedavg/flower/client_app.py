@@ -38,7 +38,7 @@ from dpfedavg.flower.protocol import (
     to_array_record,
 )
 from dpfedavg.flower.runtime import setup_app_process
-from dpfedavg.tasks import Task, build_task
+from dpfedavg.tasks import Task, build_task, task_hooks
 
 app = ClientApp()
 
@@ -103,9 +103,9 @@ def _grad_fn(cfg: RunConfig, client_id: int) -> GradFn:
 def _round_grad_fn(cfg: RunConfig, client_id: int, server_round: int) -> GradFn:
     """Client ``i``'s gradient oracle for this round: the task's ``client_round_grad_fn`` when it has one
     (local steps that depend on the round: the torch tasks' mini-batches), else the cached :func:`_grad_fn`."""
-    round_grad = getattr(_task(cfg), "client_round_grad_fn", None)
-    if round_grad is not None:
-        return round_grad(client_id, server_round)
+    hooks = task_hooks(_task(cfg))
+    if hooks.round_grad is not None:
+        return hooks.round_grad(client_id, server_round)
     return _grad_fn(cfg, client_id)
 
 

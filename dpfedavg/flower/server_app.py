@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 from flwr.app import Context
@@ -14,32 +13,32 @@ from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.protocol import from_array_record, to_array_record
 from dpfedavg.flower.runtime import setup_app_process
 from dpfedavg.flower.strategy import DPFedAvg
-from dpfedavg.privacy import PrivacyPlan, plan_privacy
-from dpfedavg.server.session import RunSession
-from dpfedavg.tasks import build_task
-from dpfedavg.tasks.datasets import DataUnavailableError
+from dpfedavg.privacy.plan import PrivacyPlan
+from dpfedavg.server.run import plan_for, prepare_run
+from dpfedavg.server.session import RunResult
+from dpfedavg.tasks import resolve_task
+from dpfedavg.tasks.errors import DataUnavailableError
 
 logger = logging.getLogger(__name__)
 
 app = ServerApp()
 
 
-def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPlan | None = None) -> Path:
-    """Train with the Flower strategy on ``grid`` and write results; returns the run directory.
+def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPlan | None = None) -> RunResult:
+    """Train with the Flower strategy on ``grid`` and write results (:func:`dpfedavg.server.run.prepare_run`).
 
-    Raises :class:`ConfigError` (from the privacy plan or the task) before anything is written.
+    Raises :class:`ConfigError` (from the task, the privacy plan or the server) before anything is written.
     """
-    plan = plan if plan is not None else plan_privacy(cfg)
-    task = build_task(cfg)
-    w0 = task.initial_weights()
-    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan)
-    session = RunSession(cfg, task, strategy.server, run_id, engine="flower")
-
-    w_start, first_round = session.begin(w0)
+    prepared = prepare_run(cfg, plan=plan, run_id=run_id, engine="flower")
+    session = prepared.session
+    strategy = DPFedAvg(cfg, server=prepared.server)
     result = strategy.start(
-        grid=grid, initial_arrays=to_array_record(w_start), first_round=first_round, on_round_end=session.end_round
+        grid=grid,
+        initial_arrays=to_array_record(prepared.w),
+        first_round=prepared.first_round,
+        on_round_end=session.end_round,
     )
-    w_final = from_array_record(result.arrays) if result.arrays is not None else w_start
+    w_final = from_array_record(result.arrays) if result.arrays is not None else prepared.w
     session.description["timing"] = timing_summary(strategy)
     return session.finish(w_final, stopped_before_round=strategy.stopped_before_round)
 
@@ -59,7 +58,8 @@ def main(grid: Grid, context: Context) -> None:
     setup_app_process()
     try:
         cfg = RunConfig.from_run_config(context.run_config)
-        plan = plan_privacy(cfg)
+        resolve_task(cfg.task)  # a misspelled task: one error before the calibration
+        plan = plan_for(cfg)
     except ConfigError as err:
         logger.error("%s", err)
         return

@@ -30,7 +30,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core.dp import get_bound
 from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.flower.federation import Federation
 from dpfedavg.flower.protocol import (
@@ -43,8 +42,9 @@ from dpfedavg.flower.protocol import (
 )
 from dpfedavg.flower.replies import collect_replies
 from dpfedavg.flower.secure_aggregation import SecureSum, secure_sum, workflow_for
-from dpfedavg.privacy.accounting import PrivacyPlan
-from dpfedavg.server.dp_server import DPServer, RoundStats
+from dpfedavg.io.metrics import RoundStats
+from dpfedavg.privacy.plan import PrivacyPlan
+from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.loop import run_rounds
 
 __all__ = ["DPFedAvg", "FlowerRunner"]
@@ -64,6 +64,9 @@ class DPFedAvg(Strategy):
         Length of the flat model vector ``w``.
     plan:
         The privacy plan; calibrated from ``cfg`` when omitted.
+    server:
+        The server state to drive (:func:`dpfedavg.server.run.prepare_run` builds it); built from ``cfg``,
+        ``dim`` and ``plan`` when omitted.
     sleep:
         Injected for tests: how to wait between polls of the Grid.
     """
@@ -71,20 +74,26 @@ class DPFedAvg(Strategy):
     def __init__(
         self,
         cfg: RunConfig,
-        dim: int,
+        dim: int | None = None,
         *,
         plan: PrivacyPlan | None = None,
+        server: DPServer | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        if server is None:
+            if dim is None:
+                raise TypeError("DPFedAvg needs dim (the model's length) or a server")
+            server = DPServer(cfg, dim, plan=plan)
         self.cfg = cfg
-        self.dim = dim
+        self.dim = server.dim
         #: The server state and math (shared with the batched engine).
-        self.server = DPServer(cfg, dim, plan=plan)
+        self.server = server
         #: Which SuperNode hosts which clients (discovery, reconnected nodes).
         self.federation = Federation(cfg, sleep)
         #: The round before which the privacy budget stopped the run, if it did.
         self.stopped_before_round: int | None = None
         self._sampled: dict[int, list[int]] = {}  # node id -> its sampled clients (ascending), this round
+        self._closed: dict[int, Vector] = {}  # w_{k+1} of rounds a rule closed in configure_train
         #: Wall seconds per round spent in our code (configure, aggregate, evaluate) and waiting on
         #: Flower (``grid.send_and_receive``: delivery, the ClientApps, replies), by round.
         self.timings: dict[int, dict[str, float]] = {}
@@ -119,7 +128,7 @@ class DPFedAvg(Strategy):
     def summary(self) -> None:
         """Log the DP configuration (called by ``Strategy.start``)."""
         cfg, plan = self.cfg, self.plan
-        logger.info("\t├── Algorithm: %s", get_bound(cfg.algorithm).title)
+        logger.info("\t├── Algorithm: %s", self.server.bound.title)
         logger.info(
             "\t├── Poisson sampling: n=%d, r=%g, q=%.4g; aggregation divides by r",
             cfg.num_clients,
@@ -144,8 +153,8 @@ class DPFedAvg(Strategy):
                 plan.noise_multiplier,
                 how,
                 plan.accountant,
-                plan.noise_multiplier * cfg.clip / cfg.clients_per_round,
-                plan.placement,
+                self.server.sigma,
+                cfg.noise_placement,
             )
             if plan.max_epsilon is not None:
                 logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
@@ -261,11 +270,24 @@ class DPFedAvg(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Poisson-sample the clients and send their nodes ``w_k`` and the round's instructions."""
+        """Open the round (:meth:`DPServer.begin_round`: its rules, Poisson sampling) and build its messages.
+
+        Flower's hook, for driving the strategy round by round (tests, a custom loop);
+        :meth:`start` runs the same opening through :func:`dpfedavg.server.loop.run_rounds`. A round a
+        rule closed at once (secure aggregation with fewer than two clients) sends nothing, and
+        :meth:`aggregate_train` then returns its model. Secure-aggregation rounds run only in :meth:`start`.
+        """
+        if self.cfg.secure_aggregation:
+            raise RuntimeError("secure-aggregation rounds run through Flower's SecAgg+ workflow: use start()")
         if not self.federation.node_of_partition:
             self.discover_clients(grid)
-        clients, instructions = self.server.begin_round(server_round, from_array_record(arrays))
-        train_config = self._prepare_round(server_round, clients, instructions, config, grid)
+        start = self.server.begin_round(server_round, from_array_record(arrays))
+        if start.closed:
+            assert start.w is not None
+            self._closed[server_round] = start.w
+            return []
+        assert start.instructions is not None
+        train_config = self._prepare_round(server_round, start.clients, start.instructions, config, grid)
         return self._train_messages(arrays, train_config)
 
     def _train_messages(self, arrays: ArrayRecord, train_config: ConfigRecord) -> list[Message]:
@@ -369,8 +391,11 @@ class DPFedAvg(Strategy):
         The server divides by the fixed r, applies momentum and charges the accountant; every sampled
         client that is neither received, failed nor rejected is a dropout.
         """
+        if server_round in self._closed:  # closed by a rule in configure_train
+            metrics = MetricRecord(self.history[server_round].as_metrics())
+            return to_array_record(self._closed.pop(server_round)), metrics
         # the bound of this round's vectors (C, or C_aug with adaptive-clip's count coordinate)
-        bound = self.server.sensitivity if get_bound(self.cfg.algorithm).private else float("inf")
+        bound = self.server.sensitivity if self.server.bound.private else float("inf")
         checked = collect_replies(
             server_round,
             replies,

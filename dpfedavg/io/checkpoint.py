@@ -1,30 +1,28 @@
 """Exact checkpoint/resume of a run's server state.
 
-A DP run that dies at round 480 of 500 must continue, not restart: a restart
-would release a second model from the same clients' data and spend the
-privacy budget twice. Every ``checkpoint-every`` rounds the server writes
-``<run dir>/checkpoint.npz`` holding everything the rest of the run depends
-on:
+A DP run that dies at round 480 of 500 must continue, not restart: a restart would release a
+second model from the same clients' data and spend the privacy budget twice. Every
+``checkpoint-every`` rounds the server writes ``<run dir>/checkpoint.npz`` holding everything the
+rest of the run depends on:
 
-* ``w_k``, the momentum buffer ``m_k`` and the random iterate ``w_{k~}``
-  (Alg. 1 line 13) with its round, bit-exact (float64);
-* the round ``k``; the sampling and (seeded) noise streams need nothing more,
-  because every round's generator is derived from ``(seed, stream, round)``
-  (:mod:`dpfedavg.core.seeding`), so round ``k+1`` draws the same clients and
-  noise whether or not the run was interrupted;
-* the accountant's history (one ``(q, z_k)`` per round, with the noise the
-  round actually carried), so epsilon continues from where it was, never from 0;
-* the per-round statistics, server-side evaluations and the trajectory so far;
-* with ``adaptive-clip``, the next round's clipping threshold ``C_{k+1}`` (exact: JSON floats round-trip).
+* ``w_k`` and the round ``k``; the sampling and (seeded) noise streams need nothing more, because
+  every round's generator is derived from ``(seed, stream, round)`` (:mod:`dpfedavg.core.seeding`),
+  so round ``k+1`` draws the same clients and noise whether or not the run was interrupted;
+* the server's state, :class:`ServerState` (the one definition of it: the server produces and
+  consumes it, this module stores it field by field): the momentum buffer, the random iterate
+  ``w_{k~}`` (Alg. 1 line 13) and its round, bit-exact (float64), the accountant's state (so epsilon
+  continues from where it was, never from 0), the per-round statistics and, with ``adaptive-clip``,
+  ``C_{k+1}`` (exact: JSON floats round-trip);
+* the server-side evaluations and the trajectory so far.
 
-The file is written to a temporary file in the same folder, flushed to disk
-and renamed over the old one (``os.replace`` is atomic), so a crash or a
-failed write leaves the previous checkpoint intact and readable.
+The file is written to a temporary file in the same folder, flushed to disk and renamed over the
+old one (:func:`dpfedavg.io.atomic.atomic_open`), so a crash or a failed write leaves the previous
+checkpoint intact and readable.
 
-``resume=true`` refuses a checkpoint whose privacy-relevant settings (the
-algorithm, C, z, q, delta, the accountant, the noise placement) differ from the
-run's, and one whose trajectory-defining settings (task, seed, learning rates,
-E, momentum, ...) differ: either would not be the same run continued.
+``resume=true`` refuses a checkpoint whose privacy-relevant settings (the ``Option(privacy=True)``
+keys and the plan's ``z`` and ``q``) differ from the run's, and one whose trajectory-defining
+settings (``Option(trajectory=True)``: task, seed, learning rates, E, momentum, ...) differ: either
+would not be the same run continued.
 """
 
 from __future__ import annotations
@@ -32,33 +30,36 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dpfedavg.config import OPTIONS, ConfigError, RunConfig
-from dpfedavg.privacy.accounting import PrivacyPlan, RoundEvent
+from dpfedavg.io.atomic import atomic_open
+from dpfedavg.privacy.plan import PrivacyPlan
 
 __all__ = [
     "CHECKPOINT_FILE",
     "Checkpoint",
     "CheckpointError",
+    "ServerState",
     "check_compatible",
     "load_checkpoint",
+    "privacy_signature",
     "save_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.npz"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 #: run_config keys that define the trajectory (``Option.trajectory``): a resume that changes one is refused.
 TRAJECTORY_KEYS: tuple[str, ...] = tuple(opt.key for opt in OPTIONS if opt.trajectory)
+#: run_config keys the privacy guarantee depends on (``Option.privacy``): a resume that changes one is refused.
+PRIVACY_KEYS: tuple[str, ...] = tuple(opt.key for opt in OPTIONS if opt.privacy)
 
 
 class CheckpointError(ConfigError):
@@ -66,30 +67,35 @@ class CheckpointError(ConfigError):
 
 
 @dataclass
-class Checkpoint:
-    """The server state after ``round`` (1-based; 0 means before round 1)."""
+class ServerState:
+    """The server's state after a round (:meth:`dpfedavg.server.DPServer.state` / ``restore``).
 
-    round: int
-    w: np.ndarray
+    Array fields are stored bit-exact in the ``.npz``, the others in its JSON metadata.
+    """
+
     momentum: np.ndarray
     random_iterate: np.ndarray | None
     random_round: int | None
+    #: :meth:`dpfedavg.privacy.accountants.Accountant.state_dict` (``None`` without DP).
+    accountant: dict[str, Any] | None
+    #: ``metrics.csv``'s training statistics by round (:class:`dpfedavg.io.metrics.RoundStats` as dicts).
+    history: dict[int, dict[str, Any]]
+    #: ``adaptive-clip``: ``C_{k+1}``, the threshold of the next round.
+    adaptive_clip: float | None = None
+
+
+@dataclass
+class Checkpoint:
+    """A run after ``round`` (1-based; 0 means before round 1)."""
+
+    round: int
+    w: np.ndarray
+    server: ServerState
     run_config: dict[str, Any]
     privacy: dict[str, Any]
-    accountant_history: list[tuple[float, float | None]]
-    history: dict[int, dict[str, Any]]
     evaluated: dict[int, dict[str, float]]
     elapsed_s: float = 0.0
     trajectory: np.ndarray | None = None
-    #: ``adaptive-clip``: ``C_{k+1}``, the threshold of the round after ``round``.
-    adaptive_clip: float | None = None
-
-    def accountant_events(self) -> list[RoundEvent]:
-        return [RoundEvent(q, z) for q, z in self.accountant_history]
-
-
-#: run_config keys the privacy guarantee depends on (``Option.privacy``): a resume that changes one is refused.
-PRIVACY_KEYS: tuple[str, ...] = tuple(opt.key for opt in OPTIONS if opt.privacy)
 
 
 def privacy_signature(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, Any]:
@@ -132,8 +138,8 @@ def _decode(obj: Any) -> Any:
     return obj
 
 
-def _write_npz(fh: Any, arrays: dict[str, np.ndarray]) -> None:
-    np.savez(fh, **arrays)
+#: The ``.npz`` entry of a :class:`ServerState` array field.
+_SERVER_ARRAY = "server.{}"
 
 
 def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
@@ -141,47 +147,29 @@ def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
 
     Raises ``OSError`` (or whatever the write raised) with the previous checkpoint untouched.
     """
-    directory = Path(directory)
-    path = directory / CHECKPOINT_FILE
+    path = Path(directory) / CHECKPOINT_FILE
+    arrays: dict[str, np.ndarray] = {"w": np.asarray(ckpt.w, dtype=np.float64)}
+    server_meta: dict[str, Any] = {}
+    for f in fields(ServerState):
+        value = getattr(ckpt.server, f.name)
+        if isinstance(value, np.ndarray):
+            arrays[_SERVER_ARRAY.format(f.name)] = np.asarray(value, dtype=np.float64)
+        else:
+            server_meta[f.name] = value
+    if ckpt.trajectory is not None:
+        arrays["trajectory"] = np.asarray(ckpt.trajectory)
     meta = {
         "format_version": FORMAT_VERSION,
         "round": ckpt.round,
-        "random_round": ckpt.random_round,
+        "server": server_meta,
         "run_config": ckpt.run_config,
         "privacy": ckpt.privacy,
-        "accountant_history": [list(e) for e in ckpt.accountant_history],
-        "history": ckpt.history,
         "evaluated": ckpt.evaluated,
         "elapsed_s": ckpt.elapsed_s,
-        "adaptive_clip": ckpt.adaptive_clip,
     }
-    arrays: dict[str, np.ndarray] = {
-        "meta": np.array(json.dumps(_encode(meta), default=_json_default)),
-        "w": np.asarray(ckpt.w, dtype=np.float64),
-        "momentum": np.asarray(ckpt.momentum, dtype=np.float64),
-    }
-    if ckpt.random_iterate is not None:
-        arrays["random_iterate"] = np.asarray(ckpt.random_iterate, dtype=np.float64)
-    if ckpt.trajectory is not None:
-        arrays["trajectory"] = np.asarray(ckpt.trajectory)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{CHECKPOINT_FILE}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            _write_npz(fh, arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:  # pragma: no cover - some filesystems cannot fsync a directory
-        pass
+    arrays["meta"] = np.array(json.dumps(_encode(meta), default=_json_default))
+    with atomic_open(path, durable=True) as fh:
+        np.savez(fh, **arrays)
     return path
 
 
@@ -196,27 +184,25 @@ def load_checkpoint(directory: Path) -> Checkpoint:
     try:
         with np.load(path, allow_pickle=False) as data:
             meta = _decode(json.loads(str(data["meta"])))
-            w, momentum = data["w"].copy(), data["momentum"].copy()
-            random_iterate = data["random_iterate"].copy() if "random_iterate" in data else None
-            trajectory = data["trajectory"].copy() if "trajectory" in data else None
+            arrays = {name: data[name].copy() for name in data.files if name != "meta"}
     except Exception as err:  # noqa: BLE001 - any failure to read means the file is unusable
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err})") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    server_meta = meta["server"]
+    server = ServerState(
+        **{f.name: arrays.get(_SERVER_ARRAY.format(f.name), server_meta.get(f.name)) for f in fields(ServerState)}
+    )
+    server.history = {int(k): v for k, v in server.history.items()}
     return Checkpoint(
         round=int(meta["round"]),
-        w=w,
-        momentum=momentum,
-        random_iterate=random_iterate,
-        random_round=meta["random_round"],
+        w=arrays["w"],
+        server=server,
         run_config=meta["run_config"],
         privacy=meta["privacy"],
-        accountant_history=[(float(q), None if z is None else float(z)) for q, z in meta["accountant_history"]],
-        history={int(k): v for k, v in meta["history"].items()},
         evaluated={int(k): v for k, v in meta["evaluated"].items()},
         elapsed_s=float(meta["elapsed_s"]),
-        trajectory=trajectory,
-        adaptive_clip=None if meta.get("adaptive_clip") is None else float(meta["adaptive_clip"]),
+        trajectory=arrays.get("trajectory"),
     )
 
 

@@ -7,9 +7,7 @@ import io
 import json
 import logging
 import math
-import os
 import platform
-import tempfile
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -17,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RunRecorder", "package_versions", "atomic_write_bytes", "write_config_json"]
+from dpfedavg.io.atomic import atomic_write_bytes
+
+__all__ = ["RunRecorder", "package_versions", "read_metrics", "write_config_json"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,25 +33,18 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and an atomic rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _fmt(value: Any) -> Any:
     if isinstance(value, float):
         if math.isnan(value):
             return ""
         return repr(value)
     return value
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """``metrics.csv`` as rows of floats (an empty cell is NaN), in file order."""
+    with Path(path).open(newline="") as fh:
+        return [{k: float(v) if v != "" else math.nan for k, v in row.items()} for row in csv.DictReader(fh)]
 
 
 def write_config_json(path: Path, payload: Mapping[str, Any]) -> None:

@@ -1,16 +1,7 @@
-"""Privacy: the accountant (dp-accounting) and the privacy plan of a run. No Flower import.
+"""Privacy: accountants (one class each), calibration, the run's plan, the secure-aggregation checks, private
+tuning's selection accounting, the guarantee's text and the empirical auditor. No Flower import.
 
-The noise placements themselves (what is added and what is accounted) are
-:mod:`dpfedavg.core.mechanism`; the empirical auditor is :mod:`dpfedavg.privacy.audit`.
+The mechanisms themselves (what is added: the sensitivity bounds, noise placements and noise laws) are in
+:mod:`dpfedavg.core`. Nothing is imported here, so that the config can read the accountants' names
+without loading dp-accounting.
 """
-
-from dpfedavg.privacy.accounting import (
-    PrivacyPlan,
-    RoundAccountant,
-    RoundEvent,
-    calibrate_noise_multiplier,
-    epsilon_for,
-    plan_privacy,
-)
-
-__all__ = ["PrivacyPlan", "RoundAccountant", "RoundEvent", "calibrate_noise_multiplier", "epsilon_for", "plan_privacy"]

@@ -91,11 +91,12 @@ from typing import Any
 import numpy as np
 from scipy import optimize, special, stats
 
-from dpfedavg.core.mechanism import ADD_REMOVE, LEGACY_CLIENT, NoisePlacement, get_placement
+from dpfedavg.core.mechanism import PLACEMENTS, Neighbouring, NoisePlacement
 from dpfedavg.core.server import poisson_sample
+from dpfedavg.privacy.accountants import ACCOUNTANTS
+from dpfedavg.privacy.calibration import epsilon_for
 
 __all__ = [
-    "AUDIT_PLACEMENTS",
     "AuditSetting",
     "AuditResult",
     "ThresholdTest",
@@ -106,15 +107,13 @@ __all__ = [
     "roc_curve",
     "run_audit",
     "reported_epsilon",
+    "delta_of_gaussian_pair",
     "exact_epsilon_gaussian_pair",
     "exact_epsilon_variance_leak",
     "plot_roc",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: The placements the auditor can run: the three a config can select, and the old mis-accounted one.
-AUDIT_PLACEMENTS: tuple[str, ...] = ("client-calibrated", "client", "server", LEGACY_CLIENT.name)
 
 #: Numbers drawn per chunk of trials (``chunk * K * max(d, n)``): bounds the memory of :func:`released_sums_batch`.
 _CHUNK_FLOATS = 1 << 22
@@ -127,7 +126,8 @@ class AuditSetting:
     Attributes
     ----------
     placement:
-        A name in :data:`AUDIT_PLACEMENTS`.
+        The :class:`~dpfedavg.core.mechanism.NoisePlacement` audited, or the name of one in
+        :data:`~dpfedavg.core.mechanism.PLACEMENTS` (the tests also audit a deliberately mis-accounted one).
     num_clients:
         ``n``: the larger federation's size, canary included (under add/remove the other has ``n - 1``).
     clients_per_round:
@@ -137,10 +137,10 @@ class AuditSetting:
     noise_multiplier, clip, delta:
         ``z``, ``C`` and the ``delta`` at which epsilon is bounded and reported.
     accountant:
-        ``pld`` or ``rdp``: the accountant behind the reported epsilon.
+        A name in :data:`~dpfedavg.privacy.accountants.ACCOUNTANTS`: the accountant behind the reported epsilon.
     """
 
-    placement: str
+    placement: NoisePlacement
     num_clients: int
     clients_per_round: float
     dim: int
@@ -151,8 +151,10 @@ class AuditSetting:
     accountant: str = "pld"
 
     def __post_init__(self) -> None:
-        if self.placement not in AUDIT_PLACEMENTS:
-            raise ValueError(f"unknown placement {self.placement!r}; allowed: {', '.join(AUDIT_PLACEMENTS)}")
+        if isinstance(self.placement, str):
+            if self.placement not in PLACEMENTS:
+                raise ValueError(f"unknown placement {self.placement!r}; allowed: {', '.join(PLACEMENTS)}")
+            object.__setattr__(self, "placement", PLACEMENTS[self.placement])
         if self.num_clients < 2:
             raise ValueError(f"num_clients must be >= 2 (the canary and at least one other), got {self.num_clients}")
         if not 0 < self.clients_per_round <= self.num_clients:
@@ -163,10 +165,11 @@ class AuditSetting:
             raise ValueError(f"noise_multiplier and clip must be > 0, got {self.noise_multiplier}, {self.clip}")
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
-        if self.accountant not in ("pld", "rdp"):
-            raise ValueError(f"unknown accountant {self.accountant!r}; allowed: pld, rdp")
-        if self.placement in ("client", LEGACY_CLIENT.name) and self.q != 1.0:
-            raise ValueError(f"placement {self.placement!r} needs q = 1 (clients_per_round == num_clients)")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"unknown accountant {self.accountant!r}; allowed: {', '.join(ACCOUNTANTS)}")
+        participation = self.placement.participation_error(self.num_clients, self.clients_per_round)
+        if participation:
+            raise ValueError(f"placement {self.placement.name!r} {participation}")
 
     @property
     def q(self) -> float:
@@ -174,21 +177,16 @@ class AuditSetting:
         return self.clients_per_round / self.num_clients
 
     @property
-    def mechanism(self) -> NoisePlacement:
-        """The placement object."""
-        return get_placement(self.placement)
-
-    @property
-    def adjacency(self) -> str:
-        """The placement's neighbouring relation (:data:`ADD_REMOVE` or :data:`ZERO_OUT`)."""
-        return self.mechanism.adjacency
+    def adjacency(self) -> Neighbouring:
+        """The placement's neighbouring relation."""
+        return self.placement.adjacency
 
     def sum_variance(self, num_sampled: int) -> float:
         """Per-coordinate variance of the released sum when ``num_sampled`` clients were sampled (all included).
 
         Built only from the placement's :meth:`~NoisePlacement.client_std` and :meth:`~NoisePlacement.server_std`.
         """
-        p, z, c, r = self.mechanism, self.noise_multiplier, self.clip, self.clients_per_round
+        p, z, c, r = self.placement, self.noise_multiplier, self.clip, self.clients_per_round
         client = p.client_std(z, c, r, num_sampled)
         server = p.server_std(z, c, r, num_sampled, num_sampled)
         return num_sampled * client**2 + server**2
@@ -197,7 +195,7 @@ class AuditSetting:
         """``(a0, a1)``: the sum's variance in world 0 and in world 1 with the canary sampled, at ``q = 1`` counts."""
         n = self.num_clients
         a1 = self.sum_variance(n)
-        a0 = self.sum_variance(n - 1) if self.adjacency == ADD_REMOVE else a1
+        a0 = self.sum_variance(n - 1) if self.adjacency is Neighbouring.ADD_REMOVE else a1
         if math.isclose(a0, a1, rel_tol=1e-9):  # the top-up's (zC)^2, up to rounding
             a0 = a1
         return a0, a1
@@ -233,7 +231,7 @@ def released_sums_batch(
     counts = np.bincount(cell, minlength=trials * k)
     canary = np.zeros(trials * k, dtype=bool)
     canary[cell[picked % n == 0]] = True
-    if world == 0 and setting.adjacency == ADD_REMOVE:
+    if world == 0 and setting.adjacency is Neighbouring.ADD_REMOVE:
         counts = counts - canary  # the canary is not in world 0's federation
     sends = canary if world == 1 else np.zeros_like(canary)
     values, inverse = np.unique(counts, return_inverse=True)
@@ -367,17 +365,14 @@ def roc_curve(stat0: np.ndarray, stat1: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def reported_epsilon(setting: AuditSetting) -> float:
-    """What the project's accountant reports for the setting (for ``legacy-client``: the old accounting).
+    """What the project's accountant reports for the setting: the placement's own accounting.
 
     Every round is charged the placement's :meth:`~NoisePlacement.accounted_noise_multiplier` with all
-    clients of the larger federation sampled and included (``z`` for every placement with the top-up; for
-    ``legacy-client`` at ``q = 1``, ``z sqrt(n / r) = z``).
+    clients of the larger federation sampled and included (``z`` for every placement with the top-up).
     """
-    from dpfedavg.privacy.accounting import epsilon_for
-
     n, r = setting.num_clients, setting.clients_per_round
-    z_acc = setting.mechanism.accounted_noise_multiplier(setting.noise_multiplier, r, n, n)
-    if z_acc is None:  # pragma: no cover - only legacy-client with no client included
+    z_acc = setting.placement.accounted_noise_multiplier(setting.noise_multiplier, r, n, n)
+    if z_acc is None:  # pragma: no cover - a round that releases nothing about anyone
         return 0.0
     return float(epsilon_for(z_acc, setting.q, setting.rounds, setting.delta, setting.accountant))
 
@@ -409,8 +404,8 @@ class AuditResult:
             "epsilon_lower_bound": self.test.epsilon_lower_bound,
             "epsilon_reported": self.epsilon_reported,
             "epsilon_exact": self.epsilon_exact,
-            "placement": s.placement,
-            "adjacency": s.adjacency,
+            "placement": s.placement.name,
+            "adjacency": s.adjacency.value,
             "accountant": s.accountant,
             "trials": self.trials,
             "evaluation_trials": self.test.evaluation_trials,
@@ -470,7 +465,7 @@ def run_audit(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=2 * trials, desc=f"audit {setting.placement}", unit="trial")
+        bar = tqdm(total=2 * trials, desc=f"audit {setting.placement.name}", unit="trial")
     try:
         stat0 = _world_statistic(setting, 0, trials, rngs[0], bar)
         stat1 = _world_statistic(setting, 1, trials, rngs[1], bar)
@@ -493,7 +488,7 @@ def run_audit(
     seconds = time.perf_counter() - t0
     logger.info(
         "audit %s: epsilon >= %.3f (confidence %g, %d trials per world), reported %.3f, %.1f s",
-        setting.placement,
+        setting.placement.name,
         test.epsilon_lower_bound,
         confidence,
         trials,
@@ -504,7 +499,7 @@ def run_audit(
 
 
 # ------------------------------------------------------------------ exact epsilon, independent of the accountant
-def _delta_of_pair(eps: float, mean_norm: float, var0: float, var1: float, dim: int, grid: int) -> float:
+def delta_of_gaussian_pair(eps: float, mean_norm: float, var0: float, var1: float, dim: int, grid: int) -> float:
     """``max(delta_{P||Q}(eps), delta_{Q||P}(eps))`` for ``P = N(0, var0 I_D)``, ``Q = N(mu, var1 I_D)``.
 
     ``var0 <= var1``. The privacy loss depends on ``y`` only through its projection ``t`` on ``mu`` (a 1-D
@@ -564,7 +559,7 @@ def exact_epsilon_gaussian_pair(
         a = b
 
     def excess(eps: float) -> float:
-        return _delta_of_pair(eps, mean_norm, a, b, dim, grid) - delta
+        return delta_of_gaussian_pair(eps, mean_norm, a, b, dim, grid) - delta
 
     if excess(0.0) <= 0:
         return 0.0
@@ -586,7 +581,9 @@ def exact_epsilon_variance_leak(
     rounds: int,
     delta: float,
 ) -> float:
-    """Exact epsilon of ``K`` rounds of the old ``client`` placement at ``q = 1`` under add/remove.
+    """Exact epsilon of ``K`` rounds at ``q = 1`` under add/remove when each client adds ``(zC)^2/r``, no top-up.
+
+    The variance of the sum then tells whether the canary took part (the leak the server's top-up closes).
 
     ``num_others`` clients each add ``N(0, (zC)^2/r I_d)`` and send known updates; the canary adds the same
     noise and ``C e_1``. Over ``K`` rounds the two neighbours are ``N(0, m s^2 I_D)`` and
@@ -626,7 +623,7 @@ def plot_roc(result: AuditResult, path: str | Path) -> Path:
     ax.set_xlabel("false-positive rate")
     ax.set_ylabel("true-positive rate")
     ax.set_title(
-        f"{s.placement}: n={s.num_clients}, r={s.clients_per_round:g}, d={s.dim}, K={s.rounds}, "
+        f"{s.placement.name}: n={s.num_clients}, r={s.clients_per_round:g}, d={s.dim}, K={s.rounds}, "
         f"z={s.noise_multiplier:.3g}"
     )
     ax.legend(fontsize=8, loc="lower right")

@@ -1,40 +1,39 @@
 """The server side of Alg. 1 / Alg. 2, independent of Flower.
 
-:class:`DPServer` holds the server state (``w_k``, the momentum buffer, the
-accountant, the random iterate, per-round statistics) and runs one round in
-two halves:
+:class:`DPServer` holds the server state (``w_k``, the momentum buffer, the accountant, the random
+iterate, per-round statistics) and runs one round in two halves:
 
-* :meth:`DPServer.begin_round`: Poisson-sample the clients (line 3), check the
-  privacy budget, keep ``w_{k~}`` by reservoir sampling (line 13), and say what
-  the sampled clients must do (:class:`RoundInstructions`);
-* :meth:`DPServer.finish_round`: sum the clients' ``g + zeta`` (in client-id
-  order), add the server's share of the noise (all of it for ``server``
-  placement, the missing replies' share otherwise: the sum always carries
-  ``N(0, (zC)^2 I)``, see :mod:`dpfedavg.core.mechanism`), divide by the fixed
-  ``r`` (line 12), apply momentum and ``beta_k``, and charge the accountant the
-  round's (nominal) event.
+* :meth:`DPServer.begin_round`: the rules every round obeys, in one place (the stop before a round
+  that would exceed ``max-epsilon``; the secure-aggregation round with fewer than two sampled clients,
+  whose sum would be that client's update, closed at once without contacting anyone), Poisson
+  sampling (line 3), ``w_{k~}`` by reservoir sampling (line 13), and what the sampled clients must do
+  (:class:`RoundInstructions`);
+* :meth:`DPServer.finish_round`: sum the clients' ``g + zeta`` (in client-id order), add the server's
+  share of the noise (all of it for ``server`` placement, the missing replies' share otherwise: the sum
+  always carries ``N(0, (zC)^2 I)``, see :mod:`dpfedavg.core.mechanism`), divide by the fixed ``r``
+  (line 12), apply momentum and ``beta_k``, and charge the accountant the round's (nominal) event.
 
 With ``adaptive-clip`` the server also holds ``C_k`` (:class:`~dpfedavg.core.adaptive_clip.AdaptiveClip`):
 the clients' vectors have one more coordinate (their noised count of unclipped updates), the noise
 placement sees the augmented bound ``C_aug`` instead of ``C``, and closing a round splits the count off,
 releases ``b_k`` and moves to ``C_{k+1}`` (Andrew et al. 2021).
 
-The Flower strategy (:class:`~dpfedavg.flower.strategy.DPFedAvg`) and the batched
-engine (:mod:`dpfedavg.engines.batched`) both drive this class, so the two
-engines run the same server math.
+The privacy side reads narrow parameters the server builds once (:class:`~dpfedavg.privacy.params.DpParams`,
+:class:`~dpfedavg.privacy.secure_aggregation.SecAggSettings`). The Flower strategy
+(:class:`~dpfedavg.flower.strategy.DPFedAvg`) and the batched engine (:mod:`dpfedavg.engines.batched`)
+both drive this class, so the two engines run the same server math.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import asdict
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.config import RunConfig
 from dpfedavg.core import (
     SECURE_NOISE_SEED,
     SecAggGrid,
@@ -49,112 +48,24 @@ from dpfedavg.core import (
     round_noise_seed,
     secure_rng,
     server_lr_at,
+    server_noise_std,
 )
 from dpfedavg.core.adaptive_clip import AdaptiveClip
-from dpfedavg.core.dp import get_bound
-from dpfedavg.core.mechanism import get_placement
+from dpfedavg.core.dp import BOUNDS
+from dpfedavg.core.mechanism import PLACEMENTS
 from dpfedavg.core.noise import noise_law
-from dpfedavg.core.secagg import SecAggPrivacyTerms
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
-from dpfedavg.privacy.accounting import PrivacyPlan, RoundEvent, plan_privacy, realized_noise_multiplier
+from dpfedavg.io.checkpoint import ServerState
+from dpfedavg.io.metrics import RoundStats
+from dpfedavg.privacy.accountants import RoundEvent
+from dpfedavg.privacy.guarantee import describe_adaptive_clipping, describe_privacy
+from dpfedavg.privacy.params import DpParams
+from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
+from dpfedavg.privacy.secure_aggregation import SecAggRelease, SecAggSettings, check_privacy_terms, describe
 
-__all__ = ["ClientResult", "DPServer", "PrivacyBudgetExhausted", "RoundInstructions", "RoundStats"]
+__all__ = ["ClientResult", "DPServer", "PrivacyBudgetExhausted", "RoundInstructions", "RoundStart", "RoundStats"]
 
 logger = logging.getLogger(__name__)
-
-
-#: The secure-aggregation encoding may loosen the reported guarantee by at most these (see
-#: :func:`check_secure_aggregation`): the DDG ``tau`` (Kairouz et al. 2021, Thm. 1 adds ``tau sqrt(d)`` to the
-#: concentrated-DP epsilon ``1/z``) relative to ``1/z``, and the clipping slack ``(1 + e^eps) p`` relative to delta.
-SECAGG_MAX_TAU_SLACK = 1e-6
-SECAGG_MAX_DELTA_SLACK = 1e-3
-
-
-def secagg_privacy_terms(
-    server: DPServer, bits: int | None = None, clip_stds: float | None = None
-) -> SecAggPrivacyTerms:
-    """The run's noise law's privacy terms (:meth:`dpfedavg.core.noise.NoiseLaw.privacy_terms`; for secure
-    aggregation :func:`dpfedavg.core.secagg.privacy_terms`), or with other ``bits`` / ``clip_stds``.
-
-    With ``adaptive-clip`` the bound ``C_aug`` changes every round, and the grid step (a power of two
-    ``>= 2 (C_aug + k s) / Q``) with it; the terms are taken at the worst ratio of noise std to step that
-    any ``C_k`` can give (the step just past a power of two), so they hold in every round.
-    """
-    cfg, plan = server.cfg, server.plan
-    bits = cfg.secagg_quantization_bits if bits is None else bits
-    clip_stds = cfg.secagg_clip_stds if clip_stds is None else clip_stds
-    bound = server.sensitivity
-    std_n = server.placement.client_std(plan.noise_multiplier, bound, cfg.clients_per_round, cfg.num_clients)
-    if server.adaptive is not None and std_n > 0:
-        # everything scales with C_aug except the power-of-two rounding of the step: scale to the worst case
-        needed = 2.0 * (bound + clip_stds * std_n) / 2**bits
-        worst = math.ldexp(1.0, math.ceil(math.log2(needed))) / needed * (1.0 + 1e-9)
-        bound, std_n = bound * worst, std_n * worst
-    return server.noise_law.privacy_terms(
-        clip=bound,
-        noise_multiplier=plan.noise_multiplier,
-        std_at_n=std_n,
-        clip_stds=clip_stds,
-        bits=bits,
-        modulus_bits=cfg.secagg_modulus_bits,
-        num_clients=cfg.num_clients,
-        dim=server.release_dim,  # adaptive-clip's count coordinate is encoded too
-        rounds=cfg.num_rounds,
-        epsilon=plan.target_epsilon if plan.calibrated else plan.nominal_epsilon,
-        delta=plan.delta,
-    )
-
-
-def check_secure_aggregation(server: DPServer) -> None:
-    """Reject secure-aggregation settings under which the reported (epsilon, delta) would not hold.
-
-    Two terms of the encoding (:mod:`dpfedavg.core.secagg`) enter the guarantee:
-
-    * ``tau`` (Kairouz, Liu, Steinke 2021, Prop. 14 / Thm. 1): the sum of ``N`` discrete Gaussians is
-      only close to a discrete Gaussian when each has a std of a few grid steps; the concentrated-DP
-      epsilon grows from ``1/z`` by up to ``tau sqrt(d)``. Required: ``tau sqrt(d) <= 1e-6 / z``, checked
-      at the worst case ``|S_k| = n`` (the smallest per-client std).
-    * coordinate clipping to ``[-c, c]``: the run is ``(epsilon, delta + (1 + e^epsilon) p)``-DP with ``p``
-      the union bound over ``K n d`` coordinates. Required: ``(1 + e^epsilon) p <= 1e-3 delta``.
-
-    Raises
-    ------
-    ConfigError
-        Naming the key, the resulting tau or delta, and the allowed range.
-    """
-    cfg, plan = server.cfg, server.plan
-    n, errors = cfg.num_clients, []
-    std_n = server.placement.client_std(plan.noise_multiplier, server.sensitivity, cfg.clients_per_round, n)
-
-    def terms(bits: int, clip_stds: float) -> SecAggPrivacyTerms:
-        return secagg_privacy_terms(server, bits, clip_stds)
-
-    now = terms(cfg.secagg_quantization_bits, cfg.secagg_clip_stds)
-    if not now.tau_slack <= SECAGG_MAX_TAU_SLACK:
-        bits = cfg.secagg_quantization_bits
-        ok = [b for b in range(bits + 1, 31) if terms(b, cfg.secagg_clip_stds).tau_slack <= SECAGG_MAX_TAU_SLACK]
-        fix = f"use secagg-quantization-bits >= {ok[0]}" if ok else "no quantization-bits <= 30 suffices"
-        errors.append(
-            f"'secagg-quantization-bits' = {bits}: the grid is too coarse for the clients' noise (std {std_n:.4g} "
-            f"at |S_k| = n = {n}), so the summed discrete Gaussians are tau = {now.tau:.3g} away from a discrete "
-            f"Gaussian and the reported epsilon does not hold (allowed: tau sqrt(d) z <= {SECAGG_MAX_TAU_SLACK:g}, "
-            f"here {now.tau_slack:.3g}); {fix}"
-        )
-    if not now.delta_including_clipping - plan.delta <= SECAGG_MAX_DELTA_SLACK * plan.delta:
-        k_min = next(
-            k / 100
-            for k in range(int(cfg.secagg_clip_stds * 100), 10_000)
-            if terms(cfg.secagg_quantization_bits, k / 100).delta_including_clipping - plan.delta
-            <= SECAGG_MAX_DELTA_SLACK * plan.delta
-        )
-        errors.append(
-            f"'secagg-clip-stds' = {cfg.secagg_clip_stds:g}: coordinates of g + noise are clipped with probability "
-            f"up to p = {now.clip_probability:.3g} over the run, so the guarantee is (epsilon, "
-            f"delta_including_clipping = {now.delta_including_clipping:.3g}) instead of delta = {plan.delta:g} "
-            f"(allowed: (1 + e^epsilon) p <= {SECAGG_MAX_DELTA_SLACK:g} delta); use secagg-clip-stds >= {k_min:g}"
-        )
-    if errors:
-        raise ConfigError("invalid run config: " + "; ".join(errors))
 
 
 class PrivacyBudgetExhausted(Exception):
@@ -168,49 +79,20 @@ class PrivacyBudgetExhausted(Exception):
         self.server_round = server_round
 
 
-@dataclass
-class RoundStats:
-    """Per-round training statistics: the one definition of ``metrics.csv``'s training columns.
+class RoundStart(NamedTuple):
+    """What :meth:`DPServer.begin_round` opened: the sampled clients and their instructions.
 
-    The fields from ``num_sampled`` to ``skipped`` are the columns, in this order; the task's metrics
-    are written after :data:`METRICS_AFTER` (see :meth:`columns`).
+    ``instructions`` is ``None`` when a rule closed the round at once (secure aggregation with fewer than
+    two sampled clients); ``w`` is then ``w_{k+1}``, and nobody is contacted.
     """
 
-    round: int
-    num_sampled: int
-    num_received: int = 0
-    num_failed: int = 0
-    num_dropped: int = 0
-    num_rejected: int = 0
-    eta: float = float("nan")
-    beta: float = float("nan")
-    snr: float = float("nan")
-    frac_clipped: float = float("nan")
-    #: The round's clipping threshold / scaling factor C (C_k with adaptive-clip; NaN without a bound).
-    clip: float = float("nan")
-    #: adaptive-clip: b_k, the released (noised) fraction of unclipped updates, 1/2 + T_k / r; it replaces
-    #: ``frac_clipped``, which is not computed for adaptive-clip.
-    frac_unclipped: float = float("nan")
-    mean_update_norm: float = float("nan")
-    noise_multiplier: float = float("nan")
-    epsilon: float = float("nan")
-    #: 1 if secure aggregation summed no update this round (the server's noise alone was released).
-    skipped: int = 0
-    rejected_reasons: list[str] = field(default_factory=list)
+    clients: np.ndarray
+    instructions: RoundInstructions | None
+    w: Vector | None = None
 
-    #: The task's metric columns follow this one.
-    METRICS_AFTER = "beta"
-
-    @classmethod
-    def columns(cls, metric_names: tuple[str, ...] = ()) -> tuple[str, ...]:
-        """``metrics.csv``'s columns: ``round``, the training statistics with the task's metrics, ``elapsed_s``."""
-        train = [f.name for f in fields(cls) if f.name not in ("round", "rejected_reasons")]
-        cut = train.index(cls.METRICS_AFTER) + 1
-        return ("round", *train[:cut], *metric_names, *train[cut:], "elapsed_s")
-
-    def as_metrics(self) -> dict[str, float]:
-        """The numeric columns for the MetricRecord / CSV."""
-        return {name: getattr(self, name) for name in self.columns()[1:-1]}
+    @property
+    def closed(self) -> bool:
+        return self.instructions is None
 
 
 class DPServer:
@@ -223,13 +105,16 @@ class DPServer:
     dim:
         Length of the flat model vector.
     plan:
-        The privacy plan (calibrated ``z``, accountant, budget); computed from
-        ``cfg`` when omitted.
+        The privacy plan (calibrated ``z``, accountant, budget); computed from ``cfg`` when omitted.
     epsilon_each_round:
-        Compute the epsilon spent after every round (the ``epsilon`` column).
-        The batched engine turns it off for speed: then only the last round's
-        is computed (and :attr:`epsilon` on demand); the composition itself is
-        never skipped.
+        Compute the epsilon spent after every round (the ``epsilon`` column). The batched engine turns it
+        off for speed: then only the last round's is computed (and :attr:`epsilon` on demand); the
+        composition itself is never skipped.
+
+    Raises
+    ------
+    dpfedavg.errors.ConfigError
+        From the privacy plan, or secure-aggregation settings under which the guarantee would not hold.
     """
 
     def __init__(
@@ -237,16 +122,20 @@ class DPServer:
     ) -> None:
         self.cfg = cfg
         self.dim = dim
-        self.plan = plan if plan is not None else plan_privacy(cfg)
+        #: What the accountant reads (built once).
+        self.params = DpParams.from_config(cfg)
+        #: The sensitivity bound (``algorithm``): what ``g`` is, and whether the run is private.
+        self.bound = BOUNDS[cfg.algorithm]
+        self.plan = plan if plan is not None else plan_privacy(self.params, self.bound, cfg.count_stddev)
         self.accountant = self.plan.new_accountant() if self.plan.dp else None
         self.epsilon_each_round = epsilon_each_round
         #: The noise placement: what the clients and the server add, and what is accounted.
-        self.placement = get_placement(cfg.noise_placement)
+        self.placement = PLACEMENTS[cfg.noise_placement]
         #: The noise law: what each client's zeta is, and what it adds to the guarantee (:mod:`dpfedavg.core.noise`).
         self.noise_law = noise_law(cfg.secure_aggregation)
         #: ``adaptive-clip``: ``C_k`` and its update rule (Andrew et al. 2021); ``None`` for a fixed ``C``.
         self.adaptive: AdaptiveClip | None = None
-        if get_bound(cfg.algorithm).adaptive:
+        if self.bound.adaptive:
             self.adaptive = AdaptiveClip(
                 clip=cfg.clip,
                 target_quantile=cfg.target_quantile,
@@ -256,8 +145,10 @@ class DPServer:
             )
         #: Length of what each client sends and the round releases: ``d``, or ``d + 1`` with the count.
         self.release_dim = dim + (1 if self.adaptive is not None else 0)
-        if cfg.secure_aggregation and self.plan.dp:
-            check_secure_aggregation(self)
+        #: The ``secagg-*`` settings (``None`` without secure aggregation).
+        self.secagg = SecAggSettings.from_config(cfg) if cfg.secure_aggregation else None
+        if self.secagg is not None and self.plan.dp:
+            check_privacy_terms(self.secagg, self.secagg_release())
         self.momentum: Vector = np.zeros(dim)
         #: ``w_{k~}`` (Alg. 1 line 13), kept by reservoir sampling, and ``k~``.
         self.random_iterate: Vector | None = None
@@ -290,6 +181,11 @@ class DPServer:
         """
         return self.adaptive.augmented_clip if self.adaptive is not None else self.cfg.clip
 
+    @property
+    def sigma(self) -> float:
+        """``sigma = z C / r``: the std of the noise in each coordinate of the next round's average ``a_k``."""
+        return server_noise_std(self.noise_multiplier, self.sensitivity, self.cfg.clients_per_round)
+
     def noise_stds(self, num_sampled: int) -> tuple[float, float]:
         """``(per-client std, server std on the sum)`` of a round with ``num_sampled`` clients, all included."""
         return self.noise_stds_for(num_sampled, num_sampled)
@@ -312,22 +208,61 @@ class DPServer:
         """The generator of ``stream`` in round ``k``: seeded, or from the OS CSPRNG with ``secure-noise``."""
         return secure_rng() if self.cfg.secure_noise else make_rng(self.cfg.seed, stream, round_index)
 
+    # ---------------------------------------------------- secure aggregation
+    def secagg_release(self) -> SecAggRelease:
+        """What the secure-aggregation encoding's privacy terms read from this run (its first round's bound)."""
+        plan = self.plan
+        return SecAggRelease(
+            law=self.noise_law,
+            placement=self.placement,
+            noise_multiplier=plan.noise_multiplier,
+            bound=self.sensitivity,
+            adaptive=self.adaptive is not None,
+            clients_per_round=self.cfg.clients_per_round,
+            num_clients=self.cfg.num_clients,
+            dim=self.release_dim,  # adaptive-clip's count coordinate is encoded too
+            rounds=self.cfg.num_rounds,
+            epsilon=plan.target_epsilon if plan.calibrated and plan.target_epsilon else plan.nominal_epsilon,
+            delta=plan.delta,
+        )
+
     def secagg_grid(self, num_sampled: int) -> SecAggGrid | None:
         """The secure-aggregation grid of a round with ``num_sampled`` clients (``None`` when off).
 
         Its range covers ``C + k s`` for the round's per-client noise std ``s``
         (which depends on ``|S_k|`` with ``client-calibrated`` placement).
         """
-        if not self.cfg.secure_aggregation:
+        if self.secagg is None:
             return None
-        return SecAggGrid.for_round(
-            self.sensitivity,
-            self.noise_stds(num_sampled)[0],
-            self.cfg.secagg_clip_stds,
-            self.cfg.secagg_quantization_bits,
-            self.cfg.secagg_modulus_bits,
+        return self.secagg.grid(self.sensitivity, self.noise_stds(num_sampled)[0])
+
+    def describe_privacy(self) -> dict[str, Any]:
+        """The privacy set-up for ``config.json`` (:func:`dpfedavg.privacy.guarantee.describe_privacy`)."""
+        cfg, plan = self.cfg, self.plan
+        adaptive = None
+        if self.adaptive is not None:
+            adaptive = describe_adaptive_clipping(
+                plan,
+                initial_clip=cfg.clip,
+                target_quantile=cfg.target_quantile,
+                clip_lr=cfg.clip_lr,
+                count_stddev=cfg.count_stddev,
+            )
+        return describe_privacy(
+            plan,
+            self.placement,
+            diagnostics=cfg.diagnostics,
+            secure_noise=cfg.secure_noise,
+            seed=cfg.seed,
+            sigma=self.sigma,
+            sensitivity=cfg.clip,
+            adaptive_clipping=adaptive,
+            secure_aggregation=(
+                describe(self.secagg, self.secagg_release(), plan.dp) if self.secagg is not None else None
+            ),
         )
 
+    # ----------------------------------------------------------- round setup
     def sample_clients(self, server_round: int) -> np.ndarray:
         """Client ids sampled in ``server_round`` (1-based): Poisson with ``q = r/n`` (Alg. 1 line 3).
 
@@ -356,65 +291,53 @@ class DPServer:
         )
 
     def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
-        """The privacy event of a round with these counts (realized noise, see ``accounting``)."""
-        z_k = realized_noise_multiplier(
-            self.cfg.noise_placement, self.noise_multiplier, self.cfg.clients_per_round, num_sampled, num_included
+        """The privacy event of a round with these counts: the placement's accounted ``z_k`` (always ``z``)."""
+        z_k = self.placement.accounted_noise_multiplier(
+            self.noise_multiplier, self.cfg.clients_per_round, num_sampled, num_included
         )
         return RoundEvent(self.cfg.sampling_rate, z_k)
 
     # ------------------------------------------------------------ checkpoint
-    def state(self) -> dict[str, Any]:
+    def state(self) -> ServerState:
         """What a checkpoint needs from the server after a round (see :mod:`dpfedavg.io.checkpoint`)."""
         if self._round is not None:
             raise RuntimeError(f"cannot checkpoint in the middle of round {self._round}")
-        history = self.accountant.history if self.accountant is not None else []
-        return {
-            "momentum": self.momentum.copy(),
-            "random_iterate": None if self.random_iterate is None else self.random_iterate.copy(),
-            "random_round": self.random_round,
-            "accountant_history": [(e.q, e.z) for e in history],
-            "history": {k: asdict(v) for k, v in self.history.items()},
-            "adaptive_clip": self.adaptive.clip if self.adaptive is not None else None,
-        }
+        return ServerState(
+            momentum=self.momentum.copy(),
+            random_iterate=None if self.random_iterate is None else self.random_iterate.copy(),
+            random_round=self.random_round,
+            accountant=self.accountant.state_dict() if self.accountant is not None else None,
+            history={k: asdict(v) for k, v in self.history.items()},
+            adaptive_clip=self.adaptive.clip if self.adaptive is not None else None,
+        )
 
-    def restore(
-        self,
-        *,
-        momentum: Vector,
-        random_iterate: Vector | None,
-        random_round: int | None,
-        accountant_history: list[tuple[float, float | None]],
-        history: dict[int, dict[str, Any]],
-        adaptive_clip: float | None = None,
-    ) -> None:
-        """Load the state :meth:`state` returned; the accountant replays every round's event.
-
-        ``adaptive_clip`` is ``C_{k+1}`` of an ``adaptive-clip`` run (required for one, refused otherwise).
-        """
-        momentum = np.asarray(momentum, dtype=np.float64)
+    def restore(self, state: ServerState) -> None:
+        """Load what :meth:`state` returned; the accountant replays every round's event."""
+        momentum = np.asarray(state.momentum, dtype=np.float64)
         if momentum.shape != (self.dim,):
             raise ValueError(f"momentum has shape {momentum.shape}, expected ({self.dim},)")
         self.momentum = momentum.copy()
-        self.random_iterate = None if random_iterate is None else np.asarray(random_iterate, dtype=np.float64).copy()
-        self.random_round = random_round
+        iterate = state.random_iterate
+        self.random_iterate = None if iterate is None else np.asarray(iterate, dtype=np.float64).copy()
+        self.random_round = state.random_round
         if self.accountant is not None:
-            self.accountant = self.plan.new_accountant()
-            for q, z in accountant_history:
-                self.accountant.add(RoundEvent(q, z))
-        elif accountant_history:
+            if state.accountant is None:
+                raise ValueError("the checkpoint has no accountant state but this run is private")
+            self.accountant.load_state_dict(state.accountant)
+        elif state.accountant is not None and state.accountant.get("history"):
             raise ValueError("the checkpoint has privacy events but this run has no DP")
-        self.history = {int(k): RoundStats(**v) for k, v in history.items()}
-        if (adaptive_clip is None) != (self.adaptive is None):
+        self.history = {int(k): RoundStats(**v) for k, v in state.history.items()}
+        if (state.adaptive_clip is None) != (self.adaptive is None):
             raise ValueError(
-                f"the checkpoint's adaptive clipping state ({adaptive_clip!r}) does not fit "
+                f"the checkpoint's adaptive clipping state ({state.adaptive_clip!r}) does not fit "
                 f"algorithm {self.cfg.algorithm!r}"
             )
         if self.adaptive is not None:
-            self.adaptive.clip = float(adaptive_clip)
+            self.adaptive.clip = float(state.adaptive_clip)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- round
-    def begin_round(self, server_round: int, w: Vector) -> tuple[np.ndarray, RoundInstructions]:
-        """Sample the clients of ``server_round`` and open the round at ``w_k``.
+    def begin_round(self, server_round: int, w: Vector) -> RoundStart:
+        """Open ``server_round`` at ``w_k``: every rule of a round, sampling and ``k~``.
 
         Raises
         ------
@@ -440,7 +363,14 @@ class DPServer:
         self._w, self._round = w, server_round
         if not len(clients):
             logger.warning("Round %d: Poisson sampling selected no client", server_round)
-        return clients, self.instructions(server_round, len(clients))
+        if self.secagg is not None and len(clients) < 2:  # a sum of one is that client's update
+            reason = f"secure aggregation needs at least 2 clients, {len(clients)} sampled"
+            return RoundStart(clients, None, self.skip_round(server_round, reason))
+        return RoundStart(clients, self.instructions(server_round, len(clients)))
+
+    def is_open(self, server_round: int) -> bool:
+        """Whether ``server_round`` was begun and not yet finished."""
+        return self._w is not None and self._round == server_round
 
     def finish_round(
         self,
@@ -498,7 +428,7 @@ class DPServer:
         return self._close_round(server_round, np.zeros(self.release_dim), 0, [], None, 0, 0)
 
     def _check_open(self, server_round: int) -> None:
-        if self._w is None or self._round != server_round:
+        if not self.is_open(server_round):
             raise RuntimeError(f"finishing round {server_round} without begin_round({server_round})")
 
     def _close_round(
@@ -522,7 +452,7 @@ class DPServer:
         server_std = self.noise_stds_for(stats.num_sampled, num_received)[1]
         if server_std > 0:
             total += gaussian_noise(self.release_dim, server_std, self._rng(Stream.SERVER_NOISE, server_round - 1))
-        stats.clip = self.clip if get_bound(self.cfg.algorithm).private else float("nan")
+        stats.clip = self.clip if self.bound.private else float("nan")
         if self.adaptive is not None:  # the released count T_k rides as the last coordinate (core.adaptive_clip)
             total, released_count = self.adaptive.split(total)
             if clean_total is not None:
@@ -542,7 +472,7 @@ class DPServer:
         if self.accountant is not None:
             event = self.round_event(stats.num_sampled, stats.num_received)
             stats.noise_multiplier = event.z if event.z is not None else float("nan")
-            self.accountant.add(event)
+            self.accountant.step(event)
             if self.epsilon_each_round or server_round == self.cfg.num_rounds:  # the last round's, always
                 stats.epsilon = self.accountant.epsilon
         else:

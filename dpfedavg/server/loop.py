@@ -1,12 +1,11 @@
 """The one round loop of every engine (Alg. 1 / Alg. 2, lines 2-13), without Flower.
 
-Each round: :meth:`DPServer.begin_round` (privacy budget, Poisson sampling, ``k~``), a
+Each round: :meth:`DPServer.begin_round` (the rules every round obeys: the privacy budget, the
+secure-aggregation round with fewer than two clients; Poisson sampling, ``k~``), a
 :class:`ClientRunner` gets the sampled clients' replies to the server and closes the round
 (Flower messages, SecAgg+, or a block of clients in-process), then ``on_round_end`` records it
-(evaluation, ``metrics.csv``, checkpoint). The rules that do not depend on how clients are reached
-live here once: the stop before a round that would exceed ``max-epsilon``, and the secure-aggregation
-round with fewer than two sampled clients (a sum of one is that client's update), which is closed
-without contacting anyone.
+(evaluation, ``metrics.csv``, checkpoint). A run stops cleanly before a round that would exceed
+``max-epsilon``.
 """
 
 from __future__ import annotations
@@ -62,14 +61,16 @@ def run_rounds(
     """
     for server_round in rounds:
         try:
-            clients, ins = server.begin_round(server_round, w)
+            start = server.begin_round(server_round, w)
         except PrivacyBudgetExhausted as stop:
             logger.warning("%s", stop)
             return LoopResult(w, stop.server_round)
-        if server.cfg.secure_aggregation and len(clients) < 2:
-            w = server.skip_round(server_round, f"secure aggregation needs at least 2 clients, {len(clients)} sampled")
+        if start.closed:  # a rule closed it at once (nobody is contacted)
+            assert start.w is not None
+            w = start.w
         else:
-            w = runner.run_round(server, server_round, clients, w, ins)
+            assert start.instructions is not None
+            w = runner.run_round(server, server_round, start.clients, w, start.instructions)
         if on_round_end is not None:
             on_round_end(server_round, w)
     return LoopResult(w)

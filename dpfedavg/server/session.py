@@ -13,6 +13,7 @@ import logging
 import math
 import re
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,6 @@ from typing import Any
 import numpy as np
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import server_noise_std
-from dpfedavg.core.adaptive_clip import update_noise_multiplier
-from dpfedavg.core.dp import get_bound
-from dpfedavg.core.mechanism import get_placement
-from dpfedavg.core.secagg import quantization_error_bound
 from dpfedavg.core.types import Vector
 from dpfedavg.io.checkpoint import (
     CHECKPOINT_FILE,
@@ -34,12 +30,13 @@ from dpfedavg.io.checkpoint import (
     privacy_signature,
     save_checkpoint,
 )
-from dpfedavg.io.results import RunRecorder, package_versions
-from dpfedavg.privacy.accounting import PrivacyPlan
-from dpfedavg.server.dp_server import DPServer, RoundStats, secagg_privacy_terms
-from dpfedavg.tasks import Task
+from dpfedavg.io.metrics import RoundStats
+from dpfedavg.io.results import RunRecorder, package_versions, read_metrics
+from dpfedavg.privacy.guarantee import released_metric_names
+from dpfedavg.server.dp_server import DPServer
+from dpfedavg.tasks import Task, task_hooks
 
-__all__ = ["RunSession", "describe_privacy", "guarantee", "released_metric_names", "run_directory"]
+__all__ = ["RunResult", "RunSession", "run_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,135 +48,35 @@ def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
     return Path(cfg.output_dir).expanduser().resolve() / name
 
 
-#: Per-round columns computed from un-noised client data (only in seeded mode; see :func:`guarantee`).
-NON_PRIVATE_TRAIN_COLUMNS = ("frac_clipped", "mean_update_norm", "snr")
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished run returns (its files are in :attr:`directory`).
 
-
-def released_metric_names(cfg: RunConfig, task: Task) -> tuple[str, ...]:
-    """The task's metrics this run computes: with ``secure-noise`` those from the clients' data are withheld."""
-    private = set(getattr(task, "training_data_metrics", ()))
-    return tuple(m for m in task.metric_names if not (cfg.secure_noise and m in private))
-
-
-def guarantee(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, str]:
-    """What the reported (epsilon, delta) protects, and against whom (``config.json``, start-up log, summary).
-
-    ``level`` is ``"dp"`` only with noise, ``secure-noise = true`` and no ``diagnostics``; ``"seeded"`` means
-    the guarantee holds only against someone who does not know ``seed``; ``"none"`` means no guarantee.
+    Attributes
+    ----------
+    weights:
+        ``w_K``, the last model (flat, float64), as in ``model.npz`` ``w_final``.
+    random_iterate:
+        ``w_{k~}`` (Alg. 1 line 13), the iterate the paper's guarantee is about, and its round.
+    epsilon, delta:
+        The ``(epsilon, delta)`` the run spent (``inf`` without DP).
+    guarantee:
+        ``"dp"``, ``"seeded"`` or ``"none"`` (``config.json`` ``privacy.guarantee`` explains it).
+    history:
+        ``metrics.csv`` as a list of rows (round 0 first): column -> value, NaN where empty.
+    directory:
+        The run directory: ``metrics.csv``, ``config.json``, ``model.npz``, ``metrics.png``.
     """
-    adjacency = get_placement(cfg.noise_placement).adjacency
-    if not plan.dp:
-        return {"level": "none", "text": "NONE: the run adds no noise (epsilon is infinite)"}
-    if cfg.diagnostics:
-        return {
-            "level": "none",
-            "text": "NONE: diagnostics = true sends every client's clean update to the server (research only)",
-        }
-    if not cfg.secure_noise:
-        return {
-            "level": "seeded",
-            "text": (
-                f"NONE against anyone who knows seed = {cfg.seed} (recorded here): the noise, the sampled clients "
-                "and the random iterate can be regenerated from it (seeded research mode). The reported epsilon "
-                f"holds only against an observer who does not know the seed; unit: {adjacency}. "
-                "Use secure-noise = true for real users."
-            ),
-        }
-    return {
-        "level": "dp",
-        "text": (
-            f"(epsilon, delta)-DP for one client's whole dataset ({adjacency}) for everything this run releases "
-            "(the models, the random iterate, the test-set metrics); see the README's Privacy section for "
-            "what each party sees"
-        ),
-    }
 
-
-def describe_privacy(cfg: RunConfig, plan: PrivacyPlan, server: DPServer | None = None) -> dict[str, Any]:
-    """The privacy set-up for ``config.json`` (with ``server``, also its secure-aggregation encoding)."""
-    placement = get_placement(cfg.noise_placement)
-    return {
-        "guarantee": guarantee(cfg, plan),
-        "dp": plan.dp,
-        "noise_multiplier": plan.noise_multiplier,
-        "noise_multiplier_calibrated": plan.calibrated,
-        "target_epsilon": plan.target_epsilon,
-        "delta": plan.delta,
-        "q": plan.q,
-        "sigma": server_noise_std(plan.noise_multiplier, cfg.clip, cfg.clients_per_round),
-        "accountant": plan.accountant,
-        "noise_placement": plan.placement,
-        "max_epsilon": plan.max_epsilon,
-        "nominal_epsilon": plan.nominal_epsilon,
-        "privacy_unit": f"one client's whole dataset; neighbours: {placement.adjacency}",
-        "noise": placement.description,
-        "non_private_outputs": (
-            "none: per-client norms are not sent and training-data metrics are not computed"
-            if cfg.secure_noise
-            else "metrics.csv columns " + ", ".join(NON_PRIVATE_TRAIN_COLUMNS) + " and the training-data metrics "
-            "of the task are computed from un-noised client data (seeded research mode; not covered)"
-        ),
-        "counts_not_covered": (
-            "metrics.csv's num_sampled / num_received / num_failed / num_dropped / num_rejected / skipped "
-            "(the server's view of participation; publish the model and epsilon, not metrics.csv)"
-            + ("; each sampled client also learns |S_k|" if placement.per_client == "cohort" else "")
-        ),
-        "sensitivity_of_sum": cfg.clip,
-        "adaptive_clipping": describe_adaptive_clipping(cfg, plan) if get_bound(cfg.algorithm).adaptive else None,
-        "secure_aggregation": (
-            describe_secure_aggregation(server) if server is not None and cfg.secure_aggregation else None
-        ),
-    }
-
-
-def describe_adaptive_clipping(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, Any]:
-    """``adaptive-clip``'s noise split (Andrew et al. 2021, Theorem 1) and what each round releases."""
-    z = plan.noise_multiplier
-    return {
-        "reference": "Andrew, Thakkar, McMahan, Ramaswamy 2021, Differentially private learning with adaptive clipping",
-        "initial_clip": cfg.clip,
-        "target_quantile": cfg.target_quantile,
-        "clip_lr": cfg.clip_lr,
-        "count_stddev": cfg.count_stddev,
-        "update_noise_multiplier": update_noise_multiplier(z, cfg.count_stddev) if plan.dp else 0.0,
-        "released": (
-            "per round: the update sum with N(0, (z_u C_k)^2 I) and T_k = sum_i (1[||u_i|| <= C_k] - 1/2) + "
-            "N(0, sigma_b^2); b_k = 1/2 + T_k / r (metrics.csv frac_unclipped), C_{k+1} = C_k exp(-eta_C (b_k - "
-            "gamma)); together one Gaussian mechanism with noise multiplier z (sensitivity C_k and 1/2)"
-        ),
-        "sensitivity_of_sum": "C_k (metrics.csv clip), changing every round",
-    }
-
-
-def describe_secure_aggregation(server: DPServer) -> dict[str, Any]:
-    """The SecAgg+ encoding at ``|S_k| = r`` and its error and privacy terms (see :mod:`dpfedavg.core.secagg`).
-
-    ``clip_probability_bound`` is a union bound over every coordinate of every
-    client that could be sampled in every round (``K n d``, each at most
-    ``2 exp(-k^2/2)``); the run's guarantee is then
-    ``(epsilon, delta + (1 + e^epsilon) p)``. ``ddg_tau`` is the distance of
-    the summed discrete Gaussians from a discrete Gaussian (at ``|S_k| = n``, the
-    worst case). The same terms decide :func:`~dpfedavg.server.dp_server.check_secure_aggregation`.
-    """
-    cfg, plan, d = server.cfg, server.plan, server.dim
-    r = max(1, round(cfg.clients_per_round))
-    grid = server.secagg_grid(r)
-    assert grid is not None  # secure-aggregation is on
-    terms = secagg_privacy_terms(server)
-    return {
-        "protocol": "SecAgg+ (Flower SecAggPlusWorkflow / secaggplus_mod)",
-        "num_shares": cfg.secagg_num_shares,
-        "reconstruction_threshold": cfg.secagg_reconstruction_threshold,
-        "grid_step_at_r": grid.step,
-        "clipping_range_at_r": grid.clipping_range,
-        "quantization_levels": grid.levels,
-        "modulus": grid.modulus,
-        "max_clients_per_round": grid.max_participants,
-        "quantization_error_bound_of_sum_at_r": quantization_error_bound(grid, r, d),
-        "clip_probability_bound": terms.clip_probability,
-        "delta_including_clipping": terms.delta_including_clipping if plan.dp else None,
-        "ddg_tau": terms.tau,
-    }
+    weights: np.ndarray
+    random_iterate: np.ndarray
+    random_round: int
+    epsilon: float
+    delta: float
+    guarantee: str
+    history: list[dict[str, float]]
+    directory: Path
+    stopped_by_budget_before_round: int | None = None
 
 
 class RunSession:
@@ -211,7 +108,9 @@ class RunSession:
             )
         keep = self.resumed.round if self.resumed is not None else None
         #: The task metrics this run computes (training-data metrics are withheld with secure-noise).
-        self.metric_names = released_metric_names(cfg, task)
+        self.metric_names = released_metric_names(
+            task.metric_names, task_hooks(task).training_data_metrics, cfg.secure_noise
+        )
         self.recorder = RunRecorder(self.directory, RoundStats.columns(self.metric_names), keep_rounds_through=keep)
         self.evaluated: dict[int, dict[str, float]] = {}
         self.trajectory: list[np.ndarray] = []
@@ -237,7 +136,7 @@ class RunSession:
                 "client_noise_std_at_r": client_std,
                 "server_noise_std": server_std,
             },
-            "privacy": describe_privacy(cfg, self.server.plan, self.server),
+            "privacy": self.server.describe_privacy(),
             "versions": package_versions(),
             "started_utc": datetime.now(UTC).isoformat(),
         }
@@ -255,7 +154,7 @@ class RunSession:
                 plan.rounds,
                 plan.nominal_epsilon,
             )
-            g = guarantee(cfg, plan)
+            g = self.description["privacy"]["guarantee"]
             (logger.info if g["level"] == "dp" else logger.warning)("Guarantee: %s", g["text"])
             withheld = set(self.task.metric_names) - set(self.metric_names)
             if withheld:
@@ -266,7 +165,7 @@ class RunSession:
             logger.warning(
                 "NO DIFFERENTIAL PRIVACY: %s",
                 f"algorithm={cfg.algorithm!r} (epsilon, delta and noise-multiplier are not used)"
-                if not get_bound(cfg.algorithm).private
+                if not self.server.bound.private
                 else "noise multiplier 0 (updates are clipped/normalized but not noised; epsilon is infinite)",
             )
 
@@ -281,14 +180,7 @@ class RunSession:
         if ckpt is None:
             self.record_round(0, w0)
             return w0, 1
-        self.server.restore(
-            momentum=ckpt.momentum,
-            random_iterate=ckpt.random_iterate,
-            random_round=ckpt.random_round,
-            accountant_history=ckpt.accountant_history,
-            history=ckpt.history,
-            adaptive_clip=ckpt.adaptive_clip,
-        )
+        self.server.restore(ckpt.server)
         self.evaluated = dict(ckpt.evaluated)
         if ckpt.trajectory is not None:
             self.trajectory = list(ckpt.trajectory)
@@ -312,21 +204,15 @@ class RunSession:
 
     def checkpoint(self, server_round: int, w: Vector) -> bool:
         """Write the state after ``server_round``; a failed write is logged and the old checkpoint kept."""
-        state = self.server.state()
         ckpt = Checkpoint(
             round=server_round,
             w=np.asarray(w, dtype=np.float64),
-            momentum=state["momentum"],
-            random_iterate=state["random_iterate"],
-            random_round=state["random_round"],
+            server=self.server.state(),
             run_config=self.cfg.to_run_config(),
             privacy=privacy_signature(self.cfg, self.server.plan),
-            accountant_history=state["accountant_history"],
-            history=state["history"],
             evaluated=self.evaluated,
             elapsed_s=time.monotonic() - self._t0,
             trajectory=np.stack(self.trajectory) if self.trajectory else None,
-            adaptive_clip=state["adaptive_clip"],
         )
         try:
             save_checkpoint(self.directory, ckpt)
@@ -378,8 +264,8 @@ class RunSession:
             )
         return metrics
 
-    def finish(self, w_final: Vector, stopped_before_round: int | None = None) -> Path:
-        """Write ``model.npz`` and the final summary into ``config.json``; returns the run directory."""
+    def finish(self, w_final: Vector, stopped_before_round: int | None = None) -> RunResult:
+        """Write ``model.npz``, the final summary into ``config.json`` and ``metrics.png``; the run's result."""
         server = self.server
         w_random = server.random_iterate if server.random_iterate is not None else w_final
         k_random = server.random_round if server.random_round is not None else 0
@@ -426,4 +312,14 @@ class RunSession:
             self.recorder.metrics_path,
             self.recorder.model_path,
         )
-        return self.directory
+        return RunResult(
+            weights=np.asarray(w_final, dtype=np.float64),
+            random_iterate=np.asarray(w_random, dtype=np.float64),
+            random_round=k_random,
+            epsilon=epsilon,
+            delta=server.plan.delta,
+            guarantee=level,
+            history=read_metrics(self.recorder.metrics_path),
+            directory=self.directory,
+            stopped_by_budget_before_round=stopped_before_round,
+        )

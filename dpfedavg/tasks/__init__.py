@@ -3,8 +3,8 @@
 ``task`` in the run config is a registered name (:data:`TASKS`) or a task from the user's own code:
 ``"mypackage.mytask:make_task"`` (a module on ``sys.path`` / ``PYTHONPATH``) or
 ``"/path/to/mytask.py:make_task"`` (a file), where ``make_task(cfg) -> Task``
-(README: "Bring your own model"). Each task module declares its own run_config keys in an
-``OPTIONS`` tuple; :func:`task_options` collects them for :mod:`dpfedavg.config`.
+(README: "Bring your own model"). :func:`resolve_task` checks the name (the config does not: it
+imports no task and no user code) and :func:`build_task` builds the task.
 """
 
 from __future__ import annotations
@@ -16,13 +16,9 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from dpfedavg.options import ConfigError, Option
-from dpfedavg.tasks.base import Task
-
-if TYPE_CHECKING:
-    from dpfedavg.config import RunConfig
+from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.tasks.base import REQUIRED_MEMBERS, Task, TaskHooks, task_hooks
 
 
 def _quadratic(cfg: RunConfig) -> Task:
@@ -58,32 +54,6 @@ TASKS: dict[str, Callable[[RunConfig], Task]] = {
     "mlp-cifar10": _torch_example,
     "mlp-cifar100": _torch_example,
 }
-
-#: Modules whose ``OPTIONS`` declare task-specific run_config keys (none of them imports torch or config).
-OPTION_MODULES: tuple[str, ...] = ("dpfedavg.tasks.quadratic", "dpfedavg.tasks.logistic", "dpfedavg.tasks.torch_task")
-
-#: What :func:`build_task` checks a user's task has (the :class:`Task` protocol's required members).
-REQUIRED_MEMBERS: tuple[str, ...] = (
-    "name",
-    "num_clients",
-    "dim",
-    "metric_names",
-    "headline_metric",
-    "initial_weights",
-    "client_grad_fn",
-    "evaluate",
-)
-
-
-def task_options() -> tuple[Option, ...]:
-    """The task-specific run_config keys, in :data:`OPTION_MODULES` order (a key declared twice is an error)."""
-    out: dict[str, Option] = {}
-    for name in OPTION_MODULES:
-        for opt in importlib.import_module(name).OPTIONS:
-            if opt.key in out:
-                raise AssertionError(f"run_config key {opt.key!r} declared twice (again in {name})")
-            out[opt.key] = opt
-    return tuple(out.values())
 
 
 def _module_from_file(path: Path) -> object:
@@ -149,27 +119,71 @@ def load_task_factory(spec: str) -> Callable[[RunConfig], Task]:
     return obj  # type: ignore[return-value]
 
 
-def build_task(cfg: RunConfig) -> Task:
-    """Build the task named by ``cfg.task`` (a registered name or a user's ``module:factory``)."""
-    if cfg.task in TASKS:
-        return TASKS[cfg.task](cfg)
-    if ":" not in cfg.task:
-        allowed = ", ".join(TASKS)
-        raise ConfigError(f"invalid run config: 'task' = {cfg.task!r}: allowed: {allowed} or 'module:factory'")
-    task = load_task_factory(cfg.task)(cfg)
-    missing = [m for m in REQUIRED_MEMBERS if not hasattr(task, m)]
+#: A task factory: ``factory(cfg) -> Task``.
+TaskFactory = Callable[[RunConfig], Task]
+
+
+def resolve_task(spec: str) -> TaskFactory:
+    """The factory ``task`` names: a registered task (:data:`TASKS`) or a user's ``module:factory``.
+
+    Cheap (it imports the user's module, nothing else): call it before any expensive start-up.
+
+    Raises
+    ------
+    ConfigError
+        An unknown name (with a "did you mean"), or a ``module:factory`` that does not load.
+    """
+    if spec in TASKS:
+        return TASKS[spec]
+    if ":" in spec:
+        return load_task_factory(spec)
+    allowed = ", ".join(repr(c) for c in TASKS)
+    hint = difflib.get_close_matches(spec, list(TASKS), n=1)
+    more = f" (did you mean {hint[0]!r}?)" if hint else ""
+    raise ConfigError(
+        f"invalid run config: 'task' = {spec!r}: allowed values are {allowed}{more}, "
+        "or your own 'module:factory' / '/path/to/file.py:factory' (README: Bring your own model)"
+    )
+
+
+def build_task(cfg: RunConfig, task: Task | TaskFactory | None = None) -> Task:
+    """The run's task: ``cfg.task`` built (:func:`resolve_task`), or ``task``: a Task, or a factory called with ``cfg``.
+
+    Raises
+    ------
+    ConfigError
+        An unknown task, an object that lacks a member of :class:`~dpfedavg.tasks.base.Task`, or a task whose
+        ``num_clients`` differs from ``num-clients``.
+    """
+    what = f"'task' = {cfg.task!r}" if task is None else f"task={task!r}"
+    if task is None:
+        built = resolve_task(cfg.task)(cfg)
+    elif not isinstance(task, type) and all(hasattr(task, m) for m in REQUIRED_MEMBERS):
+        built = task  # type: ignore[assignment]
+    elif callable(task):
+        built = task(cfg)
+    else:
+        built = task  # type: ignore[assignment]
+    missing = [m for m in REQUIRED_MEMBERS if not hasattr(built, m)]
     if missing:
         raise ConfigError(
-            f"invalid run config: 'task' = {cfg.task!r} returned a {type(task).__name__}, not a Task: "
-            f"it lacks {', '.join(missing)} (see dpfedavg/tasks/base.py; "
-            "dpfedavg.tasks.torch_task.TorchTask makes one from a torch model)"
+            f"invalid run config: {what} gave a {type(built).__name__}, not a Task: it lacks {', '.join(missing)} "
+            "(see dpfedavg.tasks.base.Task; dpfedavg.TorchTask makes one from a torch model)"
         )
-    if task.num_clients != cfg.num_clients:
+    if built.num_clients != cfg.num_clients:
         raise ConfigError(
-            f"invalid run config: 'task' = {cfg.task!r} has num_clients = {task.num_clients}, "
-            f"but 'num-clients' = {cfg.num_clients}"
+            f"invalid run config: {what} has num_clients = {built.num_clients}, but 'num-clients' = {cfg.num_clients}"
         )
-    return task
+    return built
 
 
-__all__ = ["OPTION_MODULES", "TASKS", "Task", "build_task", "load_task_factory", "task_options"]
+__all__ = [
+    "TASKS",
+    "Task",
+    "TaskFactory",
+    "TaskHooks",
+    "build_task",
+    "load_task_factory",
+    "resolve_task",
+    "task_hooks",
+]

@@ -1,25 +1,31 @@
-"""The Task protocol: an objective, its data and its metrics, independent of the strategy."""
+"""The Task protocol (an objective, its data and its metrics, independent of the strategy) and its optional hooks.
+
+A task has the members of :class:`Task` (:data:`REQUIRED_MEMBERS`, checked when a user's task is
+built) and may have the optional ones :class:`TaskHooks` looks up, once, in one place: the engines
+and the ClientApp ask :func:`task_hooks` for a round's gradients or a block's updates, never the
+task itself.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
-from dpfedavg.core.types import GradFn, Vector
+from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
 
-__all__ = ["Task"]
+__all__ = ["OPTIONAL_MEMBERS", "REQUIRED_MEMBERS", "Task", "TaskHooks", "task_hooks"]
 
 
-@runtime_checkable
 class Task(Protocol):
-    """What the strategy and the clients need from a task.
+    """What the strategy and the clients need from a task (the required members).
 
-    A task is built from the validated :class:`~dpfedavg.config.RunConfig`
-    (``Task(cfg)``) and must be deterministic in ``cfg.seed``: the server and
-    every client rebuild the same task independently. Building a task must be
-    cheap; anything heavy belongs in :meth:`client_grad_fn` (one client) or
-    :meth:`evaluate` (server only), computed lazily.
+    A task is built from the validated :class:`~dpfedavg.config.RunConfig` (``factory(cfg)``) and must
+    be deterministic in ``cfg.seed``: the server and every client rebuild the same task independently.
+    Building a task must be cheap; anything heavy belongs in :meth:`client_grad_fn` (one client) or
+    :meth:`evaluate` (server only), computed lazily. The optional members are :class:`TaskHooks`'.
     """
 
     name: str
@@ -29,10 +35,6 @@ class Task(Protocol):
     metric_names: tuple[str, ...]
     #: The metric the run summary reports, averaged over the last 5 evaluated rounds.
     headline_metric: str
-    #: The metrics computed from the clients' private data (not a public test set). No accountant covers
-    #: them: a run with ``secure-noise = true`` does not compute them, seeded runs mark them non-private.
-    #: Optional; a task without the attribute declares none.
-    training_data_metrics: tuple[str, ...]
 
     def initial_weights(self) -> Vector:
         """``w_0`` as a flat float vector of length ``dim``."""
@@ -40,20 +42,78 @@ class Task(Protocol):
     def client_grad_fn(self, client_id: int) -> GradFn:
         """The full-batch gradient of ``f_i`` for client ``i``; builds only that client's data."""
 
-    def client_batch_grad_fn(self, client_ids: np.ndarray) -> GradFn:
-        """Batched gradients for the batched engine: maps ``W`` of shape ``(B, dim)`` to ``(B, dim)``.
-
-        Optional: without it the batched engine stacks :meth:`client_grad_fn`.
-        """
-
-    # Optional, for speed: ``client_batch_update_fn(client_ids) -> BatchUpdateFn``, the
-    # client updates ``u`` of E local steps from the shared ``w_k`` in closed form (or vmapped, the
-    # torch tasks); it must equal :func:`dpfedavg.core.client_update` on :meth:`client_batch_grad_fn` (tested).
-    #
-    # Optional, for local steps that depend on the round (the torch tasks' mini-batches):
-    # ``client_round_grad_fn(client_id, server_round) -> GradFn``. When a task has it, the ClientApp and
-    # the batched engine call it instead of :meth:`client_grad_fn`, and call
-    # ``client_batch_update_fn(client_ids, server_round=k)``.
-
     def evaluate(self, w: Vector) -> dict[str, float]:
         """Server-side metrics of the global model ``w`` (keys: :attr:`metric_names`)."""
+
+
+#: What a task must have: :class:`Task`'s attributes and methods (checked when a user's task is built).
+REQUIRED_MEMBERS: tuple[str, ...] = (
+    *Task.__annotations__,
+    *(name for name in vars(Task) if not name.startswith("_") and callable(vars(Task)[name])),
+)
+
+
+@dataclass(frozen=True)
+class TaskHooks:
+    """A task's optional members, looked up once (:func:`task_hooks`).
+
+    Attributes
+    ----------
+    training_data_metrics:
+        ``task.training_data_metrics``: the metrics computed from the clients' private data (not a public
+        test set). No accountant covers them: a run with ``secure-noise = true`` does not compute them,
+        seeded runs mark them non-private. Default: none.
+    batch_grad:
+        ``task.client_batch_grad_fn(client_ids) -> GradFn``: gradients of a block of clients, mapping ``W``
+        of shape ``(B, dim)`` to ``(B, dim)``. Default: the stacked :meth:`Task.client_grad_fn`.
+    batch_update:
+        ``task.client_batch_update_fn(client_ids[, server_round=k]) -> BatchUpdateFn``: the updates ``u`` of a
+        block of clients after E local steps, in closed form (or vmapped, the torch tasks); it must equal
+        :func:`dpfedavg.core.client_update` on the task's gradients (tested).
+    round_grad:
+        ``task.client_round_grad_fn(client_id, server_round) -> GradFn``: local steps that depend on the
+        round (the torch tasks' mini-batches); used instead of :meth:`Task.client_grad_fn`, and
+        ``batch_update`` is then called with ``server_round``.
+    """
+
+    training_data_metrics: tuple[str, ...] = ()
+    batch_grad: Callable[[np.ndarray], GradFn] | None = None
+    batch_update: Callable[..., BatchUpdateFn] | None = None
+    round_grad: Callable[[int, int], GradFn] | None = None
+
+    def grad_fn(self, task: Task, client_id: int, server_round: int) -> GradFn:
+        """Client ``i``'s gradient oracle in ``server_round``."""
+        if self.round_grad is not None:
+            return self.round_grad(client_id, server_round)
+        return task.client_grad_fn(client_id)
+
+    def block_grad(self, task: Task, client_ids: np.ndarray, server_round: int) -> GradFn:
+        """The gradients of a block of clients in ``server_round``: ``(B, dim) -> (B, dim)``."""
+        if self.batch_grad is not None and self.round_grad is None:
+            return self.batch_grad(client_ids)
+        fns = [self.grad_fn(task, int(i), server_round) for i in client_ids]
+        return lambda w: np.stack([fn(row) for fn, row in zip(fns, w, strict=True)])
+
+    def block_update(self, client_ids: np.ndarray, server_round: int) -> BatchUpdateFn | None:
+        """The task's closed form of a block's ``client_update`` in ``server_round``, or ``None``."""
+        if self.batch_update is None:
+            return None
+        if self.round_grad is not None:
+            return self.batch_update(client_ids, server_round=server_round)
+        return self.batch_update(client_ids)
+
+
+#: The members :class:`TaskHooks` looks up (``training_data_metrics`` and the three functions).
+OPTIONAL_MEMBERS: dict[str, str] = {
+    "training_data_metrics": "training_data_metrics",
+    "batch_grad": "client_batch_grad_fn",
+    "batch_update": "client_batch_update_fn",
+    "round_grad": "client_round_grad_fn",
+}
+
+
+def task_hooks(task: Task) -> TaskHooks:
+    """The optional members of ``task`` (absent ones are ``None``, or ``()`` for the metrics)."""
+    found: dict[str, Any] = {field: getattr(task, member, None) for field, member in OPTIONAL_MEMBERS.items()}
+    found["training_data_metrics"] = tuple(found["training_data_metrics"] or ())
+    return TaskHooks(**found)

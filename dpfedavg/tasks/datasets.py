@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfedavg.io.atomic import atomic_open
 from dpfedavg.tasks.errors import DataUnavailableError
 
 __all__ = [
@@ -121,10 +122,9 @@ def locked(path: Path) -> Iterator[None]:
 
 
 def save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as fh:
+    """``np.save`` to ``path``, atomically (a cache another process reads must never be half-written)."""
+    with atomic_open(path) as fh:
         np.save(fh, array)
-    os.replace(tmp, path)
 
 
 def _load(directory: Path, num_classes: int) -> PreparedData:

@@ -17,34 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
-from dpfedavg.options import ConfigError, Option, non_negative
 from dpfedavg.tasks.datasets import DATASETS, PreparedData, locked, prepare_dataset, save_npy
 from dpfedavg.tasks.partition import paper_shard_partition
 
-if TYPE_CHECKING:
-    from dpfedavg.config import RunConfig
-
-__all__ = ["BACKENDS", "OPTIONS", "LogisticTask", "ShardSplit", "softmax_cross_entropy"]
-
-#: Where the local steps run: numpy (the exact closed form) or torch (:mod:`dpfedavg.tasks.torch_task`).
-BACKENDS: tuple[str, ...] = ("numpy", "torch")
-
-#: The real-data tasks' own run_config keys (collected into the config by :func:`dpfedavg.tasks.task_options`).
-# fmt: off
-OPTIONS: tuple[Option, ...] = (
-    Option("data-dir", str, "-", 'real-data tasks: folder with local dataset files (offline use); "" = download', "a path or \"\""),  # noqa: E501
-    Option("cache-dir", str, "-", 'real-data tasks: where prepared features are cached; "" = ~/.cache/dpfedavg', "a path or \"\""),  # noqa: E501
-    Option("data-seed", int, "-", "real-data tasks: seed of the shard split of the training data across the clients (the federation); -1 = seed", "an integer >= -1 (-1 = seed)", lambda x: x >= -1, trajectory=True),  # noqa: E501
-    Option("weight-decay", float, "lambda", "real-data tasks: L2 regularization (PyTorch weight_decay); paper: 1e-4", "a float >= 0", non_negative, trajectory=True),  # noqa: E501
-    Option("feature-image-size", int, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32, trajectory=True),  # noqa: E501
-    Option("backend", str, "-", "logistic-regression tasks: numpy (exact closed form of the local steps) or torch (the same closed form in torch, CPU or GPU: see device, torch-dtype; torch.func steps with local-batch-size > 0)", choices=BACKENDS),  # noqa: E501
-)
-# fmt: on
+__all__ = ["LogisticTask", "ShardSplit", "softmax_cross_entropy"]
 
 #: Rows per chunk when the server evaluates on a whole split (bounds memory).
 EVAL_CHUNK = 8192

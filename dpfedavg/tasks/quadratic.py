@@ -16,26 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dpfedavg.config import RunConfig
 from dpfedavg.core.seeding import Stream, make_rng
 from dpfedavg.core.types import GradFn, Vector
-from dpfedavg.options import Option
 
-if TYPE_CHECKING:
-    from dpfedavg.config import RunConfig
-
-__all__ = ["OPTIONS", "QuadraticTask", "QuadraticClient", "RANK"]
-
-#: The quadratic's own run_config keys (collected into the config by :func:`dpfedavg.tasks.task_options`).
-# fmt: off
-OPTIONS: tuple[Option, ...] = (
-    Option("init", str, "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2"), trajectory=True),  # noqa: E501
-    Option("dim", int, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1, trajectory=True),
-)
-# fmt: on
+__all__ = ["QuadraticTask", "QuadraticClient", "RANK"]
 
 #: Columns of A_i (paper: 20); entries have std 1/RANK.
 RANK = 20

@@ -21,13 +21,11 @@ PyTorch's default initialization under ``torch.manual_seed(seed)``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dpfedavg.config import RunConfig
 from dpfedavg.tasks.logistic import ShardSplit
 from dpfedavg.tasks.torch_task import ShardedClients, TorchTask, _torch
-
-if TYPE_CHECKING:
-    from dpfedavg.config import RunConfig
 
 __all__ = ["EXAMPLES", "cnn_fmnist", "mlp"]
 

@@ -42,21 +42,15 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core.seeding import Stream, make_rng
 from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
-from dpfedavg.options import ConfigError, Option
-
-if TYPE_CHECKING:
-    from dpfedavg.config import RunConfig
 
 __all__ = [
-    "DEVICES",
-    "OPTIONS",
-    "TORCH_DTYPES",
     "ArrayClients",
     "ShardedClients",
     "TorchTask",
@@ -67,29 +61,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEVICES = ("auto", "cpu", "cuda")
-TORCH_DTYPES: tuple[str, ...] = ("float32", "float64")
 
 #: Rows per chunk when the server evaluates (bounds memory).
 EVAL_CHUNK = 4096
 #: Clients per block when the server computes the training objective.
 EVAL_CLIENT_BLOCK = 256
-
-
-def _device_ok(value: str) -> bool:
-    if value in DEVICES:
-        return True
-    return value.startswith("cuda:") and value[5:].isdigit()
-
-
-#: The torch tasks' own run_config keys (collected into the config by :func:`dpfedavg.tasks.task_options`).
-# fmt: off
-OPTIONS: tuple[Option, ...] = (
-    Option("device", str, "-", 'torch tasks: "auto" (CUDA when torch sees a GPU, e.g. the one Ray gives a ClientApp with client-resources-num-gpus; else CPU), "cpu", "cuda" or "cuda:N"', '"auto", "cpu", "cuda" or "cuda:N"', _device_ok),  # noqa: E501
-    Option("torch-dtype", str, "-", "torch tasks: float32 (default) or float64 (the iterates are float64 either way)", choices=TORCH_DTYPES, trajectory=True),  # noqa: E501
-    Option("local-batch-size", int, "b", "torch tasks: examples per local step; 0 = full batch (the paper); b > 0: each of the E steps uses min(b, m_i) examples drawn from (seed, client, round)", "an integer >= 0 (0 = full batch)", lambda x: x >= 0, trajectory=True),  # noqa: E501
-)
-# fmt: on
 
 
 def _torch() -> Any:

@@ -1,0 +1,52 @@
+"""``metrics.csv``'s schema: one row per round, the training statistics and the task's metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+__all__ = ["RoundStats"]
+
+
+@dataclass
+class RoundStats:
+    """Per-round training statistics: the one definition of ``metrics.csv``'s training columns.
+
+    The fields from ``num_sampled`` to ``skipped`` are the columns, in this order; the task's metrics
+    are written after :data:`METRICS_AFTER` (see :meth:`columns`).
+    """
+
+    round: int
+    num_sampled: int
+    num_received: int = 0
+    num_failed: int = 0
+    num_dropped: int = 0
+    num_rejected: int = 0
+    eta: float = float("nan")
+    beta: float = float("nan")
+    snr: float = float("nan")
+    frac_clipped: float = float("nan")
+    #: The round's clipping threshold / scaling factor C (C_k with adaptive-clip; NaN without a bound).
+    clip: float = float("nan")
+    #: adaptive-clip: b_k, the released (noised) fraction of unclipped updates, 1/2 + T_k / r; it replaces
+    #: ``frac_clipped``, which is not computed for adaptive-clip.
+    frac_unclipped: float = float("nan")
+    mean_update_norm: float = float("nan")
+    noise_multiplier: float = float("nan")
+    epsilon: float = float("nan")
+    #: 1 if secure aggregation summed no update this round (the server's noise alone was released).
+    skipped: int = 0
+    rejected_reasons: list[str] = field(default_factory=list)
+
+    #: The task's metric columns follow this one.
+    METRICS_AFTER = "beta"
+
+    @classmethod
+    def columns(cls, metric_names: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """``metrics.csv``'s columns: ``round``, the training statistics with the task's metrics, ``elapsed_s``."""
+        train = [f.name for f in fields(cls) if f.name not in ("round", "rejected_reasons")]
+        cut = train.index(cls.METRICS_AFTER) + 1
+        return ("round", *train[:cut], *metric_names, *train[cut:], "elapsed_s")
+
+    def as_metrics(self) -> dict[str, float]:
+        """The numeric columns for the MetricRecord / CSV."""
+        return {name: getattr(self, name) for name in self.columns()[1:-1]}

@@ -1,0 +1,69 @@
+"""The narrow, frozen parameters the privacy side reads (jax-privacy's ``DpParams`` is the model).
+
+Accounting and calibration never see the 50-field :class:`~dpfedavg.config.RunConfig`: the server
+builds a :class:`DpParams` once (:meth:`DpParams.from_config`) and every privacy function takes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dpfedavg.core.mechanism import PLACEMENTS, Neighbouring
+
+__all__ = ["DpParams", "Neighbouring"]
+
+
+@dataclass(frozen=True)
+class DpParams:
+    """What accounting a run needs: the sampling, the rounds, the target and the accountant.
+
+    Attributes
+    ----------
+    num_clients, clients_per_round:
+        ``n`` and the expected cohort ``r``; each client is sampled with ``q = r / n`` (Poisson).
+    rounds:
+        ``K``.
+    delta:
+        The ``delta`` of the reported ``(epsilon, delta)``.
+    accountant:
+        A name in :data:`dpfedavg.privacy.accountants.ACCOUNTANTS`.
+    target_epsilon:
+        Calibrate ``z`` so that the run spends at most this; ``None`` with a given ``noise_multiplier``.
+    noise_multiplier:
+        A given ``z`` (``None``: calibrated from ``target_epsilon``).
+    max_epsilon:
+        A budget: stop before a round that would exceed it (``None``: none).
+    neighbouring:
+        The privacy unit under which the accounted event is exact (the noise placement's).
+    """
+
+    num_clients: int
+    clients_per_round: float
+    rounds: int
+    delta: float
+    accountant: str
+    target_epsilon: float | None
+    noise_multiplier: float | None
+    max_epsilon: float | None
+    neighbouring: Neighbouring
+
+    @property
+    def q(self) -> float:
+        """The sampling rate ``r / n``."""
+        return self.clients_per_round / self.num_clients
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> DpParams:
+        """The parameters of a :class:`~dpfedavg.config.RunConfig` (``0`` means "none" for the epsilons)."""
+        return cls(
+            num_clients=cfg.num_clients,
+            clients_per_round=cfg.clients_per_round,
+            rounds=cfg.num_rounds,
+            delta=cfg.delta,
+            accountant=cfg.accountant,
+            target_epsilon=cfg.epsilon if cfg.epsilon > 0 else None,
+            noise_multiplier=cfg.noise_multiplier,
+            max_epsilon=cfg.max_epsilon if cfg.max_epsilon > 0 else None,
+            neighbouring=PLACEMENTS[cfg.noise_placement].adjacency,
+        )

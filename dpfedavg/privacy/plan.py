@@ -1,0 +1,115 @@
+"""A run's privacy plan: ``z`` calibrated (or given) and every budget check, before anything starts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dpfedavg.core.adaptive_clip import min_count_stddev
+from dpfedavg.core.dp import SensitivityBound
+from dpfedavg.core.mechanism import Neighbouring
+from dpfedavg.errors import ConfigError
+from dpfedavg.privacy.accountants import Accountant, create_accountant
+from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
+from dpfedavg.privacy.params import DpParams
+
+__all__ = ["PrivacyPlan", "plan_privacy"]
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """The privacy set-up of a run, derived from its :class:`~dpfedavg.privacy.params.DpParams`.
+
+    Attributes
+    ----------
+    dp:
+        The run adds noise (``z > 0``).
+    noise_multiplier:
+        ``z`` used by the run (calibrated from ``target_epsilon`` or given).
+    calibrated:
+        ``z`` was calibrated from ``target_epsilon``.
+    nominal_epsilon:
+        Epsilon after all rounds when every round carries the nominal noise (``inf`` without DP).
+    """
+
+    dp: bool
+    noise_multiplier: float
+    calibrated: bool
+    target_epsilon: float | None
+    delta: float
+    q: float
+    rounds: int
+    accountant: str
+    max_epsilon: float | None
+    nominal_epsilon: float
+    neighbouring: Neighbouring
+
+    def new_accountant(self) -> Accountant:
+        """A fresh accountant of the run's method and delta."""
+        return create_accountant(self.accountant, self.delta)
+
+
+def _count_stddev_error(
+    bound: SensitivityBound, sigma_b: float, z: float, calibrated: bool, target: float | None
+) -> ConfigError:
+    """An adaptive bound with ``sigma_b <= z/2``: Andrew et al.'s noise split (Theorem 1) has no ``z_u``."""
+    how = f"calibrated for epsilon = {target:g}" if calibrated else "the noise-multiplier"
+    return ConfigError(
+        f"invalid run config: 'clip-count-stddev' = {sigma_b:g} with 'algorithm' = {bound.name!r} and z = {z:.5g} "
+        f"({how}): "
+        "the count of unclipped updates alone would spend the round's whole budget (z_u = (z^-2 - (2 sigma_b)^-2)"
+        f"^(-1/2) needs sigma_b > z/2); allowed: clip-count-stddev > {min_count_stddev(z):.5g} (the update's "
+        "noise multiplier z_u grows as sigma_b approaches it)"
+    )
+
+
+def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float | None = None) -> PrivacyPlan:
+    """Calibrate or take ``z`` and check the budget, before anything starts.
+
+    ``bound`` is the run's sensitivity bound (no noise without a private one); ``count_stddev`` the
+    ``sigma_b`` of an adaptive bound's count.
+
+    Raises
+    ------
+    dpfedavg.errors.ConfigError
+        A budget ``max-epsilon`` that the first round already exceeds, or that cannot hold because the
+        run has no noise; an adaptive bound with ``sigma_b <= z/2`` (checked after ``z`` is calibrated).
+    """
+    q, delta, accountant = params.q, params.delta, params.accountant
+    if not bound.private:
+        z, calibrated = 0.0, False
+    elif params.target_epsilon is not None:
+        z = calibrate_noise_multiplier(params.target_epsilon, delta, q, params.rounds, accountant)
+        calibrated = True
+    else:
+        z, calibrated = (params.noise_multiplier or 0.0), False
+    dp = z > 0
+    if dp and bound.adaptive and not (count_stddev is not None and count_stddev > min_count_stddev(z)):
+        raise _count_stddev_error(bound, count_stddev or 0.0, z, calibrated, params.target_epsilon)
+    nominal = epsilon_for(z, q, params.rounds, delta, accountant) if dp else math.inf
+    budget = params.max_epsilon
+    if budget is not None:
+        if not dp:
+            raise ConfigError(
+                f"invalid run config: 'max-epsilon' = {budget:g} but the run adds no noise "
+                f"(algorithm {bound.name!r}, noise multiplier 0): its epsilon is infinite"
+            )
+        first = epsilon_for(z, q, 1, delta, accountant)
+        if first > budget:
+            raise ConfigError(
+                f"invalid run config: 'max-epsilon' = {budget:g} is exceeded by the first round already "
+                f"(epsilon = {first:.4g} at z = {z:.4g}, q = {q:.4g}, delta = {delta:g})"
+            )
+    return PrivacyPlan(
+        dp=dp,
+        noise_multiplier=z,
+        calibrated=calibrated,
+        target_epsilon=params.target_epsilon,
+        delta=delta,
+        q=q,
+        rounds=params.rounds,
+        accountant=accountant,
+        max_epsilon=budget,
+        nominal_epsilon=nominal,
+        neighbouring=params.neighbouring,
+    )

@@ -1,0 +1,99 @@
+"""Accountants and calibration, checked against independent implementations (Opacus' RDP) and each other."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dpfedavg import ConfigError, RunConfig, calibrate_noise_multiplier, epsilon_for
+from dpfedavg.privacy.accountants import ACCOUNTANTS, RoundEvent, create_accountant
+from dpfedavg.server.run import plan_for
+
+
+@pytest.mark.parametrize(
+    ("epsilon", "delta", "q", "rounds", "kind"),
+    [
+        (5.0, 1e-6, 1.0, 200, "pld"),  # the default quadratic run
+        (5.0, 1e-5, 0.2, 100, "pld"),  # FMNIST-like, eps = 5
+        (1.5, 1e-5, 0.2, 100, "rdp"),  # FMNIST-like, eps = 1.5
+        (2.0, 1e-5, 0.05, 50, "rdp"),
+    ],
+)
+def test_calibration_round_trip(epsilon: float, delta: float, q: float, rounds: int, kind: str) -> None:
+    z = calibrate_noise_multiplier(epsilon, delta, q, rounds, kind)
+    assert epsilon_for(z, q, rounds, delta, kind) <= epsilon
+    assert epsilon_for(0.99 * z, q, rounds, delta, kind) > epsilon
+
+
+def test_epsilon_is_monotone_in_rounds_and_in_q() -> None:
+    for kind in ACCOUNTANTS:
+        acc = create_accountant(kind, 1e-5)
+        eps = []
+        for _ in range(30):
+            acc.step(RoundEvent(0.2, 1.5))
+            eps.append(acc.epsilon)
+        assert all(b > a for a, b in zip(eps, eps[1:], strict=False)), kind
+        by_q = [epsilon_for(1.5, q, 20, 1e-5, kind) for q in (0.01, 0.05, 0.2, 0.5, 1.0)]
+        assert all(b > a for a, b in zip(by_q, by_q[1:], strict=False)), kind
+
+
+def test_pld_is_tighter_than_rdp() -> None:
+    for q, z, k in [(0.2, 1.0, 100), (1.0, 13.86, 200), (0.01, 0.8, 1000)]:
+        assert epsilon_for(z, q, k, 1e-5, "pld") < epsilon_for(z, q, k, 1e-5, "rdp")
+
+
+@pytest.mark.parametrize(
+    ("q", "z", "steps", "delta"), [(0.2, 1.0, 100, 1e-5), (0.01, 1.1, 1000, 1e-5), (1.0, 13.86, 200, 1e-6)]
+)
+def test_rdp_agrees_with_opacus_within_5_percent(q: float, z: float, steps: int, delta: float) -> None:
+    """An independent implementation: Opacus' RDP accountant (same orders as dp-accounting's default)."""
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    orders = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]
+    eps_opacus, _ = get_privacy_spent(
+        orders=orders, rdp=compute_rdp(q=q, noise_multiplier=z, steps=steps, orders=orders), delta=delta
+    )
+    ours = epsilon_for(z, q, steps, delta, "rdp")
+    assert ours == pytest.approx(float(eps_opacus), rel=0.05)
+
+
+def test_accountant_rebuilds_from_its_state_and_peeks_without_composing() -> None:
+    for kind in ACCOUNTANTS:
+        acc = create_accountant(kind, 1e-5)
+        for z in (1.0, 1.0, 0.8, None, 1.0, 1.2):
+            acc.step(RoundEvent(0.3, z))
+        peek = acc.epsilon_after(RoundEvent(0.3, 1.0))
+        assert acc.rounds == 6 and peek > acc.epsilon
+        rebuilt = create_accountant(kind, 1e-5)
+        rebuilt.load_state_dict(acc.state_dict())
+        assert rebuilt.rounds == 6 and rebuilt.epsilon == pytest.approx(acc.epsilon, rel=1e-12)
+        acc.step(RoundEvent(0.3, 1.0))
+        assert acc.epsilon == pytest.approx(peek, rel=1e-12)
+        other = next(name for name in ACCOUNTANTS if name != kind)
+        with pytest.raises(ValueError, match="cannot load"):
+            create_accountant(other, 1e-5).load_state_dict(acc.state_dict())
+
+
+def test_no_noise_is_infinite_epsilon_and_empty_rounds_are_free() -> None:
+    for kind in ACCOUNTANTS:
+        acc = create_accountant(kind, 1e-5)
+        acc.step(RoundEvent(0.5, None))
+        assert acc.epsilon == 0.0
+        acc.step(RoundEvent(0.5, 0.0))
+        assert math.isinf(acc.epsilon)
+
+
+def test_bad_privacy_parameters() -> None:
+    with pytest.raises(ValueError, match=r"q must be in \[0, 1\]"):
+        RoundEvent(1.2, 1.0)
+    with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
+        create_accountant("pld", 0.0)
+    with pytest.raises(ValueError, match="unknown accountant 'gdp'"):
+        create_accountant("gdp", 1e-5)
+    with pytest.raises(ValueError, match="epsilon must be > 0"):
+        calibrate_noise_multiplier(0.0, 1e-5, 0.1, 10, "pld")
+    with pytest.raises(ConfigError, match="exceeded by the first round"):
+        plan_for(RunConfig(epsilon=0.0, noise_multiplier=0.5, max_epsilon=0.1))
+    with pytest.raises(ConfigError, match="adds no noise"):
+        plan_for(RunConfig(algorithm="none", max_epsilon=3.0))

@@ -382,6 +382,32 @@ def _cmd_privacy(args: argparse.Namespace) -> None:
     )
 
 
+def _print_audit(r_: dict[str, Any], plotted: bool) -> None:
+    """The audit's report, for a person (``--json`` prints the dict itself)."""
+    print(
+        f"audit {r_['placement']} ({r_['adjacency']}): n = {r_['n']}, r = {r_['r']:g} (q = {r_['q']:.4g}), "
+        f"d = {r_['d']}, K = {r_['K']}, C = {r_['clip']:g}, z = {r_['z']:.5g}, delta = {r_['delta']:g}"
+    )
+    print(
+        f"  trials: {r_['trials']} per world ({r_['trials'] // 2} choose the test, "
+        f"{r_['evaluation_trials']} evaluate it), {r_['seconds']:.1f} s"
+    )
+    print(
+        f"  chosen test ({r_['direction']}): FPR {r_['fpr']:.4g} (upper {r_['fpr_upper']:.4g}), "
+        f"TPR {r_['tpr']:.4g} (FNR upper {r_['fnr_upper']:.4g})"
+    )
+    print(f"  epsilon_lower_bound ({r_['confidence']:g} confidence): {r_['epsilon_lower_bound']:.4g}")
+    print(f"  epsilon_reported ({r_['accountant']} accountant):      {r_['epsilon_reported']:.4g}")
+    if r_["epsilon_exact"] is not None:
+        print(f"  epsilon_exact (this pair, q = 1, numerical):   {r_['epsilon_exact']:.4g}")
+    if r_["epsilon_lower_bound"] > r_["epsilon_reported"]:
+        print("  VIOLATION: the lower bound exceeds the reported epsilon; the accounting does not hold")
+    else:
+        print("  no violation found (a lower bound below the reported epsilon does not show it is tight)")
+    if plotted:
+        print(f"  ROC: {r_['plot']}")
+
+
 def _cmd_audit(args: argparse.Namespace) -> None:
     from dpfedavg.privacy.audit import AuditSetting, plot_roc, run_audit
     from dpfedavg.privacy.calibration import calibrate_noise_multiplier
@@ -423,29 +449,7 @@ def _cmd_audit(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(report))
         return
-    r_ = report
-    print(
-        f"audit {r_['placement']} ({r_['adjacency']}): n = {r_['n']}, r = {r_['r']:g} (q = {r_['q']:.4g}), "
-        f"d = {r_['d']}, K = {r_['K']}, C = {r_['clip']:g}, z = {r_['z']:.5g}, delta = {r_['delta']:g}"
-    )
-    print(
-        f"  trials: {r_['trials']} per world ({r_['trials'] // 2} choose the test, "
-        f"{r_['evaluation_trials']} evaluate it), {r_['seconds']:.1f} s"
-    )
-    print(
-        f"  chosen test ({r_['direction']}): FPR {r_['fpr']:.4g} (upper {r_['fpr_upper']:.4g}), "
-        f"TPR {r_['tpr']:.4g} (FNR upper {r_['fnr_upper']:.4g})"
-    )
-    print(f"  epsilon_lower_bound ({r_['confidence']:g} confidence): {r_['epsilon_lower_bound']:.4g}")
-    print(f"  epsilon_reported ({r_['accountant']} accountant):      {r_['epsilon_reported']:.4g}")
-    if r_["epsilon_exact"] is not None:
-        print(f"  epsilon_exact (this pair, q = 1, numerical):   {r_['epsilon_exact']:.4g}")
-    if r_["epsilon_lower_bound"] > r_["epsilon_reported"]:
-        print("  VIOLATION: the lower bound exceeds the reported epsilon; the accounting does not hold")
-    else:
-        print("  no violation found (a lower bound below the reported epsilon does not show it is tight)")
-    if args.plot:
-        print(f"  ROC: {r_['plot']}")
+    _print_audit(report, plotted=bool(args.plot))
 
 
 #: AuditSetting's field names -> the audit command's flags, to phrase its errors in flags.
@@ -486,17 +490,8 @@ def _add_algorithms_flag(p: argparse.ArgumentParser) -> None:
                         "two; adaptive-clip: C is C_0)")  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    from dpfedavg.config import RunConfig
-    from dpfedavg.core.mechanism import PLACEMENTS
-    from dpfedavg.privacy.accountants import ACCOUNTANTS
-
-    defaults = RunConfig()
-    parser = argparse.ArgumentParser(
-        prog="run_sim.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _synthetic_parser(sub: Any) -> None:
+    """``synthetic``: the paper's §4.4 grid."""
     p = sub.add_parser("synthetic", help="paper §4.4: Figures 1-3 on the synthetic quadratic")
     p.add_argument("--C", type=float, nargs="+", default=[40.0, 50.0, 100.0], help="clip / scale values")
     p.add_argument("--init", nargs="+", default=["I1", "I2"], help="initializations (I1, I2)")
@@ -507,6 +502,9 @@ def main(argv: list[str] | None = None) -> None:
     _add_sweep_flags(p, "results/synthetic")
     p.set_defaults(func=_cmd_synthetic)
 
+
+def _table1_parser(sub: Any) -> None:
+    """``table1``: the paper's §5 Table 1 protocol on one dataset."""
     from dpfedavg.experiments.table1 import CLIPS, DEFAULT_ROUNDS, EPSILONS, LEARNING_RATES
 
     p = sub.add_parser("table1", help="paper §5: Table 1 protocol (grid over C and eta_0) on one dataset")
@@ -525,6 +523,11 @@ def main(argv: list[str] | None = None) -> None:
     _add_private_tuning_flags(p)
     p.set_defaults(func=_cmd_table1)
 
+
+def _privacy_parser(sub: Any, defaults: Any) -> None:
+    """``privacy``: the noise multiplier for a target (epsilon, delta)."""
+    from dpfedavg.privacy.accountants import ACCOUNTANTS
+
     p = sub.add_parser("privacy", help="noise multiplier for a target (epsilon, delta); accountants vs the paper")
     p.add_argument("--epsilon", type=float, required=True, help="target epsilon (> 0)")
     p.add_argument("--delta", type=float, required=True, help="target delta, in (0, 1)")
@@ -536,6 +539,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clip", type=float, default=50.0, help="C, for sigma = z C / r (default 50)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_privacy)
+
+
+def _scale_parser(sub: Any, defaults: Any) -> None:
+    """``scale``: speed and memory of one engine at n clients."""
+    from dpfedavg.core.mechanism import PLACEMENTS
+    from dpfedavg.privacy.accountants import ACCOUNTANTS
 
     p = sub.add_parser("scale", help="speed and memory of one engine at n clients (the scale benchmark)")
     p.add_argument("--num-clients", type=int, required=True, help="n (q = 0.2; try 100, 1000, 5000, 10000)")
@@ -555,6 +564,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--verbose", action="store_true", help="log every round")
     p.set_defaults(func=_cmd_scale)
+
+
+def _audit_parser(sub: Any, defaults: Any) -> None:
+    """``audit``: the empirical privacy auditor."""
+    from dpfedavg.core.mechanism import PLACEMENTS
+    from dpfedavg.privacy.accountants import ACCOUNTANTS
 
     p = sub.add_parser("audit", help="empirical lower bound on epsilon vs the accountant's (privacy auditor)")
     p.add_argument("--placement", choices=tuple(PLACEMENTS), default=defaults.noise_placement,
@@ -577,6 +592,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--verbose", action="store_true", help="log the audit")
     p.set_defaults(func=_cmd_audit)
 
+
+def main(argv: list[str] | None = None) -> None:
+    from dpfedavg.config import RunConfig
+
+    defaults = RunConfig()
+    parser = argparse.ArgumentParser(
+        prog="run_sim.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _synthetic_parser(sub)
+    _table1_parser(sub)
+    _privacy_parser(sub, defaults)
+    _scale_parser(sub, defaults)
+    _audit_parser(sub, defaults)
     args = parser.parse_args(argv)
     args.func(args)
 

@@ -10,6 +10,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+pytest_plugins = ["pytester"]
+
+#: multiprocessing's resource tracker and forkserver live until this process exits (and ignore SIGTERM).
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+#: Seconds a child started by a test may take to exit after the test ends before it counts as leaked.
+_EXIT_GRACE_S = 5.0
+
 
 def _terminate(signum: int, frame: object) -> None:
     """SIGTERM (e.g. an outer ``timeout``) unwinds like Ctrl-C, so fixtures stop the processes they started."""
@@ -17,6 +24,20 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 signal.signal(signal.SIGTERM, _terminate)
+
+
+def _children() -> dict:
+    import psutil
+
+    out = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE or any(h in " ".join(proc.cmdline()) for h in _HELPERS):
+                continue
+            out[proc.pid] = proc
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -28,22 +49,38 @@ def _flower_task_identity():
     yield
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _no_process_left_behind():
-    """After the whole session, stop any child process a test left running (by PID) and say which."""
-    yield
+@pytest.fixture(autouse=True)
+def _no_process_leaked():
+    """A test that leaves a child process running fails, naming it (after stopping it).
+
+    Children of fixtures with a wider scope (a shared SuperLink) exist before the test starts and are
+    not counted.
+    """
     import psutil
 
-    from dpfedavg.engines.local_superlink import stop_processes
-
-    # multiprocessing's resource tracker / forkserver live until this process exits (and ignore SIGTERM)
-    helpers = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-    left = {
-        p.pid: p
-        for p in psutil.Process().children(recursive=True)
-        if not any(h in " ".join(p.cmdline()) for h in helpers)
-    }
+    before = set(_children())
+    yield
+    new = [proc for pid, proc in _children().items() if pid not in before]
+    if not new:
+        return
+    _, alive = psutil.wait_procs(new, timeout=_EXIT_GRACE_S)
+    left = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     if left:
+        from dpfedavg.engines.local_superlink import stop_processes
+
+        names = ", ".join(f"{p.pid} {p.name()} ({' '.join(p.cmdline())[:120]})" for p in left)
+        stop_processes({p.pid: p for p in left})
+        pytest.fail(f"the test left processes running (now stopped): {names}", pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_left_behind():
+    """After the whole session, stop any child process still running (by PID) and say which: a safety net."""
+    yield
+    left = _children()
+    if left:
+        from dpfedavg.engines.local_superlink import stop_processes
+
         names = ", ".join(f"{p.pid} {p.name()}" for p in left.values() if p.is_running())
         sys.stderr.write(f"\nconftest: stopping processes the tests left behind: {names}\n")
         stop_processes(left)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dpfedavg.engines.local_superlink import leftover_pids, processes_with_home, stop_processes
 
 
@@ -28,3 +30,23 @@ def test_a_detached_process_with_the_private_flwr_home_is_found_and_stopped(tmp_
         for proc in (ours, theirs):
             proc.kill()
             proc.wait()
+
+
+def test_a_test_that_leaks_a_process_fails_naming_it(pytester: pytest.Pytester) -> None:
+    """The suite's own leak check (conftest.py) can fail: a test that leaves a child running errors, named."""
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makepyfile(
+        test_leaky="""
+import subprocess, sys
+
+def test_leaks_a_sleeper():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # leaked-on-purpose"])
+
+def test_cleans_up():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+"""
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*the test left processes running*leaked-on-purpose*"])

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from dpfedavg.core.adaptive_clip import count_stddev_for_inflation, default_count_stddev
+from dpfedavg.core.dp import BOUNDS
 
 __all__ = ["ADAPTIVE", "COUNT_NOISE_INFLATION", "adaptive_values", "clip_curves", "sweep_count_stddev"]
 
-#: The algorithm name of the sweeps' adaptive rows.
-ADAPTIVE = "adaptive-clip"
+#: The algorithm of the sweeps' adaptive rows: the registry's adaptive bound.
+ADAPTIVE = next(name for name, bound in BOUNDS.items() if bound.adaptive)
 #: The sweeps' noise split: the update's noise multiplier is z_u = 1.1 z.
 COUNT_NOISE_INFLATION = 1.1
 
@@ -43,7 +44,7 @@ def adaptive_values(values: dict[str, Any]) -> dict[str, Any]:
     from dpfedavg.config import RunConfig
     from dpfedavg.privacy.calibration import calibrate_noise_multiplier
 
-    cfg = RunConfig.from_run_config({**values, "algorithm": "clip"})
+    cfg = RunConfig.from_run_config({**values, "algorithm": ADAPTIVE})
     if cfg.epsilon > 0:
         z = calibrate_noise_multiplier(cfg.epsilon, cfg.delta, cfg.sampling_rate, cfg.num_rounds, cfg.accountant)
     else:

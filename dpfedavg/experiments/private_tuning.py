@@ -63,7 +63,7 @@ import numpy as np
 from dpfedavg.config import ConfigError
 from dpfedavg.experiments.adaptive import ADAPTIVE, sweep_count_stddev
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
-from dpfedavg.experiments.tuning_report import markdown, plot, summarize
+from dpfedavg.experiments.tuning_report import write_report
 from dpfedavg.privacy.accountants import RdpAccountant
 from dpfedavg.privacy.selection import TrialCount, calibrate_tuning_noise, trial_epsilon, tuning_epsilon
 
@@ -243,6 +243,20 @@ def _collect(trials: Sequence[Trial], dataset: str, calibration: dict[float, dic
     return rows
 
 
+def _split_federations(dataset: str, repetitions: int, data_dir: str, cache_dir: str) -> None:
+    """The federations of the repetitions (``data-seed`` = repetition): split once, before the workers start."""
+    from dpfedavg.config import RunConfig
+    from dpfedavg.experiments.table1 import NUM_CLIENTS
+    from dpfedavg.tasks import build_task
+
+    prep = RunConfig.from_run_config(
+        {"task": dataset, "num-clients": NUM_CLIENTS[dataset], "clients-per-round": 0.2 * NUM_CLIENTS[dataset],
+         "data-dir": data_dir, "cache-dir": cache_dir}
+    )  # fmt: skip
+    for rep in range(repetitions):
+        _ = build_task(prep.replace(data_seed=rep)).partition
+
+
 def run_private_tuning(
     out: Path,
     dataset: str,
@@ -271,9 +285,7 @@ def run_private_tuning(
     trial, the released one marked), ``private_tuning.json`` (the calibration
     and the summary), ``private_tuning.md`` and ``private_tuning.png``.
     """
-    from dpfedavg.config import RunConfig
-    from dpfedavg.experiments.table1 import NUM_CLIENTS, run_table1
-    from dpfedavg.tasks import build_task
+    from dpfedavg.experiments.table1 import run_table1
 
     count = count if count is not None else TrialCount()
     out = Path(out)
@@ -293,45 +305,12 @@ def run_private_tuning(
         out, dataset, epsilons=epsilons, seeds=seeds, engine=engine, jobs=jobs, progress=progress,
         ray_address=ray_address, **grid_kwargs,
     )  # fmt: skip
-    # The federations of the repetitions (data-seed = repetition): split once, before the workers start.
-    prep = RunConfig.from_run_config(
-        {"task": dataset, "num-clients": NUM_CLIENTS[dataset], "clients-per-round": 0.2 * NUM_CLIENTS[dataset],
-         "data-dir": data_dir, "cache-dir": cache_dir}
-    )  # fmt: skip
-    for rep in range(repetitions):
-        _ = build_task(prep.replace(data_seed=rep)).partition
+    _split_federations(dataset, repetitions, data_dir, cache_dir)
     run_cells(
         [t.cell for t in trials], engine=engine, jobs=jobs, progress=progress,
         desc=f"private tuning {dataset} ({len(trials)} trials)", ray_address=ray_address,
     )  # fmt: skip
     where = tuning_dir(out, count)
     rows = _collect(trials, dataset, calibration, where / "private_tuning.csv")
-    with (out / "table1.csv").open() as fh:
-        table1_rows = [
-            {**r, "epsilon": float(r["epsilon"]), "C": float(r["C"]), "eta0": float(r["eta0"]),
-             "last5_test_accuracy": float(r["last5_test_accuracy"])}
-            for r in csv.DictReader(fh)
-        ]  # fmt: skip
-    algorithms = list(dict.fromkeys(t.algorithm for t in trials))
-    summary = summarize(rows, table1_rows, calibration, repetitions, algorithms)
-    report = {
-        "dataset": dataset,
-        "trial_count": {"distribution": count.distribution, "mean": count.mean, "shape": count.shape},
-        "repetitions": repetitions,
-        "tuning_seed": tuning_seed,
-        "selection_metric": "last5_test_accuracy",
-        "calibration": [calibration[e] for e in calibration],
-        "summary": summary,
-    }
-    (where / "private_tuning.json").write_text(json.dumps(report, indent=2) + "\n")
-    (where / "private_tuning.md").write_text(markdown(dataset, summary, count, repetitions, tuning_seed))
-    result = {
-        **outputs,
-        "private_tuning_csv": where / "private_tuning.csv",
-        "private_tuning_json": where / "private_tuning.json",
-        "private_tuning_table": where / "private_tuning.md",
-    }
-    png = plot(summary, rows, where / "private_tuning.png", dataset)
-    if png is not None:
-        result["private_tuning_plot"] = png
-    return result
+    settings = {"count": count, "repetitions": repetitions, "tuning_seed": tuning_seed}
+    return {**outputs, **write_report(where, out / "table1.csv", dataset, rows, calibration, **settings)}

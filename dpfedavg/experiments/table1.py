@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfedavg.core.dp import BOUNDS
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values, clip_curves
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
 
@@ -129,8 +130,8 @@ def collect(cells: Sequence[Cell], dataset: str, path: Path) -> list[dict]:
             {
                 "dataset": dataset,
                 "algorithm": cfg.algorithm,
-                "epsilon": cfg.epsilon if cfg.algorithm != "none" else float("inf"),
-                "C": cfg.clip if cfg.algorithm != "none" else float("nan"),
+                "epsilon": cfg.epsilon if BOUNDS[cfg.algorithm].private else float("inf"),
+                "C": cfg.clip if BOUNDS[cfg.algorithm].private else float("nan"),
                 "eta0": cfg.local_lr,
                 "seed": cfg.seed,
                 "last5_test_accuracy": saved["final"]["last5_test_accuracy"],
@@ -245,7 +246,7 @@ def curve_cells(out: Path, cells: Sequence[Cell], best: dict, seeds: int) -> lis
     by_key = {(c.cfg.algorithm, c.cfg.epsilon, c.cfg.clip, c.cfg.local_lr, c.cfg.seed): c for c in cells}
     curves = []
     for (alg, eps), (_, _, c, lr, _) in sorted(best.items()):
-        if alg == "none":
+        if not BOUNDS[alg].private:
             continue
         for seed in range(seeds):
             cell = by_key[(alg, eps, c, lr, seed)]

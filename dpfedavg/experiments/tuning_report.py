@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import json
 import logging
 import warnings
 from collections import defaultdict
@@ -14,12 +16,71 @@ from dpfedavg.privacy.accountants import PldAccountant
 from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
 from dpfedavg.privacy.selection import TrialCount
 
-__all__ = ["markdown", "plot", "summarize"]
+__all__ = ["markdown", "plot", "summarize", "write_report"]
 
 logger = logging.getLogger(__name__)
 
 #: How the tables name the paper's algorithms.
 _NAMES = {"clip": "Clipping", "norm": "Normalization"}
+
+
+def _per_run_columns(table1_rows: Sequence[dict], alg: str, eps: float, cal: dict) -> dict:
+    """The per-run grid's side of a summary row: its best setting, one blind run, the grid paid by composition."""
+    from dpfedavg.experiments.table1 import best_settings
+
+    group = [r for r in table1_rows if (r["algorithm"], r["epsilon"]) == (alg, eps)]
+    pr = best_settings(list(table1_rows)).get((alg, eps))
+    n_runs = len(group)
+    z_run = float(group[-1]["noise_multiplier"]) if group else None
+    rounds = cal["rounds"] * n_runs  # every run of the grid search, composed
+    accs = [r["last5_test_accuracy"] for r in group]  # one run at a grid point picked blindly: no selection
+    return {
+        "per_run_accuracy": pr[0] if pr else None,
+        "per_run_std": pr[1] if pr else None,
+        "per_run_C": pr[2] if pr else None,
+        "per_run_eta0": pr[3] if pr else None,
+        "per_run_seeds": pr[4] if pr else None,
+        "per_run_noise_multiplier": z_run,
+        "untuned_accuracy": float(np.mean(accs)) if accs else None,
+        "untuned_std": float(np.std(accs)) if accs else None,
+        "grid_runs": n_runs,
+        "grid_end_to_end_epsilon": (
+            epsilon_for(z_run, cal["q"], rounds, cal["delta"], PldAccountant.name) if z_run is not None else None
+        ),
+        "grid_noise_multiplier_at_end_to_end_epsilon": (
+            calibrate_noise_multiplier(eps, cal["delta"], cal["q"], rounds, PldAccountant.name) if n_runs else None
+        ),
+    }
+
+
+def _tuned_columns(rows: Sequence[dict], alg: str, eps: float, cal: dict, repetitions: int) -> dict:
+    """Private tuning's side of a summary row: the released trials, the number of trials drawn, the noise."""
+    mine = [r for r in rows if (r["algorithm"], r["epsilon"]) == (alg, eps)]
+    released = sorted((r for r in mine if r["released"]), key=lambda r: r["repetition"])
+    accs = [r["last5_test_accuracy"] for r in released]
+    counts = {r["repetition"]: r["num_trials"] for r in mine}
+    ts = [counts.get(rep, 0) for rep in range(repetitions)]
+    settings: dict[tuple, int] = defaultdict(int)
+    for r in released:
+        settings[(r["C"], r["eta0"])] += 1
+    mode = max(settings.items(), key=lambda kv: kv[1]) if settings else None
+    return {
+        "tuned_accuracy": float(np.mean(accs)) if accs else None,
+        "tuned_std": float(np.std(accs)) if accs else None,
+        "tuned_min": float(np.min(accs)) if accs else None,
+        "tuned_max": float(np.max(accs)) if accs else None,
+        "tuned_released": len(accs),
+        "tuned_nothing_released": sum(1 for t in ts if t == 0),
+        "tuned_noise_multiplier": cal["noise_multiplier"],
+        "tuned_trial_epsilon": cal["trial_epsilon"],
+        "tuned_end_to_end_epsilon": cal["end_to_end_epsilon"],
+        "trials_mean": float(np.mean(ts)),
+        "trials_min": int(min(ts)),
+        "trials_max": int(max(ts)),
+        "trials_total": int(sum(ts)),
+        "tuned_most_released_setting": list(mode[0]) if mode else None,
+        "tuned_most_released_count": mode[1] if mode else 0,
+    }
 
 
 def summarize(
@@ -30,81 +91,16 @@ def summarize(
     algorithms: Sequence[str],
 ) -> list[dict]:
     """Per (epsilon, algorithm): the per-run table's best next to the privately tuned release."""
-    from dpfedavg.experiments.table1 import best_settings
-
-    per_run = best_settings(list(table1_rows))
-    runs_per_group: dict[tuple, int] = defaultdict(int)
-    z_per_run: dict[tuple, float] = {}
-    for r in table1_rows:
-        runs_per_group[(r["algorithm"], r["epsilon"])] += 1
-        z_per_run[(r["algorithm"], r["epsilon"])] = float(r["noise_multiplier"])
-    untuned = defaultdict(list)  # one run at a grid point picked blindly: no selection, epsilon of one run
-    for r in table1_rows:
-        untuned[(r["algorithm"], r["epsilon"])].append(r["last5_test_accuracy"])
-    released = defaultdict(list)
-    for r in rows:
-        if r["released"]:
-            released[(r["algorithm"], r["epsilon"])].append(r)
-    out = []
-    for eps, cal in calibration.items():
-        for alg in algorithms:
-            rel = sorted(released.get((alg, eps), []), key=lambda r: r["repetition"])
-            accs = [r["last5_test_accuracy"] for r in rel]
-            counts = {}
-            for r in rows:
-                if r["algorithm"] == alg and r["epsilon"] == eps:
-                    counts[r["repetition"]] = r["num_trials"]
-            ts = [counts.get(rep, 0) for rep in range(repetitions)]
-            settings: dict[tuple, int] = defaultdict(int)
-            for r in rel:
-                settings[(r["C"], r["eta0"])] += 1
-            mode = max(settings.items(), key=lambda kv: kv[1]) if settings else None
-            n_runs = runs_per_group.get((alg, eps), 0)
-            z_run = z_per_run.get((alg, eps))
-            grid_eps = (
-                epsilon_for(z_run, cal["q"], cal["rounds"] * n_runs, cal["delta"], PldAccountant.name)
-                if z_run is not None and n_runs
-                else None
-            )
-            grid_z = (
-                calibrate_noise_multiplier(eps, cal["delta"], cal["q"], cal["rounds"] * n_runs, PldAccountant.name)
-                if n_runs
-                else None
-            )
-            pr = per_run.get((alg, eps))
-            out.append(
-                {
-                    "algorithm": alg,
-                    "epsilon": eps,
-                    "per_run_accuracy": pr[0] if pr else None,
-                    "per_run_std": pr[1] if pr else None,
-                    "per_run_C": pr[2] if pr else None,
-                    "per_run_eta0": pr[3] if pr else None,
-                    "per_run_seeds": pr[4] if pr else None,
-                    "per_run_noise_multiplier": z_run,
-                    "untuned_accuracy": float(np.mean(untuned[(alg, eps)])) if untuned.get((alg, eps)) else None,
-                    "untuned_std": float(np.std(untuned[(alg, eps)])) if untuned.get((alg, eps)) else None,
-                    "grid_runs": n_runs,
-                    "grid_end_to_end_epsilon": grid_eps,
-                    "grid_noise_multiplier_at_end_to_end_epsilon": grid_z,
-                    "tuned_accuracy": float(np.mean(accs)) if accs else None,
-                    "tuned_std": float(np.std(accs)) if accs else None,
-                    "tuned_min": float(np.min(accs)) if accs else None,
-                    "tuned_max": float(np.max(accs)) if accs else None,
-                    "tuned_released": len(accs),
-                    "tuned_nothing_released": sum(1 for t in ts if t == 0),
-                    "tuned_noise_multiplier": cal["noise_multiplier"],
-                    "tuned_trial_epsilon": cal["trial_epsilon"],
-                    "tuned_end_to_end_epsilon": cal["end_to_end_epsilon"],
-                    "trials_mean": float(np.mean(ts)),
-                    "trials_min": int(min(ts)),
-                    "trials_max": int(max(ts)),
-                    "trials_total": int(sum(ts)),
-                    "tuned_most_released_setting": list(mode[0]) if mode else None,
-                    "tuned_most_released_count": mode[1] if mode else 0,
-                }
-            )
-    return out
+    return [
+        {
+            "algorithm": alg,
+            "epsilon": eps,
+            **_per_run_columns(table1_rows, alg, eps, cal),
+            **_tuned_columns(rows, alg, eps, cal, repetitions),
+        }
+        for eps, cal in calibration.items()
+        for alg in algorithms
+    ]
 
 
 def _pct(x: float | None) -> str:
@@ -212,3 +208,49 @@ def plot(summary: Sequence[dict], rows: Sequence[dict], path: Path, dataset: str
         fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def write_report(
+    where: Path,
+    table1_csv: Path,
+    dataset: str,
+    rows: Sequence[dict],
+    calibration: dict[float, dict],
+    *,
+    count: TrialCount,
+    repetitions: int,
+    tuning_seed: int,
+) -> dict[str, Path]:
+    """``private_tuning.json`` (calibration and summary), ``.md`` and ``.png`` in ``where``; their paths.
+
+    ``rows`` are ``private_tuning.csv``'s (every trial, the released one marked); ``table1_csv`` is the
+    per-run grid the tuning is compared with.
+    """
+    with Path(table1_csv).open() as fh:
+        table1_rows = [
+            {**r, "epsilon": float(r["epsilon"]), "C": float(r["C"]), "eta0": float(r["eta0"]),
+             "last5_test_accuracy": float(r["last5_test_accuracy"])}
+            for r in csv.DictReader(fh)
+        ]  # fmt: skip
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    summary = summarize(rows, table1_rows, calibration, repetitions, algorithms)
+    report = {
+        "dataset": dataset,
+        "trial_count": {"distribution": count.distribution, "mean": count.mean, "shape": count.shape},
+        "repetitions": repetitions,
+        "tuning_seed": tuning_seed,
+        "selection_metric": "last5_test_accuracy",
+        "calibration": [calibration[e] for e in calibration],
+        "summary": summary,
+    }
+    (where / "private_tuning.json").write_text(json.dumps(report, indent=2) + "\n")
+    (where / "private_tuning.md").write_text(markdown(dataset, summary, count, repetitions, tuning_seed))
+    result = {
+        "private_tuning_csv": where / "private_tuning.csv",
+        "private_tuning_json": where / "private_tuning.json",
+        "private_tuning_table": where / "private_tuning.md",
+    }
+    png = plot(summary, rows, where / "private_tuning.png", dataset)
+    if png is not None:
+        result["private_tuning_plot"] = png
+    return result

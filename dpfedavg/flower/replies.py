@@ -97,31 +97,47 @@ def collect_replies(
                 msg.error.reason[:300],
             )
             continue
-        try:
-            if not block:
-                update, norm, clean = parse_train_reply(msg.content, dim, diagnostics=diagnostics, clip=clip)
-                out.results.append(ClientResult(clients[0], update, norm, clean))
-                continue
-            parsed = parse_block_reply(msg.content, clients, dim, diagnostics=diagnostics, clip=clip)
-        except ValueError as err:
-            _reject(out, server_round, src, str(err), len(clients))
-            continue
-        for client_id, (update, norm, clean) in parsed.updates.items():
-            out.results.append(ClientResult(client_id, update, norm, clean))
-        for reason in parsed.rejected.values():
-            _reject(out, server_round, src, reason, 1)
-        if parsed.diverged:
-            out.num_failed += len(parsed.diverged)
-            logger.warning(
-                "Round %d: node %d: local training diverged (NaN/Inf) for clients %s",
-                server_round,
-                src,
-                parsed.diverged[:10],
-            )
+        _take(out, server_round, msg, clients, dim=dim, diagnostics=diagnostics, clip=clip, block=block)
     if unavailable:
         logger.warning("Round %d: %d sampled nodes became unavailable (dropouts)", server_round, unavailable)
     out.results.sort(key=lambda result: result.client_id)  # fixed summation order
     return out
+
+
+def _take(
+    out: RoundReplies,
+    server_round: int,
+    msg: Message,
+    clients: Sequence[int],
+    *,
+    dim: int,
+    diagnostics: bool,
+    clip: float,
+    block: bool,
+) -> None:
+    """One node's reply (not an error): its clients' results, rejections and diverged local trainings."""
+    src = msg.metadata.src_node_id
+    try:
+        if not block:
+            update, norm, clean = parse_train_reply(msg.content, dim, diagnostics=diagnostics, clip=clip)
+            out.results.append(ClientResult(clients[0], update, norm, clean))
+            return
+        parsed = parse_block_reply(msg.content, clients, dim, diagnostics=diagnostics, clip=clip)
+    except ValueError as err:
+        _reject(out, server_round, src, str(err), len(clients))
+        return
+    for client_id, (update, norm, clean) in parsed.updates.items():
+        out.results.append(ClientResult(client_id, update, norm, clean))
+    for reason in parsed.rejected.values():
+        _reject(out, server_round, src, reason, 1)
+    if parsed.diverged:
+        out.num_failed += len(parsed.diverged)
+        logger.warning(
+            "Round %d: node %d: local training diverged (NaN/Inf) for clients %s",
+            server_round,
+            src,
+            parsed.diverged[:10],
+        )
 
 
 def _reject(out: RoundReplies, server_round: int, node: int, reason: str, count: int) -> None:

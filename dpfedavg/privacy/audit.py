@@ -93,7 +93,7 @@ from scipy import optimize, special, stats
 
 from dpfedavg.core.mechanism import PLACEMENTS, Neighbouring, NoisePlacement
 from dpfedavg.core.server import poisson_sample
-from dpfedavg.privacy.accountants import ACCOUNTANTS
+from dpfedavg.privacy.accountants import ACCOUNTANTS, PldAccountant
 from dpfedavg.privacy.calibration import epsilon_for
 
 __all__ = [
@@ -148,7 +148,7 @@ class AuditSetting:
     noise_multiplier: float
     clip: float
     delta: float
-    accountant: str = "pld"
+    accountant: str = PldAccountant.name
 
     def __post_init__(self) -> None:
         if isinstance(self.placement, str):

@@ -243,7 +243,8 @@ class TorchTask:
     test:
         ``(x, y)`` held by the server, or a zero-argument function returning it; ``None``: no test metrics.
     name:
-        The task's name (default: ``cfg.task``).
+        The task's name (default: ``cfg.task`` when it names a user's ``module:factory``, else the model's
+        class name); a run given this task records it as its ``task``.
     weight_decay:
         ``lambda``; default ``cfg.weight_decay``.
     classification:
@@ -267,7 +268,7 @@ class TorchTask:
     ) -> None:
         self.torch = _torch()
         self.cfg = cfg
-        self.name = name or cfg.task
+        self.name = name or (cfg.task if ":" in cfg.task else getattr(model, "__name__", type(model).__name__))
         self.num_clients = cfg.num_clients
         self.device = resolve_device(cfg.device)
         from dpfedavg.flower.runtime import in_app_process

@@ -6,13 +6,16 @@ A page asks for a part with an HTML comment on a line of its own:
   (key, paper symbol, default, allowed values, meaning), so the configuration reference cannot drift;
 * ``<!-- generated: metrics-columns -->``: ``metrics.csv``'s columns, in order (``RoundStats.columns``);
 * ``<!-- generated: help PROGRAM [SUBCOMMAND] -->``: the ``--help`` text of ``run_sim.py``,
-  ``python -m dpfedavg.run`` or ``python -m dpfedavg.deploy`` (argparse's own output).
+  ``python -m dpfedavg.run`` or ``python -m dpfedavg.deploy`` (argparse's own output);
+* ``<!-- generated: test-files -->``: every ``tests/test_*.py`` with the first line of its docstring;
+* ``<!-- generated: layout -->``: every module of the package with the first line of its docstring.
 
 An unknown marker fails the build. The functions are plain so that tests can call them.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import io
@@ -101,6 +104,32 @@ def help_text(program: str, *args: str) -> str:
     return "```text\n" + out.getvalue().rstrip() + "\n```"
 
 
+def _first_line(path: Path) -> str:
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    line = doc.strip().splitlines()[0] if doc.strip() else ""
+    return _cell(re.sub(r" \(issue \d+\)", "", line))
+
+
+def test_files() -> str:
+    """A table of the test modules and what each checks (their docstrings)."""
+    rows = ["| file | what it checks |", "|---|---|"]
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        rows.append(f"| `tests/{path.name}` | {_first_line(path)} |")
+    return "\n".join(rows)
+
+
+def layout() -> str:
+    """A table of the package's modules and packages (their docstrings), in path order."""
+    rows = ["| module | what it holds |", "|---|---|"]
+    for path in sorted((ROOT / "dpfedavg").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if "__pycache__" in rel.parts:
+            continue
+        name = str(rel.parent) + "/" if path.name == "__init__.py" else str(rel)
+        rows.append(f"| `{name}` | {_first_line(path)} |")
+    return "\n".join(rows)
+
+
 def generate(what: str) -> str:
     """The Markdown for one marker."""
     words = shlex.split(what)
@@ -108,6 +137,10 @@ def generate(what: str) -> str:
         return options_table()
     if words == ["metrics-columns"]:
         return metrics_columns()
+    if words == ["test-files"]:
+        return test_files()
+    if words == ["layout"]:
+        return layout()
     if words and words[0] == "help":
         return help_text(*words[1:])
     raise ValueError(f"unknown generated part {what!r}")

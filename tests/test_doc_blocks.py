@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from doc_blocks import ROOT, Block, all_blocks, commands
 
 BIN = Path(sys.executable).parent

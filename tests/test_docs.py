@@ -147,7 +147,9 @@ HISTORY = [
 NOT_USER_PAGES = {"development/benchmarks.md", "changelog.md"}
 
 
-@pytest.mark.parametrize("path", [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.parametrize(
+    "path", [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix()
+)
 def test_user_pages_do_not_tell_the_projects_history(path: Path) -> None:
     rel = path.relative_to(DOCS).as_posix() if DOCS in path.parents else path.name
     if rel in NOT_USER_PAGES or rel.startswith("results/"):

@@ -269,7 +269,10 @@ def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
                     print(f"{time.monotonic() - t0:6.1f} s  {block.splitlines()[-1][:80]}")
                     assert result.returncode == 0, f"{block}\n{result.stdout[-3000:]}"
                     if block in idempotent:  # pasting it twice leaves the same files
-                        files = [home / "dpfedavg-creds" / "certificates" / "ca.crt", tmp_path / "flwr_home" / "config.toml"]
+                        files = [
+                            home / "dpfedavg-creds" / "certificates" / "ca.crt",
+                            tmp_path / "flwr_home" / "config.toml",
+                        ]
                         state = b"".join(f.read_bytes() for f in files if f.exists())
                         assert attempt == 1 or snapshots[block] == state, "a second paste changed the files"
                         snapshots[block] = state

@@ -122,6 +122,11 @@ def test_the_configuration_reference_is_generated_from_the_options() -> None:
     assert table.count("\n") == len(OPTIONS) + 1  # header, rule, one row per key
 
 
+def test_an_unknown_generated_part_fails_the_build() -> None:
+    with pytest.raises(ValueError, match="unknown generated part"):
+        _hook().expand("text\n<!-- generated: no-such-part -->\n")
+
+
 def test_every_key_a_page_names_exists() -> None:
     """A page linking `key` to the configuration reference names a key the package has."""
     keys = {opt.key for opt in OPTIONS}

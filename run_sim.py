@@ -56,7 +56,7 @@ audit
             [--seed 0] [--confidence 0.95] [--accountant pld|rdp] [--plot roc.png] [--json]
 
 ``synthetic`` and ``table1`` with ``--ray-address HOST:PORT`` (or ``auto``) run the cells as tasks on a running
-Ray cluster instead of ``--jobs`` local processes (README: "On a Ray cluster").
+Ray cluster instead of ``--jobs`` local processes (docs: how-to/ray-cluster.md).
 
 Bad flags give one clear error (naming the flag, its value and what is
 allowed) and exit status 2.
@@ -515,7 +515,9 @@ def _table1_parser(sub: Any) -> None:
         "--lr", type=float, nargs="+", default=list(LEARNING_RATES), help="eta_0 grid (default: the paper's)"
     )
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
-    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help=f"K (default {DEFAULT_ROUNDS}; see README)")
+    p.add_argument(
+        "--rounds", type=int, default=DEFAULT_ROUNDS, help=f"K (default {DEFAULT_ROUNDS}; docs: reproduce/table-1.md)"
+    )
     p.add_argument("--data-dir", default="", help="local dataset files (offline use)")
     p.add_argument("--cache-dir", default="", help="prepared-feature cache (default ~/.cache/dpfedavg)")
     _add_algorithms_flag(p)

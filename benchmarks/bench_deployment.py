@@ -3,7 +3,7 @@
 
 Starts the loopback federation of :mod:`dpfedavg.deploy.loopback` (a SuperLink
 with TLS and SuperNode authentication, N ``flower-supernode`` processes, all on
-127.0.0.1, as the README's "Deploy on real machines"), runs the quadratic task
+127.0.0.1, as the documentation's "Deploy on N machines"), runs the quadratic task
 with q = 1 and reads from the run's results:
 
 * s per round: the median of the differences of ``elapsed_s`` in ``metrics.csv``

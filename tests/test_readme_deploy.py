@@ -1,27 +1,29 @@
-"""The README's "Deploy on real machines" runs as written: its ``bash`` blocks, executed on loopback.
+"""The deployment guide (docs/how-to/deploy.md) runs as written: every block, on loopback.
 
-Every ```` ```bash ```` block of that section is run with ``bash -e`` in README order:
+Every ```` ```bash ```` block of the page is run with ``bash -e`` in page order:
 
-* the one starting ``flower-superlink`` in the background, in a "server" folder
-  (``output-dir`` is relative to it), stopped by PID at the end;
-* the one starting ``flower-supernode`` twice in the background, with ``I=0`` and
-  ``I=1``, each in its own "client" folder, stopped by PID at the end;
-* every other block in the foreground, in the repository root (``flwr run .``),
-  with a time limit.
+* the one starting ``flower-superlink`` in the background (it ``cd``s to ``~/dpfedavg-server``,
+  where the results are written), stopped by PID at the end;
+* the one starting ``flower-supernode`` N times in the background, with ``I=0`` .. ``I=N-1``,
+  each in its own "client" folder, stopped by PID at the end;
+* every other block in the foreground, in the repository root (``flwr run .``), with a time limit.
 
-What is changed from the text: ``SERVER=...`` is set to ``127.0.0.1`` and ``I=...``
-to the client's index (the README asks the reader to set both); lines with
-``pip install`` are skipped (the package is installed in the test's environment,
-whose ``bin`` comes first on ``PATH``). ``HOME`` and ``FLWR_HOME`` point into
-``tmp_path``, so the credentials the documented command writes to
-``~/dpfedavg-creds``, the SuperLink's database and log, and the ``flwr``
-connection all live there. The test waits on events (the SuperLink's port, the
-SuperNodes' "SuperNode ID" log line), checks that the run really finished
-(``flwr run --stream`` exits 0 even when the ServerApp raises, so it reads
-``config.json``'s ``final``), and that no process it started is left, pass or fail.
+What is changed from the text: ``SERVER=...`` is set to ``127.0.0.1``, every host of
+``CLIENTS=(...)`` too (the count, N, is kept), and ``I=...`` to the client's index; lines with
+``pip install`` are skipped (the package is installed in the test's environment, whose ``bin``
+comes first on ``PATH``). All machines are this one with one home folder, so ``ssh HOST CMD``
+runs CMD in the home folder and ``scp`` copies locally, mapping ``HOST:path`` to the home folder
+(a copy onto the file itself only checks that it exists): both are stand-ins on ``PATH``.
+``HOME`` and ``FLWR_HOME`` point into ``tmp_path``, so the credentials, the SuperLink's database,
+log and results, and the ``flwr`` connection all live there. The test waits on events (the
+SuperLink's port, the SuperNodes' "SuperNode ID" log line), checks that the run really finished
+(``flwr run --stream`` exits 0 even when the ServerApp raises, so it reads ``config.json``'s
+``final``), that it was private (guarantee ``dp``), that the results came back to "your machine",
+that pasting the idempotent steps twice changes nothing, and that no process it started is left,
+pass or fail.
 
-The README uses fixed ports (9093 for the SuperLink, 9094 + I for the SuperNodes),
-so two runs of this test cannot share a machine; it fails at once if one is taken.
+The page uses fixed ports (9093 for the SuperLink, 9094 + I for the SuperNodes), so two runs of
+this test cannot share a machine; it fails at once if one is taken.
 """
 
 from __future__ import annotations
@@ -45,27 +47,52 @@ pytestmark = [pytest.mark.deployment, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SERVER = "127.0.0.1"
-SECTION = "## Deploy on real machines"
+PAGE = ROOT / "docs" / "how-to" / "deploy.md"
 
+#: ``ssh HOST CMD`` on a one-machine federation: CMD in the home folder.
+FAKE_SSH = """#!/bin/bash
+shift
+cd "$HOME" && exec bash -c "$*"
+"""
 
-def deploy_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(SECTION)
-    end = text.find("\n## ", start + len(SECTION))
-    return text[start : end if end >= 0 else len(text)]
+#: ``scp [-r] SRC... DST`` on a one-machine federation: ``HOST:path`` is ``path`` in the home folder.
+FAKE_SCP = f"""#!{sys.executable}
+import os, shutil, sys
+def local(p):
+    if ":" in p and not p.startswith("/"):
+        p = p.split(":", 1)[1]
+        return p if p.startswith("/") else os.path.join(os.environ["HOME"], p)
+    return p
+*sources, target = [local(a) for a in sys.argv[1:] if not a.startswith("-")]
+for source in sources:
+    if not os.path.exists(source):
+        sys.exit(f"scp: {{source}}: No such file or directory")
+    dest = os.path.join(target, os.path.basename(source.rstrip("/"))) if os.path.isdir(target) else target
+    if os.path.exists(dest) and os.path.samefile(source, dest):
+        continue
+    if os.path.isdir(source):
+        shutil.copytree(source, dest, dirs_exist_ok=True)
+    else:
+        shutil.copy2(source, dest)
+"""
 
 
 def bash_blocks() -> list[str]:
-    return re.findall(r"```bash\n(.*?)```", deploy_section(), flags=re.S)
+    from doc_blocks import page_blocks
+
+    blocks = [b for b in page_blocks(PAGE) if b.is_shell]
+    assert blocks and all(b.kind == "run-by" for b in blocks), [b.where for b in blocks if b.kind != "run-by"]
+    return [b.source for b in blocks]
 
 
 def as_script(block: str, client: int | None = None) -> str:
-    """The block with SERVER (and the client index I) set, and ``pip install`` lines skipped."""
+    """The block with SERVER, the client hosts (and the client index I) set, ``pip install`` lines skipped."""
     lines = []
     for line in block.splitlines():
         if "pip install" in line:
             continue  # the package is installed here (and a venv in the repository would be wrong)
         line = re.sub(r"^SERVER=\S+", f"SERVER={SERVER}", line)
+        line = re.sub(r"^CLIENTS=\((.*)\)", lambda m: "CLIENTS=(" + " ".join(SERVER for _ in m[1].split()) + ")", line)
         if client is not None:
             line = re.sub(r"^I=\S+", f"I={client}", line)
         lines.append(line)
@@ -189,16 +216,27 @@ def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
     server_blocks = [b for b in blocks if "flower-superlink " in b]
     client_blocks = [b for b in blocks if "flower-supernode " in b]
     run_blocks = [b for b in blocks if "flwr run " in b]
+    idempotent = [b for b in blocks if "dpfedavg.deploy credentials" in b or "tomli_w" in b]
     assert len(server_blocks) == len(client_blocks) == len(run_blocks) == 1, blocks
+    assert len(idempotent) == 2, idempotent
     superlink_port = int(re.search(r"--port (\d+)", server_blocks[0]).group(1))
-    num_clients = int(re.search(r"num-clients=(\d+)", run_blocks[0]).group(1))
+    counts = {int(n) for b in blocks for n in re.findall(r"^N=(\d+)", b, flags=re.M)}
+    hosts = [len(m.split()) for b in blocks for m in re.findall(r"^CLIENTS=\((.*)\)", b, flags=re.M)]
+    assert len(counts) == 1 and hosts and set(hosts) == counts, (counts, hosts)
+    num_clients = counts.pop()
     num_rounds = int(re.search(r"num-rounds=(\d+)", run_blocks[0]).group(1))
-    assert num_rounds <= 5, "the README's example is a smoke test: keep num-rounds small"
+    run_name = re.search(r"run-name='([^']+)'", run_blocks[0]).group(1)
+    assert num_rounds <= 5, "the page's run is a smoke test: keep num-rounds small"
     busy = [p for p in (superlink_port, *(9094 + i for i in range(num_clients))) if not _port_free(p)]
-    assert not busy, f"ports {busy} are in use (another run of this test?): the README's ports must be free"
+    assert not busy, f"ports {busy} are in use (another run of this test?): the page's ports must be free"
 
     home = tmp_path / "home"
     home.mkdir()
+    fakes = tmp_path / "bin"
+    fakes.mkdir()
+    for name, text in (("ssh", FAKE_SSH), ("scp", FAKE_SCP)):
+        (fakes / name).write_text(text)
+        (fakes / name).chmod(0o755)
     env = dict(os.environ)
     env.update(
         HOME=str(home),
@@ -206,15 +244,16 @@ def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
         FLWR_TELEMETRY_ENABLED="0",
         FLWR_DISABLE_UPDATE_CHECK="1",
         PYTHONUNBUFFERED="1",
-        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        PATH=f"{fakes}{os.pathsep}{BIN}{os.pathsep}{env.get('PATH', '')}",
     )
     bg = Processes(env, tmp_path)
-    server_dir = tmp_path / "server"
+    server_dir = home / "dpfedavg-server"  # where the page's server block starts the SuperLink
     outputs: list[str] = []
+    snapshots: dict[str, bytes] = {}
     try:
         for block in blocks:
             if block in server_blocks:
-                bg.start("superlink", as_script(block), server_dir)
+                bg.start("superlink", as_script(block), tmp_path / "server-shell")
                 bg.wait_for("superlink", lambda: _listening(superlink_port), 90, f"listener on {superlink_port}")
             elif block in client_blocks:
                 for i in range(num_clients):
@@ -223,11 +262,20 @@ def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
                     name = f"supernode-{i}"
                     bg.wait_for(name, lambda name=name: "SuperNode ID" in bg.log(name), 90, "'SuperNode ID' line")
             else:
-                t0 = time.monotonic()
-                result = _foreground(as_script(block), env, 300 if block in run_blocks else 120, bg)
-                outputs.append(result.stdout)
-                print(f"{time.monotonic() - t0:6.1f} s  {block.splitlines()[-1][:80]}")
-                assert result.returncode == 0, f"{block}\n{result.stdout[-3000:]}"
+                for attempt in (1, 2) if block in idempotent else (1,):
+                    t0 = time.monotonic()
+                    result = _foreground(as_script(block), env, 300 if block in run_blocks else 120, bg)
+                    outputs.append(result.stdout)
+                    print(f"{time.monotonic() - t0:6.1f} s  {block.splitlines()[-1][:80]}")
+                    assert result.returncode == 0, f"{block}\n{result.stdout[-3000:]}"
+                    if block in idempotent:  # pasting it twice leaves the same files
+                        files = [
+                            home / "dpfedavg-creds" / "certificates" / "ca.crt",
+                            tmp_path / "flwr_home" / "config.toml",
+                        ]
+                        state = b"".join(f.read_bytes() for f in files if f.exists())
+                        assert attempt == 1 or snapshots[block] == state, "a second paste changed the files"
+                        snapshots[block] = state
                 if block in run_blocks:
                     _wait_for_the_run(server_dir, env, bg)
         listing = _foreground("flwr supernode list remote --format json\n", env, 60, bg).stdout
@@ -244,17 +292,24 @@ def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
             pass
     assert stray == [], stray
 
-    # the run finished: flwr run --stream exits 0 even when the ServerApp raises
+    # the run finished (flwr run --stream exits 0 even when the ServerApp raises), privately
     configs = list((server_dir / "outputs").glob("*/config.json"))
     assert len(configs) == 1, (configs, bg.log("superlink")[-3000:], outputs[-1][-3000:] if outputs else "")
+    assert configs[0].parent.name == run_name
     final = json.loads(configs[0].read_text())["final"]
     assert final["rounds_completed"] == num_rounds, final
+    assert final["guarantee"] == "dp", final
     rows = (configs[0].parent / "metrics.csv").read_text().splitlines()
     assert len(rows) == 1 + 1 + num_rounds  # header, round 0, rounds 1..K
-    # the credentials were written under HOME, not in the clone
+    # the results came back to "your machine"
+    fetched = home / "dpfedavg-results" / run_name
+    assert json.loads((fetched / "config.json").read_text())["final"] == final
+    assert (fetched / "model.npz").exists()
+    # the credentials were written under HOME, not in the clone; one connection named remote
     assert (home / "dpfedavg-creds" / "certificates" / "ca.key").exists()
     assert not (ROOT / "creds").exists() and not (ROOT / "dpfedavg-creds").exists()
-    # the two SuperNodes were online; the README's "one more client" block registered a third key
+    assert (tmp_path / "flwr_home" / "config.toml").read_text().count("[superlink.remote]") == 1
+    # the N SuperNodes were online; the "one more client" block registered one more key
     nodes = json.loads(listing[listing.index("{") :])["nodes"]
     assert len(nodes) == num_clients + 1, nodes
     assert sum(node["status"] == "online" for node in nodes) == num_clients, nodes

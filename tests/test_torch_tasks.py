@@ -10,6 +10,7 @@ GPU ``device = "auto"`` puts the same tests on CUDA.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -371,67 +372,73 @@ def test_torch_task_modules_import_without_loading_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
 
 
-# ------------------------------------------------------------------ README: Bring your own model
-SECTION = "## Bring your own model"
+# ------------------------------------------------------------------ the "Train your own model" tutorial
+TUTORIAL = ROOT / "docs" / "tutorials" / "own-model.md"
 
 
-def _readme_blocks() -> tuple[str, str]:
-    import re
+def _tutorial_blocks():
+    """The tutorial's blocks that this test runs (``run-by`` it), in page order."""
+    from doc_blocks import page_blocks
 
-    text = (ROOT / "README.md").read_text()
-    start = text.index(SECTION)
-    end = text.find("\n## ", start + len(SECTION))
-    section = text[start:end]
-    python, bash = re.findall(r"```python\n(.*?)```", section, re.S), re.findall(r"```bash\n(.*?)```", section, re.S)
-    assert len(python) == 1 and len(bash) == 1, "the section has exactly one python and one bash block"
-    return python[0], bash[0]
+    return [b for b in page_blocks(TUTORIAL) if b.kind == "run-by" and "test_own_model_tutorial" in b.attrs["test"]]
 
 
-def test_readme_example_is_one_module_and_one_command_block() -> None:
-    python, bash = _readme_blocks()
-    assert "def make_task(cfg)" in python and "TorchTask(" in python
-    commands = [line for line in bash.splitlines() if line.strip() and not line.startswith("#")]
+def test_own_model_tutorial_is_one_module_then_commands() -> None:
+    blocks = _tutorial_blocks()
+    module = [b for b in blocks if b.attrs.get("file") == "mytask.py"]
+    assert len(module) == 1 and blocks[0] is module[0], "the page starts with mytask.py"
+    assert "def make_task(cfg)" in module[0].source and "TorchTask(" in module[0].source
+    commands = [line for b in blocks if b.is_shell for line in b.source.splitlines() if not line.startswith("#")]
     assert any(c.startswith('flwr run "$DPFEDAVG"') for c in commands)
     assert any(c.startswith("python -m dpfedavg.run") for c in commands)
+    assert any("vector_to_parameters" in b.source for b in blocks if b.is_python), "loading w_final is shown"
 
 
 @pytest.mark.slow
-def test_readme_bring_your_own_model(tmp_path: Path) -> None:
-    """The section's mytask.py and its bash block, as written, from a folder outside the repository.
+def test_own_model_tutorial(tmp_path: Path) -> None:
+    """docs/tutorials/own-model.md, every block that names this test, as written and in order, from a
+    folder outside the repository: ``mytask.py`` is written from its block, bash blocks run with
+    ``bash -e``, Python blocks with the project folder as the working directory.
 
     ``dpfedavg`` is this checkout (``PYTHONPATH``, as an editable install); ``flwr run`` talks to a
     private SuperLink (``LocalSuperLink``: its own ports and FLWR_HOME, every process stopped by PID)
     with the per-run ``uv sync`` on, as a user's local SuperLink has it: torch comes from the
     environment that runs the SuperLink. Both engines must finish (``config.json`` "final") and,
-    one seed, follow the same trajectory.
+    one seed, follow the same trajectory; the model loaded back from ``w_final`` must classify.
     """
     import csv
 
     from dpfedavg.engines.local_superlink import LocalSuperLink
 
-    python, bash = _readme_blocks()
     project = tmp_path / "project"
     project.mkdir()
-    (project / "mytask.py").write_text(python)
+    log = tmp_path / "blocks.log"
     sl = LocalSuperLink(tmp_path / "superlink", runtime_dependency_install=True)
     try:
         sl.start()
-        env = dict(sl.env, PYTHONPATH=str(ROOT), PATH=f"{BIN}:{sl.env.get('PATH', '')}")
-        log = tmp_path / "block.log"
-        with log.open("w") as out:
-            proc = subprocess.run(
-                ["bash", "-e", "-c", bash], cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600
-            )
-        assert proc.returncode == 0, log.read_text()[-5000:]
+        env = dict(sl.env, PYTHONPATH=str(ROOT), PATH=f"{BIN}:{sl.env.get('PATH', '')}", MPLBACKEND="Agg")
+        for block in _tutorial_blocks():
+            if "file" in block.attrs:
+                (project / block.attrs["file"]).write_text(block.source)
+                continue
+            argv = ["bash", "-e", "-c", block.source] if block.is_shell else [sys.executable, "-c", block.source]
+            with log.open("a") as out:
+                out.write(f"\n### {block.where}\n")
+                out.flush()
+                proc = subprocess.run(argv, cwd=project, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
+            assert proc.returncode == 0, f"{block.where} failed:\n{log.read_text()[-5000:]}"
     finally:
         sl.stop()
     assert sl.leftover_pids() == []
-    runs = sorted((project / "outputs").iterdir())
-    assert len(runs) == 2, (runs, log.read_text()[-5000:])
     curves = []
-    for run in runs:
+    for name in ("mytask-flower", "mytask-batched"):
+        run = project / "outputs" / name
         assert json.loads((run / "config.json").read_text())["final"] is not None, log.read_text()[-5000:]
         with (run / "metrics.csv").open() as fh:
             curves.append([float(row["test_accuracy"]) for row in csv.DictReader(fh)])
     assert len(curves[0]) == 11 and curves[0][-1] > 0.2
     np.testing.assert_allclose(curves[0], curves[1], atol=1e-6)
+    accuracy = float(re.search(r"test accuracy of w_final: ([0-9.]+)", log.read_text()).group(1))
+    assert accuracy > 0.2, log.read_text()[-3000:]
+    assert (project / "mytask-dp.pt").exists()
+    assert "mean update norm per round:" in log.read_text()

@@ -43,7 +43,7 @@ def round_noise_seed(seed: int, round_index: int) -> int:
 
     A client draws its noise from ``make_rng(noise_seed, Stream.NOISE, client_id)``.
     In this seeded (research) mode anyone who knows ``seed`` can regenerate
-    the noise; see the README's privacy notes.
+    the noise; see the documentation's privacy page.
     """
     rng = make_rng(seed, Stream.NOISE, round_index)
     return int(rng.integers(0, 2**63 - 1))
@@ -54,7 +54,7 @@ def secure_rng() -> np.random.Generator:
 
     Nobody, the server included, can regenerate what it draws. The Gaussian
     samples themselves come from numpy's PCG64 generator and floating-point
-    arithmetic, which is not a cryptographic sampler (see the README).
+    arithmetic, which is not a cryptographic sampler (see the documentation's privacy page).
     """
     return np.random.default_rng(np.random.SeedSequence(secrets.randbits(128)))
 

@@ -1,7 +1,7 @@
 """A real deployment on one machine: a SuperLink with TLS and SuperNode authentication, and N SuperNodes.
 
 Everything is a separate process on 127.0.0.1, started exactly as on separate
-machines (see the README's "Deploy on real machines"): ``flower-superlink``
+machines (see the documentation's "Deploy on N machines"): ``flower-superlink``
 with the generated TLS certificate and ``--enable-supernode-auth``, each
 SuperNode's public key registered with ``flwr supernode register``, then
 ``flower-supernode --root-certificates ... --auth-supernode-private-key ...

@@ -1,6 +1,6 @@
 """A Ray cluster of real nodes on one machine: a head and N more nodes, each its own ``ray start``.
 
-Started exactly as on separate machines (README, "On a Ray cluster"):
+Started exactly as on separate machines (the documentation's "Ray cluster" how-to):
 ``ray start --head --port P --num-cpus 1 --block`` and, per extra node,
 ``ray start --address 127.0.0.1:P --num-cpus 1 --block``. Every node gets free
 ports (no Ray default port is used, so other Ray instances on the machine are

@@ -19,7 +19,7 @@ __all__ = [
 
 #: The number of simulated SuperNodes the recommended setup aims at: enough messages per round to keep
 #: every Ray actor busy, few enough that Flower's in-memory delivery (whose cost grows with nodes x
-#: messages, see BENCHMARKS.md) stays a small part of the round.
+#: messages, see the benchmarks page) stays a small part of the round.
 SIMULATION_NODES = 20
 
 

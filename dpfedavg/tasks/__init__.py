@@ -3,7 +3,7 @@
 ``task`` in the run config is a registered name (:data:`TASKS`) or a task from the user's own code:
 ``"mypackage.mytask:make_task"`` (a module on ``sys.path`` / ``PYTHONPATH``) or
 ``"/path/to/mytask.py:make_task"`` (a file), where ``make_task(cfg) -> Task``
-(README: "Bring your own model"). :func:`resolve_task` checks the name (the config does not: it
+(the documentation's "Your own model" tutorial). :func:`resolve_task` checks the name (the config does not: it
 imports no task and no user code) and :func:`build_task` builds the task.
 """
 
@@ -142,7 +142,7 @@ def resolve_task(spec: str) -> TaskFactory:
     more = f" (did you mean {hint[0]!r}?)" if hint else ""
     raise ConfigError(
         f"invalid run config: 'task' = {spec!r}: allowed values are {allowed}{more}, "
-        "or your own 'module:factory' / '/path/to/file.py:factory' (README: Bring your own model)"
+        "or your own 'module:factory' / '/path/to/file.py:factory' (docs: tutorials/own-model.md)"
     )
 
 

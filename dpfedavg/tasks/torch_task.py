@@ -74,7 +74,7 @@ def _torch() -> Any:
     except ImportError as err:
         raise ConfigError(
             "invalid run config: this task runs on torch, which is not installed: pip install -e '.[torch]' "
-            "(torch is an extra, see README: Bring your own model)"
+            "(torch is an extra; docs: tutorials/own-model.md)"
         ) from err
     return torch
 

@@ -40,6 +40,10 @@ def _id(block: Block) -> str:
     return f"{block.where}[{block.kind}]"
 
 
+#: One worker runs a page's blocks, in order, in one folder (a block may use what an earlier one made).
+pytestmark = pytest.mark.xdist_group("doc-blocks")
+
+
 @pytest.fixture(scope="module")
 def page_dirs(tmp_path_factory):
     """One working folder (and one Python namespace) per page, shared by its blocks in order."""

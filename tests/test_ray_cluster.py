@@ -25,7 +25,8 @@ from dpfedavg.engines.batched import run_batched
 from dpfedavg.engines.local_superlink import LocalSuperLink
 from dpfedavg.experiments.sweep import RAY_TASK_FILE
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+#: One worker runs this module's tests, in order, on one cluster (the last one kills its second node).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("ray-cluster")]
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["in_app_process", "setup_app_process"]
+from dpfedavg.core.threads import mark_single_threaded, single_threaded
 
-_done = False
+__all__ = ["setup_app_process"]
 
 
 def setup_app_process(level: int = logging.INFO) -> logging.Logger:
     """Idempotent: attach Flower's console handler to ``dpfedavg`` and use 1 BLAS thread."""
-    global _done
     from flwr.supercore.logger import console_handler
 
     pkg_logger = logging.getLogger("dpfedavg")
@@ -31,17 +30,9 @@ def setup_app_process(level: int = logging.INFO) -> logging.Logger:
     if console_handler not in pkg_logger.handlers:
         pkg_logger.addHandler(console_handler)
     pkg_logger.propagate = False
-    if not _done:
+    if not single_threaded():
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(limits=1, user_api="blas")
-        _done = True
+        mark_single_threaded()  # the torch tasks use one CPU thread too (dpfedavg.tasks.torch_task)
     return pkg_logger
-
-
-def in_app_process() -> bool:
-    """Whether :func:`setup_app_process` ran here (a Flower ClientApp / ServerApp process: one math thread).
-
-    The torch tasks read it to use one CPU thread too (:mod:`dpfedavg.tasks.torch_task`).
-    """
-    return _done

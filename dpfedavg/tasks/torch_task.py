@@ -48,6 +48,7 @@ import numpy as np
 
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core.seeding import Stream, make_rng
+from dpfedavg.core.threads import single_threaded
 from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
 
 __all__ = [
@@ -271,9 +272,7 @@ class TorchTask:
         self.name = name or (cfg.task if ":" in cfg.task else getattr(model, "__name__", type(model).__name__))
         self.num_clients = cfg.num_clients
         self.device = resolve_device(cfg.device)
-        from dpfedavg.flower.runtime import in_app_process
-
-        if in_app_process() and self.device.type == "cpu":  # parallelism comes from the Ray actors (runtime.py)
+        if single_threaded() and self.device.type == "cpu":  # parallelism comes from the Ray actors
             self.torch.set_num_threads(1)
         self.dtype = getattr(self.torch, cfg.torch_dtype)
         self.batch_size = cfg.local_batch_size

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
+from dpfedavg.core.types import BatchUpdateFn, GradFn, RunsUpdateFn, Vector
 from dpfedavg.options import ConfigError, Option, non_negative
 from dpfedavg.tasks.datasets import DATASETS, PreparedData, locked, prepare_dataset, save_npy
 from dpfedavg.tasks.partition import paper_shard_partition
@@ -147,6 +147,9 @@ class LogisticTask:
         self.cfg = cfg
         self.num_clients = cfg.num_clients
         self.num_classes = self.spec.num_classes
+        #: Keys that may differ between runs sharing :meth:`client_runs_update_fn`: with a fixed ``data-seed``
+        #: (private tuning's trials) the clients' data does not depend on ``seed``.
+        self.run_axis_keys: tuple[str, ...] = ("seed",) if cfg.data_seed >= 0 and cfg.backend == "numpy" else ()
         if cfg.backend == "numpy" and cfg.local_batch_size:
             raise ConfigError(
                 f"invalid run config: 'local-batch-size' = {cfg.local_batch_size} with 'backend' = 'numpy': the numpy "
@@ -258,38 +261,60 @@ class LogisticTask:
             if self.cfg.local_batch_size > 0:  # mini-batches: the generic vmapped steps of TorchTask
                 return self.torch_task.client_batch_update_fn(client_ids, server_round)
             return self._torch_closed_form(client_ids)
-        rows = np.sort(np.asarray(self.partition)[np.asarray(client_ids)], axis=1)
-        x = np.asarray(self.data.train_x[rows.ravel()], dtype=np.float64).reshape(len(client_ids), rows.shape[1], -1)
-        y = np.asarray(self.data.train_y[rows.ravel()]).reshape(rows.shape)
-        gram = np.matmul(x, x.transpose(0, 2, 1))
-        d, c, lam, m = self.feature_dim, self.num_classes, self.cfg.weight_decay, rows.shape[1]
-        batch_idx, example_idx = np.arange(len(client_ids))[:, None], np.arange(m)[None, :]
+        runs_update = self.client_runs_update_fn(client_ids)
+        return lambda w, lr, num_steps: runs_update(np.asarray(w)[None, :], np.array([lr]), num_steps)[0]
 
-        def update(w: Vector, lr: float, num_steps: int) -> np.ndarray:
+    def client_runs_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> RunsUpdateFn:
+        """The closed form of :meth:`client_batch_update_fn` for ``R`` runs at once (a sweep's run axis).
+
+        Maps the runs' ``w_k`` (``(R, dim)``) and ``eta_k`` (``(R,)``) to ``u`` of shape ``(R, B, dim)``. The
+        runs share the clients' data and Gram matrices; their iterates are laid out as ``(B, m, R c)`` so
+        that each product is one matrix product per client (``G_i A_t`` for every run at once) or one for
+        the whole block (``X W_k``). The numpy backend only (``backend = "torch"`` has its own paths).
+        """
+        if self.cfg.backend != "numpy":
+            raise NotImplementedError("client_runs_update_fn is the numpy closed form (backend = 'numpy')")
+        rows = np.sort(np.asarray(self.partition)[np.asarray(client_ids)], axis=1)
+        num, m = rows.shape
+        x = np.asarray(self.data.train_x[rows.ravel()], dtype=np.float64).reshape(num, m, -1)
+        y = np.asarray(self.data.train_y[rows.ravel()]).reshape(rows.shape)
+        gram = np.matmul(x, x.transpose(0, 2, 1))  # (B, m, m)
+        d, c, lam = self.feature_dim, self.num_classes, self.cfg.weight_decay
+        onehot = np.zeros((num, m, 1, c))
+        onehot[np.arange(num)[:, None], np.arange(m)[None, :], 0, y] = 1.0
+        x_t, x_flat = x.transpose(0, 2, 1), x.reshape(num * m, d)
+
+        def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
+            w, lrs = np.atleast_2d(np.asarray(w, dtype=np.float64)), np.asarray(lrs, dtype=np.float64).reshape(-1)
             if num_steps < 1:
                 raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
-            if not lr > 0:
-                raise ValueError(f"local learning rate eta_k must be > 0, got {lr!r}")
-            weights, bias = w[: d * c].reshape(d, c), w[d * c :]
-            base_logits = np.matmul(x, weights)  # X W_k, (B, m, c)
-            decay = 1.0 - lr * lam
-            coef = np.zeros((len(client_ids), m, c))  # A_t
-            b = np.repeat(bias[None, :], len(client_ids), axis=0)  # b_t
-            scale = 1.0  # c_t
+            if not np.all(lrs > 0):
+                raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
+            runs = len(w)
+            weights, bias = w[:, : d * c].reshape(runs, d, c), w[:, d * c :]  # (R, d, c), (R, c)
+            # X W_k for every client and run: (B, m, R, c)
+            base_logits = np.matmul(x_flat, weights.transpose(1, 0, 2).reshape(d, runs * c)).reshape(num, m, runs, c)
+            lr = lrs[:, None]  # (R, 1)
+            decay = 1.0 - lr * lam  # (R, 1)
+            coef = np.zeros((num, m, runs, c))  # A_t
+            b = np.repeat(bias[None], num, axis=0)  # b_t, (B, R, c)
+            scale = np.ones((runs, 1))  # c_t
             for _ in range(num_steps):
-                logits = scale * base_logits + np.matmul(gram, coef) + b[:, None, :]
-                logits -= logits.max(axis=2, keepdims=True)
+                moved = np.matmul(gram, coef.reshape(num, m, runs * c)).reshape(num, m, runs, c)  # G A_t
+                logits = scale * base_logits + moved + b[:, None, :, :]
+                logits -= logits.max(axis=3, keepdims=True)
                 probs = np.exp(logits)
-                probs /= probs.sum(axis=2, keepdims=True)
-                probs[batch_idx, example_idx, y] -= 1.0
+                probs /= probs.sum(axis=3, keepdims=True)
+                probs -= onehot
                 probs /= m
                 coef = decay * coef - lr * probs
                 b = decay * b - lr * probs.sum(axis=1)
-                scale *= decay
+                scale = scale * decay
             # w_k - w_{k,E} = [(1 - c_E) W_k - X^T A_E, b_k - b_E]
-            delta_w = (1.0 - scale) * weights[None] - np.matmul(x.transpose(0, 2, 1), coef)
-            delta = np.concatenate([delta_w.reshape(len(client_ids), -1), bias[None, :] - b], axis=1)
-            return delta / lr
+            moved_w = np.matmul(x_t, coef.reshape(num, m, runs * c)).reshape(num, d, runs, c)  # X^T A_E
+            delta_w = (1.0 - scale)[:, None, :, None] * weights[:, None] - moved_w.transpose(2, 0, 1, 3)
+            delta = np.concatenate([delta_w.reshape(runs, num, d * c), bias[:, None, :] - b.transpose(1, 0, 2)], axis=2)
+            return delta / lrs[:, None, None]
 
         return update
 

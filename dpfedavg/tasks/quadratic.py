@@ -15,19 +15,19 @@ get ``w*`` and ``f* = f(w*)`` by an exact solve.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dpfedavg.core.seeding import Stream, make_rng
-from dpfedavg.core.types import GradFn, Vector
+from dpfedavg.core.types import BatchUpdateFn, GradFn, RunsUpdateFn, Vector
 from dpfedavg.options import Option
 
 if TYPE_CHECKING:
     from dpfedavg.config import RunConfig
 
-__all__ = ["OPTIONS", "QuadraticTask", "QuadraticClient", "RANK"]
+__all__ = ["OPTIONS", "Federation", "QuadraticTask", "QuadraticClient", "RANK", "federation"]
 
 #: The quadratic's own run_config keys (collected into the config by :func:`dpfedavg.tasks.task_options`).
 # fmt: off
@@ -71,6 +71,51 @@ def make_client(seed: int, client_id: int, dim: int) -> QuadraticClient:
     return QuadraticClient(a=a, w_star=w_star)
 
 
+class Federation:
+    """Every client's ``(A_i, w_i*)`` of one ``(seed, n, d)``, stacked, and what the closed forms reuse.
+
+    Built once per process and shared by every task (and every run of a sweep) with the same
+    ``(seed, n, d)`` (:func:`federation`); the ``init`` of a run changes only its ``w_0``.
+    """
+
+    def __init__(self, seed: int, num_clients: int, dim: int) -> None:
+        clients = [make_client(seed, i, dim) for i in range(num_clients)]
+        self.a = np.stack([c.a for c in clients])  # (n, d, RANK)
+        self.w_stars = np.stack([c.w_star for c in clients])  # (n, d)
+        self.num_clients, self.dim = num_clients, dim
+        #: ``[A_0 | A_1 | ...]``, ``(d, n RANK)``: ``W @ a_flat`` projects every run on every client at once.
+        self.a_flat = np.ascontiguousarray(self.a.transpose(1, 0, 2).reshape(dim, num_clients * RANK))
+        #: ``A_i^T A_i`` (``RANK x RANK``) and ``A_i^T w_i*``.
+        self.gram = np.matmul(self.a.transpose(0, 2, 1), self.a)
+        self.star_proj = np.einsum("ndr,nd->nr", self.a, self.w_stars)
+        #: ``A_i^T`` of every client, contiguous (``(n, RANK, d)``).
+        self.a_t = np.ascontiguousarray(self.a.transpose(0, 2, 1))
+
+    def projections(self, w: np.ndarray) -> np.ndarray:
+        """``A_i^T (w_r - w_i*)`` for every run ``r`` (rows of ``w``, ``(R, d)``) and client: ``(R, n, RANK)``."""
+        proj = np.matmul(w, self.a_flat).reshape(len(w), self.num_clients, RANK)
+        return proj - self.star_proj[None]
+
+    def objective(self, w: np.ndarray) -> np.ndarray:
+        """``f(w_r) = (1/n) sum_i 1/2 ||A_i^T (w_r - w_i*)||^2`` for each row of ``w``: ``(R,)``."""
+        proj = self.projections(w).reshape(len(w), -1)
+        return 0.5 * np.einsum("rj,rj->r", proj, proj) / self.num_clients
+
+    @cached_property
+    def optimum(self) -> tuple[Vector, float]:
+        """``(w*, f*)`` (see :attr:`QuadraticTask.optimum`)."""
+        hessian = np.einsum("ndr,ner->de", self.a, self.a)
+        rhs = np.einsum("ndr,ner,ne->d", self.a, self.a, self.w_stars)
+        w_opt, *_ = np.linalg.lstsq(hessian, rhs, rcond=None)
+        return w_opt, float(self.objective(w_opt[None])[0])
+
+
+@lru_cache(maxsize=8)
+def federation(seed: int, num_clients: int, dim: int) -> Federation:
+    """The :class:`Federation` of ``(seed, n, d)``, built once per process."""
+    return Federation(seed, num_clients, dim)
+
+
 class QuadraticTask:
     """Paper §4.4: n clients with convex, smooth, heterogeneous quadratics."""
 
@@ -79,6 +124,8 @@ class QuadraticTask:
     headline_metric = "suboptimality"
     #: Computed from every client's private data (A_i, w_i*): withheld with secure-noise (see Task).
     training_data_metrics = ("suboptimality", "dist_to_opt", "objective")
+    #: Keys that may differ between runs sharing :meth:`client_runs_update_fn` (``init`` moves only ``w_0``).
+    run_axis_keys = ("init",)
 
     def __init__(self, cfg: RunConfig) -> None:
         self.seed = cfg.seed
@@ -107,15 +154,57 @@ class QuadraticTask:
 
         return grad
 
-    # --- server side: everything below needs all n clients ------------------
-    @cached_property
-    def _stacked(self) -> tuple[np.ndarray, np.ndarray]:
-        clients = [self.client(i) for i in range(self.num_clients)]
-        a = np.stack([c.a for c in clients])  # (n, d, RANK)
-        w_stars = np.stack([c.w_star for c in clients])  # (n, d)
-        return a, w_stars
+    def client_runs_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> RunsUpdateFn:
+        """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for a block of clients and several runs, exactly.
 
-    @cached_property
+        Alg. 1 / Alg. 2 lines 5-9 in closed form. A step moves client ``i``'s iterate inside the span of
+        ``A_i``: ``grad f_i(w) = A_i A_i^T (w - w_i*)``, so ``w_{k,t} = w_k + A_i c_t`` with
+
+            ``c_{t+1} = c_t - eta_k (v + G_i c_t)``,  ``v = A_i^T (w_k - w_i*)``,  ``G_i = A_i^T A_i``,
+
+        and ``u = -A_i c_E / eta_k``: a step costs ``RANK^2`` instead of ``2 d RANK``. The returned
+        function maps the runs' ``w_k`` (``(R, d)``) and ``eta_k`` (``(R,)``) to ``u`` of shape ``(R, B, d)``
+        (one row per run and client); the same iterates as :func:`dpfedavg.core.client_update` on
+        :meth:`client_batch_grad_fn`, up to float64 rounding (tested). ``server_round`` is unused (full batches).
+        """
+        fed = federation(self.seed, self.num_clients, self.dim)
+        ids = np.asarray(client_ids, dtype=np.int64)
+        every = len(ids) == self.num_clients and bool(np.all(ids == np.arange(self.num_clients)))
+        if every:
+            a_t, a_flat, gram, star_proj = fed.a_t, fed.a_flat, fed.gram, fed.star_proj
+        else:
+            a_t, gram, star_proj = fed.a_t[ids], fed.gram[ids], fed.star_proj[ids]  # (B, RANK, d), ...
+            a_flat = np.ascontiguousarray(fed.a[ids].transpose(1, 0, 2).reshape(self.dim, -1))
+
+        def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
+            w, lrs = np.atleast_2d(np.asarray(w, dtype=np.float64)), np.asarray(lrs, dtype=np.float64).reshape(-1)
+            if num_steps < 1:
+                raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
+            if not np.all(lrs > 0):
+                raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
+            runs, blocks = len(w), len(ids)
+            v = np.matmul(w, a_flat).reshape(runs, blocks, RANK).transpose(1, 0, 2) - star_proj[:, None, :]
+            lr = lrs[None, :, None]  # (1, R, 1)
+            c = np.zeros_like(v)  # (B, R, RANK)
+            for _ in range(num_steps):
+                c = c - lr * (v + np.matmul(c, gram))  # G_i is symmetric: c G_i = (G_i c^T)^T
+            u = np.matmul(c, a_t) / -lr  # (B, R, d) = -(A_i c_E)^T / eta_k
+            return u.transpose(1, 0, 2)
+
+        return update
+
+    def client_batch_update_fn(self, client_ids: np.ndarray) -> BatchUpdateFn:
+        """:meth:`client_runs_update_fn` for one run: ``(w_k, eta_k, E) -> u`` of shape ``(B, d)``."""
+        runs_update = self.client_runs_update_fn(client_ids)
+        return lambda w, lr, num_steps: runs_update(np.asarray(w)[None, :], np.array([lr]), num_steps)[0]
+
+    # --- server side: everything below needs all n clients ------------------
+    @property
+    def _stacked(self) -> tuple[np.ndarray, np.ndarray]:
+        fed = federation(self.seed, self.num_clients, self.dim)
+        return fed.a, fed.w_stars
+
+    @property
     def optimum(self) -> tuple[Vector, float]:
         """``(w*, f*)``: the exact minimizer of ``f`` and its value.
 
@@ -123,17 +212,11 @@ class QuadraticTask:
         least-squares solver so that a rank-deficient ``sum_i Q_i`` (fewer than
         ``d / 20`` clients) still gives an exact minimizer.
         """
-        a, w_stars = self._stacked
-        hessian = np.einsum("ndr,ner->de", a, a)
-        rhs = np.einsum("ndr,ner,ne->d", a, a, w_stars)
-        w_opt, *_ = np.linalg.lstsq(hessian, rhs, rcond=None)
-        return w_opt, self.objective(w_opt)
+        return federation(self.seed, self.num_clients, self.dim).optimum
 
     def objective(self, w: Vector) -> float:
         """``f(w) = (1/n) sum_i f_i(w)``."""
-        a, w_stars = self._stacked
-        proj = np.einsum("ndr,nd->nr", a, w[None, :] - w_stars)
-        return 0.5 * float(np.einsum("nr,nr->", proj, proj)) / self.num_clients
+        return float(federation(self.seed, self.num_clients, self.dim).objective(np.asarray(w)[None, :])[0])
 
     def initial_weights(self) -> Vector:
         """I1: ``w_0 = w* + z``; I2: ``w_0 = w* + z/5``; ``z ~ U(0, 1)^d``."""
@@ -143,10 +226,15 @@ class QuadraticTask:
 
     def evaluate(self, w: Vector) -> dict[str, float]:
         """``f(w_k) - f*``, ``||w_k - w*||`` and ``f(w_k)``."""
-        w_opt, f_opt = self.optimum
-        f_w = self.objective(w)
-        return {
-            "suboptimality": f_w - f_opt,
-            "dist_to_opt": float(np.linalg.norm(w - w_opt)),
-            "objective": f_w,
-        }
+        return self.evaluate_runs(np.asarray(w)[None, :])[0]
+
+    def evaluate_runs(self, w: np.ndarray) -> list[dict[str, float]]:
+        """:meth:`evaluate` for each row of ``w`` (``(R, d)``, one run per row), in one product."""
+        fed = federation(self.seed, self.num_clients, self.dim)
+        w_opt, f_opt = fed.optimum
+        f_w = fed.objective(np.asarray(w, dtype=np.float64))
+        dist = np.linalg.norm(w - w_opt[None, :], axis=1)
+        return [
+            {"suboptimality": float(f) - f_opt, "dist_to_opt": float(e), "objective": float(f)}
+            for f, e in zip(f_w, dist, strict=True)
+        ]

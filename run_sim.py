@@ -162,6 +162,15 @@ def _check_common(args: argparse.Namespace) -> None:
         _fail(f"--jobs = {args.jobs}: expected an integer >= 1")
     if getattr(args, "engine", "batched") == "flower" and getattr(args, "jobs", 1) > 1:
         _fail("--engine flower runs one cell at a time (each is a full Ray simulation): use --jobs 1")
+    if getattr(args, "max_batch_memory", None) is not None:
+        from dpfedavg.engines.batch_plan import parse_memory
+
+        try:
+            args.max_batch_memory = parse_memory(args.max_batch_memory)
+        except ValueError as err:
+            _fail(str(err))
+        if args.engine != "batched":
+            _fail("--max-batch-memory sizes the batched engine's batches: use --engine batched")
     if getattr(args, "ray_address", None) is not None:
         if args.engine != "batched":
             _fail("--ray-address runs batched cells as Ray tasks: use --engine batched")
@@ -185,6 +194,7 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
+    from dpfedavg.engines.batch_plan import BatchMemoryError
     from dpfedavg.experiments.synthetic import ALGORITHMS, run_synthetic, synthetic_cells
     from dpfedavg.sweep import SweepError
 
@@ -211,8 +221,9 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
             progress=not args.no_progress,
             ray_address=args.ray_address,
             algorithms=args.algorithms or ALGORITHMS,
+            max_batch_memory=args.max_batch_memory,
         )
-    except SweepError as err:
+    except (SweepError, BatchMemoryError) as err:
         _fail(str(err))
     print(f"synthetic: done in {time.monotonic() - t0:.0f} s")
     for name, path in outputs.items():
@@ -234,6 +245,7 @@ def _cmd_table1(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
+    from dpfedavg.engines.batch_plan import BatchMemoryError
     from dpfedavg.experiments.table1 import ALGORITHMS as TABLE1_ALGORITHMS
     from dpfedavg.experiments.table1 import run_table1, table1_cells
     from dpfedavg.sweep import SweepError
@@ -266,9 +278,9 @@ def _cmd_table1(args: argparse.Namespace) -> None:
     try:
         outputs = run_table1(
             out, args.dataset, engine=args.engine, jobs=args.jobs, progress=not args.no_progress,
-            ray_address=args.ray_address, **grid,
+            ray_address=args.ray_address, max_batch_memory=args.max_batch_memory, **grid,
         )  # fmt: skip
-    except (SweepError, DataUnavailableError, ConfigError) as err:
+    except (SweepError, DataUnavailableError, ConfigError, BatchMemoryError) as err:
         _fail(str(err))
     print(f"table1 {args.dataset}: done in {time.monotonic() - t0:.0f} s")
     for name, path in outputs.items():
@@ -291,6 +303,7 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
+    from dpfedavg.engines.batch_plan import BatchMemoryError
     from dpfedavg.experiments.private_tuning import (
         TUNED_ALGORITHMS,
         TrialCount,
@@ -328,9 +341,9 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
         outputs = run_private_tuning(
             out, args.dataset, epsilons=args.epsilon, seeds=args.seeds, count=count, repetitions=args.repetitions,
             tuning_seed=args.tuning_seed, engine=args.engine, jobs=args.jobs, progress=not args.no_progress,
-            ray_address=args.ray_address, **grid,
+            ray_address=args.ray_address, max_batch_memory=args.max_batch_memory, **grid,
         )  # fmt: skip
-    except (SweepError, DataUnavailableError, ConfigError) as err:
+    except (SweepError, DataUnavailableError, ConfigError, BatchMemoryError) as err:
         _fail(str(err))
     print(f"table1 {args.dataset} --private-tuning: done in {time.monotonic() - t0:.0f} s")
     for name, path in outputs.items():
@@ -514,6 +527,13 @@ def _add_sweep_flags(p: argparse.ArgumentParser, default_out: str) -> None:
         metavar="ADDRESS",
         help="run the cells as tasks on this Ray cluster (HOST:PORT of `ray start --head`, ray://HOST:PORT or auto) "
         "instead of --jobs local processes",
+    )
+    p.add_argument(
+        "--max-batch-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory for one batch of runs, e.g. 2G or 512MiB (default: half the available memory over --jobs); "
+        "runs of a grid that share their data run together as batches (engines/batched_runs.py)",
     )
     p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

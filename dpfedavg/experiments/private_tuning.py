@@ -659,6 +659,7 @@ def run_private_tuning(
     progress: bool = True,
     ray_address: str | None = None,
     algorithms: Sequence[str] = TUNED_ALGORITHMS,
+    max_batch_memory: int | None = None,
 ) -> dict[str, Path]:
     """The per-run table (:func:`~dpfedavg.experiments.table1.run_table1`), then the tuning trials; both tables.
 
@@ -687,7 +688,7 @@ def run_private_tuning(
         )  # fmt: skip
     outputs = run_table1(
         out, dataset, epsilons=epsilons, seeds=seeds, engine=engine, jobs=jobs, progress=progress,
-        ray_address=ray_address, **grid_kwargs,
+        ray_address=ray_address, max_batch_memory=max_batch_memory, **grid_kwargs,
     )  # fmt: skip
     # The federations of the repetitions (data-seed = repetition): split once, before the workers start.
     prep = RunConfig.from_run_config(
@@ -699,6 +700,7 @@ def run_private_tuning(
     run_cells(
         [t.cell for t in trials], engine=engine, jobs=jobs, progress=progress,
         desc=f"private tuning {dataset} ({len(trials)} trials)", ray_address=ray_address,
+        max_batch_memory=max_batch_memory,
     )  # fmt: skip
     where = tuning_dir(out, count)
     rows = _collect(trials, dataset, calibration, where / "private_tuning.csv")

@@ -41,6 +41,7 @@ from dpfedavg.config import ACCOUNTANTS, NOISE_PLACEMENTS, ConfigError, RunConfi
 from dpfedavg.core.adaptive_clip import min_count_stddev
 from dpfedavg.core.dp import get_bound
 from dpfedavg.core.mechanism import get_placement
+from dpfedavg.privacy.cache import cached
 
 __all__ = [
     "ACCOUNTANTS",
@@ -257,6 +258,12 @@ class RoundAccountant:
             return self._rdp_epsilon(self._rdp)
         if last is None or count == 0:
             return 0.0 if base is None else float(base.get_epsilon_for_delta(self.delta))
+        if base is None:  # one run of identical events (every round at the nominal z): cached (privacy.cache)
+            return cached(
+                "pld-epsilon",
+                (last.q, last.z, count, self.delta, PLD_DISCRETIZATION),
+                lambda: float(_run_pld(last, count).get_epsilon_for_delta(self.delta)),
+            )
         total = self._fold(base, last, count)
         return float(total.get_epsilon_for_delta(self.delta))
 
@@ -299,10 +306,16 @@ def calibrate_noise_multiplier(
     """The smallest ``z`` (to ``rel_tol`` relative) with ``epsilon_for(z) <= epsilon``.
 
     Bisection on ``z`` with :func:`epsilon_for` (:func:`smallest_noise_multiplier`): the returned
-    ``z`` always satisfies the target, and ``z * (1 - rel_tol)`` may not.
+    ``z`` always satisfies the target, and ``z * (1 - rel_tol)`` may not. Computed once per
+    ``(epsilon, delta, q, K, accountant)`` and dp-accounting version, across processes and invocations
+    (:mod:`dpfedavg.privacy.cache`).
     """
-    return smallest_noise_multiplier(
-        lambda z: epsilon_for(z, q, rounds, delta, kind), epsilon, rel_tol, f" (delta={delta})"
+    return cached(
+        "noise-multiplier",
+        (epsilon, delta, q, rounds, kind, rel_tol, PLD_DISCRETIZATION),
+        lambda: smallest_noise_multiplier(
+            lambda z: epsilon_for(z, q, rounds, delta, kind), epsilon, rel_tol, f" (delta={delta})"
+        ),
     )
 
 

@@ -27,7 +27,7 @@ from dpfedavg.options import Option
 if TYPE_CHECKING:
     from dpfedavg.config import RunConfig
 
-__all__ = ["OPTIONS", "Federation", "QuadraticTask", "QuadraticClient", "RANK", "federation"]
+__all__ = ["OPTIONS", "Federation", "QuadraticTask", "QuadraticClient", "RANK", "federation", "local_steps_gain"]
 
 #: The quadratic's own run_config keys (collected into the config by :func:`dpfedavg.tasks.task_options`).
 # fmt: off
@@ -76,6 +76,10 @@ class Federation:
 
     Built once per process and shared by every task (and every run of a sweep) with the same
     ``(seed, n, d)`` (:func:`federation`); the ``init`` of a run changes only its ``w_0``.
+
+    Each client's span is kept in the eigenbasis of its ``RANK x RANK`` Gram matrix:
+    ``A_i^T A_i = V_i diag(lambda_i) V_i^T`` and ``B_i = A_i V_i`` (``d x RANK``, orthogonal columns of norms
+    ``sqrt(lambda_i)``), so that ``Q_i = A_i A_i^T = B_i B_i^T`` and ``||A_i^T x|| = ||B_i^T x||``.
     """
 
     def __init__(self, seed: int, num_clients: int, dim: int) -> None:
@@ -83,21 +87,32 @@ class Federation:
         self.a = np.stack([c.a for c in clients])  # (n, d, RANK)
         self.w_stars = np.stack([c.w_star for c in clients])  # (n, d)
         self.num_clients, self.dim = num_clients, dim
-        #: ``[A_0 | A_1 | ...]``, ``(d, n RANK)``: ``W @ a_flat`` projects every run on every client at once.
-        self.a_flat = np.ascontiguousarray(self.a.transpose(1, 0, 2).reshape(dim, num_clients * RANK))
-        #: ``A_i^T A_i`` (``RANK x RANK``) and ``A_i^T w_i*``.
-        self.gram = np.matmul(self.a.transpose(0, 2, 1), self.a)
-        self.star_proj = np.einsum("ndr,nd->nr", self.a, self.w_stars)
-        #: ``A_i^T`` of every client, contiguous (``(n, RANK, d)``).
-        self.a_t = np.ascontiguousarray(self.a.transpose(0, 2, 1))
+        self.eigenvalues, vectors = np.linalg.eigh(np.matmul(self.a.transpose(0, 2, 1), self.a))  # (n, RANK), ...
+        self.eigenvalues = np.maximum(self.eigenvalues, 0.0)  # a Gram matrix: rounding may give -1e-17
+        basis = np.matmul(self.a, vectors)  # B_i = A_i V_i, (n, d, RANK)
+        #: ``[B_0 | B_1 | ...]``, ``(d, n RANK)``: ``W @ basis_flat`` projects every run on every client at once.
+        self.basis_flat = np.ascontiguousarray(basis.transpose(1, 0, 2).reshape(dim, num_clients * RANK))
+        #: ``B_i^T`` of every client, contiguous (``(n, RANK, d)``), and ``B_i^T w_i*`` (``(n, RANK)``).
+        self.basis_t = np.ascontiguousarray(basis.transpose(0, 2, 1))
+        self.star_proj = np.einsum("nrd,nd->nr", self.basis_t, self.w_stars)
+        self._last: tuple[np.ndarray, np.ndarray] | None = None  # (w, projections(w))
 
     def projections(self, w: np.ndarray) -> np.ndarray:
-        """``A_i^T (w_r - w_i*)`` for every run ``r`` (rows of ``w``, ``(R, d)``) and client: ``(R, n, RANK)``."""
-        proj = np.matmul(w, self.a_flat).reshape(len(w), self.num_clients, RANK)
-        return proj - self.star_proj[None]
+        """``B_i^T (w_r - w_i*)`` for every run ``r`` (rows of ``w``, ``(R, d)``) and client: ``(R, n, RANK)``.
+
+        The last result is kept: the server's evaluation of ``w_{k+1}`` and the next round's local steps
+        (from the same ``w_{k+1}``, every client sampled) need the same product.
+        """
+        last = self._last
+        if last is not None and last[0].shape == w.shape and np.array_equal(last[0], w):
+            return last[1]
+        proj = np.matmul(w, self.basis_flat).reshape(len(w), self.num_clients, RANK) - self.star_proj[None]
+        proj.flags.writeable = False
+        self._last = (np.array(w, copy=True), proj)
+        return proj
 
     def objective(self, w: np.ndarray) -> np.ndarray:
-        """``f(w_r) = (1/n) sum_i 1/2 ||A_i^T (w_r - w_i*)||^2`` for each row of ``w``: ``(R,)``."""
+        """``f(w_r) = (1/n) sum_i 1/2 ||B_i^T (w_r - w_i*)||^2`` for each row of ``w``: ``(R,)``."""
         proj = self.projections(w).reshape(len(w), -1)
         return 0.5 * np.einsum("rj,rj->r", proj, proj) / self.num_clients
 
@@ -108,6 +123,22 @@ class Federation:
         rhs = np.einsum("ndr,ner,ne->d", self.a, self.a, self.w_stars)
         w_opt, *_ = np.linalg.lstsq(hessian, rhs, rcond=None)
         return w_opt, float(self.objective(w_opt[None])[0])
+
+
+def local_steps_gain(eigenvalues: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
+    """``h = (1 - (1 - eta lambda)^E) / (eta lambda)`` (``E`` where ``eta lambda = 0``), one per (client, run, direction).
+
+    ``eigenvalues`` is ``(B, RANK)`` and ``lrs`` is ``(R,)``; the result is ``(B, R, RANK)``. E gradient steps of
+    size ``eta`` on ``1/2 x^T Q x`` multiply the component of ``x`` along an eigenvector of ``Q`` with
+    eigenvalue ``lambda`` by ``(1 - eta lambda)^E``, so ``u = (x_0 - x_E) / eta`` is ``h`` times ``Q x_0``'s
+    component. For ``eta lambda < 1/2`` it is computed as ``-expm1(E log1p(-eta lambda)) / (eta lambda)``
+    (accurate to the last digits even when ``eta lambda`` is tiny); above, the power itself is exact enough.
+    """
+    x = lrs[None, :, None] * eigenvalues[:, None, :]
+    safe = np.where(x > 0, x, 1.0)
+    small = -np.expm1(num_steps * np.log1p(-np.minimum(x, 0.5))) / safe
+    large = (1.0 - (1.0 - x) ** num_steps) / safe
+    return np.where(x > 0, np.where(x < 0.5, small, large), float(num_steps))
 
 
 @lru_cache(maxsize=8)
@@ -133,6 +164,11 @@ class QuadraticTask:
         self.dim = cfg.dim
         self.init = cfg.init
 
+    @property
+    def batch_shared_bytes(self) -> int:
+        """Memory of the stacked federation a batch of runs shares (:class:`Federation`: ``A`` three times)."""
+        return 4 * 8 * self.num_clients * self.dim * RANK
+
     def client(self, client_id: int) -> QuadraticClient:
         """Client ``i``'s objective (built on demand, nothing else)."""
         if not 0 <= client_id < self.num_clients:
@@ -157,24 +193,26 @@ class QuadraticTask:
     def client_runs_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> RunsUpdateFn:
         """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for a block of clients and several runs, exactly.
 
-        Alg. 1 / Alg. 2 lines 5-9 in closed form. A step moves client ``i``'s iterate inside the span of
-        ``A_i``: ``grad f_i(w) = A_i A_i^T (w - w_i*)``, so ``w_{k,t} = w_k + A_i c_t`` with
+        Alg. 1 / Alg. 2 lines 5-9 in closed form. A step on ``f_i`` moves the iterate by
+        ``-eta Q_i (w - w_i*)`` with ``Q_i = B_i B_i^T`` (:class:`Federation`: ``B_i``'s columns are the
+        eigenvectors of ``Q_i`` with eigenvalues ``lambda_i``, scaled by ``sqrt(lambda_i)``), so after E steps
 
-            ``c_{t+1} = c_t - eta_k (v + G_i c_t)``,  ``v = A_i^T (w_k - w_i*)``,  ``G_i = A_i^T A_i``,
+            ``u = B_i (h_i * B_i^T (w_k - w_i*))``,  ``h_i = (1 - (1 - eta_k lambda_i)^E) / (eta_k lambda_i)``
 
-        and ``u = -A_i c_E / eta_k``: a step costs ``RANK^2`` instead of ``2 d RANK``. The returned
-        function maps the runs' ``w_k`` (``(R, d)``) and ``eta_k`` (``(R,)``) to ``u`` of shape ``(R, B, d)``
-        (one row per run and client); the same iterates as :func:`dpfedavg.core.client_update` on
+        (:func:`local_steps_gain`): two products of ``d x RANK`` per client and run instead of ``2 E`` of them.
+        The returned function maps the runs' ``w_k`` (``(R, d)``) and ``eta_k`` (``(R,)``) to ``u`` of shape
+        ``(R, B, d)`` (one row per run and client); the same as :func:`dpfedavg.core.client_update` on
         :meth:`client_batch_grad_fn`, up to float64 rounding (tested). ``server_round`` is unused (full batches).
         """
         fed = federation(self.seed, self.num_clients, self.dim)
         ids = np.asarray(client_ids, dtype=np.int64)
         every = len(ids) == self.num_clients and bool(np.all(ids == np.arange(self.num_clients)))
         if every:
-            a_t, a_flat, gram, star_proj = fed.a_t, fed.a_flat, fed.gram, fed.star_proj
+            basis_t, eigenvalues = fed.basis_t, fed.eigenvalues
         else:
-            a_t, gram, star_proj = fed.a_t[ids], fed.gram[ids], fed.star_proj[ids]  # (B, RANK, d), ...
-            a_flat = np.ascontiguousarray(fed.a[ids].transpose(1, 0, 2).reshape(self.dim, -1))
+            basis_t, eigenvalues = fed.basis_t[ids], fed.eigenvalues[ids]  # (B, RANK, d), (B, RANK)
+            basis_flat = np.ascontiguousarray(basis_t.transpose(2, 0, 1).reshape(self.dim, -1))
+            star_proj = fed.star_proj[ids]
 
         def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
             w, lrs = np.atleast_2d(np.asarray(w, dtype=np.float64)), np.asarray(lrs, dtype=np.float64).reshape(-1)
@@ -182,13 +220,13 @@ class QuadraticTask:
                 raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
             if not np.all(lrs > 0):
                 raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
-            runs, blocks = len(w), len(ids)
-            v = np.matmul(w, a_flat).reshape(runs, blocks, RANK).transpose(1, 0, 2) - star_proj[:, None, :]
-            lr = lrs[None, :, None]  # (1, R, 1)
-            c = np.zeros_like(v)  # (B, R, RANK)
-            for _ in range(num_steps):
-                c = c - lr * (v + np.matmul(c, gram))  # G_i is symmetric: c G_i = (G_i c^T)^T
-            u = np.matmul(c, a_t) / -lr  # (B, R, d) = -(A_i c_E)^T / eta_k
+            if every:  # the product the server's evaluation of w_k already formed
+                v = fed.projections(w).transpose(1, 0, 2)  # (B, R, RANK)
+            else:
+                v = np.matmul(w, basis_flat).reshape(len(w), len(ids), RANK).transpose(1, 0, 2) - star_proj[:, None]
+            distinct, which = np.unique(lrs, return_inverse=True)  # a sweep's runs share a few eta_k
+            gain = local_steps_gain(eigenvalues, distinct, num_steps)[:, which.reshape(-1)]  # (B, R, RANK)
+            u = np.matmul(gain * v, basis_t)  # (B, R, d)
             return u.transpose(1, 0, 2)
 
         return update

@@ -171,7 +171,9 @@ def run_batch(
         other = batch_key(cfg, task)
         if other != key:
             diff = sorted({k for k, _ in set(key) ^ set(other)})
-            raise BatchError(f"run {cfg.run_name!r} cannot join the batch of {cfgs[0].run_name!r}: {', '.join(diff)} differ")
+            raise BatchError(
+                f"run {cfg.run_name!r} cannot join the batch of {cfgs[0].run_name!r}: {', '.join(diff)} differ"
+            )
     shared = tasks[0]  # the clients' data and the server's evaluation of every run (keys outside the run axis)
     dims = {task.dim for task in tasks}
     if len(dims) != 1:
@@ -277,4 +279,3 @@ def _evaluate(evaluate_runs: Callable | None, server_round: int, runs: list[_Run
         return
     for run, metrics in zip(due, evaluate_runs(np.stack([run.w for run in due])), strict=True):
         run.view.pending = metrics
-

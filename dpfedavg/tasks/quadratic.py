@@ -126,7 +126,7 @@ class Federation:
 
 
 def local_steps_gain(eigenvalues: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
-    """``h = (1 - (1 - eta lambda)^E) / (eta lambda)`` (``E`` where ``eta lambda = 0``), one per (client, run, direction).
+    """``h = (1 - (1 - eta lambda)^E) / (eta lambda)`` (``E`` at ``eta lambda = 0``) per client, run and direction.
 
     ``eigenvalues`` is ``(B, RANK)`` and ``lrs`` is ``(R,)``; the result is ``(B, R, RANK)``. E gradient steps of
     size ``eta`` on ``1/2 x^T Q x`` multiply the component of ``x`` along an eigenvector of ``Q`` with

@@ -29,7 +29,7 @@ __all__ = ["RunSums", "released_sums", "shared_standard_normals"]
 
 
 def shared_standard_normals(noise_seed: int, client_ids: np.ndarray, dim: int) -> np.ndarray:
-    """Each client's standard normal draws of a round: row ``b`` is ``noise_rng(noise_seed, id_b).standard_normal(dim)``.
+    """Each client's standard normals of a round: row ``b`` is ``noise_rng(noise_seed, id_b).standard_normal(dim)``.
 
     ``GaussianLaw.add`` with std ``s`` adds exactly ``s * row`` (:func:`dpfedavg.core.dp.gaussian_noise`), so every
     run that shares ``noise_seed`` (the same ``seed``) noises with these rows scaled by its own std. A longer

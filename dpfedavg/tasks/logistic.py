@@ -48,6 +48,9 @@ OPTIONS: tuple[Option, ...] = (
 
 #: Rows per chunk when the server evaluates on a whole split (bounds memory).
 EVAL_CHUNK = 8192
+#: The closed form's softmax skips the max-shift while every logit is within this of 0 (``exp`` is exact
+#: enough there and cannot over- or underflow); the shift costs two passes over the block.
+SOFTMAX_UNSHIFTED = 300.0
 
 
 def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -268,9 +271,10 @@ class LogisticTask:
         """The closed form of :meth:`client_batch_update_fn` for ``R`` runs at once (a sweep's run axis).
 
         Maps the runs' ``w_k`` (``(R, dim)``) and ``eta_k`` (``(R,)``) to ``u`` of shape ``(R, B, dim)``. The
-        runs share the clients' data and Gram matrices; their iterates are laid out as ``(B, m, R c)`` so
-        that each product is one matrix product per client (``G_i A_t`` for every run at once) or one for
-        the whole block (``X W_k``). The numpy backend only (``backend = "torch"`` has its own paths).
+        runs share the clients' data and Gram matrices; their iterates are laid out as ``(B, m, c, R)``, the
+        run last, so that ``X W_k`` is one matrix product for the whole block, ``G_i A_t`` one per client for
+        every run at once, and the softmax's reductions over the ``c`` classes run along whole rows of runs.
+        The numpy backend only (``backend = "torch"`` has its own paths).
         """
         if self.cfg.backend != "numpy":
             raise NotImplementedError("client_runs_update_fn is the numpy closed form (backend = 'numpy')")
@@ -280,8 +284,8 @@ class LogisticTask:
         y = np.asarray(self.data.train_y[rows.ravel()]).reshape(rows.shape)
         gram = np.matmul(x, x.transpose(0, 2, 1))  # (B, m, m)
         d, c, lam = self.feature_dim, self.num_classes, self.cfg.weight_decay
-        onehot = np.zeros((num, m, 1, c))
-        onehot[np.arange(num)[:, None], np.arange(m)[None, :], 0, y] = 1.0
+        onehot = np.zeros((num, m, c, 1))
+        onehot[np.arange(num)[:, None], np.arange(m)[None, :], y, 0] = 1.0 / m  # Y / m
         x_t, x_flat = x.transpose(0, 2, 1), x.reshape(num * m, d)
 
         def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
@@ -292,28 +296,33 @@ class LogisticTask:
                 raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
             runs = len(w)
             weights, bias = w[:, : d * c].reshape(runs, d, c), w[:, d * c :]  # (R, d, c), (R, c)
-            # X W_k for every client and run: (B, m, R, c)
-            base_logits = np.matmul(x_flat, weights.transpose(1, 0, 2).reshape(d, runs * c)).reshape(num, m, runs, c)
-            lr = lrs[:, None]  # (R, 1)
-            decay = 1.0 - lr * lam  # (R, 1)
-            coef = np.zeros((num, m, runs, c))  # A_t
-            b = np.repeat(bias[None], num, axis=0)  # b_t, (B, R, c)
-            scale = np.ones((runs, 1))  # c_t
+            # X W_k for every client and run: (B, m, c, R)
+            stacked = weights.transpose(1, 2, 0).reshape(d, c * runs)
+            base_logits = np.matmul(x_flat, stacked).reshape(num, m, c, runs)
+            decay = 1.0 - lrs * lam  # (R,)
+            coef = np.zeros((num, m, c, runs))  # A_t
+            b = np.repeat(bias.T[None], num, axis=0)  # b_t, (B, c, R)
+            scale = np.ones(runs)  # c_t
+            logits, moved = np.empty_like(base_logits), np.empty((num, m, c * runs))
             for _ in range(num_steps):
-                moved = np.matmul(gram, coef.reshape(num, m, runs * c)).reshape(num, m, runs, c)  # G A_t
-                logits = scale * base_logits + moved + b[:, None, :, :]
-                logits -= logits.max(axis=3, keepdims=True)
-                probs = np.exp(logits)
-                probs /= probs.sum(axis=3, keepdims=True)
-                probs -= onehot
-                probs /= m
-                coef = decay * coef - lr * probs
-                b = decay * b - lr * probs.sum(axis=1)
+                np.multiply(base_logits, scale, out=logits)
+                logits += np.matmul(gram, coef.reshape(num, m, c * runs), out=moved).reshape(logits.shape)  # + G A_t
+                logits += b[:, None]
+                if not (logits.max() < SOFTMAX_UNSHIFTED and logits.min() > -SOFTMAX_UNSHIFTED):
+                    logits -= logits.max(axis=2, keepdims=True)  # exp would over/underflow: shift each row
+                probs = np.exp(logits, out=logits)
+                probs *= 1.0 / (m * probs.sum(axis=2, keepdims=True))
+                probs -= onehot  # P_t = (softmax - Y) / m
+                probs *= lrs  # eta P_t
+                coef *= decay
+                coef -= probs
+                b = decay * b - probs.sum(axis=1)
                 scale = scale * decay
             # w_k - w_{k,E} = [(1 - c_E) W_k - X^T A_E, b_k - b_E]
-            moved_w = np.matmul(x_t, coef.reshape(num, m, runs * c)).reshape(num, d, runs, c)  # X^T A_E
-            delta_w = (1.0 - scale)[:, None, :, None] * weights[:, None] - moved_w.transpose(2, 0, 1, 3)
-            delta = np.concatenate([delta_w.reshape(runs, num, d * c), bias[:, None, :] - b.transpose(1, 0, 2)], axis=2)
+            moved_w = np.matmul(x_t, coef.reshape(num, m, c * runs)).reshape(num, d, c, runs)  # X^T A_E
+            delta_w = (1.0 - scale)[:, None, None, None] * weights[:, None] - moved_w.transpose(3, 0, 1, 2)
+            delta_b = bias[:, None, :] - b.transpose(2, 0, 1)  # (R, B, c)
+            delta = np.concatenate([delta_w.reshape(runs, num, d * c), delta_b], axis=2)
             return delta / lrs[:, None, None]
 
         return update
@@ -360,28 +369,40 @@ class LogisticTask:
         return np.zeros(self.dim)
 
     # ------------------------------------------------------------ evaluation
-    def _scores(self, w: Vector, x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None) -> tuple[float, float]:
-        """``(mean CE, accuracy)`` over a split (or its ``rows``), in chunks read from the memory map."""
-        d, c = self.feature_dim, self.num_classes
-        weights, bias = w[: d * c].reshape(d, c), w[d * c :]
+    def _scores(
+        self, w: np.ndarray, x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(mean CE, accuracy)`` of each run (rows of ``w``, ``(R, dim)``) over a split (or its ``rows``).
+
+        In chunks read from the memory map; each chunk's logits for every run come from one product.
+        """
+        d, c, runs = self.feature_dim, self.num_classes, len(w)
+        weights = w[:, : d * c].reshape(runs, d, c).transpose(1, 0, 2).reshape(d, runs * c)  # (d, R c)
+        bias = w[:, d * c :]  # (R, c)
         total = len(y) if rows is None else len(rows)
-        ce_sum, correct = 0.0, 0
+        ce_sum, correct = np.zeros(runs), np.zeros(runs, dtype=np.int64)
         for start in range(0, total, EVAL_CHUNK):
             index = slice(start, start + EVAL_CHUNK) if rows is None else rows[start : start + EVAL_CHUNK]
             xb, yb = np.asarray(x[index], dtype=np.float64), np.asarray(y[index])
-            logits = xb @ weights + bias
-            ce, _ = softmax_cross_entropy(logits, yb)
-            ce_sum += float(ce.sum())
-            correct += int((logits.argmax(axis=1) == yb).sum())
+            logits = (xb @ weights).reshape(len(yb), runs, c) + bias[None]  # (N, R, c)
+            shifted = logits - logits.max(axis=2, keepdims=True)
+            picked = np.take_along_axis(shifted, yb[:, None, None], axis=2)[:, :, 0]
+            ce_sum += (np.log(np.exp(shifted).sum(axis=2)) - picked).sum(axis=0)
+            correct += (logits.argmax(axis=2) == yb[:, None]).sum(axis=0)
         return ce_sum / total, correct / total
 
     def evaluate(self, w: Vector) -> dict[str, float]:
         """Test accuracy and loss, and the training objective ``f(w)`` over the clients' data."""
+        return self.evaluate_runs(np.asarray(w)[None, :])[0]
+
+    def evaluate_runs(self, w: np.ndarray) -> list[dict[str, float]]:
+        """:meth:`evaluate` for each row of ``w`` (``(R, dim)``, one run per row): one pass over the data."""
+        w = np.asarray(w, dtype=np.float64)
         test_loss, test_acc = self._scores(w, self.data.test_x, self.data.test_y)
         rows = np.sort(np.asarray(self.partition).ravel())
         train_ce, _ = self._scores(w, self.data.train_x, self.data.train_y, rows)  # no copy of the whole split
-        return {
-            "test_accuracy": test_acc,
-            "test_loss": test_loss,
-            "train_loss": train_ce + 0.5 * self.cfg.weight_decay * float(w @ w),
-        }
+        penalty = 0.5 * self.cfg.weight_decay * np.einsum("rj,rj->r", w, w)
+        return [
+            {"test_accuracy": float(acc), "test_loss": float(loss), "train_loss": float(ce + pen)}
+            for acc, loss, ce, pen in zip(test_acc, test_loss, train_ce, penalty, strict=True)
+        ]

@@ -40,6 +40,7 @@ import numpy as np
 from dpfedavg.config import RunConfig
 from dpfedavg.core.runs import RunSums, released_sums, shared_standard_normals
 from dpfedavg.core.types import RoundInstructions, Vector
+from dpfedavg.engines.allocator import keep_freed_memory
 from dpfedavg.engines.batched import BLOCK_ELEMENTS
 from dpfedavg.tasks import Task, build_task
 
@@ -161,6 +162,7 @@ def run_batch(
 
     if not cfgs:
         return []
+    keep_freed_memory()  # the rounds' temporaries are reused instead of page-faulted in again (engines.allocator)
     tasks = [build_task(cfg) for cfg in cfgs]
     for cfg, task in zip(cfgs, tasks, strict=True):
         reason = unbatchable_reason(cfg) or task_reason(task)

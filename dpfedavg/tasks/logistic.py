@@ -48,9 +48,6 @@ OPTIONS: tuple[Option, ...] = (
 
 #: Rows per chunk when the server evaluates on a whole split (bounds memory).
 EVAL_CHUNK = 8192
-#: The closed form's softmax skips the max-shift while every logit is within this of 0 (``exp`` is exact
-#: enough there and cannot over- or underflow); the shift costs two passes over the block.
-SOFTMAX_UNSHIFTED = 300.0
 
 
 def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -284,8 +281,7 @@ class LogisticTask:
         y = np.asarray(self.data.train_y[rows.ravel()]).reshape(rows.shape)
         gram = np.matmul(x, x.transpose(0, 2, 1))  # (B, m, m)
         d, c, lam = self.feature_dim, self.num_classes, self.cfg.weight_decay
-        onehot = np.zeros((num, m, c, 1))
-        onehot[np.arange(num)[:, None], np.arange(m)[None, :], y, 0] = 1.0 / m  # Y / m
+        example, label = np.arange(num * m), y.ravel()  # the one-hot Y as indices
         x_t, x_flat = x.transpose(0, 2, 1), x.reshape(num * m, d)
 
         def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
@@ -300,28 +296,37 @@ class LogisticTask:
             stacked = weights.transpose(1, 2, 0).reshape(d, c * runs)
             base_logits = np.matmul(x_flat, stacked).reshape(num, m, c, runs)
             decay = 1.0 - lrs * lam  # (R,)
-            coef = np.zeros((num, m, c, runs))  # A_t
-            b = np.repeat(bias.T[None], num, axis=0)  # b_t, (B, c, R)
+            # With c_t = decay^t: A_t = c_t A~_t and b_t = c_t b~_t, so one step is
+            # A~_{t+1} = A~_t - (eta / c_{t+1}) P_t and the logits are c_t (X W_k + G A~_t + b~_t).
+            coef = np.zeros((num, m, c, runs))  # A~_t
+            b = np.repeat(bias.T[None], num, axis=0)  # b~_t, (B, c, R)
             scale = np.ones(runs)  # c_t
-            logits, moved = np.empty_like(base_logits), np.empty((num, m, c * runs))
+            logits, probs = np.empty_like(base_logits), np.empty_like(base_logits)
+            moved = np.empty((num, m, c * runs))
             for _ in range(num_steps):
-                np.multiply(base_logits, scale, out=logits)
-                logits += np.matmul(gram, coef.reshape(num, m, c * runs), out=moved).reshape(logits.shape)  # + G A_t
+                np.add(base_logits, np.matmul(gram, coef.reshape(num, m, c * runs), out=moved).reshape(logits.shape),
+                       out=logits)  # fmt: skip
                 logits += b[:, None]
-                if not (logits.max() < SOFTMAX_UNSHIFTED and logits.min() > -SOFTMAX_UNSHIFTED):
-                    logits -= logits.max(axis=2, keepdims=True)  # exp would over/underflow: shift each row
-                probs = np.exp(logits, out=logits)
-                probs *= 1.0 / (m * probs.sum(axis=2, keepdims=True))
-                probs -= onehot  # P_t = (softmax - Y) / m
-                probs *= lrs  # eta P_t
-                coef *= decay
+                logits *= scale
+                np.exp(logits, out=probs)
+                total = probs.sum(axis=2, keepdims=True)  # (B, m, 1, R)
+                if not np.all(np.isfinite(total) & (total > 0)):  # exp over- or underflowed: shift each row
+                    logits -= logits.max(axis=2, keepdims=True)
+                    np.exp(logits, out=probs)
+                    total = probs.sum(axis=2, keepdims=True)
+                scale = scale * decay  # c_{t+1}
+                step = lrs / (scale * m)  # eta / (c_{t+1} m)
+                probs *= step / total  # (eta / c_{t+1}) softmax / m
+                flat = probs.reshape(num * m, c, runs)
+                flat[example, label] -= step  # (eta / c_{t+1}) (softmax - Y) / m
                 coef -= probs
-                b = decay * b - probs.sum(axis=1)
-                scale = scale * decay
-            # w_k - w_{k,E} = [(1 - c_E) W_k - X^T A_E, b_k - b_E]
-            moved_w = np.matmul(x_t, coef.reshape(num, m, c * runs)).reshape(num, d, c, runs)  # X^T A_E
-            delta_w = (1.0 - scale)[:, None, None, None] * weights[:, None] - moved_w.transpose(3, 0, 1, 2)
-            delta_b = bias[:, None, :] - b.transpose(2, 0, 1)  # (R, B, c)
+                b -= probs.sum(axis=1)
+            # w_k - w_{k,E} = [(1 - c_E) W_k - c_E X^T A~_E, b_k - c_E b~_E]
+            moved_w = np.matmul(x_t, coef.reshape(num, m, c * runs)).reshape(num, d, c, runs)  # X^T A~_E
+            delta_w = (1.0 - scale)[:, None, None, None] * weights[:, None] - scale[
+                :, None, None, None
+            ] * moved_w.transpose(3, 0, 1, 2)
+            delta_b = bias[:, None, :] - scale[:, None, None] * b.transpose(2, 0, 1)  # (R, B, c)
             delta = np.concatenate([delta_w.reshape(runs, num, d * c), delta_b], axis=2)
             return delta / lrs[:, None, None]
 

@@ -135,8 +135,12 @@ def _accumulate(
     g, count, finite = block.g, block.count, block.finite
     release = dim + (1 if count is not None else 0)
     noisy = np.stack([into.noisy[r] for r in runs])
-    keep_clean = into.clean[runs[0]] is not None
-    clean = np.stack([into.clean[r] for r in runs]) if keep_clean else None
+    wants_clean = [into.clean[r] is not None for r in runs]
+    clean = (
+        np.stack([into.clean[r] if into.clean[r] is not None else np.zeros(release) for r in runs])
+        if any(wants_clean)
+        else None
+    )
     if noisy.shape[1] != release:
         raise ValueError(f"the sums have length {noisy.shape[1]}, the runs' vectors {release}")
     all_finite = bool(finite.all())
@@ -156,7 +160,7 @@ def _accumulate(
                 clean[:, dim] += count[:, b] if all_finite else np.where(finite[:, b], count[:, b], 0.0)
     for j, r in enumerate(runs):
         into.noisy[r] = noisy[j]
-        if clean is not None:
+        if clean is not None and wants_clean[j]:
             into.clean[r] = clean[j]
         ok = finite[j]
         into.norms[r].append(block.norms[j][ok])

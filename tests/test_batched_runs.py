@@ -325,3 +325,43 @@ def test_disk_cache_can_be_turned_off(monkeypatch) -> None:
     assert cache.cache_file() is None
     assert cache.cached("test-kind", (1, 2.5), lambda: 7.25) == 7.25
     cache.clear_memory()
+
+
+# ------------------------------------------------------------------------------------ torch tasks
+def test_torch_runs_axis_equals_each_run_alone(tmp_path: Path) -> None:
+    """TorchTask: vmap over runs x clients gives each run's own block update (float64: to the rounding)."""
+    pytest.importorskip("torch")
+    values = {"task": "mlp-digits", "num-clients": 30, "clients-per-round": 30.0, "torch-dtype": "float64",
+              "device": "cpu", "cache-dir": str(tmp_path / "c")}  # fmt: skip
+    cfg = RunConfig.from_run_config(values)
+    task = build_task(cfg)
+    rng = np.random.default_rng(3)
+    w = task.initial_weights()
+    weights = np.stack([w, w + rng.normal(size=w.shape) * 0.05, w * 0.5])
+    lrs = np.array([0.05, 0.2, 0.1])
+    ids = np.array([2, 3, 11, 29])
+    u = task.client_runs_update_fn(ids)(weights, lrs, 4)
+    for r in range(3):
+        alone = task.client_batch_update_fn(ids)(weights[r], lrs[r], 4)
+        np.testing.assert_allclose(u[r], alone, rtol=1e-12, atol=1e-12 * np.abs(alone).max())
+        ref = np.stack([client_update(weights[r], task.client_grad_fn(int(i)), lrs[r], 4) for i in ids])
+        np.testing.assert_allclose(u[r], ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+
+
+def test_torch_task_sweep_as_batches_equals_one_run_at_a_time(tmp_path: Path) -> None:
+    """A torch model's grid (float64) through the batched sweep: every run equal to 1e-9."""
+    pytest.importorskip("torch")
+    base = {"task": "mlp-digits", "num-clients": 30, "clients-per-round": 10.0, "num-rounds": 3, "local-steps": 3,
+            "torch-dtype": "float64", "device": "cpu", "epsilon": 4.0, "delta": 1e-5, "local-lr": 0.1,
+            "cache-dir": str(tmp_path / "c")}  # fmt: skip
+
+    def cells(out: Path) -> list:
+        return [make_cell(out, f"{alg}-C{c:g}", {**base, "algorithm": alg, "clip": c})
+                for alg in ("clip", "norm") for c in (0.5, 2.0)]  # fmt: skip
+
+    alone, batched = cells(tmp_path / "alone"), cells(tmp_path / "batched")
+    units = plan_units(batched)
+    assert len(units) == 1 and units[0][1]
+    _one_at_a_time(alone)
+    run_cells(batched, jobs=1, progress=False)
+    _assert_same_runs(alone, batched)

@@ -150,6 +150,10 @@ class LogisticTask:
         #: Keys that may differ between runs sharing :meth:`client_runs_update_fn`: with a fixed ``data-seed``
         #: (private tuning's trials) the clients' data does not depend on ``seed``.
         self.run_axis_keys: tuple[str, ...] = ("seed",) if cfg.data_seed >= 0 and cfg.backend == "numpy" else ()
+        #: A sweep's batch (engines.batched_runs) needs the same local steps as a run alone: the numpy closed form,
+        #: or torch's vmapped steps (mini-batches). The torch closed form (full batches) has no run axis.
+        self.supports_run_axis = cfg.backend == "numpy" or cfg.local_batch_size > 0
+        self.run_axis_limitation = "backend = 'torch' with full batches runs the torch closed form, one run at a time"
         if cfg.backend == "numpy" and cfg.local_batch_size:
             raise ConfigError(
                 f"invalid run config: 'local-batch-size' = {cfg.local_batch_size} with 'backend' = 'numpy': the numpy "
@@ -271,10 +275,13 @@ class LogisticTask:
         runs share the clients' data and Gram matrices; their iterates are laid out as ``(B, m, c, R)``, the
         run last, so that ``X W_k`` is one matrix product for the whole block, ``G_i A_t`` one per client for
         every run at once, and the softmax's reductions over the ``c`` classes run along whole rows of runs.
-        The numpy backend only (``backend = "torch"`` has its own paths).
+        With ``backend = "torch"`` and mini-batches: :meth:`TorchTask.client_runs_update_fn` (the steps a run alone
+        takes too); the torch closed form has no run axis (:attr:`supports_run_axis`).
         """
         if self.cfg.backend != "numpy":
-            raise NotImplementedError("client_runs_update_fn is the numpy closed form (backend = 'numpy')")
+            if not self.supports_run_axis:
+                raise NotImplementedError(self.run_axis_limitation)
+            return self.torch_task.client_runs_update_fn(client_ids, server_round)
         rows = np.sort(np.asarray(self.partition)[np.asarray(client_ids)], axis=1)
         num, m = rows.shape
         x = np.asarray(self.data.train_x[rows.ravel()], dtype=np.float64).reshape(num, m, -1)

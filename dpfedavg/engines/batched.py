@@ -147,9 +147,9 @@ def run_batched(
         :func:`client_results`) and the engine name recorded in ``config.json``;
         the scale benchmark passes a one-client-at-a-time loop here.
     threads:
-        Threads computing blocks of clients concurrently (default: the CPUs;
-        sweeps that run several cells in parallel pass 1). The result does
-        not depend on it.
+        Threads computing blocks of clients concurrently (default: the CPUs, or 1 for a task whose local
+        steps are parallel themselves, ``parallel_steps``: the torch tasks; sweeps that run several cells in
+        parallel pass 1). The result does not depend on it.
     """
     from tqdm.auto import tqdm
 
@@ -158,9 +158,10 @@ def run_batched(
     from dpfedavg.server.loop import run_rounds
     from dpfedavg.session import RunSession
 
-    threads = threads if threads is not None else (os.cpu_count() or 1)
     plan = plan if plan is not None else plan_privacy(cfg)
     task = build_task(cfg)
+    if threads is None:  # a torch task's steps use torch's own threads: blocks in parallel only contend (BENCHMARKS.md)
+        threads = 1 if getattr(task, "parallel_steps", False) else (os.cpu_count() or 1)
     w = task.initial_weights()
     server = DPServer(cfg, task.dim, plan=plan, epsilon_each_round=False)
     session = RunSession(cfg, task, server, run_id, engine=engine)

@@ -153,6 +153,8 @@ class LogisticTask:
         #: A sweep's batch (engines.batched_runs) needs the same local steps as a run alone: the numpy closed form,
         #: or torch's vmapped steps (mini-batches). The torch closed form (full batches) has no run axis.
         self.supports_run_axis = cfg.backend == "numpy" or cfg.local_batch_size > 0
+        #: torch's steps run on torch's own threads (the batched engine then computes one block at a time).
+        self.parallel_steps = cfg.backend == "torch"
         self.run_axis_limitation = "backend = 'torch' with full batches runs the torch closed form, one run at a time"
         if cfg.backend == "numpy" and cfg.local_batch_size:
             raise ConfigError(

@@ -280,6 +280,8 @@ class TorchTask:
 
     #: Computed from the clients' training data: withheld with secure-noise (see Task).
     training_data_metrics = ("train_loss",)
+    #: The local steps run on torch's own threads: the batched engine computes one block of clients at a time.
+    parallel_steps = True
 
     def __init__(
         self,

@@ -65,8 +65,10 @@ def fmnist_grid(tmp: Path, runs: int, rounds: int, device: str) -> list[dict]:
     values = [{**base, "clip": c, "local-lr": e} for c in clips for e in etas][:runs]
     out = []
     generic = f"{Path(__file__).resolve().parent / 'bench_torch.py'}:generic_logistic"
-    variants = (("numpy closed form", {}),
-                (f"torch, generic torch.func path, float32, {device}", {"task": generic, "device": device}))  # fmt: skip
+    variants = (
+        ("numpy closed form", {}),
+        (f"torch, generic torch.func path, float32, {device}", {"task": generic, "device": device}),
+    )
     for label, extra in variants:
         cells = [make_cell(tmp / label.split(",")[0] / "one", f"c{i}", {**v, **extra}) for i, v in enumerate(values)]
         load0, t0 = os.getloadavg()[0], time.monotonic()

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core.runs import RunSums, released_sums, shared_standard_normals
@@ -154,15 +155,24 @@ def run_batch(
     BatchError
         When a run cannot join the batch (the reason, naming the key).
     """
+    if not cfgs:
+        return []
+    keep_freed_memory()  # the rounds' temporaries are reused instead of page-faulted in again (engines.allocator)
+    # One BLAS thread: a batch's products then give the same bits in this process, in a sweep's worker
+    # processes and in a Ray task (a multi-threaded product may round differently); sweeps run batches in parallel.
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _run_batch(cfgs, progress=progress, on_run_done=on_run_done)
+
+
+def _run_batch(
+    cfgs: Sequence[RunConfig], *, progress: bool, on_run_done: Callable[[RunConfig, Path], None] | None
+) -> list[Path]:
     from tqdm.auto import tqdm
 
     from dpfedavg.privacy.accounting import plan_privacy
     from dpfedavg.server.dp_server import DPServer, PrivacyBudgetExhausted
     from dpfedavg.session import RunSession
 
-    if not cfgs:
-        return []
-    keep_freed_memory()  # the rounds' temporaries are reused instead of page-faulted in again (engines.allocator)
     tasks = [build_task(cfg) for cfg in cfgs]
     for cfg, task in zip(cfgs, tasks, strict=True):
         reason = unbatchable_reason(cfg) or task_reason(task)

@@ -365,3 +365,17 @@ def test_torch_task_sweep_as_batches_equals_one_run_at_a_time(tmp_path: Path) ->
     _one_at_a_time(alone)
     run_cells(batched, jobs=1, progress=False)
     _assert_same_runs(alone, batched)
+
+
+def test_a_gpu_asked_for_but_absent_is_one_config_error_before_anything_runs(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from dpfedavg.config import ConfigError
+
+    base = {"task": "mlp-digits", "num-clients": 30, "clients-per-round": 10.0, "num-rounds": 2, "device": "cuda",
+            "cache-dir": str(tmp_path / "c")}  # fmt: skip
+    cells = [make_cell(tmp_path / "out", f"c{i}", {**base, "clip": 1.0 + i}) for i in range(2)]
+    with pytest.raises(ConfigError, match="'device' = 'cuda', but torch sees no CUDA device"):
+        run_cells(cells, jobs=1, progress=False)
+    assert not (tmp_path / "out" / "runs").exists()

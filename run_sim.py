@@ -8,7 +8,7 @@ synthetic
 
         python run_sim.py synthetic [--C 40 50 100] [--init I1 I2] [--eta 0.0003 0.001 0.003]
             [--seeds 3] [--rounds 500] [--algorithms clip norm adaptive-clip]
-            [--engine batched|flower] [--jobs N | --ray-address ADDRESS]
+            [--engine batched|flower] [--jobs N | --ray-address ADDRESS] [--max-batch-memory SIZE]
             [--out results/synthetic]
 
 table1
@@ -16,7 +16,7 @@ table1
 
         python run_sim.py table1 --dataset fmnist|cifar10|cifar100|digits [--epsilon 5 1.5]
             [--clip ...] [--lr ...] [--seeds 3] [--rounds 200] [--algorithms clip norm adaptive-clip]
-            [--engine ...] [--jobs N | --ray-address ADDRESS]
+            [--engine ...] [--jobs N | --ray-address ADDRESS] [--max-batch-memory SIZE]
             [--out DIR]
             [--data-dir DIR] [--cache-dir DIR]
             [--private-tuning [--trials-distribution negative-binomial|poisson] [--trials-mean 10]
@@ -57,6 +57,10 @@ audit
 
 ``synthetic`` and ``table1`` with ``--ray-address HOST:PORT`` (or ``auto``) run the cells as tasks on a running
 Ray cluster instead of ``--jobs`` local processes (README: "On a Ray cluster").
+
+With the batched engine, the cells of a grid that share their federation run together as batches of runs
+(dpfedavg/engines/batched_runs.py), each batch within ``--max-batch-memory SIZE`` (e.g. 2G; default: half
+the available memory over ``--jobs``); a cell that cannot join a batch runs alone and the log says why.
 
 Bad flags give one clear error (naming the flag, its value and what is
 allowed) and exit status 2.

@@ -101,11 +101,12 @@ class _Evaluations:
     """A run's task as its :class:`~dpfedavg.session.RunSession` sees it: ``evaluate`` returns the batch's result.
 
     Everything else is the run's own task. When the batch evaluated no metrics for this round (a task
-    without ``evaluate_runs``), the run's task evaluates itself.
+    without ``evaluate_runs``, or round 0), the batch's shared task evaluates ``w``: the keys a batch's runs may
+    differ in do not change the evaluation, and the runs' own tasks then never load the evaluation data.
     """
 
-    def __init__(self, task: Task) -> None:
-        self._task = task
+    def __init__(self, task: Task, shared: Task) -> None:
+        self._task, self._shared = task, shared
         self.pending: dict[str, float] | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -113,7 +114,7 @@ class _Evaluations:
 
     def evaluate(self, w: Vector) -> dict[str, float]:
         metrics, self.pending = self.pending, None
-        return metrics if metrics is not None else self._task.evaluate(w)
+        return metrics if metrics is not None else self._shared.evaluate(w)
 
 
 @dataclass
@@ -195,7 +196,7 @@ def _run_batch(
     for i in order:
         cfg, task = cfgs[i], tasks[i]
         server = DPServer(cfg, task.dim, plan=plan_privacy(cfg), epsilon_each_round=False)
-        view = _Evaluations(task)
+        view = _Evaluations(task, shared)
         session = RunSession(cfg, view, server, "batched", engine="batched")
         w, first = session.begin(task.initial_weights())
         if first != 1:

@@ -98,7 +98,7 @@ class _Counted(Exception):
         self.runs = runs
 
 
-_RUN_ONLY = ("engine", "jobs", "progress", "ray_address")
+_RUN_ONLY = ("engine", "jobs", "progress", "ray_address", "max_batch_memory")
 
 
 def _run_sim_line(argv: list[str], monkeypatch, tmp_path: Path) -> int | None:

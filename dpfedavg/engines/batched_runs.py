@@ -164,12 +164,8 @@ def run_batch(
         return _run_batch(cfgs, progress=progress, on_run_done=on_run_done)
 
 
-def _run_batch(
-    cfgs: Sequence[RunConfig], *, progress: bool, on_run_done: Callable[[RunConfig, Path], None] | None
-) -> list[Path]:
-    from tqdm.auto import tqdm
-
-    from dpfedavg.server.dp_server import PrivacyBudgetExhausted
+def _open_runs(cfgs: Sequence[RunConfig]) -> tuple[Task, list[_Run]]:
+    """Check that ``cfgs`` can share a batch and assemble each run; the batch's shared task and its runs."""
     from dpfedavg.server.run import plan_for, prepare_run
 
     tasks = [build_task(cfg) for cfg in cfgs]
@@ -200,6 +196,17 @@ def _run_batch(
         if prepared.first_round != 1:
             raise BatchError(f"run {cfg.run_name!r} resumed from a checkpoint: it cannot join a batch")
         runs.append(_Run(prepared.cfg, prepared.server, prepared.session, view, prepared.w))
+    return shared, runs
+
+
+def _run_batch(
+    cfgs: Sequence[RunConfig], *, progress: bool, on_run_done: Callable[[RunConfig, Path], None] | None
+) -> list[Path]:
+    from tqdm.auto import tqdm
+
+    from dpfedavg.server.dp_server import PrivacyBudgetExhausted
+
+    shared, runs = _open_runs(cfgs)
     num_rounds = cfgs[0].num_rounds
     local_steps = cfgs[0].local_steps
     evaluate_runs = task_hooks(shared).evaluate_runs

@@ -30,10 +30,11 @@ import socket
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dpfedavg.config import RunConfig
 
@@ -282,6 +283,37 @@ def plan_units(
     return [(batch, True) for batch in plan.batches] + [([cell], False) for cell, _ in plan.alone]
 
 
+def _run_units_in_processes(units: Sequence, jobs: int, done: Callable[[list[Cell], dict[str, str]], None]) -> None:
+    """Each unit (a batch, or one cell) in one of ``jobs`` worker processes; ``done(unit, errors)`` as each ends."""
+    context = multiprocessing.get_context("spawn")  # no fork of a process with BLAS threads
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_quiet_worker) as pool:
+        futures = {pool.submit(_run_unit, [c.cfg for c in unit], batched): unit for unit, batched in units}
+        for future in as_completed(futures):
+            unit = futures[future]
+            try:
+                errors = future.result()
+            except Exception as err:  # noqa: BLE001 - reported per cell
+                errors = {c.cfg.run_name: f"{type(err).__name__}: {err}" for c in unit}
+            done(unit, errors)
+
+
+def _run_cells_flower(todo: Sequence[Cell], bar: Any, failures: dict[str, str]) -> None:
+    """Each cell through ``flwr run`` on one private local SuperLink (one cell at a time)."""
+    from dpfedavg.engines.flower import run_flower
+    from dpfedavg.engines.local_superlink import LocalSuperLink
+
+    if not todo:
+        return
+    with tempfile.TemporaryDirectory(prefix="dpfedavg-sweep-") as tmp:
+        with LocalSuperLink(Path(tmp)) as link:
+            for cell in todo:
+                try:
+                    run_flower(cell.cfg, link, num_cpus=1)
+                except Exception as err:  # noqa: BLE001 - reported per cell
+                    failures[cell.key] = f"{type(err).__name__}: {err}"
+                bar.update()
+
+
 def run_cells(
     cells: Sequence[Cell],
     *,
@@ -329,32 +361,12 @@ def run_cells(
     if engine == "batched" and ray_address is not None and todo:
         _run_cells_ray(units, check_ray_address(ray_address), bar, failures)
     elif engine == "batched" and jobs > 1 and len(units) > 1:
-        context = multiprocessing.get_context("spawn")  # no fork of a process with BLAS threads
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_quiet_worker) as pool:
-            futures = {pool.submit(_run_unit, [c.cfg for c in unit], batched): unit for unit, batched in units}
-            for future in as_completed(futures):
-                unit = futures[future]
-                try:
-                    errors = future.result()
-                except Exception as err:  # noqa: BLE001 - reported per cell below
-                    errors = {c.cfg.run_name: f"{type(err).__name__}: {err}" for c in unit}
-                done(unit, errors)
+        _run_units_in_processes(units, jobs, done)
     elif engine == "batched":
         for unit, batched in units:
             done(unit, _run_unit([c.cfg for c in unit], batched, progress=progress))
     elif engine == "flower":
-        from dpfedavg.engines.flower import run_flower
-        from dpfedavg.engines.local_superlink import LocalSuperLink
-
-        if todo:
-            with tempfile.TemporaryDirectory(prefix="dpfedavg-sweep-") as tmp:
-                with LocalSuperLink(Path(tmp)) as link:
-                    for cell in todo:
-                        try:
-                            run_flower(cell.cfg, link, num_cpus=1)
-                        except Exception as err:  # noqa: BLE001
-                            failures[cell.key] = f"{type(err).__name__}: {err}"
-                        bar.update()
+        _run_cells_flower(todo, bar, failures)
     else:
         raise ValueError(f"unknown engine {engine!r}; allowed: 'batched', 'flower'")
     bar.close()

@@ -264,6 +264,25 @@ class RunSession:
             )
         return metrics
 
+    def _write_final(
+        self, last5: list[dict[str, float]], completed: int, stopped_before_round: int | None, k_random: int
+    ) -> dict[str, float]:
+        """``config.json``'s ``final``: the last-5-round metrics, epsilon, the guarantee; returns the metrics."""
+        names = self.metric_names
+        summary = {f"last5_{name}": float(np.mean([m[name] for m in last5])) for name in names} if last5 else {}
+        self.description["final"] = {
+            **summary,
+            "epsilon": self.server.epsilon,
+            "delta": self.server.plan.delta,
+            "guarantee": self.description["privacy"]["guarantee"]["level"],
+            "rounds_completed": completed,
+            "stopped_by_budget_before_round": stopped_before_round,
+            "random_iterate_round": k_random,
+            "finished_utc": datetime.now(UTC).isoformat(),
+        }
+        self.recorder.write_config(self.description)
+        return summary
+
     def finish(
         self, w_final: Vector, stopped_before_round: int | None = None, *, checkpoint: bool = True, plot: bool = True
     ) -> RunResult:
@@ -283,20 +302,8 @@ class RunSession:
             np.save(self.directory / "trajectory.npy", np.stack(self.trajectory))
         completed = len(server.history)
         last5 = [self.evaluated[k] for k in sorted(self.evaluated) if k > 0][-5:]
-        names = self.metric_names
-        summary = {f"last5_{name}": float(np.mean([m[name] for m in last5])) for name in names} if last5 else {}
+        summary = self._write_final(last5, completed, stopped_before_round, k_random)
         epsilon = server.epsilon
-        self.description["final"] = {
-            **summary,
-            "epsilon": epsilon,
-            "delta": server.plan.delta,
-            "guarantee": self.description["privacy"]["guarantee"]["level"],
-            "rounds_completed": completed,
-            "stopped_by_budget_before_round": stopped_before_round,
-            "random_iterate_round": k_random,
-            "finished_utc": datetime.now(UTC).isoformat(),
-        }
-        self.recorder.write_config(self.description)
         try:
             title = f"{self.cfg.task}, {self.cfg.algorithm}, C = {self.cfg.clip:g}, {self.cfg.noise_placement} noise"
             if plot:

@@ -147,12 +147,14 @@ def secure_sum(
     grid: Grid,
     workflow: SecAggPlusWorkflow,
     server_round: int,
-    w: Vector,
+    w: Vector | list[np.ndarray],
     train_config: ConfigRecord,
     node_ids: list[int],
     num_online: int,
 ) -> SecureSum:
     """Run SecAgg+ with ``node_ids`` on ``w`` and the round's train config; the sum of their replies.
+
+    ``w`` is the flat model, or a list of arrays (a user's model, :mod:`dpfedavg.flower.app_strategy`).
 
     Returns a :class:`SecureSum` whose ``total`` is ``None`` when the protocol
     halted (fewer than two clients, survivors below the reconstruction
@@ -161,7 +163,7 @@ def secure_sum(
     """
     if len(node_ids) < 2:
         return SecureSum(None, errors=[f"secure aggregation needs at least 2 clients, {len(node_ids)} sampled"])
-    parameters = ndarrays_to_parameters([np.asarray(w)])
+    parameters = ndarrays_to_parameters(list(w) if isinstance(w, list) else [np.asarray(w)])
     config = dict(train_config)
     adapter = _OneRound({nid: FitIns(parameters, config) for nid in node_ids})  # type: ignore[arg-type]
     base = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})

@@ -263,6 +263,9 @@ class AppDPFedAvg(DPFedAvg):
         rate are required; ``server_lr`` defaults to 1.
     """
 
+    #: Without ``num_clients``: seconds the number of connected SuperNodes must stay the same before round 1.
+    settle_seconds: float = 1.0
+
     def __init__(self, *, sleep: Callable[[float], None] = time.sleep, **settings: Any) -> None:
         options = {k.replace("_", "-"): v for k, v in settings.items()}
         self._configure(AppSettings(options, lambda key: key.replace("-", "_")), sleep)
@@ -346,8 +349,8 @@ class AppDPFedAvg(DPFedAvg):
     def _wait_for_population(self, grid: Grid, cfg_timeout: float) -> list[int]:
         """The sorted node ids sampling runs over: ``num_clients`` of them (waited for), or those connected now.
 
-        Without ``num_clients`` the count must be stable for 2 s (Flower's simulation registers its nodes
-        just after the ServerApp starts).
+        Without ``num_clients`` the count must be stable for :attr:`settle_seconds` (Flower's simulation registers
+        its nodes, all at once, just after the ServerApp starts); in a deployment, give ``num_clients``.
         """
         wanted = self.settings.num_clients
         deadline = time.monotonic() + cfg_timeout
@@ -364,7 +367,7 @@ class AppDPFedAvg(DPFedAvg):
                 return nodes
             if len(nodes) != last:
                 last, stable_since = len(nodes), now
-            if wanted is None and nodes and now - stable_since >= 2.0:
+            if wanted is None and nodes and now - stable_since >= self.settle_seconds:
                 return nodes
             if now > deadline:
                 raise FederationError(
@@ -484,7 +487,8 @@ class AppDPFedAvg(DPFedAvg):
         clock = time.perf_counter()
         train_config = ConfigRecord() if train_config is None else train_config
         self._setup(grid, initial_arrays, num_rounds)
-        reserved = sorted(set(train_config) & {*instructions_to_config_record(self._probe_instructions()), CLIENT_ID})
+        round_keys = {*instructions_to_config_record(self._probe_instructions()), CLIENT_ID} - {"server-round"}
+        reserved = sorted(set(train_config) & round_keys)  # "server-round" means the same as Flower's FedAvg's
         if reserved:
             raise ConfigError(f"train_config keys {reserved} are set by DPFedAvg for each round; rename them")
         logger.info("Starting %s strategy:", "DPFedAvg")

@@ -475,3 +475,68 @@ def test_the_noise_calibration_matches_the_budget_for_any_n() -> None:
         fine = _pld_epsilon(2.0 / n, strategy.plan.noise_multiplier, 3, 1e-5)
         assert fine <= strategy.epsilon <= fine * (1 + 1e-4)
         assert math.isfinite(strategy.epsilon) and strategy.epsilon <= 2.0
+
+
+# ------------------------------------------------------------------ secure aggregation
+class SpyGrid(InProcessGrid):
+    """An in-process grid that keeps every reply the server receives."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.received: list[Message] = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        self.received.extend(replies)
+        return replies
+
+
+def _secure_app(order: str) -> ClientApp:
+    from flwr.client.mod import secaggplus_mod
+
+    app = ClientApp()
+    app.train(mods=[secaggplus_mod, dp_mod] if order == "inside" else [dp_mod, secaggplus_mod])(numpy_train)
+    return app
+
+
+def test_dp_mod_inside_secaggplus_mod_gives_the_server_the_exact_sum_only() -> None:
+    """mods=[secaggplus_mod, dp_mod]: the server's w_1 is w_0 minus the sum of what each sampled client's dp_mod
+    encoded (replayed here), over r; no reply the server receives holds one of those vectors."""
+    settings = {"algorithm": "clip", "clip": 0.5, "epsilon": 4.0, "delta": 1e-5, "clients_per_round": 4.0,
+                "secure_aggregation": True}  # fmt: skip
+    strategy = DPFedAvg(**settings)
+    spy = SpyGrid(_secure_app("inside"), 6, {})
+    result = strategy.start(grid=spy, initial_arrays=initial_arrays(), num_rounds=1, train_config=lr())
+    stats = strategy.history[1]
+    assert stats.num_received == stats.num_sampled >= 2
+    # replay round 1: the same server opens the same round; each sampled node's dp_mod on the plain message
+    layout = ArrayLayout.of(initial_arrays())
+    replay = DPServer(strategy.cfg, layout.dim, plan=strategy.plan)
+    opened = replay.begin_round(1, layout.flatten(initial_arrays()))
+    nodes = sorted(spy.get_node_ids())
+    config = instructions_to_config_record(opened.instructions)
+    config["lr"] = 0.05
+    encoded = []
+    for client in opened.clients:
+        node = nodes[int(client)]
+        msg = Message(RecordDict({"arrays": initial_arrays(), "config": config}), dst_node_id=node,
+                      message_type=MessageType.TRAIN)  # fmt: skip
+        reply = dp_mod(msg, spy.contexts[node], numpy_train)
+        encoded.append(reply.content["arrays"]["update"].numpy())
+    expected = layout.flatten(initial_arrays()) - np.sum(encoded, axis=0) / 4.0
+    np.testing.assert_allclose(layout.flatten(result.arrays), layout.round_trip(expected), rtol=0, atol=1e-6)
+    grid_step = opened.instructions.secagg_step
+    assert grid_step > 0 and np.allclose(np.mod(encoded[0] / grid_step, 1), 0)  # on the round's grid
+    seen = [a for msg in spy.received if not msg.has_error() for r in msg.content.array_records.values()
+            for a in (arr.numpy() for arr in r.values())]  # fmt: skip
+    for vector in encoded:
+        assert not any(a.size == vector.size and np.allclose(a.astype(np.float64), vector) for a in seen)
+
+
+def test_dp_mod_outside_secaggplus_mod_is_refused_with_the_right_order() -> None:
+    ensure_task_identity()
+    strategy = DPFedAvg(algorithm="clip", clip=0.5, epsilon=4.0, delta=1e-5, clients_per_round=4.0,
+                        secure_aggregation=True)  # fmt: skip
+    with pytest.raises(TrainingStopped) as stopped:
+        strategy.start(grid=grid(_secure_app("outside"), 6), initial_arrays=initial_arrays(), num_rounds=3)
+    assert "mods=[secaggplus_mod, dp_mod]" in str(stopped.value)

@@ -31,6 +31,7 @@ there is an error naming the closest valid key, the app's other keys are left al
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import math
 import time
@@ -60,7 +61,7 @@ from dpfedavg.flower.protocol import (
     to_array_record,
 )
 from dpfedavg.flower.replies import UNAVAILABLE_CODES
-from dpfedavg.flower.secure_aggregation import SecureSum
+from dpfedavg.flower.secure_aggregation import HALTED, SecureSum
 from dpfedavg.flower.strategy import DPFedAvg as FlowerDPFedAvg
 from dpfedavg.flower.strategy import FlowerRunner
 from dpfedavg.server.dp_server import DPServer
@@ -670,13 +671,19 @@ class AppDPFedAvg(DPFedAvg):
         """SecAgg+ with the user's arrays (all of them, in the layout's order, keys in the config) as ``FitIns``."""
         arrays = self._user_arrays(w)
         assert self.layout is not None
-        config = ConfigRecord({**train_config, ARRAY_KEYS: list(self.layout.keys)})
+        config = ConfigRecord({**train_config, ARRAY_KEYS: json.dumps(list(self.layout.keys))})
         payload = [arrays[key].numpy() for key in self.layout.keys]
         return super()._run_secure_aggregation(server_round, payload, config, grid, timeout)  # type: ignore[arg-type]
 
     def _aggregate_secure(self, server_round: int, outcome: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
-        self._failures[server_round] = list(outcome.errors)
+        """Close a SecAgg+ round; a round that halted on the clients' errors counts them as failed (fail fast)."""
         arrays, metrics = super()._aggregate_secure(server_round, outcome)
+        failed = [e for e in outcome.errors if e != HALTED]
+        stats = self.history[server_round]
+        if outcome.total is None and failed:
+            stats.num_failed = min(stats.num_sampled, len(failed))
+            stats.num_dropped = stats.num_sampled - stats.num_failed
+            self._failures[server_round] = failed
         w = self.layout.round_trip(arrays[next(iter(arrays))].numpy())  # type: ignore[union-attr]
         return to_array_record(w), metrics
 

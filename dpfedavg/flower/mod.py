@@ -43,6 +43,7 @@ own mods, so the SuperNode keeps serving; the server counts them as failed clien
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -78,8 +79,8 @@ logger = logging.getLogger(__name__)
 
 #: Train-config key: the client id the server sampled this node as (its noise stream in seeded mode).
 CLIENT_ID = "client-id"
-#: Train-config key under secure aggregation: the model's array keys, in the order of the legacy
-#: ``FitIns`` parameters (which carry no keys).
+#: Train-config key under secure aggregation: the model's array keys as a JSON list, in the order of the legacy
+#: ``FitIns`` parameters (which carry no keys; a legacy config holds no lists).
 ARRAY_KEYS = "array-keys"
 #: ``--node-config`` key with which a SuperNode's owner makes its client draw noise from the OS CSPRNG
 #: whatever the server sends (the same key dpfedavg's own ClientApp honours).
@@ -231,8 +232,11 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
         )
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     config = ConfigRecord({k: v for k, v in fitins.config.items() if k != ARRAY_KEYS})  # type: ignore[misc]
-    keys = fitins.config.get(ARRAY_KEYS)
     arrays = parameters_to_ndarrays(fitins.parameters)
+    try:
+        keys = json.loads(str(fitins.config.get(ARRAY_KEYS)))
+    except ValueError:
+        keys = None
     if not isinstance(keys, list) or len(keys) != len(arrays):
         return _error(msg, f"the SecAgg+ train config has no {ARRAY_KEYS!r} for its {len(arrays)} arrays")
     try:

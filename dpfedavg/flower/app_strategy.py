@@ -61,6 +61,7 @@ from dpfedavg.flower.protocol import (
     to_array_record,
 )
 from dpfedavg.flower.replies import UNAVAILABLE_CODES
+from dpfedavg.flower.runtime import route_logs_through_flower
 from dpfedavg.flower.secure_aggregation import HALTED, SecureSum
 from dpfedavg.flower.strategy import DPFedAvg as FlowerDPFedAvg
 from dpfedavg.flower.strategy import FlowerRunner
@@ -485,6 +486,7 @@ class AppDPFedAvg(DPFedAvg):
             The clients' replies were unusable (see :class:`~dpfedavg.server.health.ReplyHealth`); its ``result``
             holds what the run had, its message the reason, the fix and the epsilon spent.
         """
+        route_logs_through_flower()
         clock = time.perf_counter()
         train_config = ConfigRecord() if train_config is None else train_config
         self._setup(grid, initial_arrays, num_rounds)

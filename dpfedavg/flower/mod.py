@@ -72,6 +72,7 @@ from dpfedavg.flower.protocol import (
     instructions_from_config_record,
     to_array_record,
 )
+from dpfedavg.flower.runtime import route_logs_through_flower
 
 __all__ = ["ARRAY_KEYS", "CLIENT_ID", "NODE_SECURE_NOISE", "dp_mod"]
 
@@ -213,6 +214,7 @@ def _user_metrics(reply: Message) -> dict:
 
 
 def _error(msg: Message, reason: str) -> Message:
+    route_logs_through_flower()
     logger.error("%s: %s", _NAME, reason)
     return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=f"{_NAME}: {reason}"), reply_to=msg)
 

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["in_app_process", "setup_app_process"]
+__all__ = ["in_app_process", "route_logs_through_flower", "setup_app_process"]
 
 _done = False
 
 
-def setup_app_process(level: int = logging.INFO) -> logging.Logger:
-    """Idempotent: attach Flower's console handler to ``dpfedavg`` and use 1 BLAS thread."""
-    global _done
+def route_logs_through_flower(level: int = logging.INFO) -> logging.Logger:
+    """Idempotent: attach Flower's console handler to ``dpfedavg`` (its records are printed and streamed).
+
+    All that a user's own ServerApp or ClientApp needs (``DPFedAvg`` and ``dp_mod`` call it); unlike
+    :func:`setup_app_process` it leaves the process's BLAS threads alone.
+    """
     from flwr.supercore.logger import console_handler
 
     pkg_logger = logging.getLogger("dpfedavg")
@@ -31,6 +34,13 @@ def setup_app_process(level: int = logging.INFO) -> logging.Logger:
     if console_handler not in pkg_logger.handlers:
         pkg_logger.addHandler(console_handler)
     pkg_logger.propagate = False
+    return pkg_logger
+
+
+def setup_app_process(level: int = logging.INFO) -> logging.Logger:
+    """Idempotent: attach Flower's console handler to ``dpfedavg`` and use 1 BLAS thread."""
+    global _done
+    pkg_logger = route_logs_through_flower(level)
     if not _done:
         from threadpoolctl import threadpool_limits
 

@@ -25,7 +25,8 @@ from dpfedavg.flower.app_strategy import AppDPFedAvg
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-PLAIN, PRIVATE, NUMPY = EXAMPLES / "quickstart-pytorch", EXAMPLES / "quickstart-pytorch-dp", EXAMPLES / "quickstart-numpy-dp"
+PLAIN, PRIVATE = EXAMPLES / "quickstart-pytorch", EXAMPLES / "quickstart-pytorch-dp"
+NUMPY = EXAMPLES / "quickstart-numpy-dp"
 PAGE = ROOT / "docs" / "tutorials" / "flower-app.md"
 #: The DP statement DPFedAvg prints at the end of a run.
 STATEMENT = re.compile(

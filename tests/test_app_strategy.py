@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -77,6 +78,15 @@ def grid(app, n: int = 10, **kwargs) -> InProcessGrid:
 def _quick_start(monkeypatch) -> None:
     """The in-process grid has every node from the start: no need to wait for the count to settle."""
     monkeypatch.setattr(AppDPFedAvg, "settle_seconds", 0.05)
+
+
+@pytest.fixture
+def dp_log(caplog):
+    """dpfedavg's log records (in an app its logger writes through Flower's handler and does not propagate)."""
+    logger = logging.getLogger("dpfedavg")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
 
 
 def lr() -> ConfigRecord:
@@ -259,9 +269,9 @@ def _opacus_epsilon(q: float, z: float, rounds: int, delta: float) -> float:
     return float(get_privacy_spent(orders=orders, rdp=rdp, delta=delta)[0])
 
 
-def test_a_numpy_client_trains_privately_on_the_users_arrays() -> None:
-    """Result.arrays has the user's keys, shapes and dtypes; evaluate_fn sees round 0..K; epsilon <= target and
-    equal to an independent composition (dp-accounting PLD here, Opacus' RDP as an upper bound)."""
+def test_a_numpy_client_trains_privately_on_the_users_arrays(dp_log) -> None:
+    """Result.arrays has the user's keys, shapes and dtypes; evaluate_fn sees round 0..K; every epsilon printed
+    is <= target and equal to an independent composition (dp-accounting PLD here, Opacus' RDP as an upper bound)."""
     strategy = DPFedAvg(algorithm="norm", clip=0.3, epsilon=4.0, delta=1e-5, clients_per_round=6.0)
     seen = {}
 
@@ -285,6 +295,11 @@ def test_a_numpy_client_trains_privately_on_the_users_arrays() -> None:
     assert _pld_epsilon(q, z, 12, 1e-5) <= eps <= _pld_epsilon(q, z, 12, 1e-5) * (1 + 1e-4)
     assert eps <= _opacus_epsilon(q, z, 12, 1e-5)
     assert float(result.train_metrics_clientapp[12]["epsilon"]) == eps
+    printed = [float(x) for x in re.findall(r"epsilon spent: ([\d.]+) \(delta=1e-05\)", dp_log.text)]
+    assert len(printed) == 12
+    for k in (1, 6, 12):  # 4 significant digits printed
+        assert printed[k - 1] == pytest.approx(_pld_epsilon(q, z, k, 1e-5), rel=1e-3)
+    assert f"({eps:.4g}, 1e-05)-DP for each client's whole data (user level) after 12 rounds" in dp_log.text
     assert result.train_metrics_clientapp[12]["train_loss"] > 0  # the clients' own metric, weighted
 
 
@@ -315,9 +330,9 @@ def test_sampling_is_poisson_over_the_sorted_node_ids() -> None:
         assert all(m.content["config"]["lr"] == 0.05 for m in sent.get(k, []))  # the user's train config
 
 
-def test_a_clientapp_without_dp_mod_stops_the_run_in_round_1(caplog) -> None:
+def test_a_clientapp_without_dp_mod_stops_the_run_in_round_1(dp_log) -> None:
     strategy = DPFedAvg(algorithm="norm", clip=0.3, epsilon=4.0, delta=1e-5, clients_per_round=6.0)
-    with caplog.at_level(logging.INFO, logger="dpfedavg"), pytest.raises(TrainingStopped) as stopped:
+    with pytest.raises(TrainingStopped) as stopped:
         _run(strategy, app=client_app(wrapped=False), rounds=12)
     stop = stopped.value
     assert stop.server_round == 1 and len(stop.result.train_metrics_clientapp) == 1
@@ -327,7 +342,7 @@ def test_a_clientapp_without_dp_mod_stops_the_run_in_round_1(caplog) -> None:
     one_round = _pld_epsilon(0.6, strategy.plan.noise_multiplier, 1, 1e-5)
     assert one_round <= stop.epsilon <= one_round * (1 + 1e-4)
     assert f"epsilon = {stop.epsilon:.4g}" in text
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    errors = [r for r in dp_log.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and errors[0].getMessage() == text
 
 
@@ -424,7 +439,7 @@ def test_rounds_come_from_start_and_a_second_source_must_agree() -> None:
     assert z[8] > z[2]
 
 
-def test_the_dpfedavg_table_coexists_with_the_apps_own_keys(tmp_path, caplog) -> None:
+def test_the_dpfedavg_table_coexists_with_the_apps_own_keys(tmp_path, dp_log) -> None:
     """Flower flattens [tool.flwr.app.config.dpfedavg] to 'dpfedavg.<key>'; only those keys are dpfedavg's."""
     from flwr.common.config import get_fused_config_from_dir, parse_config_args
 
@@ -436,26 +451,24 @@ def test_the_dpfedavg_table_coexists_with_the_apps_own_keys(tmp_path, caplog) ->
     )
     run_config = get_fused_config_from_dir(tmp_path, parse_config_args(["dpfedavg.epsilon=3.0"]))
     assert run_config["clip"] == "the app's own gradient clipping" and run_config["dpfedavg.clip"] == 0.5
-    with caplog.at_level(logging.WARNING, logger="dpfedavg"):
-        strategy = DPFedAvg.from_run_config(run_config)
+    strategy = DPFedAvg.from_run_config(run_config)
     assert strategy.settings.options == {"algorithm": "clip", "clip": 0.5, "epsilon": 3.0, "fraction-train": 0.5}
-    assert "'clip'" in caplog.text and "not read by dpfedavg" in caplog.text  # said once, not an error
+    assert "'clip'" in dp_log.text and "not read by dpfedavg" in dp_log.text  # said once, not an error
     with pytest.raises(ConfigError) as err:
         DPFedAvg.from_run_config({**run_config, "dpfedavg.epsilonn": 1.0, "dpfedavgg.delta": 1e-5})
     assert "unknown key 'dpfedavg.epsilonn' (did you mean 'dpfedavg.epsilon'?)" in str(err.value)
     assert "'dpfedavgg.delta': did you mean 'dpfedavg.delta'?" in str(err.value)
 
 
-def test_seeded_noise_is_a_loud_warning_secure_noise_is_not(caplog) -> None:
+def test_seeded_noise_is_a_loud_warning_secure_noise_is_not(dp_log) -> None:
     for secure in (False, True):
-        caplog.clear()
+        dp_log.clear()
         strategy = DPFedAvg(clip=0.3, clients_per_round=5.0, epsilon=4.0, delta=1e-5, secure_noise=secure)
-        with caplog.at_level(logging.INFO, logger="dpfedavg"):
-            _run(strategy, rounds=2)
-        seeded = [r for r in caplog.records if "SEEDED NOISE" in r.getMessage()]
+        _run(strategy, rounds=2)
+        seeded = [r for r in dp_log.records if "SEEDED NOISE" in r.getMessage()]
         assert len(seeded) == (0 if secure else 1)
         assert not seeded or seeded[0].levelno == logging.WARNING
-        rounds = [r.getMessage() for r in caplog.records if r.getMessage().startswith("aggregate_train")]
+        rounds = [r.getMessage() for r in dp_log.records if r.getMessage().startswith("aggregate_train")]
         assert len(rounds) == 2 and all("epsilon spent" in m for m in rounds)
         assert ("unknown (the clients send no norms)" in rounds[0]) == secure
 

@@ -486,8 +486,8 @@ def _add_algorithms_flag(p: argparse.ArgumentParser) -> None:
 
     choices = tuple(name for name, bound in BOUNDS.items() if bound.private)
     p.add_argument("--algorithms", nargs="+", choices=choices, default=None,
-                   help="private algorithms of the grid (default: all of them; with --private-tuning: the paper's "
-                        "two; adaptive-clip: C is C_0)")  # fmt: skip
+                   help="private algorithms of the grid (default: the paper's clip norm; adaptive-clip adds rows "
+                        "where C is C_0)")  # fmt: skip
 
 
 def _synthetic_parser(sub: Any) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dpfedavg.core.adaptive_clip import DEFAULT_CLIP_LR, DEFAULT_TARGET_QUANTILE, default_count_stddev
+from dpfedavg.core.adaptive_clip import DEFAULT_CLIP_LR, DEFAULT_TARGET_QUANTILE
 from dpfedavg.core.dp import BOUNDS
 from dpfedavg.core.mechanism import PLACEMENTS
 from dpfedavg.errors import ConfigError
@@ -120,7 +120,7 @@ def non_negative(x: float) -> bool:
 SERVER_LR_FOLLOWS_LOCAL = "eta"
 #: ``noise-multiplier`` value meaning "calibrate z from epsilon and delta".
 NOISE_MULTIPLIER_AUTO = "auto"
-#: ``clip-count-stddev`` value meaning ``sigma_b = r / 20``.
+#: ``clip-count-stddev`` value meaning :func:`dpfedavg.core.adaptive_clip.auto_count_stddev` of the run's ``z``.
 CLIP_COUNT_STDDEV_AUTO = "auto"
 #: ``backend`` of the logistic-regression tasks.
 BACKENDS: tuple[str, ...] = ("numpy", "torch")
@@ -167,7 +167,7 @@ class RunConfig:
     # adaptive clipping (algorithm = adaptive-clip; Andrew, Thakkar, McMahan, Ramaswamy 2021)
     target_quantile: float = option(DEFAULT_TARGET_QUANTILE, "gamma", "adaptive-clip: C_k follows this quantile of the update norms", "a float in [0, 1]", lambda x: 0 <= x <= 1, trajectory=True)  # noqa: E501
     clip_lr: float = option(DEFAULT_CLIP_LR, "eta_C", "adaptive-clip: C_{k+1} = C_k exp(-eta_C (b_k - gamma)), b_k the privately counted fraction of unclipped updates", "a float >= 0", non_negative, trajectory=True)  # noqa: E501
-    clip_count_stddev: float | None = option(None, "sigma_b", f'adaptive-clip: std of the noise on the count of unclipped updates; must exceed z/2 (the update then gets z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2)); "{CLIP_COUNT_STDDEV_AUTO}" = r/20', f'a float > 0 or "{CLIP_COUNT_STDDEV_AUTO}"', positive, sentinel=CLIP_COUNT_STDDEV_AUTO, trajectory=True)  # noqa: E501
+    clip_count_stddev: float | None = option(None, "sigma_b", f'adaptive-clip: std of the noise on the count of unclipped updates; must exceed z/2 (the update then gets z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2)); "{CLIP_COUNT_STDDEV_AUTO}" = max(r/20, the sigma_b with z_u = 1.1 z), valid for every z', f'a float > 0 or "{CLIP_COUNT_STDDEV_AUTO}"', positive, sentinel=CLIP_COUNT_STDDEV_AUTO, trajectory=True)  # noqa: E501
     # run
     seed: int = option(0, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0, trajectory=True)
     diagnostics: bool = option(False, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)", privacy=True)  # noqa: E501
@@ -226,13 +226,6 @@ class RunConfig:
     def num_nodes(self) -> int:
         """SuperNodes the federation has: ``ceil(num-clients / clients-per-node)``."""
         return -(-self.num_clients // self.clients_per_node)
-
-    @property
-    def count_stddev(self) -> float:
-        """``sigma_b`` of ``adaptive-clip``: ``clip-count-stddev``, or ``r / 20`` for ``"auto"``."""
-        if self.clip_count_stddev is None:
-            return default_count_stddev(self.clients_per_round)
-        return self.clip_count_stddev
 
     # -------------------------------------------------------------- run_config
     def to_run_config(self) -> dict[str, Any]:

@@ -97,3 +97,24 @@ def test_bad_privacy_parameters() -> None:
         plan_for(RunConfig(epsilon=0.0, noise_multiplier=0.5, max_epsilon=0.1))
     with pytest.raises(ConfigError, match="adds no noise"):
         plan_for(RunConfig(algorithm="none", max_epsilon=3.0))
+
+
+def test_private_tunings_selection_accountant_follows_the_same_protocol() -> None:
+    """Its state rebuilds it, its peek equals composing, and it charges more than one trial alone."""
+    from dpfedavg.privacy.selection import SelectionAccountant, TrialCount, trial_epsilon
+
+    count = TrialCount("poisson", 5.0)
+    acc = SelectionAccountant(1e-5, count)
+    for z in (1.2, 1.2, 1.0):
+        acc.step(RoundEvent(0.2, z))
+    peek = acc.epsilon_after(RoundEvent(0.2, 1.2), 2)
+    rebuilt = SelectionAccountant(1e-5, count)
+    rebuilt.load_state_dict(acc.state_dict())
+    assert rebuilt.epsilon == pytest.approx(acc.epsilon, rel=1e-12)
+    acc.step(RoundEvent(0.2, 1.2), 2)
+    assert acc.epsilon == pytest.approx(peek, rel=1e-12)
+    uniform = SelectionAccountant(1e-5, count)
+    uniform.step(RoundEvent(0.2, 1.2), 5)
+    assert uniform.epsilon > trial_epsilon(1.2, 0.2, 5, 1e-5)  # selection is paid for
+    with pytest.raises(ValueError, match="this accountant's is"):
+        SelectionAccountant(1e-5, TrialCount("poisson", 7.0)).load_state_dict(acc.state_dict())

@@ -188,9 +188,9 @@ def test_noise_split_helpers() -> None:
 def test_config_keys_defaults_and_errors() -> None:
     cfg = RunConfig.from_run_config({"algorithm": "adaptive-clip", "clients-per-round": 100.0, "epsilon": 0.0,
                                      "noise-multiplier": 1.0})  # fmt: skip
-    assert (cfg.target_quantile, cfg.clip_lr, cfg.clip_count_stddev, cfg.count_stddev) == (0.5, 0.2, None, 5.0)
+    assert (cfg.target_quantile, cfg.clip_lr, cfg.clip_count_stddev) == (0.5, 0.2, None)
     assert cfg.to_run_config()["clip-count-stddev"] == "auto"
-    plan_for(cfg)  # sigma_b = 5 > z/2
+    assert plan_for(cfg).count_stddev == 5.0  # auto: r/20 = 5 > z/2, and above the sigma_b of z_u = 1.1 z (1.2)
     for bad, fragment in (({"target-quantile": 1.5}, "'target-quantile' = 1.5"), ({"clip-lr": -0.1}, "'clip-lr'"),
                           ({"clip-count-stddev": 0.0}, "'clip-count-stddev' = 0.0")):  # fmt: skip
         with pytest.raises(ConfigError, match=fragment):
@@ -277,3 +277,27 @@ def test_secure_aggregation_carries_the_count(tmp_path: Path) -> None:
                                rtol=1e-12, atol=1e-12)  # fmt: skip
     assert [r["clip"] for r in _rows(out)] == [r["clip"] for r in _rows(plain)]
     assert all(r["mean_update_norm"] == "" for r in _rows(out))  # the server saw no individual update
+
+
+def test_auto_count_noise_is_valid_at_any_noise_and_costs_the_update_at_most_ten_percent() -> None:
+    """'auto' picks max(r/20, the sigma_b with z_u = 1.1 z): never refused, and z_u <= 1.1 z (closed form)."""
+    for z, r in ((0.5, 100.0), (2.7, 20.0), (21.9, 100.0), (13.86, 5.0)):
+        cfg = RunConfig(algorithm="adaptive-clip", epsilon=0.0, noise_multiplier=z, num_clients=100,
+                        clients_per_round=r)  # fmt: skip
+        sigma_b = plan_for(cfg).count_stddev
+        assert sigma_b == pytest.approx(max(r / 20, z / (2 * math.sqrt(1 - 1 / 1.1**2))), rel=1e-12)
+        z_u = (z**-2 - (2 * sigma_b) ** -2) ** -0.5  # Andrew et al. 2021, Theorem 1, written out here
+        assert z < z_u <= 1.1 * z * (1 + 1e-12)
+    # the issue's case: digits, adaptive-clip, epsilon 5 with the default auto is a valid run (it was refused)
+    digits = RunConfig(task="digits", algorithm="adaptive-clip", epsilon=5.0, num_clients=100, clients_per_round=20.0,
+                       delta=1e-5)  # fmt: skip
+    assert plan_for(digits).count_stddev > plan_for(digits).noise_multiplier / 2
+
+
+def test_the_quickstart_adaptive_clip_line_trains_the_digits(tmp_path: Path) -> None:
+    """docs/getting-started/quickstart.md's line with the defaults (batched engine: the same trajectory as flwr run)."""
+    cfg = RunConfig(task="digits", algorithm="adaptive-clip", epsilon=5.0, output_dir=str(tmp_path), run_name="qs")
+    result = run_batched(cfg, threads=1)
+    clips = [row["clip"] for row in result.history[1:]]
+    assert result.epsilon <= 5.0 and result.history[-1]["test_accuracy"] > 0.75
+    assert clips[0] == 50.0 and clips[-1] < 25.0 and len(set(clips)) == len(clips)  # C_0 = 50, then C_k moves

@@ -149,3 +149,19 @@ def test_every_key_rejects_a_wrong_type_naming_key_and_allowed(opt) -> None:
 def test_ranges_of_the_remaining_keys(overrides: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         RunConfig.from_run_config(overrides)
+
+
+def test_rules_come_from_the_registries_so_their_messages_list_what_is_allowed() -> None:
+    """The secure-aggregation rules name every private bound and every placement whose clients add noise."""
+    from dpfedavg.core.dp import BOUNDS
+    from dpfedavg.core.mechanism import PLACEMENTS
+
+    with pytest.raises(ConfigError) as info:
+        RunConfig(secure_aggregation=True, algorithm="none", noise_placement="server", num_clients=10,
+                  clients_per_round=10.0)  # fmt: skip
+    message = str(info.value)
+    private = [name for name, bound in BOUNDS.items() if bound.private]
+    assert "adaptive-clip" in private and f"allowed: {', '.join(map(repr, private))}" in message
+    noisy = [name for name, placement in PLACEMENTS.items() if placement.adds_client_noise]
+    assert f"allowed: {', '.join(map(repr, noisy))}" in message
+    RunConfig(secure_aggregation=True, algorithm="adaptive-clip", num_clients=10, clients_per_round=10.0)

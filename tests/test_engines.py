@@ -101,7 +101,8 @@ def _run_sim(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_run_sim_synthetic_small_grid(tmp_path: Path) -> None:
     out = tmp_path / "syn"
     args = ["synthetic", "--C", "50", "--init", "I1", "--eta", "0.003", "--seeds", "2", "--rounds", "12",
-            "--out", str(out), "--jobs", "2", "--no-progress"]  # fmt: skip
+            "--algorithms", "clip", "norm", "adaptive-clip", "--out", str(out), "--jobs", "2",
+            "--no-progress"]  # fmt: skip
     result = _run_sim(*args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     with (out / "synthetic.csv").open() as fh:
@@ -123,7 +124,7 @@ def test_run_sim_table1_digits_small_grid(tmp_path: Path) -> None:
     out = tmp_path / "t1"
     args = ["table1", "--dataset", "digits", "--epsilon", "5", "--clip", "62.5", "15.625", "--lr", "0.032",
             "--seeds", "1", "--rounds", "10", "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
-            "--jobs", "1", "--no-progress"]  # fmt: skip
+            "--jobs", "1", "--no-progress", "--algorithms", "clip", "norm", "adaptive-clip"]  # fmt: skip
     result = _run_sim(*args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     with (out / "table1.csv").open() as fh:

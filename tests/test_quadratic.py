@@ -18,7 +18,8 @@ def task() -> QuadraticTask:
 
 def test_paper_sizes_and_distributions(task: QuadraticTask) -> None:
     assert (task.num_clients, task.dim) == (100, 200)
-    a, w_stars = task._stacked
+    clients = [task.client(i) for i in range(task.num_clients)]
+    a, w_stars = np.stack([c.a for c in clients]), np.stack([c.w_star for c in clients])
     assert a.shape == (100, 200, RANK) and w_stars.shape == (100, 200)
     # A_i entries N(0, 1/20^2), w_i* ~ N(0, I): 4e5 and 2e4 samples, 5% tolerance
     assert a.std() == pytest.approx(1 / 20, rel=0.05)

@@ -431,13 +431,14 @@ def test_own_model_tutorial(tmp_path: Path) -> None:
         sl.stop()
     assert sl.leftover_pids() == []
     curves = []
-    for name in ("mytask-flower", "mytask-batched"):
+    for name in ("mytask-flower", "mytask-batched", "mytask-python"):
         run = project / "outputs" / name
         assert json.loads((run / "config.json").read_text())["final"] is not None, log.read_text()[-5000:]
         with (run / "metrics.csv").open() as fh:
             curves.append([float(row["test_accuracy"]) for row in csv.DictReader(fh)])
     assert len(curves[0]) == 11 and curves[0][-1] > 0.2
     np.testing.assert_allclose(curves[0], curves[1], atol=1e-6)
+    assert curves[2] == curves[1]  # run() from Python is the batched engine: the same run
     accuracy = float(re.search(r"test accuracy of w_final: ([0-9.]+)", log.read_text()).group(1))
     assert accuracy > 0.2, log.read_text()[-3000:]
     assert (project / "mytask-dp.pt").exists()

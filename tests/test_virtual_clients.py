@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, Message, MetricRecord
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.flower import server_app
@@ -20,6 +20,7 @@ from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.protocol import (
     ARRAYS,
     CLIENT_IDS,
+    CONFIG,
     METRICS,
     UPDATE_KEY,
     block_key,
@@ -146,11 +147,10 @@ def test_a_node_asked_for_clients_it_does_not_host_fails() -> None:
     strategy = DPFedAvg(cfg, dim=4)
     strategy.discover_clients(grid)
     (node,) = [nid for nid, ctx in grid.contexts.items() if ctx.node_config["partition-id"] == 0]
-    strategy.server.begin_round(1, np.zeros(4))
-    strategy._sampled = {node: [0, 7]}  # client 7 lives on node 1
     config = instructions_to_config_record(strategy.server.instructions(1, 2))
-    messages = strategy._train_messages(to_array_record(np.zeros(4)), config)
-    (reply,) = grid.send_and_receive(messages)
+    config[CLIENT_IDS] = [0, 7]  # client 7 lives on node 1: a server that asks a node for a client it does not host
+    content = RecordDict({ARRAYS: to_array_record(np.zeros(4)), CONFIG: config})
+    (reply,) = grid.send_and_receive([Message(content, dst_node_id=node, message_type=MessageType.TRAIN)])
     assert reply.has_error() and "hosts clients 0..4" in reply.error.reason
 
 

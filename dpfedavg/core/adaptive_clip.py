@@ -56,6 +56,8 @@ __all__ = [
     "augmented_bound",
     "count_coordinate",
     "count_scale",
+    "AUTO_COUNT_NOISE_INFLATION",
+    "auto_count_stddev",
     "count_stddev_for_inflation",
     "default_count_stddev",
     "min_count_stddev",
@@ -79,6 +81,24 @@ def default_count_stddev(clients_per_round: float) -> float:
 def min_count_stddev(noise_multiplier: float) -> float:
     """What ``sigma_b`` must exceed for ``z_u`` to exist: ``z^-2 > (2 sigma_b)^-2``, i.e. ``sigma_b > z/2``."""
     return noise_multiplier / 2.0
+
+
+#: ``clip-count-stddev = "auto"``: the count's noise may cost the update this factor more noise, ``z_u = 1.1 z``.
+AUTO_COUNT_NOISE_INFLATION = 1.1
+
+
+def auto_count_stddev(noise_multiplier: float, clients_per_round: float) -> float:
+    """``clip-count-stddev = "auto"``: ``max(r/20, the sigma_b for which z_u = 1.1 z)``, valid for every ``z``.
+
+    Andrew et al. 2021 recommend ``sigma_b = r/20``, which is only allowed when ``sigma_b > z/2``
+    (``z < r/10``); at the paper's noise levels it is not. The second term always is: it is the
+    ``sigma_b`` at which splitting off the count raises the update's noise multiplier by 10%
+    (:func:`count_stddev_for_inflation`). Without noise (``z = 0``) it is ``r/20``.
+    """
+    sigma_b = default_count_stddev(clients_per_round)
+    if noise_multiplier > 0:
+        sigma_b = max(sigma_b, count_stddev_for_inflation(noise_multiplier, AUTO_COUNT_NOISE_INFLATION))
+    return float(sigma_b)
 
 
 def update_noise_multiplier(noise_multiplier: float, count_stddev: float) -> float:

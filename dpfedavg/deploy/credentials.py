@@ -24,6 +24,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -78,28 +79,8 @@ def generate_supernode_key(path: Path) -> Path:
     return path
 
 
-def generate_credentials(
-    out: Path, hosts: list[str], num_supernodes: int, *, valid_days: int = 365, overwrite: bool = False
-) -> Credentials:
-    """Generate a CA, a SuperLink certificate for ``hosts`` and ``num_supernodes`` SuperNode key pairs.
-
-    Raises ``ValueError`` for no hosts, ``num_supernodes < 0`` or ``valid_days < 1``, and
-    ``FileExistsError`` if ``out`` already holds credentials and ``overwrite`` is false.
-    """
-    if not hosts:
-        raise ValueError("give at least one host name or IP address for the SuperLink certificate")
-    if num_supernodes < 0:
-        raise ValueError(f"num_supernodes must be >= 0, got {num_supernodes}")
-    if valid_days < 1:
-        raise ValueError(f"valid_days must be >= 1, got {valid_days}")
-    out = Path(out)
-    certs, keys = out / "certificates", out / "keys"
-    if (certs / "ca.crt").exists() and not overwrite:
-        raise FileExistsError(f"{certs / 'ca.crt'} exists; pass overwrite=True (--overwrite) to replace it")
-    certs.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.UTC)
-    until = now + dt.timedelta(days=valid_days)
-
+def _certificate_authority(now: dt.datetime, until: dt.datetime) -> tuple[Any, x509.Name, x509.Certificate]:
+    """The federation's own CA: a key, its name and its self-signed certificate."""
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dpfedavg federation CA")])
     ca_cert = (
@@ -127,6 +108,13 @@ def generate_credentials(
         )
         .sign(ca_key, hashes.SHA256())
     )
+    return ca_key, ca_name, ca_cert
+
+
+def _server_certificate(
+    hosts: list[str], ca_key: Any, ca_name: x509.Name, now: dt.datetime, until: dt.datetime
+) -> tuple[Any, x509.Certificate]:
+    """The SuperLink's key and its certificate for ``hosts``, signed by the CA."""
     server_key = ec.generate_private_key(ec.SECP384R1())
     server_cert = (
         x509.CertificateBuilder()
@@ -141,6 +129,33 @@ def generate_credentials(
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    return server_key, server_cert
+
+
+def generate_credentials(
+    out: Path, hosts: list[str], num_supernodes: int, *, valid_days: int = 365, overwrite: bool = False
+) -> Credentials:
+    """Generate a CA, a SuperLink certificate for ``hosts`` and ``num_supernodes`` SuperNode key pairs.
+
+    Raises ``ValueError`` for no hosts, ``num_supernodes < 0`` or ``valid_days < 1``, and
+    ``FileExistsError`` if ``out`` already holds credentials and ``overwrite`` is false.
+    """
+    if not hosts:
+        raise ValueError("give at least one host name or IP address for the SuperLink certificate")
+    if num_supernodes < 0:
+        raise ValueError(f"num_supernodes must be >= 0, got {num_supernodes}")
+    if valid_days < 1:
+        raise ValueError(f"valid_days must be >= 1, got {valid_days}")
+    out = Path(out)
+    certs, keys = out / "certificates", out / "keys"
+    if (certs / "ca.crt").exists() and not overwrite:
+        raise FileExistsError(f"{certs / 'ca.crt'} exists; pass overwrite=True (--overwrite) to replace it")
+    certs.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC)
+    until = now + dt.timedelta(days=valid_days)
+
+    ca_key, ca_name, ca_cert = _certificate_authority(now, until)
+    server_key, server_cert = _server_certificate(hosts, ca_key, ca_name, now, until)
     pem = serialization.Encoding.PEM
     pkcs8 = serialization.PrivateFormat.PKCS8
     (certs / "ca.crt").write_bytes(ca_cert.public_bytes(pem))

@@ -61,7 +61,8 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.config import ConfigError
-from dpfedavg.experiments.adaptive import ADAPTIVE, sweep_count_stddev
+from dpfedavg.experiments import PAPER_ALGORITHMS
+from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
 from dpfedavg.experiments.tuning_report import write_report
 from dpfedavg.privacy.accountants import RdpAccountant
@@ -79,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_REPETITIONS = 10
 #: The algorithms tuned unless told otherwise (``adaptive-clip`` on request: ``algorithms=``, ``--algorithms``).
-TUNED_ALGORITHMS = ("clip", "norm")
+TUNED_ALGORITHMS = PAPER_ALGORITHMS
 
 PRIVATE_TUNING_COLUMNS = (
     "dataset",
@@ -196,8 +197,8 @@ def plan_trials(
                     values = cfg.to_run_config()
                     del values["output-dir"], values["run-name"]
                     values.update({"epsilon": 0.0, "noise-multiplier": z, "seed": int(seeds[j]), "data-seed": rep})
-                    if alg == ADAPTIVE:  # the count's noise follows the trial's z (experiments.adaptive)
-                        values["clip-count-stddev"] = sweep_count_stddev(z, cfg.clients_per_round)
+                    if alg == ADAPTIVE:  # the count's noise follows the trial's z ("auto")
+                        values = adaptive_values(values)
                     key = f"{dataset}-{alg}-e2e-eps{eps:g}-rep{rep}-trial{j}-C{cfg.clip:g}-lr{cfg.local_lr:g}"
                     cell = make_cell(out, key, values)
                     trials.append(Trial(alg, float(eps), rep, t, j, cfg.clip, cfg.local_lr, int(seeds[j]), z, cell))

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfedavg.experiments import PAPER_ALGORITHMS
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
 
@@ -41,8 +42,8 @@ __all__ = ["SYNTHETIC_COLUMNS", "synthetic_cells", "run_synthetic"]
 logger = logging.getLogger(__name__)
 
 SYNTHETIC_COLUMNS = ("algorithm", "C", "init", "eta", "seed", "round", "suboptimality", "snr", "C_k")
-#: The algorithms of the grid: the paper's two, and adaptive clipping (C is then C_0).
-ALGORITHMS = ("clip", "norm", ADAPTIVE)
+#: The algorithms of the grid by default: the paper's two (``--algorithms ... adaptive-clip`` adds C_0 rows).
+ALGORITHMS = PAPER_ALGORITHMS
 #: The two cases of the paper's Figure 3 (init, C, eta).
 FIGURE3_CASES = (("I1", 50.0, 0.003), ("I1", 100.0, 0.001))
 
@@ -286,7 +287,7 @@ def _adaptive_table(rows: list[dict], by: dict) -> list[str]:
     ]
     for c, init, eta in sorted({k[1:] for k in by if k[0] == ADAPTIVE}):
         v = {alg: np.mean(by[(alg, c, init, eta)]) if by.get((alg, c, init, eta)) else float("nan")
-             for alg in ALGORITHMS}  # fmt: skip
+             for alg in (*PAPER_ALGORITHMS, ADAPTIVE)}  # fmt: skip
         lines.append(
             f"| {init} | {c:g} | {eta:g} | {v['clip']:.4g} | {v['norm']:.4g} | {v[ADAPTIVE]:.4g} | "
             f"{v[ADAPTIVE] / v['norm']:.3g} | {np.mean(final_c[(c, init, eta)]):.4g} |"

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.core.dp import BOUNDS
+from dpfedavg.experiments import PAPER_ALGORITHMS
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values, clip_curves
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
 
@@ -64,8 +65,9 @@ TABLE1_COLUMNS = (
     "noise_multiplier",
     "final_clip",
 )
-#: The private algorithms of the grid (FedAvg without DP is always added).
-ALGORITHMS = ("clip", "norm", ADAPTIVE)
+#: The private algorithms of the grid by default: the paper's two (FedAvg without DP is always added;
+#: ``--algorithms ... adaptive-clip`` adds C_0 rows).
+ALGORITHMS = PAPER_ALGORITHMS
 #: The best settings' rerun (``curves.png``) evaluates every this many rounds.
 CURVE_EVAL_EVERY = 10
 

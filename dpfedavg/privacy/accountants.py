@@ -146,6 +146,19 @@ class AccountantBase:
     def _epsilon_now(self) -> float:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def _epsilon_with(self, event: RoundEvent, count: int) -> float:  # pragma: no cover - overridden
+        """Epsilon after composing ``count`` more rounds of a noisy ``event`` (the state is left unchanged)."""
+        raise NotImplementedError
+
+    def epsilon_after(self, event: RoundEvent, count: int = 1) -> float:
+        """The epsilon that composing ``count`` rounds of ``event`` would give, without composing them."""
+        _check(count, self.delta)
+        if event.is_noop:
+            return self.epsilon
+        if self._non_private or event.z == 0:
+            return math.inf
+        return self._epsilon_with(event, count)
+
     @property
     def rounds(self) -> int:
         return len(self.history)
@@ -221,12 +234,8 @@ class RdpAccountant(AccountantBase):
     def _epsilon_now(self) -> float:
         return rdp_epsilon(self._rdp, self.delta)
 
-    def epsilon_after(self, event: RoundEvent, count: int = 1) -> float:
-        _check(count, self.delta)
-        if event.is_noop:
-            return self.epsilon
-        if self._non_private or event.z == 0:
-            return math.inf
+    def _epsilon_with(self, event: RoundEvent, count: int) -> float:
+        assert event.z is not None
         return rdp_epsilon(self._rdp + count * _event_rdp(event.q, event.z), self.delta)
 
 
@@ -282,12 +291,7 @@ class PldAccountant(AccountantBase):
     def _epsilon_now(self) -> float:
         return self._epsilon_of(self._base, self._last, self._last_count)
 
-    def epsilon_after(self, event: RoundEvent, count: int = 1) -> float:
-        _check(count, self.delta)
-        if event.is_noop:
-            return self.epsilon
-        if self._non_private or event.z == 0:
-            return math.inf
+    def _epsilon_with(self, event: RoundEvent, count: int) -> float:
         base, last_count = self._base, self._last_count
         if self._last is not None and self._last != event:
             base, last_count = _fold(base, self._last, last_count), 0

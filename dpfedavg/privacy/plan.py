@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dpfedavg.core.adaptive_clip import min_count_stddev
+from dpfedavg.core.adaptive_clip import auto_count_stddev, min_count_stddev
 from dpfedavg.core.dp import SensitivityBound
 from dpfedavg.core.mechanism import Neighbouring
 from dpfedavg.errors import ConfigError
@@ -43,6 +43,8 @@ class PrivacyPlan:
     max_epsilon: float | None
     nominal_epsilon: float
     neighbouring: Neighbouring
+    #: ``sigma_b`` of an adaptive bound's count (``clip-count-stddev``, "auto" resolved); ``None`` otherwise.
+    count_stddev: float | None = None
 
     def new_accountant(self) -> Accountant:
         """A fresh accountant of the run's method and delta."""
@@ -67,7 +69,8 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
     """Calibrate or take ``z`` and check the budget, before anything starts.
 
     ``bound`` is the run's sensitivity bound (no noise without a private one); ``count_stddev`` the
-    ``sigma_b`` of an adaptive bound's count.
+    ``sigma_b`` of an adaptive bound's count, ``None`` for "auto"
+    (:func:`~dpfedavg.core.adaptive_clip.auto_count_stddev` of the run's ``z``).
 
     Raises
     ------
@@ -84,6 +87,8 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
     else:
         z, calibrated = (params.noise_multiplier or 0.0), False
     dp = z > 0
+    if bound.adaptive and count_stddev is None:
+        count_stddev = auto_count_stddev(z, params.clients_per_round)
     if dp and bound.adaptive and not (count_stddev is not None and count_stddev > min_count_stddev(z)):
         raise _count_stddev_error(bound, count_stddev or 0.0, z, calibrated, params.target_epsilon)
     nominal = epsilon_for(z, q, params.rounds, delta, accountant) if dp else math.inf
@@ -112,4 +117,5 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
         max_epsilon=budget,
         nominal_epsilon=nominal,
         neighbouring=params.neighbouring,
+        count_stddev=count_stddev if bound.adaptive else None,
     )

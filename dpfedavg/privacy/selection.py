@@ -220,9 +220,7 @@ class SelectionAccountant(AccountantBase):
     def _epsilon_now(self) -> float:
         return self._epsilon_of(self.history)
 
-    def epsilon_after(self, event: RoundEvent, count: int = 1) -> float:
-        if self._non_private or event.z == 0:
-            return math.inf
+    def _epsilon_with(self, event: RoundEvent, count: int) -> float:
         return self._epsilon_of([*self.history, *([event] * count)])
 
     def state_dict(self) -> dict[str, Any]:

@@ -126,7 +126,7 @@ class DPServer:
         self.params = DpParams.from_config(cfg)
         #: The sensitivity bound (``algorithm``): what ``g`` is, and whether the run is private.
         self.bound = BOUNDS[cfg.algorithm]
-        self.plan = plan if plan is not None else plan_privacy(self.params, self.bound, cfg.count_stddev)
+        self.plan = plan if plan is not None else plan_privacy(self.params, self.bound, cfg.clip_count_stddev)
         self.accountant = self.plan.new_accountant() if self.plan.dp else None
         self.epsilon_each_round = epsilon_each_round
         #: The noise placement: what the clients and the server add, and what is accounted.
@@ -140,7 +140,7 @@ class DPServer:
                 clip=cfg.clip,
                 target_quantile=cfg.target_quantile,
                 clip_lr=cfg.clip_lr,
-                count_stddev=cfg.count_stddev,
+                count_stddev=self.plan.count_stddev,
                 noise_multiplier=self.plan.noise_multiplier,
             )
         #: Length of what each client sends and the round releases: ``d``, or ``d + 1`` with the count.
@@ -246,7 +246,7 @@ class DPServer:
                 initial_clip=cfg.clip,
                 target_quantile=cfg.target_quantile,
                 clip_lr=cfg.clip_lr,
-                count_stddev=cfg.count_stddev,
+                count_stddev=plan.count_stddev,
             )
         return describe_privacy(
             plan,

@@ -38,7 +38,7 @@ class PreparedRun:
 
 def plan_for(cfg: RunConfig) -> PrivacyPlan:
     """The privacy plan of ``cfg`` (``z`` calibrated or given, the budget checked)."""
-    return plan_privacy(DpParams.from_config(cfg), BOUNDS[cfg.algorithm], cfg.count_stddev)
+    return plan_privacy(DpParams.from_config(cfg), BOUNDS[cfg.algorithm], cfg.clip_count_stddev)
 
 
 def prepare_run(

@@ -60,6 +60,7 @@ from dpfedavg.core.noise import round_noise_law
 from dpfedavg.core.seeding import noise_rng
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch
+from dpfedavg.flower.client_app import NODE_SECURE_NOISE, enforce_secure_noise
 from dpfedavg.flower.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -74,7 +75,7 @@ from dpfedavg.flower.protocol import (
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
 
-__all__ = ["ARRAY_KEYS", "CLIENT_ID", "NODE_SECURE_NOISE", "dp_mod"]
+__all__ = ["ARRAY_KEYS", "CLIENT_ID", "dp_mod"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,6 @@ CLIENT_ID = "client-id"
 #: Train-config key under secure aggregation: the model's array keys as a JSON list, in the order of the legacy
 #: ``FitIns`` parameters (which carry no keys; a legacy config holds no lists).
 ARRAY_KEYS = "array-keys"
-#: ``--node-config`` key with which a SuperNode's owner makes its client draw noise from the OS CSPRNG
-#: whatever the server sends (the same key dpfedavg's own ClientApp honours).
-NODE_SECURE_NOISE = "secure-noise"
 _TRUE = {"true", "1", "yes"}
 
 _NAME = "dp_mod"
@@ -162,14 +160,7 @@ def _instructions(config: ConfigRecord, context: Context, msg: Message) -> Round
         ) from None
     node = context.node_config.get(NODE_SECURE_NOISE, False)
     secure = node if isinstance(node, bool) else str(node).strip().lower() in _TRUE
-    if secure and ins.noise_seed != SECURE_NOISE_SEED:
-        logger.warning(
-            "round %d: the server sent a noise seed, but this SuperNode requires secure noise: ignoring the seed and "
-            "drawing the noise from the OS CSPRNG",
-            ins.server_round,
-        )
-        ins = RoundInstructions(**{**ins.__dict__, "noise_seed": SECURE_NOISE_SEED})
-    return ins
+    return enforce_secure_noise(ins, secure)  # the rule dpfedavg's own ClientApp follows
 
 
 def _client_id(config: ConfigRecord, msg: Message) -> int:

@@ -8,7 +8,7 @@ synthetic
 
         python run_sim.py synthetic [--C 40 50 100] [--init I1 I2] [--eta 0.0003 0.001 0.003]
             [--seeds 3] [--rounds 500] [--algorithms clip norm adaptive-clip]
-            [--engine batched|flower] [--jobs N | --ray-address ADDRESS]
+            [--engine batched|flower] [--jobs N | --ray-address ADDRESS] [--max-batch-memory SIZE]
             [--out results/synthetic]
 
 table1
@@ -16,7 +16,7 @@ table1
 
         python run_sim.py table1 --dataset fmnist|cifar10|cifar100|digits [--epsilon 5 1.5]
             [--clip ...] [--lr ...] [--seeds 3] [--rounds 200] [--algorithms clip norm adaptive-clip]
-            [--engine ...] [--jobs N | --ray-address ADDRESS]
+            [--engine ...] [--jobs N | --ray-address ADDRESS] [--max-batch-memory SIZE]
             [--out DIR]
             [--data-dir DIR] [--cache-dir DIR]
             [--private-tuning [--trials-distribution negative-binomial|poisson] [--trials-mean 10]
@@ -57,6 +57,10 @@ audit
 
 ``synthetic`` and ``table1`` with ``--ray-address HOST:PORT`` (or ``auto``) run the cells as tasks on a running
 Ray cluster instead of ``--jobs`` local processes (docs: how-to/ray-cluster.md).
+
+With the batched engine, the cells of a grid that share their federation run together as batches of runs
+(dpfedavg/engines/batched_runs.py), each batch within ``--max-batch-memory SIZE`` (e.g. 2G; default: half
+the available memory over ``--jobs``); a cell that cannot join a batch runs alone and the log says why.
 
 Bad flags give one clear error (naming the flag, its value and what is
 allowed) and exit status 2.
@@ -135,6 +139,15 @@ def _check_common(args: argparse.Namespace) -> None:
         _fail(f"--jobs = {args.jobs}: expected an integer >= 1")
     if getattr(args, "engine", "batched") == "flower" and getattr(args, "jobs", 1) > 1:
         _fail("--engine flower runs one cell at a time (each is a full Ray simulation): use --jobs 1")
+    if getattr(args, "max_batch_memory", None) is not None:
+        from dpfedavg.engines.batch_plan import parse_memory
+
+        try:
+            args.max_batch_memory = parse_memory(args.max_batch_memory)
+        except ValueError as err:
+            _fail(str(err))
+        if args.engine != "batched":
+            _fail("--max-batch-memory sizes the batched engine's batches: use --engine batched")
     if getattr(args, "ray_address", None) is not None:
         if args.engine != "batched":
             _fail("--ray-address runs batched cells as Ray tasks: use --engine batched")
@@ -158,6 +171,7 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
+    from dpfedavg.engines.batch_plan import BatchMemoryError
     from dpfedavg.experiments.sweep import SweepError
     from dpfedavg.experiments.synthetic import ALGORITHMS, run_synthetic, synthetic_cells
 
@@ -184,8 +198,9 @@ def _cmd_synthetic(args: argparse.Namespace) -> None:
             progress=not args.no_progress,
             ray_address=args.ray_address,
             algorithms=args.algorithms or ALGORITHMS,
+            max_batch_memory=args.max_batch_memory,
         )
-    except SweepError as err:
+    except (SweepError, BatchMemoryError) as err:
         _fail(str(err))
     print(f"synthetic: done in {time.monotonic() - t0:.0f} s")
     for name, path in outputs.items():
@@ -207,6 +222,7 @@ def _cmd_table1(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
+    from dpfedavg.engines.batch_plan import BatchMemoryError
     from dpfedavg.experiments.sweep import SweepError
     from dpfedavg.experiments.table1 import ALGORITHMS as TABLE1_ALGORITHMS
     from dpfedavg.experiments.table1 import run_table1, table1_cells
@@ -239,9 +255,9 @@ def _cmd_table1(args: argparse.Namespace) -> None:
     try:
         outputs = run_table1(
             out, args.dataset, engine=args.engine, jobs=args.jobs, progress=not args.no_progress,
-            ray_address=args.ray_address, **grid,
+            ray_address=args.ray_address, max_batch_memory=args.max_batch_memory, **grid,
         )  # fmt: skip
-    except (SweepError, DataUnavailableError, ConfigError) as err:
+    except (SweepError, DataUnavailableError, ConfigError, BatchMemoryError) as err:
         _fail(str(err))
     print(f"table1 {args.dataset}: done in {time.monotonic() - t0:.0f} s")
     for name, path in outputs.items():
@@ -264,6 +280,7 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
     import time
 
     from dpfedavg.config import ConfigError
+    from dpfedavg.engines.batch_plan import BatchMemoryError
     from dpfedavg.experiments.private_tuning import TUNED_ALGORITHMS, plan_trials, run_private_tuning, tuning_dir
     from dpfedavg.experiments.sweep import SweepError
     from dpfedavg.experiments.table1 import table1_cells
@@ -296,9 +313,9 @@ def _cmd_private_tuning(args: argparse.Namespace) -> None:
         outputs = run_private_tuning(
             out, args.dataset, epsilons=args.epsilon, seeds=args.seeds, count=count, repetitions=args.repetitions,
             tuning_seed=args.tuning_seed, engine=args.engine, jobs=args.jobs, progress=not args.no_progress,
-            ray_address=args.ray_address, **grid,
+            ray_address=args.ray_address, max_batch_memory=args.max_batch_memory, **grid,
         )  # fmt: skip
-    except (SweepError, DataUnavailableError, ConfigError) as err:
+    except (SweepError, DataUnavailableError, ConfigError, BatchMemoryError) as err:
         _fail(str(err))
     print(f"table1 {args.dataset} --private-tuning: done in {time.monotonic() - t0:.0f} s")
     for name, path in outputs.items():
@@ -475,6 +492,13 @@ def _add_sweep_flags(p: argparse.ArgumentParser, default_out: str) -> None:
         metavar="ADDRESS",
         help="run the cells as tasks on this Ray cluster (HOST:PORT of `ray start --head`, ray://HOST:PORT or auto) "
         "instead of --jobs local processes",
+    )
+    p.add_argument(
+        "--max-batch-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory for one batch of runs, e.g. 2G or 512MiB (default: half the available memory over --jobs); "
+        "runs of a grid that share their data run together as batches (engines/batched_runs.py)",
     )
     p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -40,6 +40,9 @@ def generic_logistic(cfg: RunConfig):  # -> LogisticTask
 
     task = LogisticTask(cfg.replace(task="fmnist", backend="torch"))
     task.client_batch_update_fn = lambda ids, server_round=0: task.torch_task.client_batch_update_fn(ids, server_round)
+    # a sweep's batch takes the same generic steps, over runs x clients (engines/batched_runs.py)
+    task.client_runs_update_fn = lambda ids, server_round=0: task.torch_task.client_runs_update_fn(ids, server_round)
+    task.supports_run_axis = True
     return task
 
 

@@ -40,6 +40,10 @@ def _id(block: Block) -> str:
     return f"{block.where}[{block.kind}]"
 
 
+#: One worker runs a page's blocks, in order, in one folder (a block may use what an earlier one made).
+pytestmark = pytest.mark.xdist_group("doc-blocks")
+
+
 @pytest.fixture(scope="module")
 def page_dirs(tmp_path_factory):
     """One working folder (and one Python namespace) per page, shared by its blocks in order."""
@@ -94,7 +98,7 @@ class _Counted(Exception):
         self.runs = runs
 
 
-_RUN_ONLY = ("engine", "jobs", "progress", "ray_address")
+_RUN_ONLY = ("engine", "jobs", "progress", "ray_address", "max_batch_memory")
 
 
 def _run_sim_line(argv: list[str], monkeypatch, tmp_path: Path) -> int | None:

@@ -65,8 +65,10 @@ def test_sweep_resumes_and_reruns_only_missing_or_stale_cells(tmp_path: Path, mo
     import dpfedavg.experiments.sweep as sweep
 
     ran: list[str] = []
-    real = sweep._run_batched_cell
-    monkeypatch.setattr(sweep, "_run_batched_cell", lambda cfg: ran.append(cfg.run_name) or real(cfg))
+    real = sweep._run_unit  # every unit of work (a batch of cells, or a cell alone) goes through it
+    monkeypatch.setattr(
+        sweep, "_run_unit", lambda cfgs, *a, **k: ran.extend(c.run_name for c in cfgs) or real(cfgs, *a, **k)
+    )
     cells = _cells(tmp_path)
     run_cells(cells, jobs=1, progress=False)
     assert sorted(ran) == ["cell-0", "cell-1", "cell-2"] and all(cell_done(c) for c in cells)

@@ -19,7 +19,8 @@ from dpfedavg.config import RunConfig
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.engines.local_superlink import LocalSuperLink
 
-pytestmark = pytest.mark.slow
+#: One worker runs this module's tests on one private SuperLink.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("flower-e2e")]
 
 REQUIRED_COLUMNS = ("round", "num_sampled", "suboptimality", "snr", "dist_to_opt", "frac_clipped", "epsilon")
 SMALL_FED = "num-supernodes=10 client-resources-num-cpus=1"

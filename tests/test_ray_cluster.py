@@ -25,7 +25,8 @@ from dpfedavg.engines.batched import run_batched
 from dpfedavg.engines.local_superlink import LocalSuperLink
 from dpfedavg.experiments.sweep import RAY_TASK_FILE
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+#: One worker runs this module's tests, in order, on one cluster (the last one kills its second node).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("ray-cluster")]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +81,8 @@ def _assert_same_cells(a: Path, b: Path) -> None:
 
 
 def test_table1_sweep_on_the_cluster_equals_a_local_sweep(cluster: LoopbackRayCluster, tmp_path: Path) -> None:
-    """Digits Table 1 cells as Ray tasks on both nodes: the local sweep's files; a rerun runs nothing."""
+    """Digits Table 1 batches of cells (one per seed) as Ray tasks on both nodes: the local sweep's files; a rerun
+    runs nothing."""
     grid = ["table1", "--dataset", "digits", "--epsilon", "5", "--clip", "62.5", "--lr", "0.032", "0.008",
             "--algorithms", "clip", "norm", "--seeds", "2", "--rounds", "10",
             "--cache-dir", str(tmp_path / "cache"), "--no-progress"]  # fmt: skip
@@ -124,7 +126,8 @@ def test_a_node_killed_mid_sweep_loses_no_cell(cluster: LoopbackRayCluster, tmp_
 
     Runs last: the cluster has one node afterwards.
     """
-    grid = ["synthetic", "--C", "50", "--init", "I1", "--eta", "0.003", "0.001", "--seeds", "2", "--rounds", "60",
+    # six seeds: six batches of four cells (one per seed), so that node 1 runs one after another has finished
+    grid = ["synthetic", "--C", "50", "--init", "I1", "--eta", "0.003", "0.001", "--seeds", "6", "--rounds", "150",
             "--algorithms", "clip", "norm", "--no-progress"]  # fmt: skip
     out = tmp_path / "ray"
     cmd = [sys.executable, str(ROOT / "run_sim.py"), *grid, "--ray-address", cluster.address, "--out", str(out)]
@@ -147,7 +150,7 @@ def test_a_node_killed_mid_sweep_loses_no_cell(cluster: LoopbackRayCluster, tmp_
             sweep.kill()
             sweep.wait()
     assert all((out / "runs" / k / RAY_TASK_FILE).read_bytes() == v for k, v in done_before.items())
-    assert len(_node_ids(out)) == 8
+    assert len(_node_ids(out)) == 24
     local = _run_sim(*grid, "--jobs", "2", "--out", str(tmp_path / "local"), cwd=tmp_path)
     assert local.returncode == 0, local.stderr[-3000:]
     assert (out / "synthetic.csv").read_text() == (tmp_path / "local" / "synthetic.csv").read_text()
@@ -156,6 +159,6 @@ def test_a_node_killed_mid_sweep_loses_no_cell(cluster: LoopbackRayCluster, tmp_
 
 def _running_cell(proc: psutil.Process) -> bool:
     try:
-        return "_ray_cell" in " ".join(proc.cmdline()) and "IDLE" not in " ".join(proc.cmdline())
+        return "_ray_cells" in " ".join(proc.cmdline()) and "IDLE" not in " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return False

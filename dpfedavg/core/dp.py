@@ -26,8 +26,8 @@ __all__ = [
 ]
 
 
-def _check_scale(c: float) -> None:
-    if not c > 0:
+def _check_scale(c: float | np.ndarray) -> None:
+    if not np.all(np.asarray(c) > 0):
         raise ValueError(f"the clipping threshold / scaling factor C must be > 0, got {c!r}")
 
 
@@ -36,11 +36,12 @@ def _row_norms(u: np.ndarray) -> np.ndarray:
     return np.linalg.norm(u, axis=-1, keepdims=True)
 
 
-def clip(u: Vector, c: float) -> Vector:
+def clip(u: Vector, c: float | np.ndarray) -> Vector:
     """Clip ``u`` to norm at most ``c``: ``clip(u, C) = u * min(1, C / ||u||)``.
 
     Paper eq. (clip-def), used in Alg. 1 line 9. ``clip(0, C) = 0``. A 2-D
-    ``u`` is clipped row by row (one client update per row).
+    ``u`` is clipped row by row (one client update per row); a ``(R, B, d)`` block
+    (runs x clients) row by row too, with ``c`` a scalar or one ``C`` per run of shape ``(R, 1, 1)``.
     """
     _check_scale(c)
     norm = _row_norms(u)
@@ -48,7 +49,7 @@ def clip(u: Vector, c: float) -> Vector:
     return u * scale
 
 
-def normalize(u: Vector, c: float) -> Vector:
+def normalize(u: Vector, c: float | np.ndarray) -> Vector:
     """Scale ``u`` to norm exactly ``c``: ``norm(u, C) = C * u / ||u||`` (Alg. 2 line 9).
 
     The paper defines ``norm`` on ``R^d \\ {0}`` only. We define
@@ -56,7 +57,7 @@ def normalize(u: Vector, c: float) -> Vector:
     bound ``||g|| <= C`` that the privacy analysis needs, and it is what
     ``clip`` returns for the zero update, so both algorithms agree on a client
     whose local steps did not move (e.g. it already sits at its optimum). A
-    2-D ``u`` is normalized row by row.
+    2-D ``u`` is normalized row by row, and so is a ``(R, B, d)`` block (``c`` as in :func:`clip`).
     """
     _check_scale(c)
     norm = _row_norms(u)

@@ -18,7 +18,9 @@ __all__ = [
     "LocalTrainingDiverged",
     "local_steps",
     "client_update",
+    "BoundedBlock",
     "ClientUpdate",
+    "bound_block",
     "private_client_update",
     "private_block_update",
     "client_round_update",
@@ -111,6 +113,59 @@ def private_client_update(
     return update
 
 
+@dataclass(frozen=True)
+class BoundedBlock:
+    """A block of client updates after Alg. 1 / Alg. 2 line 9 (:func:`bound_block`).
+
+    Attributes
+    ----------
+    g:
+        The bounded updates, shape ``(..., B, d)`` like ``u``.
+    count:
+        ``adaptive-clip``: each client's extra coordinate ``s (1[||u|| <= C] - 1/2)``, shape ``(..., B)``;
+        ``None`` for the other algorithms.
+    norms, finite:
+        ``||u||`` before bounding and whether the row has no NaN/Inf, shape ``(..., B)``.
+    """
+
+    g: np.ndarray
+    count: np.ndarray | None
+    norms: np.ndarray
+    finite: np.ndarray
+
+
+def bound_block(
+    u: np.ndarray,
+    *,
+    algorithm: str,
+    clip: float | np.ndarray,
+    count_scale: float | np.ndarray = 0.0,
+) -> BoundedBlock:
+    """Alg. 1 / Alg. 2 line 9 for a block of clients: ``g`` row by row, and adaptive clipping's count.
+
+    ``u`` holds one client update per row of its last two axes: ``(B, d)``, or ``(R, B, d)`` for ``R``
+    runs at once (the leading run axis of :mod:`dpfedavg.core.runs`). ``clip`` and ``count_scale`` are
+    scalars or one value per run (shape ``u.shape[:-2]``). Every engine bounds through this function:
+    :func:`private_block_update` (the ClientApp, the batched engine) and :func:`dpfedavg.core.runs.released_sums`.
+    """
+    u = np.asarray(u)
+    adaptive = get_bound(algorithm).adaptive
+    scale = np.asarray(count_scale, dtype=np.float64)
+    if adaptive != bool(np.all(scale > 0)):
+        raise ValueError(f"algorithm {algorithm!r} with count_scale = {count_scale!r}: adaptive-clip needs s > 0")
+    c = np.asarray(clip, dtype=np.float64)
+    if c.ndim and c.shape != u.shape[:-2]:
+        raise ValueError(f"one C per run: u has shape {u.shape}, C has shape {c.shape} (expected {u.shape[:-2]})")
+    norms = np.linalg.norm(u, axis=-1)
+    finite = np.all(np.isfinite(u), axis=-1)
+    g = bound_sensitivity(u, algorithm, c[..., None, None] if c.ndim else clip)
+    count = None
+    if adaptive:
+        rows_scale = scale[..., None] if scale.ndim else float(scale)
+        count = count_coordinate(norms, c[..., None] if c.ndim else clip, rows_scale).astype(g.dtype)
+    return BoundedBlock(g=g, count=count, norms=norms, finite=finite)
+
+
 def private_block_update(
     u: np.ndarray,
     *,
@@ -124,7 +179,7 @@ def private_block_update(
     """Alg. 1 / Alg. 2 lines 9-10 for a block of clients: the one client pipeline of every engine.
 
     ``u`` holds one client update per row (``(B, dim)``); row ``b`` is bounded to ``g``
-    (:func:`~dpfedavg.core.dp.bound_sensitivity`, row-wise) and noised from ``rngs[b]``
+    (:func:`bound_block`, row-wise) and noised from ``rngs[b]``
     by the noise ``law`` (:class:`~dpfedavg.core.noise.NoiseLaw`; ``None`` = Gaussian). A row with
     NaN/Inf (local training diverged) gives ``None``: that client sends nothing. The ClientApp calls it
     with a block of one (:func:`private_client_update`), the batched engine with a block of sampled clients.
@@ -136,15 +191,10 @@ def private_block_update(
     u = np.atleast_2d(u)
     if len(rngs) != u.shape[0]:
         raise ValueError(f"one generator per client: {u.shape[0]} rows, {len(rngs)} generators")
-    adaptive = get_bound(algorithm).adaptive
-    if adaptive != (count_scale > 0):
-        raise ValueError(f"algorithm {algorithm!r} with count_scale = {count_scale!r}: adaptive-clip needs s > 0")
-    norms = np.linalg.norm(u, axis=1)
-    finite = np.all(np.isfinite(u), axis=1)
-    g = bound_sensitivity(u, algorithm, clip)
-    bound, count = clip, None
-    if adaptive:  # each row becomes (g_i, s (b_i - 1/2)), one row at a time (no (B, d + 1) copy of the block)
-        bound, count = augmented_bound(clip, count_scale), count_coordinate(norms, clip, count_scale).astype(g.dtype)
+    block = bound_block(u, algorithm=algorithm, clip=clip, count_scale=count_scale)
+    g, count, norms, finite = block.g, block.count, block.norms, block.finite
+    # each row becomes (g_i, s (b_i - 1/2)), one row at a time (no (B, d + 1) copy of the block)
+    bound = augmented_bound(clip, count_scale) if count is not None else clip
     law = law if law is not None else NOISE_LAWS[GaussianLaw.name]
     out: list[ClientUpdate | None] = []
     for row, rng in enumerate(rngs):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 from enum import IntEnum
+from functools import lru_cache
 
 import numpy as np
 
@@ -38,12 +39,13 @@ def make_rng(seed: int, stream: Stream, *keys: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(stream), *map(int, keys)]))
 
 
+@lru_cache(maxsize=4096)
 def round_noise_seed(seed: int, round_index: int) -> int:
     """The per-round noise seed the server sends to the sampled clients.
 
     A client draws its noise from ``make_rng(noise_seed, Stream.NOISE, client_id)``.
     In this seeded (research) mode anyone who knows ``seed`` can regenerate
-    the noise; see the documentation's privacy page.
+    the noise; see the documentation's privacy page. Cached: the runs of a sweep's batch share it.
     """
     rng = make_rng(seed, Stream.NOISE, round_index)
     return int(rng.integers(0, 2**63 - 1))

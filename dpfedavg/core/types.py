@@ -16,6 +16,9 @@ Vector = npt.NDArray[np.floating]
 GradFn = Callable[[Vector], Vector]
 #: ``(w_k, eta_k, E) -> u`` of shape ``(B, dim)``: a task's exact closed form of ``client_update`` for B clients.
 BatchUpdateFn = Callable[[Vector, float, int], np.ndarray]
+#: ``(W_k, eta_k, E) -> u`` of shape ``(R, B, dim)``: the same for ``R`` runs at once, ``W_k`` of shape ``(R, dim)``
+#: and ``eta_k`` of shape ``(R,)`` (a task's ``client_runs_update_fn(client_ids)``; see :mod:`dpfedavg.core.runs`).
+RunsUpdateFn = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
 
 
 @dataclass(frozen=True)

@@ -138,17 +138,18 @@ def run_batched(
         :func:`client_results`) and the engine name recorded in ``config.json``;
         the scale benchmark passes a one-client-at-a-time loop here.
     threads:
-        Threads computing blocks of clients concurrently (default: the CPUs;
-        sweeps that run several cells in parallel pass 1). The result does
-        not depend on it.
+        Threads computing blocks of clients concurrently (default: the CPUs, or 1 for a task whose local
+        steps are parallel themselves, ``parallel_steps``: the torch tasks; sweeps that run several cells in
+        parallel pass 1). The result does not depend on it.
     """
     from tqdm.auto import tqdm
 
     from dpfedavg.server.loop import run_rounds
     from dpfedavg.server.run import prepare_run
 
-    threads = threads if threads is not None else (os.cpu_count() or 1)
     run = prepare_run(cfg, task=task, plan=plan, run_id=run_id, engine=engine, epsilon_each_round=False)
+    if threads is None:  # a torch task's steps use torch's own threads: blocks in parallel only contend (benchmarks)
+        threads = 1 if task_hooks(run.task).parallel_steps else (os.cpu_count() or 1)
     session, w, first_round = run.session, run.w, run.first_round
     if on_round is not None and first_round == 1:
         on_round(0, w)

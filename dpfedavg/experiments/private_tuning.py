@@ -277,6 +277,7 @@ def run_private_tuning(
     progress: bool = True,
     ray_address: str | None = None,
     algorithms: Sequence[str] = TUNED_ALGORITHMS,
+    max_batch_memory: int | None = None,
 ) -> dict[str, Path]:
     """The per-run table (:func:`~dpfedavg.experiments.table1.run_table1`), then the tuning trials; both tables.
 
@@ -304,12 +305,13 @@ def run_private_tuning(
         )  # fmt: skip
     outputs = run_table1(
         out, dataset, epsilons=epsilons, seeds=seeds, engine=engine, jobs=jobs, progress=progress,
-        ray_address=ray_address, **grid_kwargs,
+        ray_address=ray_address, max_batch_memory=max_batch_memory, **grid_kwargs,
     )  # fmt: skip
     _split_federations(dataset, repetitions, data_dir, cache_dir)
     run_cells(
         [t.cell for t in trials], engine=engine, jobs=jobs, progress=progress,
         desc=f"private tuning {dataset} ({len(trials)} trials)", ray_address=ray_address,
+        max_batch_memory=max_batch_memory,
     )  # fmt: skip
     where = tuning_dir(out, count)
     rows = _collect(trials, dataset, calibration, where / "private_tuning.csv")

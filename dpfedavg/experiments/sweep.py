@@ -7,9 +7,15 @@ where it stopped and a finished one reruns nothing. Results depend only on
 the cell's config (every random stream derives from its ``seed``), so the
 order and parallelism of execution do not matter.
 
-Cells run in this process (``jobs = 1``), in ``jobs`` local processes, or as
-tasks on a Ray cluster (``ray_address``): there each cell runs in a temporary
-folder of whichever node Ray picks and its result files come back to the
+With the batched engine, cells that differ only in what a run axis can hold (``C``, ``eta``, ``beta``,
+``mu``, ``z``, the initialization, the algorithm, ...) run together as batches
+(:mod:`dpfedavg.engines.batched_runs`, cut by :func:`dpfedavg.engines.batch_plan.plan_batches` within a
+memory budget); a cell that cannot join a batch runs alone, and the sweep logs why. A batch that
+fails is rerun cell by cell, so one bad cell fails alone.
+
+Units of work (batches, lone cells) run in this process (``jobs = 1``), in ``jobs`` local processes, or as
+tasks on a Ray cluster (``ray_address``): there each unit runs in a temporary
+folder of whichever node Ray picks and its cells' result files come back to the
 driver as bytes, so the nodes need no shared file system; the driver writes
 them to ``<out>/runs/<cell key>/`` as a local run would have.
 """
@@ -31,7 +37,7 @@ from pathlib import Path
 
 from dpfedavg.config import RunConfig
 
-__all__ = ["Cell", "SweepError", "cell_done", "check_ray_address", "run_cells"]
+__all__ = ["Cell", "SweepError", "cell_done", "check_ray_address", "plan_units", "run_cells"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +90,32 @@ def _run_batched_cell(cfg: RunConfig) -> str:
     return str(run_batched(cfg, threads=1).directory)  # the sweep runs cells in parallel processes instead
 
 
+def _run_unit(cfgs: Sequence[RunConfig], batched: bool, progress: bool = False) -> dict[str, str]:
+    """One unit of work: a batch (:func:`~dpfedavg.engines.batched_runs.run_batch`) or cells alone.
+
+    Returns ``run-name -> error`` (``""`` for a cell that finished). A batch that raises is rerun cell
+    by cell (logged), so that only a cell that fails alone is reported.
+    """
+    if batched:
+        from dpfedavg.engines.batched_runs import run_batch
+
+        try:
+            run_batch(cfgs, progress=progress)
+            return {cfg.run_name: "" for cfg in cfgs}
+        except Exception as err:  # noqa: BLE001 - retried cell by cell below
+            logger.warning(
+                "a batch of %d cells failed (%s: %s); running them one at a time", len(cfgs), type(err).__name__, err
+            )
+    errors = {}
+    for cfg in cfgs:
+        try:
+            _run_batched_cell(cfg)
+            errors[cfg.run_name] = ""
+        except Exception as err:  # noqa: BLE001 - reported per cell
+            errors[cfg.run_name] = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err) else ''}"
+    return errors
+
+
 #: Where a cell ran on a Ray cluster (node id, host, pid, seconds): written beside its results.
 RAY_TASK_FILE = "ray_task.json"
 #: How often Ray reruns a cell whose node or worker process died (a cell's own exception is not retried).
@@ -133,8 +165,11 @@ def check_ray_address(address: str, timeout: float = 5.0) -> str:
     return address
 
 
-def _ray_cell(values: dict) -> dict:
-    """A Ray task: run one cell in a temporary folder on this node; return its files as bytes."""
+def _ray_cells(values: list[dict], batched: bool) -> list[dict]:
+    """A Ray task: run a unit of cells (a batch, or cells alone) in a temporary folder on this node.
+
+    Returns, per cell, its files as bytes (or its error) and where it ran.
+    """
     from dataclasses import replace
 
     import ray
@@ -144,26 +179,32 @@ def _ray_cell(values: dict) -> dict:
 
     _quiet_worker()
     t0 = time.monotonic()
-    cfg = RunConfig.from_run_config(values)
-    with tempfile.TemporaryDirectory(prefix="dpfedavg-cell-") as tmp:
-        directory = Path(_run_batched_cell(cfg.replace(output_dir=tmp)))
-        # config.json and the checkpoint name the run's output-dir: the driver's, as a local run writes it
-        saved = json.loads((directory / "config.json").read_text())
-        saved["run_config"]["output-dir"] = values["output-dir"]
-        write_config_json(directory / "config.json", saved)
-        if (directory / CHECKPOINT_FILE).exists():
-            ckpt = load_checkpoint(directory)
-            save_checkpoint(
-                directory, replace(ckpt, run_config={**ckpt.run_config, "output-dir": values["output-dir"]})
-            )
-        files = {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
-    where = {
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "hostname": socket.gethostname(),
-        "pid": os.getpid(),
-        "seconds": time.monotonic() - t0,
-    }
-    return {"files": files, "where": where}
+    out = []
+    with tempfile.TemporaryDirectory(prefix="dpfedavg-cells-") as tmp:
+        cfgs = [RunConfig.from_run_config(v).replace(output_dir=tmp) for v in values]
+        errors = _run_unit(cfgs, batched)
+        where = {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "seconds": time.monotonic() - t0,
+            "batch_size": len(cfgs),
+        }
+        for cfg, v in zip(cfgs, values, strict=True):
+            if errors[cfg.run_name]:
+                out.append({"error": errors[cfg.run_name], "where": where})
+                continue
+            directory = Path(tmp) / cfg.run_name
+            # config.json and the checkpoint name the run's output-dir: the driver's, as a local run writes it
+            saved = json.loads((directory / "config.json").read_text())
+            saved["run_config"]["output-dir"] = v["output-dir"]
+            write_config_json(directory / "config.json", saved)
+            if (directory / CHECKPOINT_FILE).exists():
+                ckpt = load_checkpoint(directory)
+                save_checkpoint(directory, replace(ckpt, run_config={**ckpt.run_config, "output-dir": v["output-dir"]}))
+            files = {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+            out.append({"files": files, "where": where})
+    return out
 
 
 def _write_cell_files(cell: Cell, result: dict) -> None:
@@ -178,7 +219,7 @@ def _write_cell_files(cell: Cell, result: dict) -> None:
     (directory / RAY_TASK_FILE).write_text(json.dumps(result["where"], indent=2) + "\n")
 
 
-def _run_cells_ray(todo: Sequence[Cell], address: str, bar, failures: dict[str, str]) -> None:
+def _run_cells_ray(units: Sequence[tuple[list[Cell], bool]], address: str, bar, failures: dict[str, str]) -> None:
     import ray
 
     with warnings.catch_warnings():
@@ -191,23 +232,54 @@ def _run_cells_ray(todo: Sequence[Cell], address: str, bar, failures: dict[str, 
             log_to_driver=False,
         )
     try:
-        run = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES)(_ray_cell)
+        run = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES)(_ray_cells)
         pending = {}
-        for cell in todo:
-            values = cell.cfg.to_run_config()
-            pending[run.remote(values)] = cell
+        for cells, batched in units:  # one Ray task per batch of cells
+            pending[run.remote([cell.cfg.to_run_config() for cell in cells], batched)] = cells
         while pending:
             # a timeout, so that Ctrl-C reaches Python between waits (a blocking wait ignores it)
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.5)
             for ref in ready:
-                cell = pending.pop(ref)
+                cells = pending.pop(ref)
                 try:
-                    _write_cell_files(cell, ray.get(ref))
+                    results = ray.get(ref)
                 except Exception as err:  # noqa: BLE001 - reported per cell
-                    failures[cell.key] = f"{type(err).__name__}: {str(err).strip().splitlines()[-1]}"
-                bar.update()
+                    message = f"{type(err).__name__}: {str(err).strip().splitlines()[-1]}"
+                    results = [{"error": message}] * len(cells)
+                for cell, result in zip(cells, results, strict=True):
+                    if "error" in result:
+                        failures[cell.key] = result["error"]
+                    else:
+                        _write_cell_files(cell, result)
+                bar.update(len(cells))
     finally:
         ray.shutdown()
+
+
+def plan_units(
+    todo: Sequence[Cell], *, jobs: int = 1, max_batch_memory: int | None = None
+) -> list[tuple[list[Cell], bool]]:
+    """The units of work of ``todo``: ``(cells, batched)``, batches first, then the cells that run alone.
+
+    The batches fit ``max_batch_memory`` bytes each (default: half the available memory over ``jobs``);
+    a lone cell's reason is logged.
+
+    Raises
+    ------
+    dpfedavg.engines.batch_plan.BatchMemoryError
+        ``max_batch_memory`` is below one run's need (the message gives the minimum).
+    """
+    from dpfedavg.engines.batch_plan import default_budget, plan_batches
+
+    strict = max_batch_memory is not None
+    budget = max_batch_memory if strict else default_budget(jobs)
+    plan = plan_batches(todo, max_memory=budget, strict=strict)
+    for cell, reason in plan.alone:
+        logger.info("cell %s runs alone (not in a batch): %s", cell.key, reason)
+    if plan.batches:
+        sizes = [len(b) for b in plan.batches]
+        logger.info("%d cells in %d batches (%d to %d runs each)", sum(sizes), len(sizes), min(sizes), max(sizes))
+    return [(batch, True) for batch in plan.batches] + [([cell], False) for cell, _ in plan.alone]
 
 
 def run_cells(
@@ -218,17 +290,21 @@ def run_cells(
     progress: bool = True,
     desc: str = "cells",
     ray_address: str | None = None,
+    max_batch_memory: int | None = None,
 ) -> list[Path]:
     """Run the cells that are not done yet; returns every cell's run directory.
 
-    With ``ray_address`` (see :func:`check_ray_address`) the batched cells run as
-    Ray tasks on that cluster, one CPU each (``jobs`` is then unused); a task
+    With the batched engine the cells run as batches (:func:`plan_units`; ``max_batch_memory`` bytes
+    each at most). With ``ray_address`` (see :func:`check_ray_address`) each batch runs as a
+    Ray task on that cluster, one CPU each (``jobs`` is then unused); a task
     whose node dies is rerun elsewhere up to :data:`RAY_MAX_RETRIES` times.
 
     Raises
     ------
     SweepError
         After all other cells finished, if any cell failed (its error is named).
+    dpfedavg.engines.batch_plan.BatchMemoryError
+        Before anything runs, when ``max_batch_memory`` cannot hold one run.
     """
     from tqdm.auto import tqdm
 
@@ -239,29 +315,33 @@ def run_cells(
     if len(todo) < len(cells):
         logger.info("%d of %d cells already done (resuming)", len(cells) - len(todo), len(cells))
     failures: dict[str, str] = {}
-    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell", disable=not progress)
     if ray_address is not None and engine != "batched":
         raise ValueError(f"a Ray cluster runs batched cells only, not engine {engine!r}")
+    units = plan_units(todo, jobs=jobs, max_batch_memory=max_batch_memory) if engine == "batched" and todo else []
+    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="run", disable=not progress)
+
+    def done(unit: list[Cell], errors: dict[str, str]) -> None:
+        for cell in unit:
+            if errors.get(cell.cfg.run_name, "missing"):
+                failures[cell.key] = errors.get(cell.cfg.run_name, "no result")
+        bar.update(len(unit))
+
     if engine == "batched" and ray_address is not None and todo:
-        _run_cells_ray(todo, check_ray_address(ray_address), bar, failures)
-    elif engine == "batched" and jobs > 1 and len(todo) > 1:
+        _run_cells_ray(units, check_ray_address(ray_address), bar, failures)
+    elif engine == "batched" and jobs > 1 and len(units) > 1:
         context = multiprocessing.get_context("spawn")  # no fork of a process with BLAS threads
         with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_quiet_worker) as pool:
-            futures = {pool.submit(_run_batched_cell, c.cfg): c for c in todo}
+            futures = {pool.submit(_run_unit, [c.cfg for c in unit], batched): unit for unit, batched in units}
             for future in as_completed(futures):
-                cell = futures[future]
+                unit = futures[future]
                 try:
-                    future.result()
+                    errors = future.result()
                 except Exception as err:  # noqa: BLE001 - reported per cell below
-                    failures[cell.key] = f"{type(err).__name__}: {err}"
-                bar.update()
+                    errors = {c.cfg.run_name: f"{type(err).__name__}: {err}" for c in unit}
+                done(unit, errors)
     elif engine == "batched":
-        for cell in todo:
-            try:
-                _run_batched_cell(cell.cfg)
-            except Exception as err:  # noqa: BLE001
-                failures[cell.key] = f"{type(err).__name__}: {err}"
-            bar.update()
+        for unit, batched in units:
+            done(unit, _run_unit([c.cfg for c in unit], batched, progress=progress))
     elif engine == "flower":
         from dpfedavg.engines.flower import run_flower
         from dpfedavg.engines.local_superlink import LocalSuperLink

@@ -357,14 +357,19 @@ def run_synthetic(
     progress: bool = True,
     ray_address: str | None = None,
     algorithms: Sequence[str] = ALGORITHMS,
+    max_batch_memory: int | None = None,
 ) -> dict[str, Path]:
-    """Run (or resume) the grid (on a Ray cluster with ``ray_address``), then write the CSV, figures and summary."""
+    """Run (or resume) the grid (on a Ray cluster with ``ray_address``), then write the CSV, figures and summary.
+
+    The cells run as batches (:mod:`dpfedavg.engines.batched_runs`) of at most ``max_batch_memory`` bytes.
+    """
     from dpfedavg.server.run import plan_for
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cells = synthetic_cells(out, clips=clips, inits=inits, etas=etas, seeds=seeds, rounds=rounds, algorithms=algorithms)
-    run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc="synthetic", ray_address=ray_address)
+    run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc="synthetic", ray_address=ray_address,
+              max_batch_memory=max_batch_memory)  # fmt: skip
     z = plan_for(cells[0].cfg).noise_multiplier
     rows = collect(cells, out / "synthetic.csv")
     snr_eta = snr_eta if snr_eta is not None else sorted(etas)[len(etas) // 2]

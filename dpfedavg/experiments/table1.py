@@ -207,8 +207,11 @@ def run_table1(
     progress: bool = True,
     ray_address: str | None = None,
     algorithms: Sequence[str] = ALGORITHMS,
+    max_batch_memory: int | None = None,
 ) -> dict[str, Path]:
     """Run (or resume) the grid for ``dataset`` (on a Ray cluster with ``ray_address``); write the CSV and table.
+
+    The cells run as batches (:mod:`dpfedavg.engines.batched_runs`) of at most ``max_batch_memory`` bytes.
 
     On a cluster every node prepares the data for itself, from its own ``data_dir``
     and ``cache_dir`` (the same paths on every node; see the Ray cluster how-to).
@@ -229,7 +232,8 @@ def run_table1(
     )  # fmt: skip
     for seed in range(seeds):
         _ = build_task(prep.replace(seed=seed)).partition
-    run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc=f"table1 {dataset}", ray_address=ray_address)
+    run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc=f"table1 {dataset}", ray_address=ray_address,
+              max_batch_memory=max_batch_memory)  # fmt: skip
     rows = collect(cells, dataset, out / "table1.csv")
     best = best_settings(rows)
     (out / "table1.md").write_text(markdown(dataset, best, epsilons, rounds))
@@ -237,8 +241,9 @@ def run_table1(
     curves = curve_cells(out, cells, best, seeds)
     if curves:
         run_cells(
-            curves, engine=engine, jobs=jobs, progress=progress, desc=f"curves {dataset}", ray_address=ray_address
-        )
+            curves, engine=engine, jobs=jobs, progress=progress, desc=f"curves {dataset}", ray_address=ray_address,
+            max_batch_memory=max_batch_memory,
+        )  # fmt: skip
         outputs["curves"] = plot_curves(curves, best, out / "curves.png", dataset)
     return outputs
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["in_app_process", "route_logs_through_flower", "setup_app_process"]
+from dpfedavg.core.threads import mark_single_threaded, single_threaded
 
-_done = False
+__all__ = ["route_logs_through_flower", "setup_app_process"]
 
 
 def route_logs_through_flower(level: int | None = None) -> logging.Logger:
@@ -41,19 +41,10 @@ def route_logs_through_flower(level: int | None = None) -> logging.Logger:
 
 def setup_app_process(level: int = logging.INFO) -> logging.Logger:
     """Idempotent: attach Flower's console handler to ``dpfedavg`` and use 1 BLAS thread."""
-    global _done
     pkg_logger = route_logs_through_flower(level)
-    if not _done:
+    if not single_threaded():
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(limits=1, user_api="blas")
-        _done = True
+        mark_single_threaded()  # the torch tasks use one CPU thread too (dpfedavg.tasks.torch_task)
     return pkg_logger
-
-
-def in_app_process() -> bool:
-    """Whether :func:`setup_app_process` ran here (a Flower ClientApp / ServerApp process: one math thread).
-
-    The torch tasks read it to use one CPU thread too (:mod:`dpfedavg.tasks.torch_task`).
-    """
-    return _done

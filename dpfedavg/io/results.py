@@ -9,6 +9,7 @@ import logging
 import math
 import platform
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -22,15 +23,20 @@ __all__ = ["RunRecorder", "package_versions", "read_metrics", "write_config_json
 logger = logging.getLogger(__name__)
 
 
-def package_versions() -> dict[str, str]:
-    """Versions of Python and the packages a result depends on."""
-    out = {"python": platform.python_version()}
+@lru_cache(maxsize=1)
+def _versions() -> tuple[tuple[str, str], ...]:
+    out = [("python", platform.python_version())]
     for pkg in ("dpfedavg", "flwr", "numpy", "dp-accounting", "ray"):
         try:
-            out[pkg] = metadata.version(pkg)
+            out.append((pkg, metadata.version(pkg)))
         except metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
+            out.append((pkg, "not installed"))
+    return tuple(out)
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of Python and the packages a result depends on (looked up once per process)."""
+    return dict(_versions())
 
 
 def _fmt(value: Any) -> Any:

@@ -286,6 +286,14 @@ class PldAccountant(AccountantBase):
     def _epsilon_of(self, base: Any, last: RoundEvent | None, count: int) -> float:
         if last is None or count == 0:
             return 0.0 if base is None else float(base.get_epsilon_for_delta(self.delta))
+        if base is None:  # one run of identical events (every round at the nominal z): cached (privacy.cache)
+            from dpfedavg.privacy.cache import cached
+
+            return cached(
+                "pld-epsilon",
+                (last.q, last.z, count, self.delta, PLD_DISCRETIZATION),
+                lambda: float(_run_pld(last, count).get_epsilon_for_delta(self.delta)),
+            )
         return float(_fold(base, last, count).get_epsilon_for_delta(self.delta))
 
     def _epsilon_now(self) -> float:

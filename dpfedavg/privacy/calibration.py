@@ -14,7 +14,8 @@ from functools import lru_cache
 from typing import Any
 
 from dpfedavg.core.dp import server_noise_std
-from dpfedavg.privacy.accountants import ACCOUNTANTS, RoundEvent, create_accountant
+from dpfedavg.privacy.accountants import ACCOUNTANTS, PLD_DISCRETIZATION, RoundEvent, create_accountant
+from dpfedavg.privacy.cache import cached
 from dpfedavg.privacy.params import DpParams
 
 __all__ = ["calibrate_noise_multiplier", "epsilon_for", "paper_sigma", "privacy_report", "smallest_noise_multiplier"]
@@ -57,11 +58,19 @@ def smallest_noise_multiplier(
 def calibrate_noise_multiplier(
     epsilon: float, delta: float, q: float, rounds: int, accountant: str, rel_tol: float = 1e-3
 ) -> float:
-    """The smallest ``z`` (to ``rel_tol`` relative) with :func:`epsilon_for` ``<= epsilon``, by bisection."""
+    """The smallest ``z`` (to ``rel_tol`` relative) with :func:`epsilon_for` ``<= epsilon``, by bisection.
+
+    Computed once per ``(epsilon, delta, q, K, accountant)`` and dp-accounting version, across processes
+    and invocations (:mod:`dpfedavg.privacy.cache`).
+    """
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"unknown accountant {accountant!r}; allowed: {', '.join(map(repr, ACCOUNTANTS))}")
-    return smallest_noise_multiplier(
-        lambda z: epsilon_for(z, q, rounds, delta, accountant), epsilon, rel_tol, f" (delta={delta})"
+    return cached(
+        "noise-multiplier",
+        (epsilon, delta, q, rounds, accountant, rel_tol, PLD_DISCRETIZATION),
+        lambda: smallest_noise_multiplier(
+            lambda z: epsilon_for(z, q, rounds, delta, accountant), epsilon, rel_tol, f" (delta={delta})"
+        ),
     )
 
 

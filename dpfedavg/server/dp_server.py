@@ -414,6 +414,29 @@ class DPServer:
             raise ValueError(f"the secure sum has shape {total.shape}, expected ({self.release_dim},)")
         return self._close_round(server_round, total.copy(), num_received, [], None, num_failed, 0)
 
+    def finish_round_block(
+        self,
+        server_round: int,
+        total: Vector,
+        norms: np.ndarray,
+        clean_total: Vector | None = None,
+        *,
+        num_failed: int = 0,
+    ) -> Vector:
+        """:meth:`finish_round` from the replies' sum, already formed in ascending client id.
+
+        ``total`` is ``sum_i (g_i + zeta_i)`` over the ``len(norms)`` clients that replied (their
+        ``||u_i||`` in ``norms``) and ``clean_total`` the sum of their ``g_i`` (diagnostics). The batched
+        engine over a run axis (:mod:`dpfedavg.engines.batched_runs`) forms them for many runs at once.
+        """
+        self._check_open(server_round)
+        total = np.asarray(total, dtype=np.float64)
+        if total.shape != (self.release_dim,):
+            raise ValueError(f"the sum has shape {total.shape}, expected ({self.release_dim},)")
+        clean = None if clean_total is None or not self.cfg.diagnostics else np.array(clean_total, dtype=np.float64)
+        norms = np.asarray(norms, dtype=np.float64)
+        return self._close_round(server_round, total.copy(), len(norms), norms, clean, num_failed, 0)
+
     def skip_round(self, server_round: int, reason: str) -> Vector:
         """Close a round in which no client's update could be summed (secure aggregation could not finish).
 
@@ -436,7 +459,7 @@ class DPServer:
         server_round: int,
         total: Vector,
         num_received: int,
-        norms: list[float],
+        norms: list[float] | np.ndarray,
         clean_total: Vector | None,
         num_failed: int,
         num_rejected: int,
@@ -460,7 +483,7 @@ class DPServer:
             stats.clip, stats.frac_unclipped = self.adaptive.step(released_count, r)
         a = fixed_denominator_mean(total, r)
         w_new, self.momentum = momentum_step(self._w, self.momentum, a, stats.beta, self.cfg.server_momentum)
-        if norms and not self.cfg.secure_noise:  # un-noised statistics of client data: seeded research mode only
+        if len(norms) and not self.cfg.secure_noise:  # un-noised statistics of client data: seeded research mode only
             norms_arr = np.asarray(norms)
             stats.mean_update_norm = float(norms_arr.mean())
             if self.adaptive is None:  # adaptive-clip releases the private b_k instead

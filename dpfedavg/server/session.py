@@ -264,13 +264,20 @@ class RunSession:
             )
         return metrics
 
-    def finish(self, w_final: Vector, stopped_before_round: int | None = None) -> RunResult:
-        """Write ``model.npz``, the final summary into ``config.json`` and ``metrics.png``; the run's result."""
+    def finish(
+        self, w_final: Vector, stopped_before_round: int | None = None, *, checkpoint: bool = True, plot: bool = True
+    ) -> RunResult:
+        """Write ``model.npz``, the final summary into ``config.json`` and ``metrics.png``; the run's result.
+
+        ``checkpoint`` / ``plot``: also the final ``checkpoint.npz`` (with ``checkpoint-every``) and ``metrics.png``;
+        a sweep's batch (:mod:`dpfedavg.engines.batched_runs`) writes neither (a cell reruns whole, figures
+        come from the sweep).
+        """
         server = self.server
         w_random = server.random_iterate if server.random_iterate is not None else w_final
         k_random = server.random_round if server.random_round is not None else 0
         self.recorder.write_model(w_final=w_final, w_random_iterate=w_random, random_iterate_round=k_random)
-        if self.cfg.checkpoint_every and server.history:
+        if checkpoint and self.cfg.checkpoint_every and server.history:
             self.checkpoint(max(server.history), w_final)
         if self.trajectory:
             np.save(self.directory / "trajectory.npy", np.stack(self.trajectory))
@@ -292,7 +299,8 @@ class RunSession:
         self.recorder.write_config(self.description)
         try:
             title = f"{self.cfg.task}, {self.cfg.algorithm}, C = {self.cfg.clip:g}, {self.cfg.noise_placement} noise"
-            self.recorder.write_plot(self.task.headline_metric, title)
+            if plot:
+                self.recorder.write_plot(self.task.headline_metric, title)
         except Exception as err:  # noqa: BLE001 - a plot must never fail a finished run
             logger.warning("metrics.png not written (%s: %s)", type(err).__name__, err)
         if f"last5_{self.task.headline_metric}" in summary:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
+from dpfedavg.core.types import BatchUpdateFn, GradFn, RunsUpdateFn, Vector
 
 __all__ = ["OPTIONAL_MEMBERS", "REQUIRED_MEMBERS", "Task", "TaskHooks", "task_hooks"]
 
@@ -74,12 +74,32 @@ class TaskHooks:
         ``task.client_round_grad_fn(client_id, server_round) -> GradFn``: local steps that depend on the
         round (the torch tasks' mini-batches); used instead of :meth:`Task.client_grad_fn`, and
         ``batch_update`` is then called with ``server_round``.
+    runs_update:
+        ``task.client_runs_update_fn(client_ids, server_round=k) -> RunsUpdateFn``: the local steps of a
+        ``(runs, clients)`` block, for a sweep's batch of runs (:mod:`dpfedavg.engines.batched_runs`).
+    run_axis_keys:
+        ``task.run_axis_keys``: run_config keys the runs of one batch may differ in (e.g. ``init``).
+    supports_run_axis, run_axis_limitation:
+        Whether this task (as configured) can run on a run axis, and why not.
+    evaluate_runs:
+        ``task.evaluate_runs(W) -> [metrics]``: the server's evaluation of a ``(runs, d)`` stack in one call.
+    parallel_steps:
+        The local steps use their own threads (torch): blocks of clients run one at a time.
+    batch_shared_bytes:
+        Memory a batch's runs share (the task's data), for sizing batches.
     """
 
     training_data_metrics: tuple[str, ...] = ()
     batch_grad: Callable[[np.ndarray], GradFn] | None = None
     batch_update: Callable[..., BatchUpdateFn] | None = None
     round_grad: Callable[[int, int], GradFn] | None = None
+    runs_update: Callable[..., RunsUpdateFn] | None = None
+    run_axis_keys: tuple[str, ...] = ()
+    supports_run_axis: bool = True
+    run_axis_limitation: str = "no run axis for this configuration"
+    evaluate_runs: Callable[[np.ndarray], list[dict[str, float]]] | None = None
+    parallel_steps: bool = False
+    batch_shared_bytes: int = 0
 
     def grad_fn(self, task: Task, client_id: int, server_round: int) -> GradFn:
         """Client ``i``'s gradient oracle in ``server_round``."""
@@ -103,17 +123,30 @@ class TaskHooks:
         return self.batch_update(client_ids)
 
 
-#: The members :class:`TaskHooks` looks up (``training_data_metrics`` and the three functions).
+#: The members :class:`TaskHooks` looks up: hook field -> the task's attribute.
 OPTIONAL_MEMBERS: dict[str, str] = {
     "training_data_metrics": "training_data_metrics",
     "batch_grad": "client_batch_grad_fn",
     "batch_update": "client_batch_update_fn",
     "round_grad": "client_round_grad_fn",
+    "runs_update": "client_runs_update_fn",
+    "run_axis_keys": "run_axis_keys",
+    "supports_run_axis": "supports_run_axis",
+    "run_axis_limitation": "run_axis_limitation",
+    "evaluate_runs": "evaluate_runs",
+    "parallel_steps": "parallel_steps",
+    "batch_shared_bytes": "batch_shared_bytes",
 }
 
 
 def task_hooks(task: Task) -> TaskHooks:
     """The optional members of ``task`` (absent ones are ``None``, or ``()`` for the metrics)."""
-    found: dict[str, Any] = {field: getattr(task, member, None) for field, member in OPTIONAL_MEMBERS.items()}
-    found["training_data_metrics"] = tuple(found["training_data_metrics"] or ())
+    found: dict[str, Any] = {
+        field: getattr(task, member) for field, member in OPTIONAL_MEMBERS.items() if hasattr(task, member)
+    }
+    for field in ("training_data_metrics", "run_axis_keys"):
+        found[field] = tuple(found.get(field) or ())
+    found["batch_shared_bytes"] = int(found.get("batch_shared_bytes") or 0)
+    found["parallel_steps"] = bool(found.get("parallel_steps", False))
+    found["supports_run_axis"] = bool(found.get("supports_run_axis", True))
     return TaskHooks(**found)

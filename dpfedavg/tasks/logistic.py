@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dpfedavg.config import ConfigError, RunConfig
-from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
+from dpfedavg.core.types import BatchUpdateFn, GradFn, RunsUpdateFn, Vector
 from dpfedavg.tasks.datasets import DATASETS, PreparedData, locked, prepare_dataset, save_npy
 from dpfedavg.tasks.partition import paper_shard_partition
 
@@ -128,6 +128,15 @@ class LogisticTask:
         self.cfg = cfg
         self.num_clients = cfg.num_clients
         self.num_classes = self.spec.num_classes
+        #: Keys that may differ between runs sharing :meth:`client_runs_update_fn`: with a fixed ``data-seed``
+        #: (private tuning's trials) the clients' data does not depend on ``seed``.
+        self.run_axis_keys: tuple[str, ...] = ("seed",) if cfg.data_seed >= 0 and cfg.backend == "numpy" else ()
+        #: A sweep's batch (engines.batched_runs) needs the same local steps as a run alone: the numpy closed form,
+        #: or torch's vmapped steps (mini-batches). The torch closed form (full batches) has no run axis.
+        self.supports_run_axis = cfg.backend == "numpy" or cfg.local_batch_size > 0
+        #: torch's steps run on torch's own threads (the batched engine then computes one block at a time).
+        self.parallel_steps = cfg.backend == "torch"
+        self.run_axis_limitation = "backend = 'torch' with full batches runs the torch closed form, one run at a time"
         if cfg.backend == "numpy" and cfg.local_batch_size:
             raise ConfigError(
                 f"invalid run config: 'local-batch-size' = {cfg.local_batch_size} with 'backend' = 'numpy': the numpy "
@@ -239,38 +248,77 @@ class LogisticTask:
             if self.cfg.local_batch_size > 0:  # mini-batches: the generic vmapped steps of TorchTask
                 return self.torch_task.client_batch_update_fn(client_ids, server_round)
             return self._torch_closed_form(client_ids)
-        rows = np.sort(np.asarray(self.partition)[np.asarray(client_ids)], axis=1)
-        x = np.asarray(self.data.train_x[rows.ravel()], dtype=np.float64).reshape(len(client_ids), rows.shape[1], -1)
-        y = np.asarray(self.data.train_y[rows.ravel()]).reshape(rows.shape)
-        gram = np.matmul(x, x.transpose(0, 2, 1))
-        d, c, lam, m = self.feature_dim, self.num_classes, self.cfg.weight_decay, rows.shape[1]
-        batch_idx, example_idx = np.arange(len(client_ids))[:, None], np.arange(m)[None, :]
+        runs_update = self.client_runs_update_fn(client_ids)
+        return lambda w, lr, num_steps: runs_update(np.asarray(w)[None, :], np.array([lr]), num_steps)[0]
 
-        def update(w: Vector, lr: float, num_steps: int) -> np.ndarray:
+    def client_runs_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> RunsUpdateFn:
+        """The closed form of :meth:`client_batch_update_fn` for ``R`` runs at once (a sweep's run axis).
+
+        Maps the runs' ``w_k`` (``(R, dim)``) and ``eta_k`` (``(R,)``) to ``u`` of shape ``(R, B, dim)``. The
+        runs share the clients' data and Gram matrices; their iterates are laid out as ``(B, m, c, R)``, the
+        run last, so that ``X W_k`` is one matrix product for the whole block, ``G_i A_t`` one per client for
+        every run at once, and the softmax's reductions over the ``c`` classes run along whole rows of runs.
+        With ``backend = "torch"`` and mini-batches: :meth:`TorchTask.client_runs_update_fn` (the steps a run alone
+        takes too); the torch closed form has no run axis (:attr:`supports_run_axis`).
+        """
+        if self.cfg.backend != "numpy":
+            if not self.supports_run_axis:
+                raise NotImplementedError(self.run_axis_limitation)
+            return self.torch_task.client_runs_update_fn(client_ids, server_round)
+        rows = np.sort(np.asarray(self.partition)[np.asarray(client_ids)], axis=1)
+        num, m = rows.shape
+        x = np.asarray(self.data.train_x[rows.ravel()], dtype=np.float64).reshape(num, m, -1)
+        y = np.asarray(self.data.train_y[rows.ravel()]).reshape(rows.shape)
+        gram = np.matmul(x, x.transpose(0, 2, 1))  # (B, m, m)
+        d, c, lam = self.feature_dim, self.num_classes, self.cfg.weight_decay
+        example, label = np.arange(num * m), y.ravel()  # the one-hot Y as indices
+        x_t, x_flat = x.transpose(0, 2, 1), x.reshape(num * m, d)
+
+        def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
+            w, lrs = np.atleast_2d(np.asarray(w, dtype=np.float64)), np.asarray(lrs, dtype=np.float64).reshape(-1)
             if num_steps < 1:
                 raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
-            if not lr > 0:
-                raise ValueError(f"local learning rate eta_k must be > 0, got {lr!r}")
-            weights, bias = w[: d * c].reshape(d, c), w[d * c :]
-            base_logits = np.matmul(x, weights)  # X W_k, (B, m, c)
-            decay = 1.0 - lr * lam
-            coef = np.zeros((len(client_ids), m, c))  # A_t
-            b = np.repeat(bias[None, :], len(client_ids), axis=0)  # b_t
-            scale = 1.0  # c_t
+            if not np.all(lrs > 0):
+                raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
+            runs = len(w)
+            weights, bias = w[:, : d * c].reshape(runs, d, c), w[:, d * c :]  # (R, d, c), (R, c)
+            # X W_k for every client and run: (B, m, c, R)
+            stacked = weights.transpose(1, 2, 0).reshape(d, c * runs)
+            base_logits = np.matmul(x_flat, stacked).reshape(num, m, c, runs)
+            decay = 1.0 - lrs * lam  # (R,)
+            # With c_t = decay^t: A_t = c_t A~_t and b_t = c_t b~_t, so one step is
+            # A~_{t+1} = A~_t - (eta / c_{t+1}) P_t and the logits are c_t (X W_k + G A~_t + b~_t).
+            coef = np.zeros((num, m, c, runs))  # A~_t
+            b = np.repeat(bias.T[None], num, axis=0)  # b~_t, (B, c, R)
+            scale = np.ones(runs)  # c_t
+            logits, probs = np.empty_like(base_logits), np.empty_like(base_logits)
+            moved = np.empty((num, m, c * runs))
             for _ in range(num_steps):
-                logits = scale * base_logits + np.matmul(gram, coef) + b[:, None, :]
-                logits -= logits.max(axis=2, keepdims=True)
-                probs = np.exp(logits)
-                probs /= probs.sum(axis=2, keepdims=True)
-                probs[batch_idx, example_idx, y] -= 1.0
-                probs /= m
-                coef = decay * coef - lr * probs
-                b = decay * b - lr * probs.sum(axis=1)
-                scale *= decay
-            # w_k - w_{k,E} = [(1 - c_E) W_k - X^T A_E, b_k - b_E]
-            delta_w = (1.0 - scale) * weights[None] - np.matmul(x.transpose(0, 2, 1), coef)
-            delta = np.concatenate([delta_w.reshape(len(client_ids), -1), bias[None, :] - b], axis=1)
-            return delta / lr
+                np.add(base_logits, np.matmul(gram, coef.reshape(num, m, c * runs), out=moved).reshape(logits.shape),
+                       out=logits)  # fmt: skip
+                logits += b[:, None]
+                logits *= scale
+                np.exp(logits, out=probs)
+                total = probs.sum(axis=2, keepdims=True)  # (B, m, 1, R)
+                if not np.all(np.isfinite(total) & (total > 0)):  # exp over- or underflowed: shift each row
+                    logits -= logits.max(axis=2, keepdims=True)
+                    np.exp(logits, out=probs)
+                    total = probs.sum(axis=2, keepdims=True)
+                scale = scale * decay  # c_{t+1}
+                step = lrs / (scale * m)  # eta / (c_{t+1} m)
+                probs *= step / total  # (eta / c_{t+1}) softmax / m
+                flat = probs.reshape(num * m, c, runs)
+                flat[example, label] -= step  # (eta / c_{t+1}) (softmax - Y) / m
+                coef -= probs
+                b -= probs.sum(axis=1)
+            # w_k - w_{k,E} = [(1 - c_E) W_k - c_E X^T A~_E, b_k - c_E b~_E]
+            moved_w = np.matmul(x_t, coef.reshape(num, m, c * runs)).reshape(num, d, c, runs)  # X^T A~_E
+            delta_w = (1.0 - scale)[:, None, None, None] * weights[:, None] - scale[
+                :, None, None, None
+            ] * moved_w.transpose(3, 0, 1, 2)
+            delta_b = bias[:, None, :] - scale[:, None, None] * b.transpose(2, 0, 1)  # (R, B, c)
+            delta = np.concatenate([delta_w.reshape(runs, num, d * c), delta_b], axis=2)
+            return delta / lrs[:, None, None]
 
         return update
 
@@ -316,28 +364,40 @@ class LogisticTask:
         return np.zeros(self.dim)
 
     # ------------------------------------------------------------ evaluation
-    def _scores(self, w: Vector, x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None) -> tuple[float, float]:
-        """``(mean CE, accuracy)`` over a split (or its ``rows``), in chunks read from the memory map."""
-        d, c = self.feature_dim, self.num_classes
-        weights, bias = w[: d * c].reshape(d, c), w[d * c :]
+    def _scores(
+        self, w: np.ndarray, x: np.ndarray, y: np.ndarray, rows: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(mean CE, accuracy)`` of each run (rows of ``w``, ``(R, dim)``) over a split (or its ``rows``).
+
+        In chunks read from the memory map; each chunk's logits for every run come from one product.
+        """
+        d, c, runs = self.feature_dim, self.num_classes, len(w)
+        weights = w[:, : d * c].reshape(runs, d, c).transpose(1, 0, 2).reshape(d, runs * c)  # (d, R c)
+        bias = w[:, d * c :]  # (R, c)
         total = len(y) if rows is None else len(rows)
-        ce_sum, correct = 0.0, 0
+        ce_sum, correct = np.zeros(runs), np.zeros(runs, dtype=np.int64)
         for start in range(0, total, EVAL_CHUNK):
             index = slice(start, start + EVAL_CHUNK) if rows is None else rows[start : start + EVAL_CHUNK]
             xb, yb = np.asarray(x[index], dtype=np.float64), np.asarray(y[index])
-            logits = xb @ weights + bias
-            ce, _ = softmax_cross_entropy(logits, yb)
-            ce_sum += float(ce.sum())
-            correct += int((logits.argmax(axis=1) == yb).sum())
+            logits = (xb @ weights).reshape(len(yb), runs, c) + bias[None]  # (N, R, c)
+            shifted = logits - logits.max(axis=2, keepdims=True)
+            picked = np.take_along_axis(shifted, yb[:, None, None], axis=2)[:, :, 0]
+            ce_sum += (np.log(np.exp(shifted).sum(axis=2)) - picked).sum(axis=0)
+            correct += (logits.argmax(axis=2) == yb[:, None]).sum(axis=0)
         return ce_sum / total, correct / total
 
     def evaluate(self, w: Vector) -> dict[str, float]:
         """Test accuracy and loss, and the training objective ``f(w)`` over the clients' data."""
+        return self.evaluate_runs(np.asarray(w)[None, :])[0]
+
+    def evaluate_runs(self, w: np.ndarray) -> list[dict[str, float]]:
+        """:meth:`evaluate` for each row of ``w`` (``(R, dim)``, one run per row): one pass over the data."""
+        w = np.asarray(w, dtype=np.float64)
         test_loss, test_acc = self._scores(w, self.data.test_x, self.data.test_y)
         rows = np.sort(np.asarray(self.partition).ravel())
         train_ce, _ = self._scores(w, self.data.train_x, self.data.train_y, rows)  # no copy of the whole split
-        return {
-            "test_accuracy": test_acc,
-            "test_loss": test_loss,
-            "train_loss": train_ce + 0.5 * self.cfg.weight_decay * float(w @ w),
-        }
+        penalty = 0.5 * self.cfg.weight_decay * np.einsum("rj,rj->r", w, w)
+        return [
+            {"test_accuracy": float(acc), "test_loss": float(loss), "train_loss": float(ce + pen)}
+            for acc, loss, ce, pen in zip(test_acc, test_loss, train_ce, penalty, strict=True)
+        ]

@@ -15,15 +15,15 @@ get ``w*`` and ``f* = f(w*)`` by an exact solve.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core.seeding import Stream, make_rng
-from dpfedavg.core.types import GradFn, Vector
+from dpfedavg.core.types import BatchUpdateFn, GradFn, RunsUpdateFn, Vector
 
-__all__ = ["QuadraticTask", "QuadraticClient", "RANK"]
+__all__ = ["Federation", "QuadraticTask", "QuadraticClient", "RANK", "federation", "local_steps_gain"]
 
 #: Columns of A_i (paper: 20); entries have std 1/RANK.
 RANK = 20
@@ -59,6 +59,82 @@ def make_client(seed: int, client_id: int, dim: int) -> QuadraticClient:
     return QuadraticClient(a=a, w_star=w_star)
 
 
+class Federation:
+    """Every client's ``(A_i, w_i*)`` of one ``(seed, n, d)``, stacked, and what the closed forms reuse.
+
+    Built once per process and shared by every task (and every run of a sweep) with the same
+    ``(seed, n, d)`` (:func:`federation`); the ``init`` of a run changes only its ``w_0``.
+
+    Each client's span is kept in the eigenbasis of its ``RANK x RANK`` Gram matrix:
+    ``A_i^T A_i = V_i diag(lambda_i) V_i^T`` and ``B_i = A_i V_i`` (``d x RANK``, orthogonal columns of norms
+    ``sqrt(lambda_i)``), so that ``Q_i = A_i A_i^T = B_i B_i^T`` and ``||A_i^T x|| = ||B_i^T x||``.
+    """
+
+    def __init__(self, seed: int, num_clients: int, dim: int) -> None:
+        clients = [make_client(seed, i, dim) for i in range(num_clients)]
+        self.a = np.stack([c.a for c in clients])  # (n, d, RANK)
+        self.w_stars = np.stack([c.w_star for c in clients])  # (n, d)
+        self.num_clients, self.dim = num_clients, dim
+        self.eigenvalues, vectors = np.linalg.eigh(np.matmul(self.a.transpose(0, 2, 1), self.a))  # (n, RANK), ...
+        self.eigenvalues = np.maximum(self.eigenvalues, 0.0)  # a Gram matrix: rounding may give -1e-17
+        basis = np.matmul(self.a, vectors)  # B_i = A_i V_i, (n, d, RANK)
+        #: ``[B_0 | B_1 | ...]``, ``(d, n RANK)``: ``W @ basis_flat`` projects every run on every client at once.
+        self.basis_flat = np.ascontiguousarray(basis.transpose(1, 0, 2).reshape(dim, num_clients * RANK))
+        #: ``B_i^T`` of every client, contiguous (``(n, RANK, d)``), and ``B_i^T w_i*`` (``(n, RANK)``).
+        self.basis_t = np.ascontiguousarray(basis.transpose(0, 2, 1))
+        self.star_proj = np.einsum("nrd,nd->nr", self.basis_t, self.w_stars)
+        self._last: tuple[np.ndarray, np.ndarray] | None = None  # (w, projections(w))
+
+    def projections(self, w: np.ndarray) -> np.ndarray:
+        """``B_i^T (w_r - w_i*)`` for every run ``r`` (rows of ``w``, ``(R, d)``) and client: ``(R, n, RANK)``.
+
+        The last result is kept: the server's evaluation of ``w_{k+1}`` and the next round's local steps
+        (from the same ``w_{k+1}``, every client sampled) need the same product.
+        """
+        last = self._last
+        if last is not None and last[0].shape == w.shape and np.array_equal(last[0], w):
+            return last[1]
+        proj = np.matmul(w, self.basis_flat).reshape(len(w), self.num_clients, RANK) - self.star_proj[None]
+        proj.flags.writeable = False
+        self._last = (np.array(w, copy=True), proj)
+        return proj
+
+    def objective(self, w: np.ndarray) -> np.ndarray:
+        """``f(w_r) = (1/n) sum_i 1/2 ||B_i^T (w_r - w_i*)||^2`` for each row of ``w``: ``(R,)``."""
+        proj = self.projections(w).reshape(len(w), -1)
+        return 0.5 * np.einsum("rj,rj->r", proj, proj) / self.num_clients
+
+    @cached_property
+    def optimum(self) -> tuple[Vector, float]:
+        """``(w*, f*)`` (see :attr:`QuadraticTask.optimum`)."""
+        hessian = np.einsum("ndr,ner->de", self.a, self.a)
+        rhs = np.einsum("ndr,ner,ne->d", self.a, self.a, self.w_stars)
+        w_opt, *_ = np.linalg.lstsq(hessian, rhs, rcond=None)
+        return w_opt, float(self.objective(w_opt[None])[0])
+
+
+def local_steps_gain(eigenvalues: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
+    """``h = (1 - (1 - eta lambda)^E) / (eta lambda)`` (``E`` at ``eta lambda = 0``) per client, run and direction.
+
+    ``eigenvalues`` is ``(B, RANK)`` and ``lrs`` is ``(R,)``; the result is ``(B, R, RANK)``. E gradient steps of
+    size ``eta`` on ``1/2 x^T Q x`` multiply the component of ``x`` along an eigenvector of ``Q`` with
+    eigenvalue ``lambda`` by ``(1 - eta lambda)^E``, so ``u = (x_0 - x_E) / eta`` is ``h`` times ``Q x_0``'s
+    component. For ``eta lambda < 1/2`` it is computed as ``-expm1(E log1p(-eta lambda)) / (eta lambda)``
+    (accurate to the last digits even when ``eta lambda`` is tiny); above, the power itself is exact enough.
+    """
+    x = lrs[None, :, None] * eigenvalues[:, None, :]
+    safe = np.where(x > 0, x, 1.0)
+    small = -np.expm1(num_steps * np.log1p(-np.minimum(x, 0.5))) / safe
+    large = (1.0 - (1.0 - x) ** num_steps) / safe
+    return np.where(x > 0, np.where(x < 0.5, small, large), float(num_steps))
+
+
+@lru_cache(maxsize=8)
+def federation(seed: int, num_clients: int, dim: int) -> Federation:
+    """The :class:`Federation` of ``(seed, n, d)``, built once per process."""
+    return Federation(seed, num_clients, dim)
+
+
 class QuadraticTask:
     """Paper §4.4: n clients with convex, smooth, heterogeneous quadratics."""
 
@@ -67,12 +143,19 @@ class QuadraticTask:
     headline_metric = "suboptimality"
     #: Computed from every client's private data (A_i, w_i*): withheld with secure-noise (see Task).
     training_data_metrics = ("suboptimality", "dist_to_opt", "objective")
+    #: Keys that may differ between runs sharing :meth:`client_runs_update_fn` (``init`` moves only ``w_0``).
+    run_axis_keys = ("init",)
 
     def __init__(self, cfg: RunConfig) -> None:
         self.seed = cfg.seed
         self.num_clients = cfg.num_clients
         self.dim = cfg.dim
         self.init = cfg.init
+
+    @property
+    def batch_shared_bytes(self) -> int:
+        """Memory of the stacked federation a batch of runs shares (:class:`Federation`: ``A`` three times)."""
+        return 4 * 8 * self.num_clients * self.dim * RANK
 
     def client(self, client_id: int) -> QuadraticClient:
         """Client ``i``'s objective (built on demand, nothing else)."""
@@ -95,15 +178,59 @@ class QuadraticTask:
 
         return grad
 
-    # --- server side: everything below needs all n clients ------------------
-    @cached_property
-    def _stacked(self) -> tuple[np.ndarray, np.ndarray]:
-        clients = [self.client(i) for i in range(self.num_clients)]
-        a = np.stack([c.a for c in clients])  # (n, d, RANK)
-        w_stars = np.stack([c.w_star for c in clients])  # (n, d)
-        return a, w_stars
+    def client_runs_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> RunsUpdateFn:
+        """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for a block of clients and several runs, exactly.
 
-    @cached_property
+        Alg. 1 / Alg. 2 lines 5-9 in closed form. A step on ``f_i`` moves the iterate by
+        ``-eta Q_i (w - w_i*)`` with ``Q_i = B_i B_i^T`` (:class:`Federation`: ``B_i``'s columns are the
+        eigenvectors of ``Q_i`` with eigenvalues ``lambda_i``, scaled by ``sqrt(lambda_i)``), so after E steps
+
+            ``u = B_i (h_i * B_i^T (w_k - w_i*))``,  ``h_i = (1 - (1 - eta_k lambda_i)^E) / (eta_k lambda_i)``
+
+        (:func:`local_steps_gain`): two products of ``d x RANK`` per client and run instead of ``2 E`` of them.
+        The returned function maps the runs' ``w_k`` (``(R, d)``) and ``eta_k`` (``(R,)``) to ``u`` of shape
+        ``(R, B, d)`` (one row per run and client); the same as :func:`dpfedavg.core.client_update` on
+        :meth:`client_batch_grad_fn`, up to float64 rounding (tested). ``server_round`` is unused (full batches).
+        """
+        fed = federation(self.seed, self.num_clients, self.dim)
+        ids = np.asarray(client_ids, dtype=np.int64)
+        every = len(ids) == self.num_clients and bool(np.all(ids == np.arange(self.num_clients)))
+        if every:
+            basis_t, eigenvalues = fed.basis_t, fed.eigenvalues
+        else:
+            basis_t, eigenvalues = fed.basis_t[ids], fed.eigenvalues[ids]  # (B, RANK, d), (B, RANK)
+            basis_flat = np.ascontiguousarray(basis_t.transpose(2, 0, 1).reshape(self.dim, -1))
+            star_proj = fed.star_proj[ids]
+
+        def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
+            w, lrs = np.atleast_2d(np.asarray(w, dtype=np.float64)), np.asarray(lrs, dtype=np.float64).reshape(-1)
+            if num_steps < 1:
+                raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
+            if not np.all(lrs > 0):
+                raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
+            if every:  # the product the server's evaluation of w_k already formed
+                v = fed.projections(w).transpose(1, 0, 2)  # (B, R, RANK)
+            else:
+                v = np.matmul(w, basis_flat).reshape(len(w), len(ids), RANK).transpose(1, 0, 2) - star_proj[:, None]
+            distinct, which = np.unique(lrs, return_inverse=True)  # a sweep's runs share a few eta_k
+            gain = local_steps_gain(eigenvalues, distinct, num_steps)[:, which.reshape(-1)]  # (B, R, RANK)
+            u = np.matmul(gain * v, basis_t)  # (B, R, d)
+            return u.transpose(1, 0, 2)
+
+        return update
+
+    def client_batch_update_fn(self, client_ids: np.ndarray) -> BatchUpdateFn:
+        """:meth:`client_runs_update_fn` for one run: ``(w_k, eta_k, E) -> u`` of shape ``(B, d)``."""
+        runs_update = self.client_runs_update_fn(client_ids)
+        return lambda w, lr, num_steps: runs_update(np.asarray(w)[None, :], np.array([lr]), num_steps)[0]
+
+    # --- server side: everything below needs all n clients ------------------
+    @property
+    def _stacked(self) -> tuple[np.ndarray, np.ndarray]:
+        fed = federation(self.seed, self.num_clients, self.dim)
+        return fed.a, fed.w_stars
+
+    @property
     def optimum(self) -> tuple[Vector, float]:
         """``(w*, f*)``: the exact minimizer of ``f`` and its value.
 
@@ -111,17 +238,11 @@ class QuadraticTask:
         least-squares solver so that a rank-deficient ``sum_i Q_i`` (fewer than
         ``d / 20`` clients) still gives an exact minimizer.
         """
-        a, w_stars = self._stacked
-        hessian = np.einsum("ndr,ner->de", a, a)
-        rhs = np.einsum("ndr,ner,ne->d", a, a, w_stars)
-        w_opt, *_ = np.linalg.lstsq(hessian, rhs, rcond=None)
-        return w_opt, self.objective(w_opt)
+        return federation(self.seed, self.num_clients, self.dim).optimum
 
     def objective(self, w: Vector) -> float:
         """``f(w) = (1/n) sum_i f_i(w)``."""
-        a, w_stars = self._stacked
-        proj = np.einsum("ndr,nd->nr", a, w[None, :] - w_stars)
-        return 0.5 * float(np.einsum("nr,nr->", proj, proj)) / self.num_clients
+        return float(federation(self.seed, self.num_clients, self.dim).objective(np.asarray(w)[None, :])[0])
 
     def initial_weights(self) -> Vector:
         """I1: ``w_0 = w* + z``; I2: ``w_0 = w* + z/5``; ``z ~ U(0, 1)^d``."""
@@ -131,10 +252,15 @@ class QuadraticTask:
 
     def evaluate(self, w: Vector) -> dict[str, float]:
         """``f(w_k) - f*``, ``||w_k - w*||`` and ``f(w_k)``."""
-        w_opt, f_opt = self.optimum
-        f_w = self.objective(w)
-        return {
-            "suboptimality": f_w - f_opt,
-            "dist_to_opt": float(np.linalg.norm(w - w_opt)),
-            "objective": f_w,
-        }
+        return self.evaluate_runs(np.asarray(w)[None, :])[0]
+
+    def evaluate_runs(self, w: np.ndarray) -> list[dict[str, float]]:
+        """:meth:`evaluate` for each row of ``w`` (``(R, d)``, one run per row), in one product."""
+        fed = federation(self.seed, self.num_clients, self.dim)
+        w_opt, f_opt = fed.optimum
+        f_w = fed.objective(np.asarray(w, dtype=np.float64))
+        dist = np.linalg.norm(w - w_opt[None, :], axis=1)
+        return [
+            {"suboptimality": float(f) - f_opt, "dist_to_opt": float(e), "objective": float(f)}
+            for f, e in zip(f_w, dist, strict=True)
+        ]

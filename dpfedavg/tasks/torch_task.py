@@ -48,7 +48,8 @@ import numpy as np
 
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core.seeding import Stream, make_rng
-from dpfedavg.core.types import BatchUpdateFn, GradFn, Vector
+from dpfedavg.core.threads import single_threaded
+from dpfedavg.core.types import BatchUpdateFn, GradFn, RunsUpdateFn, Vector
 
 __all__ = [
     "ArrayClients",
@@ -64,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 #: Rows per chunk when the server evaluates (bounds memory).
 EVAL_CHUNK = 4096
+#: The local steps take clients this many bytes of examples at a time through all E steps (they stay in cache).
+CLIENT_CHUNK_BYTES = 8 * 1024**2
 #: Clients per block when the server computes the training objective.
 EVAL_CLIENT_BLOCK = 256
 
@@ -200,7 +203,9 @@ def linear_softmax_model(num_features: int, num_classes: int) -> Any:
             self.bias = torch.nn.Parameter(torch.zeros(num_classes))
 
         def forward(self, x: Any) -> Any:
-            return x @ self.weight + self.bias
+            # (W^T x^T)^T with W^T contiguous: the same product as x W, but autograd then forms the weight's
+            # gradient as grad^T x, a fast batched product under vmap (x @ W's x^T grad was 3x slower; BENCHMARKS.md)
+            return (self.weight.t().contiguous() @ x.transpose(-1, -2)).transpose(-1, -2) + self.bias
 
     return LinearSoftmax()
 
@@ -253,6 +258,8 @@ class TorchTask:
 
     #: Computed from the clients' training data: withheld with secure-noise (see Task).
     training_data_metrics = ("train_loss",)
+    #: The local steps run on torch's own threads: the batched engine computes one block of clients at a time.
+    parallel_steps = True
 
     def __init__(
         self,
@@ -271,9 +278,7 @@ class TorchTask:
         self.name = name or (cfg.task if ":" in cfg.task else getattr(model, "__name__", type(model).__name__))
         self.num_clients = cfg.num_clients
         self.device = resolve_device(cfg.device)
-        from dpfedavg.flower.runtime import in_app_process
-
-        if in_app_process() and self.device.type == "cpu":  # parallelism comes from the Ray actors (runtime.py)
+        if single_threaded() and self.device.type == "cpu":  # parallelism comes from the Ray actors
             self.torch.set_num_threads(1)
         self.dtype = getattr(self.torch, cfg.torch_dtype)
         self.batch_size = cfg.local_batch_size
@@ -428,53 +433,134 @@ class TorchTask:
     def client_batch_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> BatchUpdateFn:
         """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for a block of clients in one call (``(B, dim)``).
 
-        One ``vmap`` over the clients per step (Alg. 1/2 lines 5-9); the iterates are float64, each
-        gradient is computed in ``torch-dtype``, as in :meth:`client_grad_fn` under
-        :func:`dpfedavg.core.client_update` (tested equal). ``server_round`` picks the round's mini-batches.
+        :meth:`client_runs_update_fn` for one run. ``server_round`` picks the round's mini-batches.
+        """
+        runs_update = self.client_runs_update_fn(client_ids, server_round)
+        return lambda w, lr, num_steps: runs_update(np.asarray(w)[None, :], np.array([lr]), num_steps)[0]
+
+    def _data_objective(self, params: dict[str, Any], x: Any, y: Any, mask: Any) -> Any:
+        """The mean loss on the examples where ``mask`` is true (``f_i`` without the weight decay)."""
+        out = self.torch.func.functional_call(self.module, {**params, **self._buffers}, (x,))
+        per = self._per_example(out, y)
+        return self.torch.where(mask, per, self.torch.zeros_like(per)).sum() / mask.sum()
+
+    @cached_property
+    def _runs_grad(self) -> Callable[..., Any]:
+        """``grad`` of :meth:`_data_objective` over a ``(R, B)`` block: clients inside, runs outside (data shared)."""
+        func = self.torch.func
+        per_client = func.vmap(func.grad(self._data_objective), in_dims=(0, 0, 0, 0))
+        return func.vmap(per_client, in_dims=(0, None, None, None))
+
+    def client_runs_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> RunsUpdateFn:
+        """``u`` of E local steps for ``R`` runs x ``B`` clients: ``(W_k (R, dim), eta_k (R,), E) -> (R, B, dim)``.
+
+        Alg. 1/2 lines 5-9: ``w_{t+1} = w_t - eta_k (grad L_i(w_t) + lambda w_t)``, ``u = (w_k - w_{k,E}) / eta_k``
+        Each step is one ``vmap`` over the clients inside one over the runs (the clients' data are shared by
+        the runs), of ``torch.func.grad`` of the data loss; the weight decay's gradient ``lambda w`` is added
+        outside autograd. The iterate is kept as its displacement ``w_t - w_k`` from the run's ``w_k``, one
+        tensor per parameter (no flattening per step), in ``torch-dtype``: with float64 the steps are
+        :func:`dpfedavg.core.client_update`'s to the rounding of a sum; with float32 ``u`` keeps float32's
+        relative precision (the displacement is small next to ``w``; tested within 1e-5 of the float64 loop).
+        Clients are processed :data:`CLIENT_CHUNK_BYTES` of data at a time through all E steps, so that
+        their examples stay in cache. ``server_round`` picks the round's mini-batches.
         """
         torch = self.torch
-        self.layout  # noqa: B018 - build the module before any torch.func transform
+        layout = self.layout  # builds the module before any torch.func transform
         ids = np.asarray(client_ids)
         x_np, y_np, counts = self.data.block(ids)
-        x, y = self._x(x_np), self._y(y_np)
+        x, y = self._block_x(x_np), self._y(y_np)
         m_max = x.shape[1]
         full_mask = torch.as_tensor(np.arange(m_max)[None, :] < counts[:, None], device=self.device)
-        rows = torch.arange(len(ids), device=self.device)[:, None]
+        per_client = max(1, x[0].numel() * x.element_size())
+        chunk = max(1, min(len(ids), CLIENT_CHUNK_BYTES // per_client))
 
-        def update(w: Vector, lr: float, num_steps: int) -> np.ndarray:
+        def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
+            w, lrs = np.atleast_2d(np.asarray(w, dtype=np.float64)), np.asarray(lrs, dtype=np.float64).reshape(-1)
             if num_steps < 1:
                 raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
-            if not lr > 0:
-                raise ValueError(f"local learning rate eta_k must be > 0, got {lr!r}")
-            w0 = torch.as_tensor(np.asarray(w, dtype=np.float64), device=self.device)
-            w_local = w0.expand(len(ids), -1).clone()
-            streams = (
-                [
-                    minibatch_indices(self.cfg.seed, int(i), server_round, int(c), self.batch_size)
-                    for i, c in zip(ids, counts, strict=True)
-                ]  # noqa: E501
-                if self.batch_size > 0
-                else None
-            )
+            if not np.all(lrs > 0):
+                raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
+            runs = len(w)
+            w0 = torch.as_tensor(w, device=self.device).to(self.dtype)
+            start = {n: c.reshape(runs, 1, *shape) for n, c, shape in
+                     zip(layout.names, torch.split(w0, layout.numels, dim=1), layout.shapes, strict=True)}  # fmt: skip
+            out = torch.empty((runs, len(ids), layout.dim), dtype=torch.float64, device=self.device)
+            lr = torch.as_tensor(lrs, device=self.device).to(self.dtype)
+            decay = lr * self.weight_decay
             with self._lock:
-                for _ in range(num_steps):
-                    if streams is None:
-                        xb, yb, mb = x, y, full_mask
-                    else:
-                        picks = [next(s) for s in streams]
-                        width = max(len(p) for p in picks)
-                        idx = np.zeros((len(ids), width), dtype=np.int64)
-                        valid = np.zeros((len(ids), width), dtype=bool)
-                        for b, p in enumerate(picks):
-                            idx[b, : len(p)], valid[b, : len(p)] = p, True
-                        idx_t = torch.as_tensor(idx, device=self.device)
-                        xb, yb = x[rows, idx_t], y[rows, idx_t]
-                        mb = torch.as_tensor(valid, device=self.device)
-                    g = self._block_grad(w_local.to(self.dtype), xb, yb, mb)
-                    w_local -= lr * g.to(torch.float64)
-            return ((w0[None, :] - w_local) / lr).cpu().numpy()
+                for lo in range(0, len(ids), chunk):
+                    hi = min(lo + chunk, len(ids))
+                    batches = self._minibatches(ids[lo:hi], counts[lo:hi], server_round, x[lo:hi], y[lo:hi])
+                    moved = self._chunk_steps(
+                        start, lr, decay, x[lo:hi], y[lo:hi], full_mask[lo:hi], batches, num_steps
+                    )
+                    flat = torch.cat([moved[n].reshape(runs, hi - lo, -1) for n in layout.names], dim=2)
+                    out[:, lo:hi] = flat.to(torch.float64) / -torch.as_tensor(lrs, device=self.device)[:, None, None]
+            return out.cpu().numpy()
 
         return update
+
+    def _chunk_steps(
+        self,
+        start: dict[str, Any],
+        lr: Any,
+        decay: Any,
+        x: Any,
+        y: Any,
+        mask: Any,
+        batches: Callable[[], tuple[Any, Any, Any]] | None,
+        num_steps: int,
+    ) -> dict[str, Any]:
+        """E steps of a chunk of clients for every run; returns the displacements ``w_{k,E} - w_k`` per parameter."""
+        torch = self.torch
+        clients = x.shape[0]
+        moved = {n: torch.zeros((v.shape[0], clients, *v.shape[2:]), dtype=self.dtype, device=self.device)
+                 for n, v in start.items()}  # fmt: skip
+        shape = (-1, 1) + (1,) * 8  # broadcast one value per run over (clients, parameter dims)
+        for _ in range(num_steps):
+            params = {n: start[n] + moved[n] for n in start}  # w_t, (R, B_chunk, ...)
+            xb, yb, mb = (x, y, mask) if batches is None else batches()
+            grads = self._runs_grad(params, xb, yb, mb)
+            for n, g in grads.items():
+                rank = g.dim()
+                moved[n].addcmul_(g, lr.reshape(shape[:rank]), value=-1.0)  # - eta grad L_i(w_t)
+                if self.weight_decay:
+                    moved[n].addcmul_(params[n], decay.reshape(shape[:rank]), value=-1.0)  # - eta lambda w_t
+        return moved
+
+    def _minibatches(
+        self, ids: np.ndarray, counts: np.ndarray, server_round: int, x: Any, y: Any
+    ) -> Callable[[], tuple[Any, Any, Any]] | None:
+        """The round's mini-batches of a chunk of clients, one call per step (``None``: full batches)."""
+        if self.batch_size <= 0:
+            return None
+        torch = self.torch
+        streams = [minibatch_indices(self.cfg.seed, int(i), server_round, int(c), self.batch_size)
+                   for i, c in zip(ids, counts, strict=True)]  # fmt: skip
+        rows = torch.arange(len(ids), device=self.device)[:, None]
+
+        def next_batches() -> tuple[Any, Any, Any]:
+            picks = [next(s) for s in streams]
+            width = max(len(p) for p in picks)
+            idx = np.zeros((len(ids), width), dtype=np.int64)
+            valid = np.zeros((len(ids), width), dtype=bool)
+            for b, p in enumerate(picks):
+                idx[b, : len(p)], valid[b, : len(p)] = p, True
+            idx_t = torch.as_tensor(idx, device=self.device)
+            return x[rows, idx_t], y[rows, idx_t], torch.as_tensor(valid, device=self.device)
+
+        return next_batches
+
+    def _block_x(self, x: np.ndarray) -> Any:
+        """A block's inputs as a tensor: shares the gathered array's memory when it can (no second copy)."""
+        if (
+            x.flags.writeable
+            and x.flags.c_contiguous
+            and self.device.type == "cpu"
+            and x.dtype == np.dtype(str(self.dtype).removeprefix("torch."))
+        ):
+            return self.torch.from_numpy(x)
+        return self._x(x)
 
     # ------------------------------------------------------------------ evaluation
     @cached_property

@@ -1,0 +1,168 @@
+"""Alg. 1 / Alg. 2 lines 9-12 for several runs at once: a leading run axis over a block of clients.
+
+A sweep runs many configurations ("runs") of the same federation: different ``C``, ``eta``, ``beta``,
+``mu``, ``z``, initializations or algorithms over the same clients. Runs that share a ``seed`` also share,
+in every round, the sampled clients (Alg. 1 line 3: ``make_rng(seed, SAMPLING, k)``) and every
+client's noise stream (line 10: ``noise_rng(round_noise_seed(seed, k), i)``); only the scale of the noise
+(``z C / sqrt(|S_k|)``, per run) differs. So the standard normal draws of a round are made once for all
+of them (:func:`shared_standard_normals`) and each run's noise is its own std times those draws: the same
+floating-point numbers that :meth:`dpfedavg.core.noise.GaussianLaw.add` adds from the client's own
+generator, one run at a time.
+
+:func:`released_sums` then takes the client updates ``u`` of a ``(R, B, d)`` block (runs x clients),
+bounds them with :func:`dpfedavg.core.local.bound_block` (line 9, the function every engine uses), adds the
+noise (line 10) and sums each run's noisy updates over its clients in ascending client id (line 12's sum,
+in the order :meth:`dpfedavg.server.dp_server.DPServer.finish_round` adds them). Pure numpy, no Flower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dpfedavg.core.local import BoundedBlock, bound_block
+from dpfedavg.core.seeding import SECURE_NOISE_SEED, noise_rng
+
+__all__ = ["RunSums", "released_sums", "shared_standard_normals"]
+
+
+def shared_standard_normals(noise_seed: int, client_ids: np.ndarray, dim: int) -> np.ndarray:
+    """Each client's standard normals of a round: row ``b`` is ``noise_rng(noise_seed, id_b).standard_normal(dim)``.
+
+    ``GaussianLaw.add`` with std ``s`` adds exactly ``s * row`` (:func:`dpfedavg.core.dp.gaussian_noise`), so every
+    run that shares ``noise_seed`` (the same ``seed``) noises with these rows scaled by its own std. A longer
+    ``dim`` gives the same leading values (the generator fills the vector in order), so the ``d + 1``
+    coordinates of an ``adaptive-clip`` run and the ``d`` of a ``clip`` run come from one draw.
+    """
+    if noise_seed == SECURE_NOISE_SEED:
+        raise ValueError("secure-noise draws cannot be shared between runs (nobody can replay them)")
+    out = np.empty((len(client_ids), dim))
+    for row, client_id in enumerate(client_ids):
+        out[row] = noise_rng(noise_seed, int(client_id)).standard_normal(dim)
+    return out
+
+
+@dataclass
+class RunSums:
+    """What the server needs from one round of ``R`` runs, accumulated block by block (:func:`released_sums`).
+
+    Attributes
+    ----------
+    noisy:
+        Per run, ``sum_i (g_i + zeta_i)`` over its clients whose training did not diverge (length
+        ``d``, or ``d + 1`` with ``adaptive-clip``'s count coordinate).
+    clean:
+        Per run, ``sum_i g_i`` (``None`` unless asked for: the SNR diagnostic).
+    norms:
+        Per run, the list of ``||u_i||`` of those clients, in ascending client id.
+    failed:
+        Per run, the ids of the clients whose local training diverged (NaN/Inf in ``u``): they send nothing.
+    """
+
+    noisy: list[np.ndarray]
+    clean: list[np.ndarray | None]
+    norms: list[list[np.ndarray]] = field(default_factory=list)
+    failed: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def zeros(cls, release_dims: Sequence[int], keep_clean: Sequence[bool]) -> RunSums:
+        """Empty sums for runs whose vectors have ``release_dims`` coordinates."""
+        return cls(
+            noisy=[np.zeros(d) for d in release_dims],
+            clean=[np.zeros(d) if keep else None for d, keep in zip(release_dims, keep_clean, strict=True)],
+            norms=[[] for _ in release_dims],
+            failed=[[] for _ in release_dims],
+        )
+
+    def update_norms(self, run: int) -> np.ndarray:
+        """Run ``run``'s ``||u_i||`` of the clients that entered its sum, in client order."""
+        parts = self.norms[run]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def released_sums(
+    u: np.ndarray,
+    client_ids: np.ndarray,
+    *,
+    algorithms: Sequence[str],
+    clips: np.ndarray,
+    noise_stds: np.ndarray,
+    count_scales: np.ndarray,
+    normals: np.ndarray | None,
+    into: RunSums,
+) -> RunSums:
+    """Alg. 1 / Alg. 2 lines 9-10 and line 12's sum for a ``(R, B, d)`` block of ``R`` runs x ``B`` clients.
+
+    Row ``(r, b)`` of ``u`` is client ``client_ids[b]``'s update ``u`` in run ``r``. Each run is bounded by
+    its own algorithm and ``C`` (:func:`~dpfedavg.core.local.bound_block`; ``adaptive-clip`` appends the count
+    coordinate with its ``s``), noised with its own per-client std times the shared ``normals`` (``(B, D)``
+    from :func:`shared_standard_normals`, ``D`` at least every run's vector length; ``None`` when every std
+    is 0), and added to ``into`` client by client in the order of ``client_ids`` (ascending), so that a
+    run's sum is the one :meth:`~dpfedavg.server.dp_server.DPServer.finish_round` forms from the same
+    replies. Blocks of clients of one round are passed one after the other with the same ``into``.
+    """
+    u = np.asarray(u)
+    num_runs, num_clients, dim = u.shape
+    if len(algorithms) != num_runs:
+        raise ValueError(f"one algorithm per run: {num_runs} runs, {len(algorithms)} algorithms")
+    if len(client_ids) != num_clients:
+        raise ValueError(f"one client id per column: {num_clients} columns, {len(client_ids)} ids")
+    stds = np.asarray(noise_stds, dtype=np.float64)
+    if normals is None and np.any(stds != 0):
+        raise ValueError("noise stds > 0 need the round's standard normal draws")
+    clips, scales = np.asarray(clips, dtype=np.float64), np.asarray(count_scales, dtype=np.float64)
+    for algorithm in dict.fromkeys(algorithms):
+        runs = np.flatnonzero(np.asarray(algorithms) == algorithm)
+        # a contiguous range of runs is a view of u; otherwise numpy copies those runs
+        pick = slice(runs[0], runs[-1] + 1) if runs[-1] - runs[0] + 1 == len(runs) else runs
+        block = bound_block(u[pick], algorithm=algorithm, clip=clips[pick], count_scale=scales[pick])
+        _accumulate(block, runs, client_ids, stds[pick], normals, into, dim)
+    return into
+
+
+def _accumulate(
+    block: BoundedBlock,
+    runs: np.ndarray,
+    client_ids: np.ndarray,
+    stds: np.ndarray,
+    normals: np.ndarray | None,
+    into: RunSums,
+    dim: int,
+) -> None:
+    """Add one algorithm's runs of a bounded block to their sums, client by client."""
+    g, count, finite = block.g, block.count, block.finite
+    release = dim + (1 if count is not None else 0)
+    noisy = np.stack([into.noisy[r] for r in runs])
+    wants_clean = [into.clean[r] is not None for r in runs]
+    clean = (
+        np.stack([into.clean[r] if into.clean[r] is not None else np.zeros(release) for r in runs])
+        if any(wants_clean)
+        else None
+    )
+    if noisy.shape[1] != release:
+        raise ValueError(f"the sums have length {noisy.shape[1]}, the runs' vectors {release}")
+    all_finite = bool(finite.all())
+    scale = stds[:, None]
+    for b in range(len(client_ids)):
+        # g_i + zeta_i, as GaussianLaw.add computes it: g + (z_i * std), z_i the client's standard normals
+        row = g[:, b, :] if normals is None else g[:, b, :] + normals[b, :dim] * scale
+        if not all_finite:
+            row = np.where(finite[:, b, None], row, 0.0)  # a client whose training diverged sends nothing
+        noisy[:, :dim] += row
+        if clean is not None:
+            clean[:, :dim] += g[:, b, :] if all_finite else np.where(finite[:, b, None], g[:, b, :], 0.0)
+        if count is not None:
+            c = count[:, b] if normals is None else count[:, b] + normals[b, dim] * stds
+            noisy[:, dim] += c if all_finite else np.where(finite[:, b], c, 0.0)
+            if clean is not None:
+                clean[:, dim] += count[:, b] if all_finite else np.where(finite[:, b], count[:, b], 0.0)
+    for j, r in enumerate(runs):
+        into.noisy[r] = noisy[j]
+        if clean is not None and wants_clean[j]:
+            into.clean[r] = clean[j]
+        ok = finite[j]
+        into.norms[r].append(block.norms[j][ok])
+        if not ok.all():
+            into.failed[r].extend(int(i) for i in np.asarray(client_ids)[~ok])

@@ -7,8 +7,9 @@ Non-Lipschitz Objectives, and with Normalized Client Updates". The public API:
 * :func:`run` (train with the batched engine) and its :class:`RunResult`;
 * :class:`Task` (what a task provides), :class:`TorchTask` and :class:`ArrayClients` (any ``torch.nn.Module``
   with your data);
-* :class:`DPFedAvg` (the Flower strategy) and :class:`InProcessGrid` (a Flower Grid in this process, to test
-  a strategy in isolation);
+* :class:`DPFedAvg` (the Flower strategy: dpfedavg's own apps, or keywords only in *your* ServerApp) with
+  :func:`dp_mod` (the mod for *your* ClientApp's train) and :class:`TrainingStopped` (unusable replies stopped
+  the run), and :class:`InProcessGrid` (a Flower Grid in this process, to test a strategy in isolation);
 * :func:`calibrate_noise_multiplier` and :func:`epsilon_for` (the accountant, for planning).
 
 Names other than :class:`RunConfig` and :class:`ConfigError` are imported on first use, so ``import dpfedavg``
@@ -31,7 +32,9 @@ _LAZY: dict[str, str] = {
     "Task": "dpfedavg.tasks.base",
     "TorchTask": "dpfedavg.tasks.torch_task",
     "ArrayClients": "dpfedavg.tasks.torch_task",
-    "DPFedAvg": "dpfedavg.flower.strategy",
+    "DPFedAvg": "dpfedavg.flower.app_strategy",
+    "dp_mod": "dpfedavg.flower.mod",
+    "TrainingStopped": "dpfedavg.server.health",
     "InProcessGrid": "dpfedavg.flower.testing",
     "calibrate_noise_multiplier": "dpfedavg.privacy.calibration",
     "epsilon_for": "dpfedavg.privacy.calibration",
@@ -46,17 +49,21 @@ __all__ = [
     "RunResult",
     "Task",
     "TorchTask",
+    "TrainingStopped",
     "__version__",
     "calibrate_noise_multiplier",
+    "dp_mod",
     "epsilon_for",
     "run",
 ]
 
 if TYPE_CHECKING:
     from dpfedavg.api import run
-    from dpfedavg.flower.strategy import DPFedAvg
+    from dpfedavg.flower.app_strategy import DPFedAvg
+    from dpfedavg.flower.mod import dp_mod
     from dpfedavg.flower.testing import InProcessGrid
     from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
+    from dpfedavg.server.health import TrainingStopped
     from dpfedavg.server.session import RunResult
     from dpfedavg.tasks.base import Task
     from dpfedavg.tasks.torch_task import ArrayClients, TorchTask

@@ -167,15 +167,16 @@ class LocalSuperLink:
             pass
 
     def flwr_run(
-        self, run_config: str = "", federation_config: str = "", timeout: float = 600.0
+        self, run_config: str = "", federation_config: str = "", timeout: float = 600.0, app: Path | None = None
     ) -> subprocess.CompletedProcess:
-        """`flwr run <repo> --stream` with the given overrides; returns the finished CLI process.
+        """`flwr run <app> --stream` with the given overrides; returns the finished CLI process.
 
+        ``app``: the Flower app's folder (default: this repository, dpfedavg's own apps).
         Refuses to start when this SuperLink is down: the CLI would then start a detached SuperLink of its own.
         """
         if self.process is None or self.process.poll() is not None:
             raise RuntimeError(f"this local SuperLink is not running (see {self.log_path}); start() it first")
-        command = [str(BIN / "flwr"), "run", str(ROOT), "--stream"]
+        command = [str(BIN / "flwr"), "run", str(ROOT if app is None else app), "--stream"]
         if run_config:
             command += ["--run-config", run_config]
         if federation_config:

@@ -18,18 +18,30 @@ import logging
 
 from dpfedavg.core.threads import mark_single_threaded, single_threaded
 
-__all__ = ["setup_app_process"]
+__all__ = ["route_logs_through_flower", "setup_app_process"]
+
+
+def route_logs_through_flower(level: int | None = None) -> logging.Logger:
+    """Idempotent: attach Flower's console handler to ``dpfedavg`` (its records are printed and streamed).
+
+    All that a user's own ServerApp or ClientApp needs (``DPFedAvg`` and ``dp_mod`` call it); unlike
+    :func:`setup_app_process` it leaves the process's BLAS threads alone, and a level the user set on the
+    ``dpfedavg`` logger (``level=None``: INFO only if none was set).
+    """
+    from flwr.supercore.logger import console_handler
+
+    pkg_logger = logging.getLogger("dpfedavg")
+    if level is not None or pkg_logger.level == logging.NOTSET:
+        pkg_logger.setLevel(logging.INFO if level is None else level)
+    if console_handler not in pkg_logger.handlers:
+        pkg_logger.addHandler(console_handler)
+    pkg_logger.propagate = False
+    return pkg_logger
 
 
 def setup_app_process(level: int = logging.INFO) -> logging.Logger:
     """Idempotent: attach Flower's console handler to ``dpfedavg`` and use 1 BLAS thread."""
-    from flwr.supercore.logger import console_handler
-
-    pkg_logger = logging.getLogger("dpfedavg")
-    pkg_logger.setLevel(level)
-    if console_handler not in pkg_logger.handlers:
-        pkg_logger.addHandler(console_handler)
-    pkg_logger.propagate = False
+    pkg_logger = route_logs_through_flower(level)
     if not single_threaded():
         from threadpoolctl import threadpool_limits
 

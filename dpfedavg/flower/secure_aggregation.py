@@ -41,7 +41,10 @@ from flwr.serverapp import Grid
 from dpfedavg.core import SecAggGrid
 from dpfedavg.core.types import Vector
 
-__all__ = ["SecureSum", "secure_sum", "workflow_for"]
+__all__ = ["HALTED", "SecureSum", "secure_sum", "workflow_for"]
+
+#: Why a SecAgg+ round released nothing when no client reported an error (too few completed a stage).
+HALTED = "SecAgg+ halted (too few clients completed a stage)"
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +113,13 @@ class _SecAggPlus(SecAggPlusWorkflow):
     in every stage and checks the exact sum).
     """
 
+    #: The error replies and exceptions of the last round's stages (Flower keeps them in its own state).
+    failures: list[str] = []
+
+    def _check_threshold(self, state) -> bool:  # noqa: ANN001 - Flower's signature; called after every stage
+        self.failures = [str(f) for f in state.failures]
+        return super()._check_threshold(state)
+
     def share_keys_stage(self, grid, context, state) -> bool:  # noqa: ANN001 - Flower's signature
         ok = super().share_keys_stage(grid, context, state)
         shared = set(state.active_node_ids)
@@ -147,12 +157,14 @@ def secure_sum(
     grid: Grid,
     workflow: SecAggPlusWorkflow,
     server_round: int,
-    w: Vector,
+    w: Vector | list[np.ndarray],
     train_config: ConfigRecord,
     node_ids: list[int],
     num_online: int,
 ) -> SecureSum:
     """Run SecAgg+ with ``node_ids`` on ``w`` and the round's train config; the sum of their replies.
+
+    ``w`` is the flat model, or a list of arrays (a user's model, :mod:`dpfedavg.flower.app_strategy`).
 
     Returns a :class:`SecureSum` whose ``total`` is ``None`` when the protocol
     halted (fewer than two clients, survivors below the reconstruction
@@ -161,7 +173,7 @@ def secure_sum(
     """
     if len(node_ids) < 2:
         return SecureSum(None, errors=[f"secure aggregation needs at least 2 clients, {len(node_ids)} sampled"])
-    parameters = ndarrays_to_parameters([np.asarray(w)])
+    parameters = ndarrays_to_parameters(list(w) if isinstance(w, list) else [np.asarray(w)])
     config = dict(train_config)
     adapter = _OneRound({nid: FitIns(parameters, config) for nid in node_ids})  # type: ignore[arg-type]
     base = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
@@ -174,7 +186,8 @@ def secure_sum(
         # Nothing was released (the sum is only handed over at the very end): skip the round, keep running.
         return SecureSum(None, errors=[f"SecAgg+ failed: {type(err).__name__}: {err}"])
     if adapter.average is None:
-        return SecureSum(None, errors=adapter.errors or ["SecAgg+ halted (too few clients completed a stage)"])
+        why = adapter.errors or list(getattr(workflow, "failures", [])) or [HALTED]
+        return SecureSum(None, errors=why)
     (average,) = adapter.average
     total = np.asarray(average, dtype=np.float64) * len(adapter.contributors)
     return SecureSum(total, adapter.contributors, adapter.errors)

@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 class DPFedAvg(Strategy):
     """DP-FedAvg (``algorithm='clip'``, Alg. 1), DP-NormFedAvg (``'norm'``, Alg. 2) or FedAvg (``'none'``).
 
+    This class runs dpfedavg's own ServerApp and ClientApp (a flat model ``w``). The public
+    :class:`dpfedavg.DPFedAvg` (:mod:`.app_strategy`) is this class, plus its keyword form for *your* app.
+
     Parameters
     ----------
     cfg:
@@ -394,6 +397,11 @@ class DPFedAvg(Strategy):
         if server_round in self._closed:  # closed by a rule in configure_train
             metrics = MetricRecord(self.history[server_round].as_metrics())
             return to_array_record(self._closed.pop(server_round)), metrics
+        w_new = self._finish_from_replies(server_round, replies)
+        return to_array_record(w_new), MetricRecord(self.history[server_round].as_metrics())
+
+    def _finish_from_replies(self, server_round: int, replies: Iterable[Message]) -> Vector:
+        """Check the round's replies client by client and close the round on the server; ``w_{k+1}``."""
         # the bound of this round's vectors (C, or C_aug with adaptive-clip's count coordinate)
         bound = self.server.sensitivity if self.server.bound.private else float("inf")
         checked = collect_replies(
@@ -408,9 +416,12 @@ class DPFedAvg(Strategy):
         w_new = self.server.finish_round(
             server_round, checked.results, num_failed=checked.num_failed, num_rejected=checked.num_rejected
         )
-        stats = self.history[server_round]
-        stats.rejected_reasons.extend(checked.reasons)
-        return to_array_record(w_new), MetricRecord(stats.as_metrics())
+        self.history[server_round].rejected_reasons.extend(checked.reasons)
+        return w_new
+
+    def _round_messages(self, w: Vector, train_config: ConfigRecord) -> list[Message]:
+        """The round's TRAIN messages for the model ``w_k`` (see :meth:`_train_messages`)."""
+        return self._train_messages(to_array_record(w), train_config)
 
 
 class FlowerRunner:
@@ -439,16 +450,16 @@ class FlowerRunner:
             t_configure = time.perf_counter()
             outcome = strategy._run_secure_aggregation(server_round, w, train_config, self.grid, self.timeout)
             t_wait = time.perf_counter()
-            new_arrays, _ = strategy._aggregate_secure(server_round, outcome)
+            w_new = from_array_record(strategy._aggregate_secure(server_round, outcome)[0])
         else:
-            messages = strategy._train_messages(to_array_record(w), train_config) if strategy._sampled else []
+            messages = strategy._round_messages(w, train_config) if strategy._sampled else []
             t_configure = time.perf_counter()
             replies = list(self.grid.send_and_receive(messages, timeout=self.timeout)) if messages else []
             t_wait = time.perf_counter()
-            new_arrays, _ = strategy.aggregate_train(server_round, replies)
+            w_new = strategy._finish_from_replies(server_round, replies)
         self.timings[server_round] = {
             "configure_s": t_configure - clock,
             "send_and_receive_s": t_wait - t_configure,
             "aggregate_s": time.perf_counter() - t_wait,
         }
-        return from_array_record(new_arrays)
+        return w_new

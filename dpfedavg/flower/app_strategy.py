@@ -1,0 +1,726 @@
+"""DPFedAvg in *your* Flower app: your ServerApp, your model's arrays, your ClientApp's train wrapped in ``dp_mod``.
+
+:class:`AppDPFedAvg` is what ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, clients_per_round=10, ...)``
+(keywords only) and ``DPFedAvg.from_run_config(context.run_config)`` build. It takes the place of Flower's
+``FedAvg`` in a ServerApp that calls ``strategy.start(grid=..., initial_arrays=ArrayRecord(model.state_dict()),
+num_rounds=..., evaluate_fn=...)``:
+
+* **your arrays**: any ``ArrayRecord`` travels to the clients as it is; the server works on the flat vector
+  of its floating arrays (:class:`~dpfedavg.flower.arrays.ArrayLayout`), and ``Result.arrays`` has the
+  same keys, shapes and dtypes, so ``model.load_state_dict(result.arrays.to_torch_state_dict())`` works.
+  Integer arrays (e.g. ``num_batches_tracked``) keep their initial values;
+* **rounds from start()**: ``z`` is calibrated for ``(epsilon, delta)`` over ``num_rounds`` there, because
+  the number of rounds is known only then (a ``num_rounds`` given to the constructor too must agree);
+* **one client per SuperNode**: Poisson sampling (Alg. 1 line 3, ``q = r/n``) over the sorted node ids
+  connected at the start (or ``num_clients`` of them, waited for), no partition query;
+* **the server math is dpfedavg's**: :class:`~dpfedavg.server.dp_server.DPServer` through the one round loop
+  :func:`~dpfedavg.server.loop.run_rounds` (budget stop, sampling, top-up of missing noise, ``a_k = sum/r``,
+  the accountant), with the clients' pseudo-gradients ``u = w_k - w_new`` (:func:`dpfedavg.flower.mod.dp_mod`)
+  and a server step ``beta = 1`` by default, so that without noise a round with every client is FedAvg's;
+* **Flower-style logs** per round (sampled, received, rejected, clipped fraction, epsilon spent) and a loud
+  warning when the noise is seeded;
+* **fail fast** (:class:`~dpfedavg.server.health.ReplyHealth`): a round whose every sampled reply is unusable
+  (for instance a ClientApp without ``dp_mod``) stops the run with one ERROR naming the commonest reason,
+  its fix and the epsilon the rounds that ran spent (:class:`~dpfedavg.server.health.TrainingStopped`).
+
+Configuration coexists with the app's own keys: ``from_run_config`` reads only the keys of the
+``[tool.flwr.app.config.dpfedavg]`` table (Flower flattens it to ``dpfedavg.<key>``); a misspelled key
+there is an error naming the closest valid key, the app's other keys are left alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from dpfedavg.config import OPTIONS, RunConfig
+from dpfedavg.core.types import RoundInstructions, Vector
+from dpfedavg.errors import ConfigError
+from dpfedavg.flower.arrays import ArrayLayout
+from dpfedavg.flower.federation import FederationError
+from dpfedavg.flower.mod import ARRAY_KEYS, CLIENT_ID
+from dpfedavg.flower.protocol import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    NUM_EXAMPLES,
+    PARTITION_ID,
+    UPDATE_NORM,
+    instructions_to_config_record,
+    parse_train_reply,
+    to_array_record,
+)
+from dpfedavg.flower.replies import UNAVAILABLE_CODES
+from dpfedavg.flower.runtime import route_logs_through_flower
+from dpfedavg.flower.secure_aggregation import HALTED, SecureSum
+from dpfedavg.flower.strategy import DPFedAvg as FlowerDPFedAvg
+from dpfedavg.flower.strategy import FlowerRunner
+from dpfedavg.server.dp_server import DPServer
+from dpfedavg.server.health import ReplyHealth, TrainingStopped
+from dpfedavg.server.loop import run_rounds
+from dpfedavg.server.run import plan_for
+
+__all__ = ["APP_KEYS", "AppDPFedAvg", "AppSettings", "DPFedAvg"]
+
+logger = logging.getLogger(__name__)
+
+#: The run_config keys that apply to a user's own app (kebab-case; keyword arguments are their snake_case).
+APP_KEYS: tuple[str, ...] = (
+    "algorithm",
+    "clip",
+    "epsilon",
+    "delta",
+    "clients-per-round",
+    "num-clients",
+    "num-rounds",
+    "noise-multiplier",
+    "accountant",
+    "max-epsilon",
+    "noise-placement",
+    "target-quantile",
+    "clip-lr",
+    "clip-count-stddev",
+    "server-lr",
+    "server-momentum",
+    "seed",
+    "secure-noise",
+    "diagnostics",
+    "node-wait-timeout",
+    "round-timeout",
+    "secure-aggregation",
+    "secagg-quantization-bits",
+    "secagg-modulus-bits",
+    "secagg-clip-stds",
+    "secagg-num-shares",
+    "secagg-reconstruction-threshold",
+    "secagg-timeout",
+)
+#: Keys of this strategy only: Flower's name for the sampling rate, and the fail-fast threshold.
+STRATEGY_KEYS: dict[str, str] = {
+    "fraction-train": "each SuperNode is sampled independently with this probability q (Poisson); r = q n",
+    "max-failed-fraction": "stop when more than this fraction of the sampled clients' replies were unusable "
+    "over the last 5 rounds (a round where all were unusable stops at once)",
+}
+_ELSEWHERE = {
+    "your ClientApp's train function does the local training": (
+        "local-steps",
+        "local-lr",
+        "lr-decay",
+        "local-batch-size",
+        "weight-decay",
+    ),
+    "your app has its own model and data": (
+        "task",
+        "init",
+        "dim",
+        "data-dir",
+        "cache-dir",
+        "data-seed",
+        "feature-image-size",
+        "backend",
+        "device",
+        "torch-dtype",
+    ),
+    "your ServerApp keeps its outputs and evaluation (evaluate_fn)": (
+        "output-dir",
+        "run-name",
+        "checkpoint-every",
+        "resume",
+        "save-trajectory",
+        "eval-every",
+    ),
+    "each SuperNode is one client here (virtual clients need dpfedavg's own apps)": ("clients-per-node",),
+}
+_NOT_HERE = {key: why for why, keys in _ELSEWHERE.items() for key in keys}
+_VALID = (*APP_KEYS, *STRATEGY_KEYS)
+#: Defaults that differ from dpfedavg's own apps: the update is already in the weights' units.
+_APP_DEFAULTS: dict[str, Any] = {"server-lr": 1.0}
+#: Flower's default number of rounds (``Strategy.start``).
+_FLOWER_ROUNDS = 3
+assert set(_VALID) | set(_NOT_HERE) == {opt.key for opt in OPTIONS} | set(STRATEGY_KEYS)  # every key placed
+
+
+class AppSettings:
+    """The validated keyword settings of :class:`AppDPFedAvg` (kebab-case keys), before ``n`` and ``K`` are known.
+
+    Parameters
+    ----------
+    options:
+        Keys (kebab-case) -> values, from keyword arguments or from the ``dpfedavg.*`` run_config keys.
+    spell:
+        How the user wrote a key (``clip_lr`` for a keyword, ``dpfedavg.clip-lr`` for a run_config key), for
+        the error messages.
+
+    Raises
+    ------
+    ConfigError
+        Unknown keys (with the closest valid one), keys that do not apply to a user's app (with the reason),
+        a missing ``clip`` or sampling rate, values of the wrong type or range: all of them in one error.
+    """
+
+    def __init__(self, options: Mapping[str, Any], spell: Callable[[str], str] = lambda key: key) -> None:
+        errors = []
+        for key in options:
+            if key in _NOT_HERE:
+                errors.append(f"{spell(key)!r} does not apply to DPFedAvg in your own app: {_NOT_HERE[key]}")
+            elif key not in _VALID:
+                hint = difflib.get_close_matches(key, _VALID, n=1)
+                errors.append(f"unknown key {spell(key)!r}" + (f" (did you mean {spell(hint[0])!r}?)" if hint else ""))
+        if "clip" not in options:
+            errors.append(
+                f"{spell('clip')!r} is required: C bounds each client's update w_k - w_new in the model's units"
+            )
+        if ("clients-per-round" in options) == ("fraction-train" in options):
+            errors.append(
+                f"give exactly one of {spell('clients-per-round')!r} (r, the expected cohort) and "
+                f"{spell('fraction-train')!r} (q = r/n, each SuperNode's sampling probability)"
+            )
+        fraction = options.get("fraction-train")
+        if "fraction-train" in options and not (
+            isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 < fraction <= 1
+        ):
+            errors.append(f"{spell('fraction-train')!r} = {fraction!r}: expected a fraction in (0, 1]")
+        failed = options.get("max-failed-fraction", 0.5)
+        if not (isinstance(failed, (int, float)) and not isinstance(failed, bool) and 0 < failed <= 1):
+            errors.append(f"{spell('max-failed-fraction')!r} = {failed!r}: expected a fraction in (0, 1]")
+        if options.get("server-lr") == "eta":
+            errors.append(
+                f"{spell('server-lr')!r} = 'eta': the update w_k - w_new is already in the weights' units; "
+                "expected a float > 0 (1.0 = FedAvg's step)"
+            )
+        if errors:
+            raise ConfigError("invalid DPFedAvg settings: " + "; ".join(errors))
+        self.options = dict(options)
+        self.fraction_train: float | None = float(fraction) if fraction is not None else None
+        self.max_failed_fraction = float(failed)
+        self.num_clients: int | None = options.get("num-clients")
+        self.num_rounds: int | None = options.get("num-rounds")
+        # the values themselves, checked by the run config with placeholders for what start() will know
+        self.config(self.num_clients or self._placeholder_clients(), self.num_rounds or _FLOWER_ROUNDS)
+
+    def _placeholder_clients(self) -> int:
+        r = self.options.get("clients-per-round")
+        if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0:
+            return max(1, math.ceil(r))
+        return 1000
+
+    def config(self, num_clients: int, num_rounds: int) -> RunConfig:
+        """The run configuration for ``n`` SuperNodes and ``K`` rounds (``ConfigError`` if it does not hold)."""
+        values = {**_APP_DEFAULTS, **{k: v for k, v in self.options.items() if k in APP_KEYS}}
+        values["num-clients"], values["num-rounds"] = num_clients, num_rounds
+        if self.fraction_train is not None:
+            values["clients-per-round"] = self.fraction_train * num_clients
+        return RunConfig.from_run_config(values)
+
+
+class DPFedAvg(FlowerDPFedAvg):
+    """DP-FedAvg (``algorithm="clip"``, Alg. 1) or DP-NormFedAvg (``"norm"``, Alg. 2) as a Flower strategy.
+
+    Two ways to build it:
+
+    * in **your** ServerApp, keywords only: ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, delta=1e-5,
+      clients_per_round=10, ...)`` or ``DPFedAvg.from_run_config(context.run_config)`` give an
+      :class:`AppDPFedAvg`, which works on your model's ``ArrayRecord`` with your ClientApp's train wrapped
+      in :func:`dpfedavg.dp_mod`;
+    * for dpfedavg's own apps: ``DPFedAvg(cfg, dim)`` (or ``server=``), the strategy of
+      :mod:`dpfedavg.flower.strategy` on the flat model ``w``.
+    """
+
+    def __new__(cls, cfg: RunConfig | None = None, *args: Any, **kwargs: Any) -> DPFedAvg:  # noqa: D102
+        if cls is DPFedAvg and cfg is None and not args and kwargs.get("server") is None:
+            return super().__new__(AppDPFedAvg)
+        return super().__new__(cls)
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any], prefix: str = "dpfedavg", **overrides: Any) -> AppDPFedAvg:
+        """The strategy for your own app from the ``dpfedavg.*`` keys of ``context.run_config``.
+
+        See :meth:`AppDPFedAvg.from_run_config`.
+        """
+        return AppDPFedAvg.from_run_config(run_config, prefix, **overrides)
+
+
+class AppDPFedAvg(DPFedAvg):
+    """DP-FedAvg / DP-NormFedAvg for your own Flower app (see the module docstring).
+
+    Build it with ``DPFedAvg(**settings)`` or ``DPFedAvg.from_run_config(context.run_config)``.
+
+    Parameters
+    ----------
+    **settings:
+        dpfedavg's keys in snake_case (``algorithm``, ``clip``, ``epsilon``, ``delta``, ``clients_per_round``
+        or ``fraction_train``, ``num_clients``, ``noise_multiplier``, ``accountant``, ``max_epsilon``,
+        ``noise_placement``, ``seed``, ``secure_noise``, ``server_lr``, ``server_momentum``,
+        ``secure_aggregation``, ...: :data:`APP_KEYS`) and ``max_failed_fraction``. ``clip`` and the sampling
+        rate are required; ``server_lr`` defaults to 1.
+    """
+
+    #: Without ``num_clients``: seconds the number of connected SuperNodes must stay the same before round 1.
+    settle_seconds: float = 1.0
+
+    def __init__(self, *, sleep: Callable[[float], None] = time.sleep, **settings: Any) -> None:
+        options = {k.replace("_", "-"): v for k, v in settings.items()}
+        self._configure(AppSettings(options, lambda key: key.replace("-", "_")), sleep)
+
+    def _configure(self, settings: AppSettings, sleep: Callable[[float], None]) -> None:
+        self.settings = settings
+        self.health = ReplyHealth(max_failed_fraction=self.settings.max_failed_fraction)
+        self._sleep = sleep
+        # filled by start(): the run's config, server and model layout
+        self.cfg = None  # type: ignore[assignment]
+        self.server = None  # type: ignore[assignment]
+        self.dim = 0
+        self.layout: ArrayLayout | None = None
+        #: Sorted node ids of the population: client id i is SuperNode ``population[i]``.
+        self.population: list[int] = []
+        self.stopped_before_round: int | None = None
+        self.timings: dict[int, dict[str, float]] = {}
+        self._initial: ArrayRecord | None = None
+        self._sampled: dict[int, list[int]] = {}
+        self._closed: dict[int, Vector] = {}
+        self._failures: dict[int, list[str]] = {}
+        self._client_metrics: dict[int, dict[str, float]] = {}
+        self._newcomers: set[int] = set()
+        self._num_rounds = 0
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any], prefix: str = "dpfedavg", **overrides: Any) -> AppDPFedAvg:
+        """The strategy from the ``<prefix>.<key>`` entries of ``context.run_config`` (and keyword ``overrides``).
+
+        In ``pyproject.toml`` these are the keys of the ``[tool.flwr.app.config.dpfedavg]`` table, beside the
+        app's own keys in ``[tool.flwr.app.config]``; ``flwr run --run-config "dpfedavg.epsilon=3.0"`` overrides
+        one. Only keys under the prefix are read: the app's own keys are left alone. A key under the prefix
+        that is not dpfedavg's, or a table whose name is a near miss of the prefix, is an error naming the
+        closest valid key; a top-level key named like one of dpfedavg's is logged (it is not read).
+        """
+        options: dict[str, Any] = {}
+        errors, stray = [], []
+        for key, value in run_config.items():
+            head, dot, rest = key.partition(".")
+            if dot and head == prefix:
+                options[rest] = value
+            elif dot and difflib.get_close_matches(head, [prefix], n=1, cutoff=0.75):
+                errors.append(f"run config key {key!r}: did you mean '{prefix}.{rest}'?")
+            elif not dot and key in _VALID:
+                stray.append(key)
+        options.update({k.replace("_", "-"): v for k, v in overrides.items()})
+        try:
+            settings = AppSettings(options, lambda key: f"{prefix}.{key}")
+        except ConfigError as err:
+            errors.append(str(err).removeprefix("invalid DPFedAvg settings: "))
+        if errors:
+            raise ConfigError(
+                "invalid DPFedAvg settings: " + "; ".join(errors) + f" (dpfedavg reads the [tool.flwr.app.config."
+                f"{prefix}] table of pyproject.toml, i.e. the run config keys '{prefix}.<key>')"
+            )
+        if stray:
+            logger.warning(
+                "run config keys %s are not read by dpfedavg: its keys live in the [tool.flwr.app.config.%s] table "
+                "(run config keys '%s.<key>'); the app's own keys are left alone",
+                ", ".join(repr(k) for k in stray),
+                prefix,
+                prefix,
+            )
+        strategy = cls.__new__(cls)
+        strategy._configure(settings, time.sleep)
+        return strategy
+
+    # ------------------------------------------------------------------ set-up
+    def _rounds(self, num_rounds: int | None) -> int:
+        given = self.settings.num_rounds
+        if num_rounds is not None and given is not None and num_rounds != given:
+            raise ConfigError(
+                f"invalid DPFedAvg settings: start(num_rounds={num_rounds}) differs from num-rounds = {given} given "
+                "to the strategy: give the number of rounds once (start's num_rounds is enough)"
+            )
+        rounds = num_rounds if num_rounds is not None else given if given is not None else _FLOWER_ROUNDS
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ConfigError(f"invalid DPFedAvg settings: num_rounds = {rounds!r}: expected an integer >= 1")
+        return rounds
+
+    def _wait_for_population(self, grid: Grid, cfg_timeout: float) -> list[int]:
+        """The sorted node ids sampling runs over: ``num_clients`` of them (waited for), or those connected now.
+
+        Without ``num_clients`` the count must be stable for :attr:`settle_seconds` (Flower's simulation registers
+        its nodes, all at once, just after the ServerApp starts); in a deployment, give ``num_clients``.
+        """
+        wanted = self.settings.num_clients
+        deadline = time.monotonic() + cfg_timeout
+        last, stable_since, last_log = -1, time.monotonic(), 0.0
+        while True:
+            nodes = sorted(int(n) for n in grid.get_node_ids())
+            now = time.monotonic()
+            if wanted is not None and len(nodes) > wanted:
+                raise FederationError(
+                    f"{len(nodes)} SuperNodes are connected but num_clients = {wanted}: each SuperNode is one "
+                    "client, so num_clients must be the number of SuperNodes (or leave it out)"
+                )
+            if wanted is not None and len(nodes) == wanted:
+                return nodes
+            if len(nodes) != last:
+                last, stable_since = len(nodes), now
+            if wanted is None and nodes and now - stable_since >= self.settle_seconds:
+                return nodes
+            if now > deadline:
+                raise FederationError(
+                    f"only {len(nodes)} of {wanted if wanted is not None else 'at least 1'} SuperNodes connected "
+                    f"within node-wait-timeout = {cfg_timeout:g} s"
+                )
+            if now - last_log > 5.0:
+                logger.info("Waiting for SuperNodes: %d connected%s", len(nodes), f" of {wanted}" if wanted else "")
+                last_log = now
+            self._sleep(0.2)
+
+    def _setup(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int | None) -> None:
+        """Fix the population and the rounds, calibrate ``z`` (the privacy plan) and build the server."""
+        rounds = self._rounds(num_rounds)
+        try:
+            self.layout = ArrayLayout.of(initial_arrays)
+        except ValueError as err:
+            raise ConfigError(f"invalid initial_arrays: {err}") from None
+        probe = self.settings.config(self.settings.num_clients or self.settings._placeholder_clients(), rounds)
+        self.population = self._wait_for_population(grid, probe.node_wait_timeout)
+        cfg = self.settings.config(len(self.population), rounds)
+        self.cfg, self._num_rounds = cfg, rounds
+        self.server = DPServer(cfg, self.layout.dim, plan=plan_for(cfg))
+        self.dim = self.layout.dim
+        self._initial = initial_arrays
+
+    def _user_arrays(self, w: Vector) -> ArrayRecord:
+        assert self.layout is not None and self._initial is not None
+        return self.layout.unflatten(w, self._initial)
+
+    # ------------------------------------------------------------------ info
+    def summary(self) -> None:
+        """Log the set-up as Flower's strategies do (called by :meth:`start`)."""
+        cfg, plan, layout = self.cfg, self.plan, self.layout
+        assert cfg is not None and layout is not None
+        logger.info("\t├── Number of rounds: %d", self._num_rounds)
+        logger.info("\t├── ArrayRecord: %s", layout.describe())
+        logger.info("\t├── Algorithm: %s", self.server.bound.title)
+        logger.info(
+            "\t├── Poisson sampling over n=%d SuperNodes (one client each): q=%.4g, expected cohort r=%g; "
+            "aggregation divides by r",
+            cfg.num_clients,
+            cfg.sampling_rate,
+            cfg.clients_per_round,
+        )
+        logger.info(
+            "\t├── Update: u = w_k - w_new in the weights' units (dp_mod); server step beta=%g, momentum mu=%g",
+            cfg.server_lr,
+            cfg.server_momentum,
+        )
+        if plan.dp:
+            how = (
+                f"calibrated for (epsilon={plan.target_epsilon:g}, delta={plan.delta:g}) over K={plan.rounds}"
+                if plan.calibrated
+                else f"given; nominal epsilon {plan.nominal_epsilon:.4g} at delta={plan.delta:g} over K={plan.rounds}"
+            )
+            logger.info(
+                "\t├── C=%g, z=%.5g (%s, %s accountant), sigma=zC/r=%.4g, noise placement: %s",
+                cfg.clip,
+                plan.noise_multiplier,
+                how,
+                plan.accountant,
+                self.server.sigma,
+                cfg.noise_placement,
+            )
+            if plan.max_epsilon is not None:
+                logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
+        else:
+            logger.warning("\t├── algorithm 'none': FedAvg without DP (no clipping, no noise, no epsilon)")
+        if cfg.secure_aggregation:
+            logger.info(
+                "\t├── Secure aggregation: SecAgg+ (ClientApp mods=[secaggplus_mod, dp_mod]); the server sees the sum"
+            )
+        logger.info(
+            "\t├── Fail fast: a round whose every sampled reply is unusable, or more than %g of them over 5 rounds",
+            self.health.max_failed_fraction,
+        )
+        logger.info("\t└── Clients' own metrics pass through: the DP guarantee covers the model, not them")
+        if plan.dp and not cfg.secure_noise:
+            logger.warning(
+                "!!! SEEDED NOISE (seed=%d): the clients' noise and the sampling are reproducible from the seed, so "
+                "whoever knows it can subtract the noise: this run is NOT private against them. Research and "
+                "tests only; pass secure_noise=True (or dpfedavg.secure-noise = true) for real privacy. !!!",
+                cfg.seed,
+            )
+
+    # ------------------------------------------------------------------ the run
+    def start(  # type: ignore[override]
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int | None = None,
+        timeout: float | None = None,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` rounds of DP-FedAvg / DP-NormFedAvg on ``initial_arrays``; Flower's ``Result``.
+
+        Calibrates ``z`` for the run's ``(epsilon, delta)`` over ``num_rounds`` (Flower's default 3 when neither
+        start nor the constructor gives it), then runs :func:`dpfedavg.server.loop.run_rounds`.
+        ``evaluate_fn(server_round, arrays)`` is called on the user's arrays before round 1 (round 0) and after
+        every round. ``train_config`` travels to the clients with the round's instructions. There is no
+        client-side evaluation (``evaluate_config`` is not used): per-client evaluation metrics are not private.
+
+        Raises
+        ------
+        dpfedavg.errors.ConfigError
+            Settings that do not hold for this ``n`` and ``K`` (for instance an epsilon too small to calibrate),
+            initial arrays without a floating array, a ``train_config`` key that is one of the round's.
+        dpfedavg.flower.federation.FederationError
+            Not the ``num_clients`` SuperNodes within ``node-wait-timeout``.
+        dpfedavg.server.health.TrainingStopped
+            The clients' replies were unusable (see :class:`~dpfedavg.server.health.ReplyHealth`); its ``result``
+            holds what the run had, its message the reason, the fix and the epsilon spent.
+        """
+        route_logs_through_flower()
+        clock = time.perf_counter()
+        train_config = ConfigRecord() if train_config is None else train_config
+        self._setup(grid, initial_arrays, num_rounds)
+        round_keys = {*instructions_to_config_record(self._probe_instructions()), CLIENT_ID} - {"server-round"}
+        reserved = sorted(set(train_config) & round_keys)  # "server-round" means the same as Flower's FedAvg's
+        if reserved:
+            raise ConfigError(f"train_config keys {reserved} are set by DPFedAvg for each round; rename them")
+        logger.info("Starting %s strategy:", "DPFedAvg")
+        self.summary()
+        if evaluate_config:
+            logger.warning("evaluate_config is not used: DPFedAvg evaluates on the server only (evaluate_fn)")
+        result = Result(arrays=initial_arrays)
+        if evaluate_fn is not None:
+            metrics = evaluate_fn(0, initial_arrays)
+            logger.info("Initial global evaluation results: %s", metrics)
+            if metrics is not None:
+                result.evaluate_metrics_serverapp[0] = metrics
+        runner = FlowerRunner(self, grid, train_config, self.cfg.round_timeout if timeout is None else timeout)
+        w0 = self.layout.flatten(initial_arrays)  # type: ignore[union-attr]
+
+        def record(server_round: int, w: Vector) -> None:
+            result.arrays = self._user_arrays(w)
+            self._log_round(server_round)
+            stats = self.history[server_round]
+            dp_stats = {k: v for k, v in stats.as_metrics().items() if k != "eta"}  # eta_k: dpfedavg's own clients
+            metrics = {**self._client_metrics.pop(server_round, {}), **dp_stats}
+            result.train_metrics_clientapp[server_round] = MetricRecord(metrics)
+            self.timings[server_round] = runner.timings.pop(server_round, {})
+            self._stop_if_unhealthy(server_round, result)
+            if evaluate_fn is not None:
+                logger.info("Global evaluation")
+                evaluated = evaluate_fn(server_round, result.arrays)
+                logger.info("\t└──> MetricRecord: %s", evaluated)
+                if evaluated is not None:
+                    result.evaluate_metrics_serverapp[server_round] = evaluated
+
+        loop = run_rounds(self.server, runner, w0, range(1, self._num_rounds + 1), on_round_end=record)
+        self.stopped_before_round = loop.stopped_before_round
+        logger.info("")
+        logger.info("Strategy execution finished in %.2fs", time.perf_counter() - clock)
+        logger.info("%s", self.privacy_statement())
+        return result
+
+    def privacy_statement(self) -> str:
+        """One line: the guarantee of the rounds that ran (user-level ``(epsilon, delta)``), or that there is none."""
+        rounds = len(self.history)
+        if not self.plan.dp:
+            return f"No differential privacy: {rounds} rounds of FedAvg without noise"
+        return (
+            f"{self.server.bound.title}: ({self.epsilon:.4g}, {self.plan.delta:g})-DP for each client's whole data "
+            f"(user level) after {rounds} rounds; z={self.plan.noise_multiplier:.5g}, q={self.cfg.sampling_rate:.4g}, "
+            f"{self.plan.accountant} accountant"
+        )
+
+    def _probe_instructions(self) -> RoundInstructions:
+        return self.server.instructions(1, 1)
+
+    def _log_round(self, server_round: int) -> None:
+        stats = self.history[server_round]
+        if self.server.adaptive is not None:
+            clipped = f"C_k={stats.clip:.4g}, released unclipped fraction b_k={stats.frac_unclipped:.3g}"
+        elif not self.server.bound.private:
+            clipped = "no bound"
+        elif math.isnan(stats.frac_clipped):
+            clipped = "clipped: unknown (the clients send no norms)"
+        else:
+            clipped = f"{'clipped' if self.cfg.algorithm == 'clip' else 'norm above C'}: {stats.frac_clipped:.0%}"
+        epsilon = f"epsilon spent: {stats.epsilon:.4g} (delta={self.plan.delta:g})" if self.plan.dp else "no DP"
+        logger.info(
+            "aggregate_train: received %d of %d sampled (%d rejected, %d failed, %d dropped); %s; %s",
+            stats.num_received,
+            stats.num_sampled,
+            stats.num_rejected,
+            stats.num_failed,
+            stats.num_dropped,
+            clipped,
+            epsilon,
+        )
+
+    def _stop_if_unhealthy(self, server_round: int, result: Result) -> None:
+        verdict = self.health.verdict(server_round, self.history, self._failures)
+        if verdict is None:
+            return
+        epsilon = self.epsilon if self.plan.dp else math.inf
+        spent = (
+            f"epsilon = {epsilon:.4g} at delta = {self.plan.delta:g} spent"
+            if self.plan.dp
+            else "no DP (algorithm 'none')"
+        )
+        message = f"DPFedAvg stopped: {verdict}. Rounds 1-{server_round} ran and are accounted: {spent}."
+        logger.error("%s", message)
+        stop = TrainingStopped(message, server_round, epsilon, self.plan.delta)
+        stop.result = result
+        raise stop
+
+    # ------------------------------------------------------------------ one round
+    def _prepare_round(
+        self, server_round: int, clients: np.ndarray, instructions: RoundInstructions, config: ConfigRecord, grid: Grid
+    ) -> ConfigRecord:
+        """Map the sampled client ids to their SuperNodes (connected ones; the others are dropouts)."""
+        logger.info("")
+        logger.info("[ROUND %d/%d]", server_round, self._num_rounds)
+        online = set(int(n) for n in grid.get_node_ids())
+        self._sampled, offline = {}, []
+        for client in sorted(int(c) for c in clients):
+            node = self.population[client]
+            if node in online:
+                self._sampled[node] = [client]
+            else:
+                offline.append(client)
+        newcomers = online - set(self.population) - self._newcomers
+        if newcomers:
+            self._newcomers |= newcomers
+            logger.warning(
+                "%d SuperNodes connected after the start (%s): they are not part of the sampled population "
+                "(n=%d), so they are never sampled",
+                len(newcomers),
+                sorted(newcomers)[:5],
+                len(self.population),
+            )
+        logger.info(
+            "configure_train: Sampled %d of %d clients (Poisson, q=%.4g)",
+            len(clients),
+            len(self.population),
+            self.cfg.sampling_rate,
+        )
+        if offline:
+            logger.warning("Round %d: %d sampled clients are not connected (dropouts)", server_round, len(offline))
+        train_config = ConfigRecord(dict(config))
+        for key, value in instructions_to_config_record(instructions).items():
+            train_config[key] = value
+        return train_config
+
+    def _round_messages(self, w: Vector, train_config: ConfigRecord) -> list[Message]:
+        """One TRAIN message per sampled, connected SuperNode: the user's arrays (w_k), the config, a client id."""
+        arrays = self._user_arrays(w)
+        messages = []
+        for node in sorted(self._sampled):
+            config = ConfigRecord({**train_config, CLIENT_ID: self._sampled[node][0]})
+            record = RecordDict({ARRAYS: arrays, CONFIG: config})
+            messages.append(Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node))
+        return messages
+
+    def _finish_from_replies(self, server_round: int, replies: Iterable[Message]) -> Vector:
+        """Close the round from the replies; also keep the failures' reasons and the clients' own metrics."""
+        replies = list(replies)
+        self._failures[server_round] = [
+            msg.error.reason
+            for msg in replies
+            if msg.has_error() and msg.error.code not in UNAVAILABLE_CODES and msg.metadata.src_node_id in self._sampled
+        ]
+        self._client_metrics[server_round] = self._aggregate_client_metrics(replies)
+        w_new = super()._finish_from_replies(server_round, replies)
+        return self.layout.round_trip(w_new)  # type: ignore[union-attr]
+
+    def _aggregate_client_metrics(self, replies: list[Message]) -> dict[str, float]:
+        """The clients' own metrics of the usable replies, averaged weighted by ``num-examples`` (as FedAvg does)."""
+        bound = self.server.sensitivity if self.server.bound.private else float("inf")
+        rows: list[tuple[float, dict[str, Any]]] = []
+        for msg in replies:
+            if msg.has_error() or msg.metadata.src_node_id not in self._sampled:
+                continue
+            try:
+                parse_train_reply(msg.content, self.server.release_dim, diagnostics=self.cfg.diagnostics, clip=bound)
+            except ValueError:
+                continue
+            metrics = dict(msg.content[METRICS])
+            weight = metrics.get(NUM_EXAMPLES, 1)
+            weight = float(weight) if isinstance(weight, (int, float)) and weight > 0 else 1.0
+            rows.append((weight, metrics))
+        out: dict[str, float] = {}
+        total = sum(w for w, _ in rows)
+        keys = {k for _, m in rows for k in m} - {NUM_EXAMPLES, UPDATE_NORM, PARTITION_ID}
+        for key in sorted(keys):
+            values = [(w, m.get(key)) for w, m in rows]
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for _, v in values):
+                out[key] = float(sum(w * v for w, v in values) / total)
+        return out
+
+    # ------------------------------------------------------------------ secure aggregation
+    def _run_secure_aggregation(
+        self, server_round: int, w: Vector, train_config: ConfigRecord, grid: Grid, timeout: float
+    ) -> SecureSum:
+        """SecAgg+ with the user's arrays (all of them, in the layout's order, keys in the config) as ``FitIns``."""
+        arrays = self._user_arrays(w)
+        assert self.layout is not None
+        config = ConfigRecord({**train_config, ARRAY_KEYS: json.dumps(list(self.layout.keys))})
+        payload = [arrays[key].numpy() for key in self.layout.keys]
+        return super()._run_secure_aggregation(server_round, payload, config, grid, timeout)  # type: ignore[arg-type]
+
+    def _aggregate_secure(self, server_round: int, outcome: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
+        """Close a SecAgg+ round; a round that halted on the clients' errors counts them as failed (fail fast)."""
+        arrays, metrics = super()._aggregate_secure(server_round, outcome)
+        failed = [e for e in outcome.errors if e != HALTED]
+        stats = self.history[server_round]
+        if outcome.total is None and failed:
+            stats.num_failed = min(stats.num_sampled, len(failed))
+            stats.num_dropped = stats.num_sampled - stats.num_failed
+            self._failures[server_round] = failed
+        w = self.layout.round_trip(arrays[next(iter(arrays))].numpy())  # type: ignore[union-attr]
+        return to_array_record(w), metrics
+
+    # ------------------------------------------------------------------ Flower's hooks, round by round
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Flower's hook on the user's arrays (after :meth:`start` set the run up; :meth:`start` runs every round)."""
+        self._require_setup()
+        if self.cfg.secure_aggregation:
+            raise RuntimeError("secure-aggregation rounds run through Flower's SecAgg+ workflow: use start()")
+        opened = self.server.begin_round(server_round, self.layout.flatten(arrays))  # type: ignore[union-attr]
+        if opened.closed:
+            assert opened.w is not None
+            self._closed[server_round] = opened.w
+            return []
+        assert opened.instructions is not None
+        train_config = self._prepare_round(server_round, opened.clients, opened.instructions, config, grid)
+        w = self.layout.flatten(arrays)  # type: ignore[union-attr]
+        return self._round_messages(w, train_config) if self._sampled else []
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Flower's hook: the user's arrays for ``w_{k+1}`` and the round's statistics."""
+        self._require_setup()
+        if server_round in self._closed:
+            w = self._closed.pop(server_round)
+        else:
+            w = self._finish_from_replies(server_round, replies)
+        return self._user_arrays(w), MetricRecord(self.history[server_round].as_metrics())
+
+    def _require_setup(self) -> None:
+        if self.server is None:
+            raise RuntimeError(
+                "DPFedAvg runs its rounds in start(grid, initial_arrays, num_rounds=...), which calibrates the noise "
+                "for num_rounds first"
+            )

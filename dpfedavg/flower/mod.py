@@ -1,0 +1,254 @@
+"""``dp_mod``: DP-FedAvg / DP-NormFedAvg around a Flower ClientApp's own train function.
+
+Flower's idiom for adding a privacy step to someone else's app is a *mod* (``flwr.clientapp.mod``):
+a function ``mod(msg, context, call_next)`` attached to one handler, ``@app.train(mods=[dp_mod])``.
+This one turns the user's unchanged train function into one sampled client of Alg. 1 / Alg. 2
+(Das et al., lines 4-10):
+
+1. it hands the user's function the message as it arrived: the global model ``w_k`` in the user's
+   own ``ArrayRecord`` (any keys, shapes and dtypes) and the round's ``ConfigRecord`` (the user's
+   keys, plus the round's instructions that :class:`~dpfedavg.flower.app_strategy.AppDPFedAvg` adds);
+2. it takes the user's reply, checks that its arrays are the model's (same keys and shapes), and
+   computes the update as the **pseudo-gradient in the arrays' own units**,
+   ``u = w_k - w_new`` over all floating arrays, flattened in sorted key order
+   (:class:`~dpfedavg.flower.arrays.ArrayLayout`; integer arrays are not trained);
+3. it bounds ``u`` as the round's instructions say (``clip``: ``g = u min(1, C/||u||)``;
+   ``norm``: ``g = C u/||u||``; ``adaptive-clip``: clip to ``C_k`` plus the count coordinate) and adds
+   this client's share of the noise for the run's placement (:func:`dpfedavg.core.private_block_update`,
+   the pipeline every engine uses), then replies with ``g + zeta`` only. The user's own metrics pass
+   through (they are not covered by the DP guarantee; the server says so once).
+
+**Units.** The paper's update divides by the local learning rate, ``u = (w_k - w_{k,E}) / eta_k``; a
+generic train function does not expose its learning rate (or it changes within the loop), so here
+``u = w_k - w_new``. The clipping bound ``C`` is therefore in the units of the weights: a client whose
+train function runs ``E`` steps at learning rate ``eta`` and would be clipped at ``C_paper`` is clipped
+the same with ``C = eta C_paper``. With DP-NormFedAvg every client moves the average by exactly ``C``
+(times the server's step, 1 by default) before noise.
+
+Evaluate and query messages go straight to the user's handlers. A numpy-only client (no gradients,
+any update rule that returns new weights) works the same way.
+
+**Secure aggregation.** Under Flower's SecAgg+ the mod goes *inside* Flower's mod,
+``@app.train(mods=[secaggplus_mod, dp_mod])``: ``secaggplus_mod`` runs the protocol's stages and calls
+``dp_mod`` once, in its masked-vector stage, with the round's instructions in the legacy ``FitIns``
+layout; ``dp_mod`` rebuilds the user's ``ArrayRecord`` (the server sends the keys), calls the user's
+function, encodes ``g + zeta`` on the round's grid (discrete Gaussian noise) and returns it for
+masking. The user's metrics are dropped there: the server must see the sum only. The other order is
+refused with an error reply naming the right one.
+
+Errors (a message without the round's instructions, a reply whose arrays are not the model's, local
+training that diverged) become error *replies* (``Message(Error(...), reply_to=msg)``), as in Flower's
+own mods, so the SuperNode keeps serving; the server counts them as failed clients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.constant import ErrorCode
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
+from flwr.compat.common import recorddict_compat as compat
+
+from dpfedavg.core import SECURE_NOISE_SEED, private_block_update
+from dpfedavg.core.noise import round_noise_law
+from dpfedavg.core.seeding import noise_rng
+from dpfedavg.core.types import RoundInstructions
+from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch
+from dpfedavg.flower.client_app import NODE_SECURE_NOISE, enforce_secure_noise
+from dpfedavg.flower.protocol import (
+    ARRAYS,
+    CLEAN_UPDATE_KEY,
+    CONFIG,
+    DIAGNOSTICS,
+    METRICS,
+    NUM_EXAMPLES,
+    UPDATE_KEY,
+    UPDATE_NORM,
+    instructions_from_config_record,
+    to_array_record,
+)
+from dpfedavg.flower.runtime import route_logs_through_flower
+
+__all__ = ["ARRAY_KEYS", "CLIENT_ID", "dp_mod"]
+
+logger = logging.getLogger(__name__)
+
+#: Train-config key: the client id the server sampled this node as (its noise stream in seeded mode).
+CLIENT_ID = "client-id"
+#: Train-config key under secure aggregation: the model's array keys as a JSON list, in the order of the legacy
+#: ``FitIns`` parameters (which carry no keys; a legacy config holds no lists).
+ARRAY_KEYS = "array-keys"
+_TRUE = {"true", "1", "yes"}
+
+_NAME = "dp_mod"
+
+
+def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Make the wrapped train function one client of DP-FedAvg / DP-NormFedAvg (Alg. 1 / 2, lines 4-10).
+
+    Attach it to the train handler, ``@app.train(mods=[dp_mod])``, with dpfedavg's
+    :class:`~dpfedavg.DPFedAvg` as the ServerApp's strategy. Non-TRAIN messages pass through untouched.
+    It should be the last mod to touch the arrays (the innermost one); under SecAgg+ it goes inside
+    Flower's mod: ``mods=[secaggplus_mod, dp_mod]``.
+
+    Parameters
+    ----------
+    msg:
+        The TRAIN message: one ``ArrayRecord`` (the model ``w_k``) and one ``ConfigRecord`` (the user's
+        keys and the round's instructions: ``algorithm``, ``clip``, ``noise-std``, ``noise-seed``, ...).
+    context:
+        The ClientApp's context; ``node_config["secure-noise"] = true`` makes this client draw its noise
+        from the OS CSPRNG whatever the server asks.
+    call_next:
+        The user's train function (and any inner mods).
+
+    Returns
+    -------
+    Message
+        ``{"arrays": {"update": g + zeta}, "metrics": the user's metrics + num-examples (+ update-norm
+        in seeded mode)}``, or an error reply saying what is wrong.
+    """
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return call_next(msg, context)
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return _secure_train(msg, context, call_next)
+    content = msg.content
+    if len(content.array_records) != 1 or len(content.config_records) != 1:
+        return _error(
+            msg,
+            f"the train message has {len(content.array_records)} ArrayRecords and {len(content.config_records)} "
+            "ConfigRecords, expected one of each (the model and the round's config)",
+        )
+    config = next(iter(content.config_records.values()))
+    try:
+        ins = _instructions(config, context, msg)
+        received = next(iter(content.array_records.values()))
+        layout = ArrayLayout.of(received)
+    except ValueError as err:
+        return _error(msg, str(err))
+    reply = call_next(msg, context)
+    if reply.has_error():
+        return reply
+    try:
+        update = _private_update(layout, received, reply, ins, _client_id(config, msg))
+    except ValueError as err:
+        return _error(msg, str(err))
+    metrics = _user_metrics(reply)
+    metrics.setdefault(NUM_EXAMPLES, 1)
+    if ins.noise_seed != SECURE_NOISE_SEED:  # un-noised statistics of this client's data: seeded research mode only
+        metrics[UPDATE_NORM] = update.update_norm
+    out = RecordDict({ARRAYS: to_array_record(update.noisy, UPDATE_KEY), METRICS: MetricRecord(metrics)})
+    if ins.diagnostics:
+        out[DIAGNOSTICS] = to_array_record(update.clean, CLEAN_UPDATE_KEY)
+    return Message(out, reply_to=msg)
+
+
+def _instructions(config: ConfigRecord, context: Context, msg: Message) -> RoundInstructions:
+    """The round's instructions from the train config; ``ValueError`` saying which key is missing."""
+    try:
+        ins = instructions_from_config_record(config)
+    except KeyError as err:
+        raise ValueError(
+            f"the train config lacks {err}: the ServerApp's strategy must be dpfedavg's DPFedAvg, which sends "
+            "each round's clip and noise (with another strategy there is nothing to make private)"
+        ) from None
+    node = context.node_config.get(NODE_SECURE_NOISE, False)
+    secure = node if isinstance(node, bool) else str(node).strip().lower() in _TRUE
+    return enforce_secure_noise(ins, secure)  # the rule dpfedavg's own ClientApp follows
+
+
+def _client_id(config: ConfigRecord, msg: Message) -> int:
+    """The id the server sampled this node as (its noise stream); the node id when the server sent none."""
+    value = config.get(CLIENT_ID)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else int(msg.metadata.dst_node_id)
+
+
+def _private_update(layout: ArrayLayout, received: ArrayRecord, reply: Message, ins: RoundInstructions, client: int):
+    """``g + zeta`` from the user's reply: ``u = w_k - w_new``, bounded and noised (ValueError if impossible)."""
+    records = reply.content.array_records
+    if len(records) != 1:
+        raise ValueError(
+            f"the train function replied with {len(records)} ArrayRecords, expected 1 (the model's arrays, "
+            "e.g. ArrayRecord(model.state_dict()))"
+        )
+    try:
+        w_new = layout.flatten(next(iter(records.values())), what="the train function's arrays")
+    except LayoutMismatch as err:
+        raise ValueError(f"{err} (return the arrays of the model it received)") from None
+    u = layout.flatten(received) - w_new
+    (update,) = private_block_update(
+        u[None, :],
+        algorithm=ins.algorithm,
+        clip=ins.clip,
+        noise_std=ins.noise_std,
+        rngs=[noise_rng(ins.noise_seed, client)],
+        law=round_noise_law(ins),
+        count_scale=ins.count_scale,
+    )
+    if update is None:
+        raise ValueError("local training diverged: the returned arrays have NaN/Inf (nothing is sent)")
+    return update
+
+
+def _user_metrics(reply: Message) -> dict:
+    """The user's metric records, merged into one dict (Flower's replies have one, named ``metrics``)."""
+    out: dict = {}
+    for record in reply.content.metric_records.values():
+        out.update(dict(record))
+    return out
+
+
+def _error(msg: Message, reason: str) -> Message:
+    route_logs_through_flower()
+    logger.error("%s: %s", _NAME, reason)
+    return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=f"{_NAME}: {reason}"), reply_to=msg)
+
+
+# ------------------------------------------------------------------ secure aggregation (inside secaggplus_mod)
+def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """The masked-vector stage of SecAgg+: the user's train on its own record, ``g~ + zeta~`` as a legacy FitRes.
+
+    ``secaggplus_mod`` pops the stage key before it calls the inner app; a message that still has it
+    reached ``dp_mod`` first, so the mods are in the wrong order.
+    """
+    if SecAggKey.STAGE in msg.content.config_records[RECORD_KEY_CONFIGS]:
+        return _error(
+            msg,
+            "a SecAgg+ message reached dp_mod before secaggplus_mod: put dp_mod inside it, "
+            "@app.train(mods=[secaggplus_mod, dp_mod])",
+        )
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    config = ConfigRecord({k: v for k, v in fitins.config.items() if k != ARRAY_KEYS})  # type: ignore[misc]
+    arrays = parameters_to_ndarrays(fitins.parameters)
+    try:
+        keys = json.loads(str(fitins.config.get(ARRAY_KEYS)))
+    except ValueError:
+        keys = None
+    if not isinstance(keys, list) or len(keys) != len(arrays):
+        return _error(msg, f"the SecAgg+ train config has no {ARRAY_KEYS!r} for its {len(arrays)} arrays")
+    try:
+        ins = _instructions(config, context, msg)
+        if ins.secagg_step <= 0:
+            raise ValueError("a secure-aggregation round without a quantization grid (secagg-step)")
+        received = ArrayRecord(
+            {str(k): Array(np.require(a, requirements="C")) for k, a in zip(keys, arrays, strict=True)}
+        )
+        layout = ArrayLayout.of(received)
+    except ValueError as err:
+        return _error(msg, str(err))
+    inner = Message(RecordDict({ARRAYS: received, CONFIG: config}), metadata=msg.metadata)
+    reply = call_next(inner, context)
+    if reply.has_error():
+        return reply
+    try:
+        update = _private_update(layout, received, reply, ins, _client_id(config, msg))
+    except ValueError as err:
+        return _error(msg, str(err))
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([update.noisy]), num_examples=1, metrics={})
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)

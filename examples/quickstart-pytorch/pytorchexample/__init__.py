@@ -1,0 +1,1 @@
+"""pytorchexample: a Flower / PyTorch app on generated CIFAR-shaped data."""

@@ -1,0 +1,220 @@
+"""The example apps under examples/: a Flower quickstart-style PyTorch app without and with DP (the diff the page
+docs/tutorials/flower-app.md shows), and a numpy-only app.
+
+The fast tests run the apps' own ``main`` and ClientApps in this process (an in-process Grid); the slow one runs
+the DP app with the real ``flwr run`` and checks what it printed: epsilon <= target (recomputed independently),
+the saved ``state_dict`` loads into the app's ``Net``, accuracy well above chance.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+from flwr.common.config import get_fused_config_from_dir, parse_config_args
+
+from dpfedavg import InProcessGrid
+from dpfedavg.flower.app_strategy import AppDPFedAvg
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+PLAIN, PRIVATE = EXAMPLES / "quickstart-pytorch", EXAMPLES / "quickstart-pytorch-dp"
+NUMPY = EXAMPLES / "quickstart-numpy-dp"
+PAGE = ROOT / "docs" / "tutorials" / "flower-app.md"
+#: The DP statement DPFedAvg prints at the end of a run.
+STATEMENT = re.compile(
+    r"\((?P<eps>[\d.]+), (?P<delta>[\de.+-]+)\)-DP for each client's whole data \(user level\) after "
+    r"(?P<rounds>\d+) rounds; z=(?P<z>[\d.]+), q=(?P<q>[\d.]+)"
+)
+
+
+def _files(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): p.read_text()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".toml", ".md")
+    }
+
+
+def changed_lines() -> list[str]:
+    """The DP app's diff from the plain one: every added (+) and removed (-) line, file by file."""
+    plain, private = _files(PLAIN), _files(PRIVATE)
+    out = []
+    for name in sorted(set(plain) | set(private)):
+        diff = difflib.unified_diff(
+            plain.get(name, "").splitlines(), private.get(name, "").splitlines(), n=0, lineterm=""
+        )
+        out += [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    return out
+
+
+def test_adding_dp_to_the_quickstart_changes_about_ten_lines_and_the_page_shows_them() -> None:
+    """Flower's own wrapper needs +6/-2 lines on its quickstart; dpfedavg's diff stays within about 10, and the
+    diff on the page is the real one."""
+    lines = changed_lines()
+    assert 0 < len(lines) <= 10, "\n".join(lines)
+    assert any("dp_mod" in line for line in lines) and any("DPFedAvg(" in line for line in lines)
+    assert _files(PLAIN)["pytorchexample/task.py"] == _files(PRIVATE)["pytorchexample/task.py"]  # same model/data
+    block = PAGE.read_text().split("```diff\n", 1)[1].split("```", 1)[0]
+    shown = [line for line in block.splitlines() if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert sorted(shown) == sorted(lines)
+
+
+def test_the_pages_code_is_the_examples_code() -> None:
+    """Each Python block of the page that names a file, and its TOML block, appear verbatim in the example."""
+    from doc_blocks import page_blocks
+
+    blocks = [b for b in page_blocks(PAGE) if "file" in b.attrs]
+    assert blocks
+    for block in blocks:
+        assert block.source in (ROOT / block.attrs["file"]).read_text(), block.where
+    toml = PAGE.read_text().split("```toml\n", 1)[1].split("```", 1)[0]
+    assert toml in (NUMPY / "pyproject.toml").read_text()
+
+
+@pytest.fixture
+def example(monkeypatch):
+    """Import an example's package from its folder (and forget it afterwards: two examples share a name)."""
+
+    def load(folder: Path, package: str):
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.syspath_prepend(str(folder))
+        return (importlib.import_module(f"{package}.{m}") for m in ("task", "client_app", "server_app"))
+
+    yield load
+    for name in [m for m in sys.modules if m.split(".")[0] in ("pytorchexample", "numpyexample")]:
+        del sys.modules[name]
+
+
+@pytest.fixture(autouse=True)
+def _quick_start(monkeypatch) -> None:
+    monkeypatch.setattr(AppDPFedAvg, "settle_seconds", 0.05)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models: one thread is faster than a contended pool (as in a Ray worker with one CPU)."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield torch
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def dp_log(caplog):
+    """dpfedavg's log records (its logger writes through Flower's handler and does not propagate)."""
+    logger = logging.getLogger("dpfedavg")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def _run_main(folder: Path, server_app, client_app, overrides: str, nodes: int) -> dict:
+    run_config = get_fused_config_from_dir(folder, parse_config_args([overrides]))
+    grid = InProcessGrid(client_app.app, nodes, run_config)
+    server_app.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config))
+    return run_config
+
+
+def _statement(text: str) -> dict[str, float]:
+    match = STATEMENT.search(text)
+    assert match, f"no DP statement in the output:\n{text[-3000:]}"
+    return {k: float(v) for k, v in match.groupdict().items()}
+
+
+def _independent_epsilon(q: float, z: float, rounds: int, delta: float) -> tuple[float, float]:
+    """(dp-accounting PLD at its default discretization, Opacus RDP) for the run's mechanism."""
+    from dp_accounting import dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    pld = pld_privacy_accountant.PLDAccountant()
+    pld.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z)), rounds)
+    orders = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+    rdp = compute_rdp(q=q, noise_multiplier=z, steps=rounds, orders=orders)
+    return float(pld.get_epsilon(delta)), float(get_privacy_spent(orders=orders, rdp=rdp, delta=delta)[0])
+
+
+def _check_epsilon(stated: dict[str, float], target: float) -> None:
+    """The printed epsilon is at most the target and is the mechanism's: z, q and K printed beside it give it.
+
+    z is printed to 5 significant digits; epsilon decreases in z, so the rounded z brackets it."""
+    assert stated["eps"] <= target
+    rounds, q, delta = int(stated["rounds"]), stated["q"], stated["delta"]
+    z_low, z_high = stated["z"] * (1 - 1e-4), stated["z"] * (1 + 1e-4)
+    pld_high, rdp = _independent_epsilon(q, z_low, rounds, delta)
+    pld_low, _ = _independent_epsilon(q, z_high, rounds, delta)
+    assert pld_low * (1 - 1e-3) <= stated["eps"] <= pld_high * (1 + 1e-3)  # printed to 4 digits
+    assert stated["eps"] <= rdp  # Opacus' RDP: an independent, looser upper bound
+
+
+def test_the_pytorch_dp_example_trains_in_process(example, tmp_path, dp_log, one_torch_thread) -> None:
+    torch = one_torch_thread
+    task, client_app, server_app = example(PRIVATE, "pytorchexample")
+    model_path = tmp_path / "final_model.pt"
+    _run_main(PRIVATE, server_app, client_app, f'num-server-rounds=3 model-path="{model_path}"', 10)
+    _check_epsilon(_statement(dp_log.text), 8.0)
+    net = task.Net()
+    net.load_state_dict(torch.load(model_path))  # the user's state_dict, as FedAvg's Result gives it
+
+
+def test_the_plain_example_is_a_working_flower_app(example, tmp_path, one_torch_thread) -> None:
+    torch = one_torch_thread
+    task, client_app, server_app = example(PLAIN, "pytorchexample")
+    model_path = tmp_path / "final_model.pt"
+    _run_main(PLAIN, server_app, client_app, f'num-server-rounds=2 model-path="{model_path}"', 4)
+    task.Net().load_state_dict(torch.load(model_path))
+
+
+def test_the_numpy_example_trains_privately_with_its_settings_in_the_dpfedavg_table(example, tmp_path, dp_log) -> None:
+    task, client_app, server_app = example(NUMPY, "numpyexample")
+    model_path = tmp_path / "final_model.npz"
+    run_config = _run_main(NUMPY, server_app, client_app, f'model-path="{model_path}"', 20)
+    assert run_config["dpfedavg.epsilon"] == 5.0 and run_config["num-server-rounds"] == 20
+    _check_epsilon(_statement(dp_log.text), 5.0)
+    model = np.load(model_path)
+    x, y = task.load_data(partition_id=-1, num_examples=500)
+    initial = task.mse(np.zeros(task.NUM_FEATURES), np.zeros(1), x, y)
+    assert task.mse(model["w"], model["b"], x, y) < 0.5 * initial
+    assert model["w"].dtype == np.float32 and model["b"].shape == (1,)
+
+
+@pytest.mark.slow
+def test_the_dp_example_with_flwr_run(tmp_path: Path) -> None:
+    """The page's command: flwr run on examples/quickstart-pytorch-dp with 20 SuperNodes (Ray simulation)."""
+    torch = pytest.importorskip("torch")
+    from dpfedavg.engines.local_superlink import LocalSuperLink
+
+    model_path = tmp_path / "final_model.pt"
+    with LocalSuperLink(tmp_path / "superlink") as link:
+        result = link.flwr_run(
+            f'model-path="{model_path}"', "num-supernodes=20 client-resources-num-cpus=1", app=PRIVATE
+        )
+        leftover = link
+    assert leftover.leftover_pids() == []
+    out = result.stdout
+    assert "Traceback" not in out and model_path.exists(), out[-4000:]  # flwr run exits 0 even when the app fails
+    stated = _statement(out)
+    assert int(stated["rounds"]) == 15
+    _check_epsilon(stated, 8.0)
+    sys.path.insert(0, str(PRIVATE))
+    try:
+        from pytorchexample.task import Net, load_centralized_dataset, test
+
+        net = Net()
+        net.load_state_dict(torch.load(model_path))
+        _, accuracy = test(net, load_centralized_dataset(), torch.device("cpu"))
+    finally:
+        sys.path.remove(str(PRIVATE))
+        for name in [m for m in sys.modules if m.split(".")[0] == "pytorchexample"]:
+            del sys.modules[name]
+    assert accuracy > 0.3, accuracy  # 10 classes: chance is 0.1

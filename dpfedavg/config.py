@@ -189,6 +189,7 @@ class RunConfig:
     secagg_reconstruction_threshold: float = option(0.67, "-", "secure aggregation: fraction of a client's shares needed to unmask; above 0.5 so the server cannot learn both a client's mask and its pairwise keys; a round whose survivors fall below it is skipped", "a fraction in (0.5, 1]", lambda x: 0.5 < x <= 1)  # noqa: E501
     secagg_timeout: float = option(0.0, "-", "secure aggregation: seconds each of the 4 SecAgg+ stages waits for replies; 0 = round-timeout", "a float >= 0", non_negative)  # noqa: E501
     eval_every: int = option(1, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1)  # noqa: E501
+    max_failed_fraction: float = option(0.5, "-", "flwr run: fail fast instead of training on noise: stop when more than this fraction of the sampled clients' replies were rejected or failed over the last 5 rounds (a round in which all were stops at once; the batched engine's in-process clients never send a reply it could reject)", "a fraction in (0, 1]", lambda x: 0 < x <= 1)  # noqa: E501
     # task-specific keys (ignored by tasks that do not use them)
     init: str = option("I1", "w_0", "quadratic: I1 (w0 = w* + z) or I2 (w0 = w* + z/5), z ~ U(0,1)^d", choices=("I1", "I2"), trajectory=True)  # noqa: E501
     dim: int = option(200, "d", "quadratic: model dimension", "an integer >= 1", lambda x: x >= 1, trajectory=True)

@@ -33,6 +33,7 @@ from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.io import atomic
 from dpfedavg.io.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
+from dpfedavg.server.health import TrainingStopped
 
 BASE = {
     "task": "quadratic",
@@ -286,15 +287,17 @@ def test_diverging_local_training_is_reported_as_failure_on_both_engines(tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # overflow inside the diverging local steps
         batched = run_batched(cfg.replace(run_name="batched")).directory
-        flower = server_app.run(
-            InProcessGrid(client_app, 12, cfg.to_run_config()), cfg.replace(run_name="flower")
-        ).directory
-    for out in (batched, flower):
-        rows = _rows(out)
-        assert [int(r["num_failed"]) for r in rows[1:]] == [12, 12]
-        assert [int(r["num_received"]) for r in rows[1:]] == [0, 0]
-        w = np.load(out / "model.npz")["w_final"]
-        assert np.all(np.isfinite(w))
+        with pytest.raises(TrainingStopped) as stop:
+            server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg.replace(run_name="flower"))
+        flower = stop.value.result.directory
+    rows = _rows(batched)  # the batched engine records the failures and goes on
+    assert [int(r["num_failed"]) for r in rows[1:]] == [12, 12] and [int(r["num_received"]) for r in rows[1:]] == [0, 0]
+    assert np.all(np.isfinite(np.load(batched / "model.npz")["w_final"]))
+    rows = _rows(flower)  # flwr run fails fast: round 1 had no usable reply; it stays accounted
+    assert [int(r["num_failed"]) for r in rows[1:]] == [12] and int(rows[1]["num_received"]) == 0
+    assert np.all(np.isfinite(np.load(flower / "model.npz")["w_final"]))
+    stopped = json.loads((flower / "config.json").read_text())["final"]["stopped_because"]
+    assert "every sampled client's reply was unusable" in stopped and "lower the ClientApp's learning rate" in stopped
 
 
 # --------------------------------------------------------------- fault injection

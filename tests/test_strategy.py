@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
@@ -504,3 +505,35 @@ def test_unavailable_and_disconnected_nodes_are_dropouts_not_failures(caplog) ->
     messages, _, metrics = one_round(strategy, grid, w1, server_round=2)
     assert strategy.node_of_client[6] == 12345 and 12345 in {m.metadata.dst_node_id for m in messages}
     assert metrics["num_received"] == 8
+
+
+def test_a_clientapp_that_does_not_speak_dpfedavg_stops_the_run_in_round_one(tmp_path) -> None:
+    """A user's unmodified train function (its own arrays and metrics, no 'update'): one ERROR with the fix,
+    round 1 accounted, no training on noise for the rest of the run."""
+    from flwr.app import ArrayRecord
+
+    def users_own_train(msg: Message, context: Context) -> Message | None:
+        if msg.metadata.message_type != "train":
+            return client_app(msg, context)  # the partition query
+        content = RecordDict({"arrays": ArrayRecord([np.zeros(3)]), "metrics": MetricRecord({"num-examples": 5})})
+        return Message(content, reply_to=msg)
+
+    cfg = RunConfig(num_clients=6, clients_per_round=6.0, num_rounds=10, dim=10, output_dir=str(tmp_path),
+                    run_name="foreign")  # fmt: skip
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("dpfedavg")
+    logger.addHandler(handler)
+    try:
+        ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=cfg.to_run_config())
+        server_app.main(grid=InProcessGrid(users_own_train, 6, cfg.to_run_config()), context=ctx)
+    finally:
+        logger.removeHandler(handler)
+    errors = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "round 1: every sampled client's reply was unusable" in errors[0]
+    assert "lacks 'update'" in errors[0] and "wrapped with dp_mod" in errors[0]
+    assert "Rounds 1-1 ran and are accounted: epsilon = " in errors[0]
+    final = json.loads((tmp_path / "foreign" / "config.json").read_text())["final"]
+    assert final["rounds_completed"] == 1 and final["stopped_because"] == errors[0]

@@ -176,4 +176,8 @@ class InProcessRunner:
     ) -> Vector:
         failed: list[int] = []
         results = list(self.client_results_fn(self.task, clients, w, ins, failed=failed, threads=self.threads))
-        return server.finish_round(server_round, results, num_failed=len(failed))
+        w_new = server.finish_round(server_round, results, num_failed=len(failed))
+        server.history[server_round].failed_reasons.extend(
+            f"client {c}: local training diverged (NaN/Inf)" for c in failed
+        )
+        return w_new

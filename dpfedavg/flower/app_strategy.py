@@ -66,7 +66,7 @@ from dpfedavg.flower.secure_aggregation import HALTED, SecureSum
 from dpfedavg.flower.strategy import DPFedAvg as FlowerDPFedAvg
 from dpfedavg.flower.strategy import FlowerRunner
 from dpfedavg.server.dp_server import DPServer
-from dpfedavg.server.health import ReplyHealth, TrainingStopped
+from dpfedavg.server.health import ReplyHealth, stopped
 from dpfedavg.server.loop import run_rounds
 from dpfedavg.server.run import plan_for
 
@@ -571,14 +571,8 @@ class AppDPFedAvg(DPFedAvg):
         if verdict is None:
             return
         epsilon = self.epsilon if self.plan.dp else math.inf
-        spent = (
-            f"epsilon = {epsilon:.4g} at delta = {self.plan.delta:g} spent"
-            if self.plan.dp
-            else "no DP (algorithm 'none')"
-        )
-        message = f"DPFedAvg stopped: {verdict}. Rounds 1-{server_round} ran and are accounted: {spent}."
-        logger.error("%s", message)
-        stop = TrainingStopped(message, server_round, epsilon, self.plan.delta)
+        stop = stopped("DPFedAvg", verdict, server_round, epsilon, self.plan.delta, self.plan.dp)
+        logger.error("%s", stop)
         stop.result = result
         raise stop
 

@@ -45,6 +45,8 @@ class RoundReplies:
     num_failed: int = 0
     num_rejected: int = 0
     reasons: list[str] = field(default_factory=list)
+    #: Why clients failed (a node's error reply, diverged local training).
+    failures: list[str] = field(default_factory=list)
 
 
 def collect_replies(
@@ -89,6 +91,7 @@ def collect_replies(
         clients = sampled[src]
         if msg.has_error():
             out.num_failed += len(clients)
+            out.failures.extend([f"node {src} failed: {msg.error.reason[:300]}"] * len(clients))
             logger.warning(
                 "Round %d: node %d failed (%d sampled clients): %s",
                 server_round,
@@ -132,6 +135,7 @@ def _take(
         _reject(out, server_round, src, reason, 1)
     if parsed.diverged:
         out.num_failed += len(parsed.diverged)
+        out.failures.extend(f"client {c}: local training diverged (NaN/Inf)" for c in parsed.diverged)
         logger.warning(
             "Round %d: node %d: local training diverged (NaN/Inf) for clients %s",
             server_round,

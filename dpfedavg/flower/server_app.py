@@ -14,6 +14,7 @@ from dpfedavg.flower.protocol import from_array_record, to_array_record
 from dpfedavg.flower.runtime import setup_app_process
 from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.privacy.plan import PrivacyPlan
+from dpfedavg.server.health import TrainingStopped
 from dpfedavg.server.run import plan_for, prepare_run
 from dpfedavg.server.session import RunResult
 from dpfedavg.tasks import resolve_task
@@ -27,7 +28,9 @@ app = ServerApp()
 def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPlan | None = None) -> RunResult:
     """Train with the Flower strategy on ``grid`` and write results (:func:`dpfedavg.server.run.prepare_run`).
 
-    Raises :class:`ConfigError` (from the task, the privacy plan or the server) before anything is written.
+    Raises :class:`ConfigError` (from the task, the privacy plan or the server) before anything is written, and
+    :class:`~dpfedavg.server.health.TrainingStopped` (after the results are written) when the run stopped
+    because its clients' replies were unusable.
     """
     prepared = prepare_run(cfg, plan=plan, run_id=run_id, engine="flower")
     session = prepared.session
@@ -40,7 +43,14 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
     )
     w_final = from_array_record(result.arrays) if result.arrays is not None else prepared.w
     session.description["timing"] = timing_summary(strategy)
-    return session.finish(w_final, stopped_before_round=strategy.stopped_before_round)
+    failed = strategy.failed
+    outcome = session.finish(
+        w_final, stopped_before_round=strategy.stopped_before_round, failed=str(failed) if failed else None
+    )
+    if failed is not None:
+        failed.result = outcome
+        raise failed
+    return outcome
 
 
 def timing_summary(strategy: DPFedAvg) -> dict[str, float | None]:
@@ -67,5 +77,5 @@ def main(grid: Grid, context: Context) -> None:
         run(grid, cfg, run_id=context.run_id, plan=plan)
     except FederationError as err:
         logger.error("federation does not match the run: %s", err)
-    except (ConfigError, DataUnavailableError) as err:
+    except (ConfigError, DataUnavailableError, TrainingStopped) as err:
         logger.error("%s", err)

@@ -45,6 +45,7 @@ from dpfedavg.flower.secure_aggregation import SecureSum, secure_sum, workflow_f
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.dp_server import DPServer
+from dpfedavg.server.health import ReplyHealth, TrainingStopped
 from dpfedavg.server.loop import run_rounds
 
 __all__ = ["DPFedAvg", "FlowerRunner"]
@@ -95,6 +96,8 @@ class DPFedAvg(Strategy):
         self.federation = Federation(cfg, sleep)
         #: The round before which the privacy budget stopped the run, if it did.
         self.stopped_before_round: int | None = None
+        #: Why the run stopped when its replies were unusable (fail fast: :mod:`dpfedavg.server.health`), or None.
+        self.failed: TrainingStopped | None = None
         self._sampled: dict[int, list[int]] = {}  # node id -> its sampled clients (ascending), this round
         self._closed: dict[int, Vector] = {}  # w_{k+1} of rounds a rule closed in configure_train
         #: Wall seconds per round spent in our code (configure, aggregate, evaluate) and waiting on
@@ -266,7 +269,10 @@ class DPFedAvg(Strategy):
             }
 
         rounds = range(first_round, self.cfg.num_rounds + 1)
-        loop = run_rounds(self.server, runner, from_array_record(initial_arrays), rounds, on_round_end=record)
+        health = ReplyHealth(max_failed_fraction=self.cfg.max_failed_fraction)
+        w0 = from_array_record(initial_arrays)
+        loop = run_rounds(self.server, runner, w0, rounds, on_round_end=record, health=health)
+        self.failed = loop.failed
         self.stopped_before_round = loop.stopped_before_round
         return result
 
@@ -417,6 +423,7 @@ class DPFedAvg(Strategy):
             server_round, checked.results, num_failed=checked.num_failed, num_rejected=checked.num_rejected
         )
         self.history[server_round].rejected_reasons.extend(checked.reasons)
+        self.history[server_round].failed_reasons.extend(checked.failures)
         return w_new
 
     def _round_messages(self, w: Vector, train_config: ConfigRecord) -> list[Message]:

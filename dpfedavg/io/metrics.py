@@ -36,6 +36,8 @@ class RoundStats:
     #: 1 if secure aggregation summed no update this round (the server's noise alone was released).
     skipped: int = 0
     rejected_reasons: list[str] = field(default_factory=list)
+    #: Why sampled clients failed (error replies, diverged local training): what fail-fast reports.
+    failed_reasons: list[str] = field(default_factory=list)
 
     #: The task's metric columns follow this one.
     METRICS_AFTER = "beta"
@@ -43,7 +45,7 @@ class RoundStats:
     @classmethod
     def columns(cls, metric_names: tuple[str, ...] = ()) -> tuple[str, ...]:
         """``metrics.csv``'s columns: ``round``, the training statistics with the task's metrics, ``elapsed_s``."""
-        train = [f.name for f in fields(cls) if f.name not in ("round", "rejected_reasons")]
+        train = [f.name for f in fields(cls) if f.name not in ("round", "rejected_reasons", "failed_reasons")]
         cut = train.index(cls.METRICS_AFTER) + 1
         return ("round", *train[:cut], *metric_names, *train[cut:], "elapsed_s")
 

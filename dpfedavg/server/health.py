@@ -12,8 +12,8 @@ instance, moves the model by noise alone and reports an epsilon as if it had tra
   the sampled clients' replies were rejected or failed.
 
 The error names the commonest reason and its fix, and what was spent: the rounds that ran stay
-accounted (their releases happened). Flower-free; the strategy for a user's own app
-(:class:`dpfedavg.flower.app_strategy.AppDPFedAvg`) uses it.
+accounted (their releases happened). Flower-free; the one round loop (:func:`dpfedavg.server.loop.run_rounds`,
+every engine) and the strategy for a user's own app (:class:`dpfedavg.flower.app_strategy.AppDPFedAvg`) use it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from dpfedavg.io.metrics import RoundStats
 
-__all__ = ["FIXES", "ReplyHealth", "TrainingStopped", "fix_for"]
+__all__ = ["FIXES", "ReplyHealth", "TrainingStopped", "fix_for", "stopped"]
 
 
 class TrainingStopped(RuntimeError):
@@ -74,6 +74,13 @@ FIXES: tuple[tuple[str, str], ...] = (
     ),
     ("No train function registered", "register the ClientApp's train function with @app.train()"),
 )
+
+
+def stopped(who: str, verdict: str, server_round: int, epsilon: float, delta: float, dp: bool) -> TrainingStopped:
+    """The error of a run :class:`ReplyHealth` stopped: why, the fix, and what the rounds that ran spent."""
+    spent = f"epsilon = {epsilon:.4g} at delta = {delta:g} spent" if dp else "no differential privacy"
+    message = f"{who} stopped: {verdict}. Rounds 1-{server_round} ran and are accounted: {spent}."
+    return TrainingStopped(message, server_round, epsilon, delta)
 
 
 def fix_for(reason: str) -> str:

@@ -19,6 +19,7 @@ import numpy as np
 
 from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.server.dp_server import DPServer, PrivacyBudgetExhausted
+from dpfedavg.server.health import ReplyHealth, TrainingStopped, stopped
 
 __all__ = ["ClientRunner", "LoopResult", "run_rounds"]
 
@@ -41,10 +42,12 @@ class ClientRunner(Protocol):
 
 @dataclass
 class LoopResult:
-    """The model after the last round that ran, and the round the budget stopped before (if it did)."""
+    """The model after the last round that ran, the round the budget stopped before (if it did), and why the
+    run stopped when its replies were unusable (:class:`~dpfedavg.server.health.ReplyHealth`)."""
 
     w: Vector
     stopped_before_round: int | None = None
+    failed: TrainingStopped | None = None
 
 
 def run_rounds(
@@ -53,11 +56,14 @@ def run_rounds(
     w: Vector,
     rounds: Iterable[int],
     on_round_end: Callable[[int, Vector], None] | None = None,
+    health: ReplyHealth | None = None,
 ) -> LoopResult:
     """Run ``rounds`` (1-based, ascending) from ``w``; ``on_round_end(k, w_{k})`` after each one.
 
     Stops cleanly before a round whose release would exceed ``max-epsilon``
-    (:class:`PrivacyBudgetExhausted`, logged as a WARNING).
+    (:class:`PrivacyBudgetExhausted`, logged as a WARNING), and after a round whose replies ``health`` finds
+    unusable (fail fast instead of training on noise: the result's ``failed`` says why, the fix and what
+    the rounds that ran spent; they are accounted).
     """
     for server_round in rounds:
         try:
@@ -73,4 +79,12 @@ def run_rounds(
             w = runner.run_round(server, server_round, start.clients, w, start.instructions)
         if on_round_end is not None:
             on_round_end(server_round, w)
+        verdict = None if health is None else health.verdict(server_round, server.history, _failures(server))
+        if verdict is not None:
+            epsilon, plan = server.epsilon, server.plan
+            return LoopResult(w, failed=stopped("the run", verdict, server_round, epsilon, plan.delta, plan.dp))
     return LoopResult(w)
+
+
+def _failures(server: DPServer) -> dict[int, list[str]]:
+    return {k: stats.failed_reasons for k, stats in server.history.items()}

@@ -265,7 +265,12 @@ class RunSession:
         return metrics
 
     def _write_final(
-        self, last5: list[dict[str, float]], completed: int, stopped_before_round: int | None, k_random: int
+        self,
+        last5: list[dict[str, float]],
+        completed: int,
+        stopped_before_round: int | None,
+        k_random: int,
+        failed: str | None,
     ) -> dict[str, float]:
         """``config.json``'s ``final``: the last-5-round metrics, epsilon, the guarantee; returns the metrics."""
         names = self.metric_names
@@ -278,19 +283,27 @@ class RunSession:
             "rounds_completed": completed,
             "stopped_by_budget_before_round": stopped_before_round,
             "random_iterate_round": k_random,
+            "stopped_because": failed,
             "finished_utc": datetime.now(UTC).isoformat(),
         }
         self.recorder.write_config(self.description)
         return summary
 
     def finish(
-        self, w_final: Vector, stopped_before_round: int | None = None, *, checkpoint: bool = True, plot: bool = True
+        self,
+        w_final: Vector,
+        stopped_before_round: int | None = None,
+        *,
+        checkpoint: bool = True,
+        plot: bool = True,
+        failed: str | None = None,
     ) -> RunResult:
         """Write ``model.npz``, the final summary into ``config.json`` and ``metrics.png``; the run's result.
 
         ``checkpoint`` / ``plot``: also the final ``checkpoint.npz`` (with ``checkpoint-every``) and ``metrics.png``;
         a sweep's batch (:mod:`dpfedavg.engines.batched_runs`) writes neither (a cell reruns whole, figures
-        come from the sweep).
+        come from the sweep). ``failed``: why the run stopped early because its replies were unusable
+        (``config.json`` ``final.stopped_because``).
         """
         server = self.server
         w_random = server.random_iterate if server.random_iterate is not None else w_final
@@ -302,7 +315,7 @@ class RunSession:
             np.save(self.directory / "trajectory.npy", np.stack(self.trajectory))
         completed = len(server.history)
         last5 = [self.evaluated[k] for k in sorted(self.evaluated) if k > 0][-5:]
-        summary = self._write_final(last5, completed, stopped_before_round, k_random)
+        summary = self._write_final(last5, completed, stopped_before_round, k_random, failed)
         epsilon = server.epsilon
         try:
             title = f"{self.cfg.task}, {self.cfg.algorithm}, C = {self.cfg.clip:g}, {self.cfg.noise_placement} noise"

@@ -553,7 +553,7 @@ class AppDPFedAvg(DPFedAvg):
         elif math.isnan(stats.frac_clipped):
             clipped = "clipped: unknown (the clients send no norms)"
         else:
-            clipped = f"{'clipped' if self.cfg.algorithm == 'clip' else 'norm above C'}: {stats.frac_clipped:.0%}"
+            clipped = f"updates with norm above C: {stats.frac_clipped:.0%}"
         epsilon = f"epsilon spent: {stats.epsilon:.4g} (delta={self.plan.delta:g})" if self.plan.dp else "no DP"
         logger.info(
             "aggregate_train: received %d of %d sampled (%d rejected, %d failed, %d dropped); %s; %s",

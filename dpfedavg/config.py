@@ -14,8 +14,9 @@ trajectory or the privacy guarantee (:class:`Option`, collected in :data:`OPTION
 ``algorithm``, ``noise-placement``, ``noise-mechanism`` and ``accountant`` are the names of their registries
 (:data:`dpfedavg.core.dp.BOUNDS`, :data:`dpfedavg.core.mechanism.PLACEMENTS`,
 :data:`dpfedavg.privacy.noise_mechanisms.NOISE_MECHANISMS`, :data:`dpfedavg.privacy.accountants.ACCOUNTANTS`),
-and the noise mechanism checks its own keys (:meth:`~dpfedavg.privacy.noise_mechanisms.NoiseMechanism.config_errors`). Whether ``task`` names a task is checked where
-tasks are built (:func:`dpfedavg.tasks.resolve_task`): this module imports no task and no user code.
+and the noise mechanism checks its own keys
+(:meth:`~dpfedavg.privacy.noise_mechanisms.NoiseMechanism.config_errors`). Whether ``task`` names a task is
+checked where tasks are built (:func:`dpfedavg.tasks.resolve_task`): this module imports no task and no user code.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ cyclic-Poisson accountant.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import io
 import itertools
@@ -48,7 +47,6 @@ from dpfedavg.core.participation import (
 from dpfedavg.core.seeding import Stream, make_rng
 from dpfedavg.core.server import poisson_sample
 from dpfedavg.privacy.accountants import RoundEvent
-from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
 from dpfedavg.privacy.banded_mf_accounting import (
     BandedMFAccountant,
     BandedMFParams,
@@ -57,6 +55,7 @@ from dpfedavg.privacy.banded_mf_accounting import (
     calibrate_noise_std,
 )
 from dpfedavg.privacy.banded_mf_mechanism import BandedMFMechanism, BandedMFSpec
+from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
 
 HAS_JAX_PRIVACY = importlib.util.find_spec("jax_privacy") is not None
 needs_jax_privacy = pytest.mark.skipif(
@@ -117,8 +116,9 @@ def rounds_apart(schedule, bands: int, k: int | None) -> bool:
     )
 
 
-RANDOM_COEFS = (1.3, -0.7, 0.4, 0.25, -0.1)
-ROUND = RoundEvent(1.0, 1.0)  # a banded-MF accountant counts rounds; q and z belong to independent noise  # mixed signs; |roots| > 1, so C^{-1} is stable
+RANDOM_COEFS = (1.3, -0.7, 0.4, 0.25, -0.1)  # mixed signs; |roots| > 1, so C^{-1} is stable
+#: A banded-MF accountant counts rounds; q and z belong to independent noise.
+ROUND = RoundEvent(1.0, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------- coefficients
@@ -258,9 +258,7 @@ def test_b1_full_participation_spends_todays_epsilon() -> None:
     z, clip, rounds, delta = 1.7, 3.0, 40, 1e-6
     rule = ParticipationRule("cyclic", 10, 1, rounds)
     params = BandedMFParams.from_rule(rule, sqrt_prefix_coefficients(1), clip=clip, noise_std=z * clip, delta=delta)
-    assert banded_mf_epsilon(params, rounds) == pytest.approx(
-        epsilon_for(z, 1.0, rounds, delta, "pld"), rel=1e-6
-    )
+    assert banded_mf_epsilon(params, rounds) == pytest.approx(epsilon_for(z, 1.0, rounds, delta, "pld"), rel=1e-6)
     assert params.sensitivity() == pytest.approx(clip * math.sqrt(rounds), rel=1e-15)
 
 
@@ -496,9 +494,7 @@ def test_amplified_with_one_band_is_todays_poisson_accounting() -> None:
     z, q, rounds = 1.1, 0.1, 50
     rule = ParticipationRule("cyclic-poisson", 100, 1, rounds, sampling_probability=q)
     params = BandedMFParams.from_rule(rule, (1.0,), clip=2.0, noise_std=2.0 * z, delta=1e-5)
-    assert banded_mf_epsilon(params, rounds) == pytest.approx(
-        epsilon_for(z, q, rounds, 1e-5, "pld"), rel=1e-6
-    )
+    assert banded_mf_epsilon(params, rounds) == pytest.approx(epsilon_for(z, q, rounds, 1e-5, "pld"), rel=1e-6)
 
 
 @needs_jax_privacy
@@ -517,9 +513,7 @@ def test_amplified_epsilon_agrees_with_jax_privacy_accountant() -> None:
         batch_size=int(p * n / bands),  # q = batch / (n // cycle_length) = p
         cycle_length=bands,
     )
-    assert banded_mf_epsilon(params, rounds) == pytest.approx(
-        theirs.compute_epsilon(rounds, dp_params), rel=1e-2
-    )
+    assert banded_mf_epsilon(params, rounds) == pytest.approx(theirs.compute_epsilon(rounds, dp_params), rel=1e-2)
 
 
 def test_record_holds_what_the_issue_lists() -> None:
@@ -528,7 +522,8 @@ def test_record_holds_what_the_issue_lists() -> None:
     for key in ("bands", "strategy_coefficients", "participation", "max_participations", "sensitivity", "noise_std"):
         assert key in record
     assert record["bands"] == 2 and record["max_participations"] == 4 and record["participation"] == "min-separation"
-    assert record["adjacency"] == Neighbouring.ADD_REMOVE.value  # every eligible connected client: nobody's presence moves another
+    # every eligible connected client: nobody's presence moves another
+    assert record["adjacency"] == Neighbouring.ADD_REMOVE.value
     capped = ParticipationRule("min-separation", 50, 2, 20, max_participations=4, max_cohort=10)
     params = BandedMFParams.from_rule(capped, (1.0, 0.5), clip=1.0, noise_std=2.0, delta=1e-5)
     assert banded_mf_record(params)["adjacency"] == Neighbouring.ZERO_OUT.value

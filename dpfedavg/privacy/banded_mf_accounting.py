@@ -279,7 +279,9 @@ class BandedMFAccountant(AccountantBase):
     def _epsilon_with(self, event: RoundEvent, count: int) -> float:
         rounds = self._released + count
         if rounds > self.params.num_rounds:
-            raise ValueError(f"epsilon after {rounds} rounds: a banded-MF run has num-rounds = {self.params.num_rounds}")
+            raise ValueError(
+                f"epsilon after {rounds} rounds: a banded-MF run has num-rounds = {self.params.num_rounds}"
+            )
         return _cached_epsilon(self.params, rounds)
 
     def state_dict(self) -> dict[str, Any]:

@@ -135,7 +135,8 @@ class BandedMFSpec:
         """
         parsed = parse_coefficients(coefficients) if isinstance(coefficients, str) else tuple(coefficients)
         if bands is None:
-            bands = len(parsed) if isinstance(parsed, tuple) else default_bands(num_clients, clients_per_round, num_rounds)
+            auto = default_bands(num_clients, clients_per_round, num_rounds)
+            bands = len(parsed) if isinstance(parsed, tuple) else auto
         if bands > num_rounds:
             raise ValueError(
                 f"'bands' = {bands} exceeds 'num-rounds' = {num_rounds}: allowed 1 <= bands <= num-rounds "
@@ -288,9 +289,7 @@ class BandedMFMechanism:
         return self.params.noise_std
 
     # ------------------------------------------------------------------------------------------- per round
-    def select(
-        self, round_index: int, rng: np.random.Generator | None = None, available: Any = None
-    ) -> np.ndarray:
+    def select(self, round_index: int, rng: np.random.Generator | None = None, available: Any = None) -> np.ndarray:
         """Round ``k``'s cohort (0-based ``k``), recorded by the gate (:meth:`ParticipationTracker.select`)."""
         return self.tracker.select(round_index, rng, available)
 
@@ -334,4 +333,3 @@ class BandedMFMechanism:
                 f"inconsistent banded-MF checkpoint: noise at round {self.stream.position}, participation at "
                 f"{self.tracker.position}"
             )
-

@@ -151,7 +151,8 @@ class Independent:
         return None
 
     def calibrate(self, params: Any) -> float:
-        return calibrate_noise_multiplier(params.target_epsilon, params.delta, params.q, params.rounds, params.accountant)
+        p = params
+        return calibrate_noise_multiplier(p.target_epsilon, p.delta, p.q, p.rounds, p.accountant)
 
     def epsilon(self, params: Any, noise_multiplier: float, rounds: int) -> float:
         return epsilon_for(noise_multiplier, params.q, rounds, params.delta, params.accountant)
@@ -192,7 +193,9 @@ class BandedMF:
 
     def new_accountant(self, params: Any, noise_multiplier: float) -> BandedMFAccountant:
         spec: BandedMFSpec = params.mechanism_spec
-        return BandedMFAccountant(spec.params(noise_std=noise_multiplier, delta=params.delta, accountant=params.accountant))
+        return BandedMFAccountant(
+            spec.params(noise_std=noise_multiplier, delta=params.delta, accountant=params.accountant)
+        )
 
     def rounds(self, params: Any, noise_multiplier: float, *, clip: float, dim: int) -> BandedMFMechanism:
         return BandedMFMechanism(

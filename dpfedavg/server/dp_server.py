@@ -257,12 +257,12 @@ class DPServer:
                 clip_lr=cfg.clip_lr,
                 count_stddev=plan.count_stddev,
             )
-        record = self.round_mechanism.record()
+        record, key = self.round_mechanism.record(), self.round_mechanism.record_key
         return describe_privacy(
             plan,
             self.placement,
             noise_mechanism=self.mechanism.name,
-            mechanism_record={self.round_mechanism.record_key: record} if self.round_mechanism.record_key and record else None,
+            mechanism_record={key: record} if key and record else None,
             diagnostics=cfg.diagnostics,
             secure_noise=cfg.secure_noise,
             seed=cfg.seed,
@@ -494,7 +494,8 @@ class DPServer:
         # the server's share: all of (zC)^2 for `server` placement, the missing replies' share otherwise; with
         # banded-MF noise the round's (C^-1 Z)_k instead, every round
         server_std = self.noise_stds_for(stats.num_sampled, num_received)[1]
-        noise = self.round_mechanism.server_noise(server_round - 1, self._rng(Stream.SERVER_NOISE, server_round - 1), server_std)
+        rng = self._rng(Stream.SERVER_NOISE, server_round - 1)
+        noise = self.round_mechanism.server_noise(server_round - 1, rng, server_std)
         if noise is not None:
             total += noise
         stats.clip = self.clip if self.bound.private else float("nan")

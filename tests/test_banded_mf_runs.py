@@ -251,3 +251,62 @@ def test_bad_banded_settings_raise_one_config_error_before_anything_runs(
 def test_banded_keys_with_independent_noise_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"'bands' = 4 with 'noise-mechanism' = 'independent'"):
         _cfg(tmp_path, "bad", bands=4)
+
+
+# ----------------------------------------------------------------------------------------------- the auditor
+def _audit_setting(epsilon: float, **kwargs):
+    from dpfedavg.core.banded_mf import sqrt_prefix_coefficients
+    from dpfedavg.core.participation import ParticipationRule
+    from dpfedavg.privacy.audit_banded import BandedAuditSetting
+    from dpfedavg.privacy.banded_mf_accounting import calibrate_noise_std
+
+    coefs, rounds = sqrt_prefix_coefficients(4), 12
+    z = calibrate_noise_std(epsilon, ParticipationRule("min-separation", 2, 4, rounds), coefs, clip=1.0, delta=1e-5)
+    cls = kwargs.pop("cls", BandedAuditSetting)
+    return cls(coefs, rounds, z, delta=1e-5, **kwargs)
+
+
+def test_audit_of_a_min_separated_canary_stays_below_the_reported_epsilon() -> None:
+    """Canary in rounds 0, 4, 8 (the rule's worst pattern): the lower bound (95%) is below the reported epsilon,
+    which equals the canary's exact Gaussian DP epsilon (computed from a dense C, not the accountant)."""
+    from dpfedavg.privacy.audit_banded import run_banded_audit
+
+    setting = _audit_setting(2.0)
+    assert setting.canary_rounds == (0, 4, 8)
+    result = run_banded_audit(setting, 20000, seed=3)
+    assert result.epsilon_reported == pytest.approx(result.epsilon_exact, abs=2e-3)
+    assert 0.5 < result.epsilon_lower_bound <= result.epsilon_reported <= 2.0
+
+
+def test_audit_catches_the_disjoint_columns_formula_on_participations_closer_than_b() -> None:
+    """A deliberately mis-computed sensitivity: the closed form (columns >= b apart) applied to a canary that takes
+    part every round. Its columns of C overlap, the true epsilon is about 4x the reported one, and the auditor's
+    lower bound (95% confidence, 20000 trials per world, seed fixed) exceeds the reported epsilon."""
+    from dpfedavg.core.participation import ParticipationError
+    from dpfedavg.privacy.audit_banded import BandedAuditSetting, run_banded_audit
+
+    with pytest.raises(ParticipationError, match="1 apart"):  # the honest setting refuses the pattern
+        _audit_setting(1.0, canary_rounds=tuple(range(12)))
+
+    class MisAccounted(BandedAuditSetting):
+        def _check_pattern(self) -> None:  # reports the closed form whatever the pattern
+            pass
+
+    setting = _audit_setting(1.0, canary_rounds=tuple(range(12)), cls=MisAccounted)
+    result = run_banded_audit(setting, 20000, seed=3)
+    assert result.epsilon_reported <= 1.0 < 3.0 < result.epsilon_exact
+    assert result.epsilon_lower_bound > 1.5 * result.epsilon_reported
+
+
+def test_run_sim_audit_banded_mf(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(root / "run_sim.py"), "audit", "--mechanism", "banded-mf", "--bands", "3", "--rounds",
+         "9", "--epsilon", "2", "--trials", "2000", "--json"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    report = json.loads(out)
+    assert report["canary_rounds"] == [0, 3, 6] and report["epsilon_lower_bound"] <= report["epsilon_reported"] <= 2.0

@@ -58,6 +58,15 @@ audit
             [--epsilon 5 | --noise-multiplier Z] [--delta 1e-6] [--clip 50] [--trials 1000]
             [--seed 0] [--confidence 0.95] [--accountant pld|rdp] [--plot roc.png] [--json]
 
+mechanisms
+    Independent noise (Poisson sampling) against banded-MF noise at equal
+    (epsilon, delta), on the synthetic task, digits and the FMNIST shape
+    (dpfedavg/experiments/mechanisms.py)::
+
+        python run_sim.py mechanisms [--settings synthetic digits fmnist-shape]
+            [--mechanisms independent banded-mf banded-mf-poisson] [--epsilon 1 2 5 10]
+            [--seeds 3] [--rounds 200] [--algorithms clip norm] [--jobs N] [--out results/mechanisms]
+
 ``synthetic`` and ``table1`` with ``--ray-address HOST:PORT`` (or ``auto``) run the cells as tasks on a running
 Ray cluster instead of ``--jobs`` local processes (docs: how-to/ray-cluster.md).
 
@@ -402,6 +411,55 @@ def _cmd_privacy(args: argparse.Namespace) -> None:
     )
 
 
+def _cmd_mechanisms(args: argparse.Namespace) -> None:
+    """``mechanisms``: independent against banded-MF noise at equal (epsilon, delta) (issue 31, section 6)."""
+    import time
+
+    from dpfedavg.config import ConfigError
+    from dpfedavg.experiments.mechanisms import mechanism_cells, run_mechanisms
+    from dpfedavg.experiments.sweep import SweepError
+
+    _check_common(args)
+    _setup_logging(args.verbose)
+    _fail_unless(all(e > 0 for e in args.epsilon), f"--epsilon = {args.epsilon}: expected values > 0")
+    grid = {"settings": args.settings, "mechanisms": args.mechanisms, "algorithms": args.algorithms or ("clip", "norm"),
+            "epsilons": args.epsilon, "seeds": args.seeds, "rounds": args.rounds}  # fmt: skip
+    try:
+        cells = mechanism_cells(Path(args.out), **grid)
+    except ConfigError as err:
+        _fail(_as_flags(str(err), {"num-rounds": "--rounds", "epsilon": "--epsilon"}))
+    print(f"mechanisms: {len(cells)} runs, {args.jobs} jobs, results in {args.out}")
+    t0 = time.monotonic()
+    try:
+        outputs = run_mechanisms(Path(args.out), jobs=args.jobs, progress=not args.no_progress, **grid)
+    except SweepError as err:
+        _fail(str(err))
+    print(f"mechanisms: done in {time.monotonic() - t0:.0f} s")
+    for name, path in outputs.items():
+        print(f"  {name}: {path}")
+    print(outputs["table"].read_text())
+
+
+def _mechanisms_parser(sub: Any) -> None:
+    """``mechanisms``: the noise mechanisms compared (issue 31)."""
+    from dpfedavg.experiments.mechanisms import EPSILONS, MECHANISM_VARIANTS, SETTINGS
+
+    p = sub.add_parser("mechanisms", help="independent vs banded-MF noise at equal (epsilon, delta)")
+    p.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=list(SETTINGS),
+                   help="task settings (default: all: synthetic, digits, fmnist-shape)")  # fmt: skip
+    p.add_argument("--mechanisms", nargs="+", choices=MECHANISM_VARIANTS, default=list(MECHANISM_VARIANTS),
+                   help="noise mechanisms compared (default: all)")  # fmt: skip
+    p.add_argument("--epsilon", type=float, nargs="+", default=list(EPSILONS), help="default: 1 2 5 10")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--rounds", type=int, default=200, help="K (default 200)")
+    _add_algorithms_flag(p)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cells run in parallel (default: CPUs)")
+    p.add_argument("--out", default="results/mechanisms", help="output folder (default results/mechanisms)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="log every run's progress")
+    p.set_defaults(func=_cmd_mechanisms)
+
+
 def _print_audit(r_: dict[str, Any], plotted: bool) -> None:
     """The audit's report, for a person (``--json`` prints the dict itself)."""
     print(
@@ -683,6 +741,7 @@ def main(argv: list[str] | None = None) -> None:
     _privacy_parser(sub, defaults)
     _scale_parser(sub, defaults)
     _audit_parser(sub, defaults)
+    _mechanisms_parser(sub)
     args = parser.parse_args(argv)
     args.func(args)
 

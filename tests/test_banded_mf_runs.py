@@ -323,3 +323,16 @@ def test_the_comparison_grid_runs_each_mechanism_at_the_same_epsilon(tmp_path: P
     assert [r["bands"] for r in rows] == ["", "4", "2"]  # b = n / r groups; cyclic Poisson: n / 2r, p = 0.5
     assert all(float(r["epsilon_spent"]) <= 5.0 for r in rows)
     assert "| banded-mf | norm |" in outputs["table"].read_text() and outputs["plot"].stat().st_size > 0
+
+
+def test_banded_runs_in_one_sweep_batch_equal_their_runs_one_at_a_time(tmp_path: Path) -> None:
+    """A sweep runs cells as batches (runs sharing a round's clients); each run keeps its own gate and stream."""
+    from dpfedavg.experiments.sweep import make_cell, run_cells
+
+    base = {"task": "quadratic", "dim": 12, "num-clients": 12, "clients-per-round": 3.0, "num-rounds": 8,
+            "save-trajectory": True, "seed": 1, **BANDED}  # fmt: skip
+    cells = [make_cell(tmp_path / "batch", f"eps{e:g}", {**base, "epsilon": e}) for e in (2.0, 5.0)]
+    run_cells(cells, jobs=1, progress=False)
+    for cell in cells:
+        alone = run_batched(cell.cfg.replace(output_dir=str(tmp_path / "alone"))).directory
+        np.testing.assert_array_equal(_trajectory(alone), _trajectory(cell.directory))

@@ -48,12 +48,24 @@ audit
     Empirical privacy audit: runs one round's release many times on two
     neighbouring federations (a canary client absent/present, or sending 0/C e_1
     under zero-out) and reports a statistically valid lower bound on epsilon
-    next to the accountant's epsilon (see dpfedavg/privacy/audit.py)::
+    next to the accountant's epsilon (see dpfedavg/privacy/audit.py; with
+    ``--mechanism banded-mf`` a canary in rounds 0, b, 2b, ... of a banded-MF run,
+    dpfedavg/privacy/audit_banded.py)::
 
-        python run_sim.py audit [--placement client-calibrated|client|server]
+        python run_sim.py audit [--mechanism independent|banded-mf [--bands B]]
+            [--placement client-calibrated|client|server]
             [--num-clients 100] [--clients-per-round R] [--dim 200] [--rounds 200]
             [--epsilon 5 | --noise-multiplier Z] [--delta 1e-6] [--clip 50] [--trials 1000]
             [--seed 0] [--confidence 0.95] [--accountant pld|rdp] [--plot roc.png] [--json]
+
+mechanisms
+    Independent noise (Poisson sampling) against banded-MF noise at equal
+    (epsilon, delta), on the synthetic task, digits and the FMNIST shape
+    (dpfedavg/experiments/mechanisms.py)::
+
+        python run_sim.py mechanisms [--settings synthetic digits fmnist-shape]
+            [--mechanisms independent banded-mf banded-mf-poisson] [--epsilon 1 2 5 10]
+            [--seeds 3] [--rounds 200] [--algorithms clip norm] [--jobs N] [--out results/mechanisms]
 
 ``synthetic`` and ``table1`` with ``--ray-address HOST:PORT`` (or ``auto``) run the cells as tasks on a running
 Ray cluster instead of ``--jobs`` local processes (docs: how-to/ray-cluster.md).
@@ -399,6 +411,55 @@ def _cmd_privacy(args: argparse.Namespace) -> None:
     )
 
 
+def _cmd_mechanisms(args: argparse.Namespace) -> None:
+    """``mechanisms``: independent against banded-MF noise at equal (epsilon, delta) (issue 31, section 6)."""
+    import time
+
+    from dpfedavg.config import ConfigError
+    from dpfedavg.experiments.mechanisms import mechanism_cells, run_mechanisms
+    from dpfedavg.experiments.sweep import SweepError
+
+    _check_common(args)
+    _setup_logging(args.verbose)
+    _fail_unless(all(e > 0 for e in args.epsilon), f"--epsilon = {args.epsilon}: expected values > 0")
+    grid = {"settings": args.settings, "mechanisms": args.mechanisms, "algorithms": args.algorithms or ("clip", "norm"),
+            "epsilons": args.epsilon, "seeds": args.seeds, "rounds": args.rounds}  # fmt: skip
+    try:
+        cells = mechanism_cells(Path(args.out), **grid)
+    except ConfigError as err:
+        _fail(_as_flags(str(err), {"num-rounds": "--rounds", "epsilon": "--epsilon"}))
+    print(f"mechanisms: {len(cells)} runs, {args.jobs} jobs, results in {args.out}")
+    t0 = time.monotonic()
+    try:
+        outputs = run_mechanisms(Path(args.out), jobs=args.jobs, progress=not args.no_progress, **grid)
+    except SweepError as err:
+        _fail(str(err))
+    print(f"mechanisms: done in {time.monotonic() - t0:.0f} s")
+    for name, path in outputs.items():
+        print(f"  {name}: {path}")
+    print(outputs["table"].read_text())
+
+
+def _mechanisms_parser(sub: Any) -> None:
+    """``mechanisms``: the noise mechanisms compared (issue 31)."""
+    from dpfedavg.experiments.mechanisms import EPSILONS, MECHANISM_VARIANTS, SETTINGS
+
+    p = sub.add_parser("mechanisms", help="independent vs banded-MF noise at equal (epsilon, delta)")
+    p.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=list(SETTINGS),
+                   help="task settings (default: all: synthetic, digits, fmnist-shape)")  # fmt: skip
+    p.add_argument("--mechanisms", nargs="+", choices=MECHANISM_VARIANTS, default=list(MECHANISM_VARIANTS),
+                   help="noise mechanisms compared (default: all)")  # fmt: skip
+    p.add_argument("--epsilon", type=float, nargs="+", default=list(EPSILONS), help="default: 1 2 5 10")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--rounds", type=int, default=200, help="K (default 200)")
+    _add_algorithms_flag(p)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="cells run in parallel (default: CPUs)")
+    p.add_argument("--out", default="results/mechanisms", help="output folder (default results/mechanisms)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="log every run's progress")
+    p.set_defaults(func=_cmd_mechanisms)
+
+
 def _print_audit(r_: dict[str, Any], plotted: bool) -> None:
     """The audit's report, for a person (``--json`` prints the dict itself)."""
     print(
@@ -425,9 +486,52 @@ def _print_audit(r_: dict[str, Any], plotted: bool) -> None:
         print(f"  ROC: {r_['plot']}")
 
 
+def _cmd_audit_banded(args: argparse.Namespace) -> None:
+    """``audit --mechanism banded-mf``: a canary in rounds 0, b, 2b, ... of a banded-MF run."""
+    from dpfedavg.core.banded_mf import sqrt_prefix_coefficients
+    from dpfedavg.core.participation import ParticipationRule
+    from dpfedavg.privacy.audit_banded import BandedAuditSetting, run_banded_audit
+    from dpfedavg.privacy.banded_mf_accounting import calibrate_noise_std
+
+    _fail_unless(args.bands >= 1, f"--bands {args.bands}: expected an integer >= 1")
+    _fail_unless(args.bands <= args.rounds, f"--bands {args.bands}: expected at most --rounds = {args.rounds}")
+    coefs = sqrt_prefix_coefficients(args.bands)
+    if args.noise_multiplier is None:
+        epsilon = 5.0 if args.epsilon is None else args.epsilon
+        _fail_unless(epsilon > 0, f"--epsilon {epsilon!r}: expected a float > 0")
+        rule = ParticipationRule("min-separation", 2, args.bands, args.rounds)
+        z = calibrate_noise_std(epsilon, rule, coefs, clip=1.0, delta=args.delta, accountant=args.accountant)
+    else:
+        _fail_unless(args.epsilon is None, "--epsilon and --noise-multiplier: give one of them, not both")
+        z = args.noise_multiplier
+    try:
+        setting = BandedAuditSetting(coefs, args.rounds, z, clip=args.clip, delta=args.delta,
+                                     dim=args.dim, accountant=args.accountant)  # fmt: skip
+    except ValueError as err:
+        _fail(str(err))
+    report = run_banded_audit(setting, args.trials, seed=args.seed, confidence=args.confidence).as_dict()
+    if args.json:
+        print(json.dumps(report))
+        return
+    r_ = report
+    print(f"audit banded-mf: b = {r_['bands']}, K = {r_['K']}, canary in rounds {r_['canary_rounds']}, "
+          f"z = {r_['z']:.5g}, C = {r_['clip']:g}, delta = {r_['delta']:g}, "
+          f"{r_['trials']} trials per world")  # fmt: skip
+    print(f"  epsilon_lower_bound ({r_['confidence']:g} confidence): {r_['epsilon_lower_bound']:.4g}")
+    print(f"  epsilon_reported ({r_['accountant']} accountant):      {r_['epsilon_reported']:.4g}")
+    print(f"  epsilon_exact (this canary, Gaussian DP):      {r_['epsilon_exact']:.4g}")
+    if r_["epsilon_lower_bound"] > r_["epsilon_reported"]:
+        print("  VIOLATION: the lower bound exceeds the reported epsilon; the accounting does not hold")
+    else:
+        print("  no violation found (a lower bound below the reported epsilon does not show it is tight)")
+
+
 def _cmd_audit(args: argparse.Namespace) -> None:
     from dpfedavg.privacy.audit import AuditSetting, plot_roc, run_audit
     from dpfedavg.privacy.calibration import calibrate_noise_multiplier
+
+    if args.mechanism == "banded-mf":
+        return _cmd_audit_banded(args)
 
     _fail_unless(args.trials >= 10, f"--trials {args.trials}: expected an integer >= 10")
     _fail_unless(0 < args.confidence < 1, f"--confidence {args.confidence!r}: expected a float in (0, 1)")
@@ -600,6 +704,11 @@ def _audit_parser(sub: Any, defaults: Any) -> None:
     p = sub.add_parser("audit", help="empirical lower bound on epsilon vs the accountant's (privacy auditor)")
     p.add_argument("--placement", choices=tuple(PLACEMENTS), default=defaults.noise_placement,
                    help=f"the noise placement to audit (default {defaults.noise_placement})")  # fmt: skip
+    p.add_argument("--mechanism", choices=("independent", "banded-mf"), default="independent",
+                   help="independent (default: one round's release per placement) or banded-mf (a canary in rounds "
+                   "0, b, 2b, ... of a banded-MF run; --placement, --num-clients, --clients-per-round "
+                   "unused)")  # fmt: skip
+    p.add_argument("--bands", type=int, default=4, help="banded-mf: b (default 4)")
     p.add_argument("--num-clients", type=int, default=100, help="n, canary included (default 100)")
     p.add_argument("--clients-per-round", type=float, default=None, help="r; q = r/n (default: n, q = 1)")
     p.add_argument("--dim", type=int, default=200, help="d (default 200)")
@@ -632,6 +741,7 @@ def main(argv: list[str] | None = None) -> None:
     _privacy_parser(sub, defaults)
     _scale_parser(sub, defaults)
     _audit_parser(sub, defaults)
+    _mechanisms_parser(sub)
     args = parser.parse_args(argv)
     args.func(args)
 

@@ -11,10 +11,12 @@ any expensive start-up.
 Each key is declared once, on its field: ``local_steps: int = option(20, "E", "...")`` holds the
 default, the paper's symbol, the help text, the allowed values and whether the key defines the
 trajectory or the privacy guarantee (:class:`Option`, collected in :data:`OPTIONS`). The choices of
-``algorithm``, ``noise-placement`` and ``accountant`` are the names of their registries
+``algorithm``, ``noise-placement``, ``noise-mechanism`` and ``accountant`` are the names of their registries
 (:data:`dpfedavg.core.dp.BOUNDS`, :data:`dpfedavg.core.mechanism.PLACEMENTS`,
-:data:`dpfedavg.privacy.accountants.ACCOUNTANTS`). Whether ``task`` names a task is checked where
-tasks are built (:func:`dpfedavg.tasks.resolve_task`): this module imports no task and no user code.
+:data:`dpfedavg.privacy.noise_mechanisms.NOISE_MECHANISMS`, :data:`dpfedavg.privacy.accountants.ACCOUNTANTS`),
+and the noise mechanism checks its own keys
+(:meth:`~dpfedavg.privacy.noise_mechanisms.NoiseMechanism.config_errors`). Whether ``task`` names a task is
+checked where tasks are built (:func:`dpfedavg.tasks.resolve_task`): this module imports no task and no user code.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dpfedavg.core.dp import BOUNDS
 from dpfedavg.core.mechanism import PLACEMENTS
 from dpfedavg.errors import ConfigError
 from dpfedavg.privacy.accountants import ACCOUNTANTS
+from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
 from dpfedavg.privacy.secure_aggregation import SecAggSettings
 
 __all__ = [
@@ -120,6 +123,10 @@ def non_negative(x: float) -> bool:
 SERVER_LR_FOLLOWS_LOCAL = "eta"
 #: ``noise-multiplier`` value meaning "calibrate z from epsilon and delta".
 NOISE_MULTIPLIER_AUTO = "auto"
+#: ``bands`` / ``max-participations`` value meaning "derive it" (``floor(n / r)`` / ``ceil(K / b)``).
+BANDED_AUTO = "auto"
+#: ``participation`` schemes of banded-MF noise (:class:`dpfedavg.core.participation.Participation`).
+PARTICIPATION_SCHEMES: tuple[str, ...] = ("cyclic", "min-separation", "cyclic-poisson")
 #: ``clip-count-stddev`` value meaning :func:`dpfedavg.core.adaptive_clip.auto_count_stddev` of the run's ``z``.
 CLIP_COUNT_STDDEV_AUTO = "auto"
 #: ``backend`` of the logistic-regression tasks.
@@ -164,6 +171,12 @@ class RunConfig:
     accountant: str = option("pld", "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=tuple(ACCOUNTANTS), privacy=True)  # noqa: E501
     max_epsilon: float = option(0.0, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", non_negative)  # noqa: E501
     noise_placement: str = option("client-calibrated", "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=tuple(PLACEMENTS), privacy=True)  # noqa: E501
+    noise_mechanism: str = option("independent", "-", "independent (Poisson sampling with q = r/n, independent Gaussian noise each round) or banded-mf (no sampling: a participation rule the server enforces and banded matrix-factorization noise x_k + (C^-1 Z)_k added by the server; needs noise-placement = 'server'; docs: privacy/banded-mf.md)", choices=tuple(NOISE_MECHANISMS), privacy=True)  # noqa: E501
+    # banded matrix-factorization noise (noise-mechanism = banded-mf; Choquette-Choo et al. 2023)
+    bands: int | None = option(None, "b", f'banded-mf: bands of the Toeplitz strategy C = the minimum separation of the participations of a client (cyclic: b groups); "{BANDED_AUTO}" = floor(n / r), at most K', f'an integer in [1, num-rounds] or "{BANDED_AUTO}"', lambda x: x >= 1, sentinel=BANDED_AUTO, privacy=True)  # noqa: E501
+    participation: str = option("cyclic", "-", "banded-mf: who may take part in round k: cyclic (client i in group i mod b; round k asks group k mod b), min-separation (every connected client whose last participation is >= b rounds ago and that took part < k times), cyclic-poisson (group k mod b, each client with p = r b / n; amplified)", choices=PARTICIPATION_SCHEMES, privacy=True)  # noqa: E501
+    max_participations: int | None = option(None, "k", f'banded-mf: participations per client at most; "{BANDED_AUTO}" = ceil(K / b) (cyclic schemes need that many)', f'an integer >= 1 or "{BANDED_AUTO}"', lambda x: x >= 1, sentinel=BANDED_AUTO, privacy=True)  # noqa: E501
+    strategy_coefficients: str = option("sqrt-prefix", "c_j", "banded-mf: c_0 .. c_{b-1} of C: sqrt-prefix (binom(2j, j) / 4^j, the square root of the prefix-sum matrix cut to b bands), optimized (jax-privacy's optimized banded Toeplitz; pip install jax-privacy==2.0.0) or b comma-separated numbers", "'sqrt-prefix', 'optimized' or numbers 'c_0, ..., c_{b-1}' with c_0 != 0", lambda x: bool(x.strip()), privacy=True)  # noqa: E501
     # adaptive clipping (algorithm = adaptive-clip; Andrew, Thakkar, McMahan, Ramaswamy 2021)
     target_quantile: float = option(DEFAULT_TARGET_QUANTILE, "gamma", "adaptive-clip: C_k follows this quantile of the update norms", "a float in [0, 1]", lambda x: 0 <= x <= 1, trajectory=True)  # noqa: E501
     clip_lr: float = option(DEFAULT_CLIP_LR, "eta_C", "adaptive-clip: C_{k+1} = C_k exp(-eta_C (b_k - gamma)), b_k the privately counted fraction of unclipped updates", "a float >= 0", non_negative, trajectory=True)  # noqa: E501
@@ -297,12 +310,14 @@ class RunConfig:
         participation = PLACEMENTS[self.noise_placement].participation_error(self.num_clients, self.clients_per_round)
         if participation:
             errors.append(f"'noise-placement' = {self.noise_placement!r} {participation}")
+        mechanism_errors = NOISE_MECHANISMS[self.noise_mechanism].config_errors(self)
+        errors.extend(mechanism_errors)
         if self.resume and not self.run_name:
             errors.append(
                 "'resume' = True needs 'run-name': the interrupted run's folder <output-dir>/<run-name> "
                 "holds the checkpoint (the default name has a timestamp, so give runs you may resume a name)"
             )
-        if self.secure_aggregation:
+        if self.secure_aggregation and not mechanism_errors:
             errors.extend(
                 SecAggSettings.from_config(self).config_errors(
                     placement=PLACEMENTS[self.noise_placement],

@@ -102,9 +102,9 @@ _RUN_ONLY = ("engine", "jobs", "progress", "ray_address", "max_batch_memory")
 
 
 def _run_sim_line(argv: list[str], monkeypatch, tmp_path: Path) -> int | None:
-    """Parse a run_sim.py command line with run_sim's own parser; for a synthetic/table1 sweep, the
+    """Parse a run_sim.py command line with run_sim's own parser; for a synthetic/table1/mechanisms sweep, the
     number of runs it would start (computed by the experiments' cell builders, nothing trained)."""
-    from dpfedavg.experiments import synthetic, table1
+    from dpfedavg.experiments import mechanisms, synthetic, table1
 
     module = _load_run_sim()
 
@@ -115,6 +115,10 @@ def _run_sim_line(argv: list[str], monkeypatch, tmp_path: Path) -> int | None:
         grid = {k: v for k, v in kwargs.items() if k not in _RUN_ONLY}
         raise _Counted(len(table1.table1_cells(out, dataset, **grid)))
 
+    def mechanisms_stub(out, **kwargs):
+        raise _Counted(len(mechanisms.mechanism_cells(out, **{k: v for k, v in kwargs.items() if k not in _RUN_ONLY})))
+
+    monkeypatch.setattr(mechanisms, "run_mechanisms", mechanisms_stub)
     monkeypatch.setattr(synthetic, "run_synthetic", synthetic_stub)
     monkeypatch.setattr(table1, "run_table1", table1_stub)
     monkeypatch.setattr(module, "_cmd_private_tuning", lambda args: None)

@@ -215,3 +215,16 @@ def test_digits_task_runs_offline_far_above_chance(superlink: LocalSuperLink, tm
     assert "test_accuracy averaged over the last 5 evaluated rounds" in result.stdout
     rows = _rows(run_dir)
     assert rows[15]["test_accuracy"] == "" and rows[10]["test_accuracy"] != ""  # eval-every 10
+
+
+def test_banded_mf_noise_through_flwr_run(superlink: LocalSuperLink, tmp_path: Path) -> None:
+    """noise-mechanism='banded-mf' from the run config: b = n / r = 2 cyclic groups, config.json's record."""
+    values = {"noise-mechanism": "banded-mf", "noise-placement": "server", "num-clients": 10,
+              "clients-per-round": 5.0, "num-rounds": 4, "epsilon": 3.0}  # fmt: skip
+    result, run_dir = _run(superlink, tmp_path, "banded", values)
+    assert result.returncode == 0 and "Traceback" not in result.stdout, result.stdout[-4000:]
+    rows = _rows(run_dir)
+    assert [int(r["num_sampled"]) for r in rows[1:]] == [5, 5, 5, 5]  # the groups {0, 2, ..} and {1, 3, ..}
+    record = json.loads((run_dir / "config.json").read_text())["privacy"]["banded_mf"]
+    assert record["bands"] == 2 and record["strategy_coefficients"] == [1.0, 0.5] and record["max_participations"] == 2
+    assert record["epsilon"] <= 3.0 and record["sensitivity"] > 0 and record["noise_std"] > 0

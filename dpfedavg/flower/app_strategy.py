@@ -140,6 +140,13 @@ _ELSEWHERE = {
         "eval-every",
     ),
     "each SuperNode is one client here (virtual clients need dpfedavg's own apps)": ("clients-per-node",),
+    "banded matrix-factorization noise needs dpfedavg's own apps (their server enforces its participation rule)": (
+        "noise-mechanism",
+        "bands",
+        "participation",
+        "max-participations",
+        "strategy-coefficients",
+    ),
 }
 _NOT_HERE = {key: why for why, keys in _ELSEWHERE.items() for key in keys}
 _VALID = (*APP_KEYS, *STRATEGY_KEYS)

@@ -91,6 +91,13 @@ class Federation:
                 offline.append(c)
         return by_node, offline
 
+    def connected_clients(self, grid: Grid) -> list[int]:
+        """The clients whose SuperNode is connected now (new nodes are mapped first), ascending."""
+        online = set(grid.get_node_ids())
+        if online - set(self.partition_of_node):
+            self.learn_new_nodes(grid, sorted(online - set(self.partition_of_node)))
+        return sorted(c for c, node in self.node_of_client.items() if node in online)
+
     def _size_hint(self) -> str:
         n, m, nodes = self.cfg.num_clients, self.clients_per_node, self.num_nodes
         if m == 1:

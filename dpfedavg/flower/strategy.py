@@ -270,8 +270,15 @@ class DPFedAvg(Strategy):
 
         rounds = range(first_round, self.cfg.num_rounds + 1)
         health = ReplyHealth(max_failed_fraction=self.cfg.max_failed_fraction)
-        w0 = from_array_record(initial_arrays)
-        loop = run_rounds(self.server, runner, w0, rounds, on_round_end=record, health=health)
+        loop = run_rounds(
+            self.server,
+            runner,
+            from_array_record(initial_arrays),
+            rounds,
+            on_round_end=record,
+            health=health,
+            available=lambda: self.federation.connected_clients(grid),
+        )
         self.failed = loop.failed
         self.stopped_before_round = loop.stopped_before_round
         return result
@@ -279,7 +286,7 @@ class DPFedAvg(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Open the round (:meth:`DPServer.begin_round`: its rules, Poisson sampling) and build its messages.
+        """Open the round (:meth:`DPServer.begin_round`: its rules, the cohort) and build its messages.
 
         Flower's hook, for driving the strategy round by round (tests, a custom loop);
         :meth:`start` runs the same opening through :func:`dpfedavg.server.loop.run_rounds`. A round a
@@ -290,7 +297,10 @@ class DPFedAvg(Strategy):
             raise RuntimeError("secure-aggregation rounds run through Flower's SecAgg+ workflow: use start()")
         if not self.federation.node_of_partition:
             self.discover_clients(grid)
-        start = self.server.begin_round(server_round, from_array_record(arrays))
+        connected = (
+            self.federation.connected_clients(grid) if self.server.round_mechanism.selects_from_available else None
+        )
+        start = self.server.begin_round(server_round, from_array_record(arrays), connected)
         if start.closed:
             assert start.w is not None
             self._closed[server_round] = start.w

@@ -82,6 +82,9 @@ class ServerState:
     history: dict[int, dict[str, Any]]
     #: ``adaptive-clip``: ``C_{k+1}``, the threshold of the next round.
     adaptive_clip: float | None = None
+    #: The noise mechanism's state (``banded-mf``: the noise buffer and the participation history; its arrays
+    #: are stored bit-exact); ``None`` for a mechanism without state.
+    mechanism: dict[str, Any] | None = None
 
 
 @dataclass
@@ -154,6 +157,12 @@ def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
         value = getattr(ckpt.server, f.name)
         if isinstance(value, np.ndarray):
             arrays[_SERVER_ARRAY.format(f.name)] = np.asarray(value, dtype=np.float64)
+        elif isinstance(value, dict) and any(isinstance(v, np.ndarray) for v in value.values()):
+            # a state with arrays (the noise mechanism's): each array its own entry, the rest in the metadata
+            for key, item in value.items():
+                if isinstance(item, np.ndarray):
+                    arrays[_SERVER_ARRAY.format(f"{f.name}/{key}")] = item
+            server_meta[f.name] = {k: v for k, v in value.items() if not isinstance(v, np.ndarray)}
         else:
             server_meta[f.name] = value
     if ckpt.trajectory is not None:
@@ -193,6 +202,10 @@ def load_checkpoint(directory: Path) -> Checkpoint:
     server = ServerState(
         **{f.name: arrays.get(_SERVER_ARRAY.format(f.name), server_meta.get(f.name)) for f in fields(ServerState)}
     )
+    for name, array in arrays.items():  # the arrays of a dict-valued field (the noise mechanism's state)
+        field_name, _, key = name.removeprefix(_SERVER_ARRAY.format("")).partition("/")
+        if name.startswith(_SERVER_ARRAY.format("")) and key and isinstance(getattr(server, field_name, None), dict):
+            getattr(server, field_name)[key] = array
     server.history = {int(k): v for k, v in server.history.items()}
     return Checkpoint(
         round=int(meta["round"]),

@@ -16,7 +16,6 @@ from typing import Any
 from dpfedavg.core.dp import server_noise_std
 from dpfedavg.privacy.accountants import ACCOUNTANTS, PLD_DISCRETIZATION, RoundEvent, create_accountant
 from dpfedavg.privacy.cache import cached
-from dpfedavg.privacy.params import DpParams
 
 __all__ = ["calibrate_noise_multiplier", "epsilon_for", "paper_sigma", "privacy_report", "smallest_noise_multiplier"]
 
@@ -85,8 +84,11 @@ def paper_sigma(
     return math.sqrt(constant * rounds * clip**2 * math.log(1.0 / delta) / (num_clients**2 * epsilon**2))
 
 
-def privacy_report(params: DpParams, clip: float) -> dict[str, Any]:
+def privacy_report(params: Any, clip: float) -> dict[str, Any]:
     """Calibrate ``z`` for ``params``' target and compare both accountants and the paper's formula.
+
+    ``params`` is a :class:`~dpfedavg.privacy.params.DpParams` (not imported here: the params import the noise
+    mechanisms, which calibrate with this module).
 
     ``sigma = z C / r`` is the std of the noise in the average ``a_k`` (:func:`~dpfedavg.core.dp.server_noise_std`).
     """

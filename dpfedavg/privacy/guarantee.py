@@ -79,8 +79,13 @@ def describe_privacy(
     sensitivity: float,
     adaptive_clipping: dict[str, Any] | None = None,
     secure_aggregation: dict[str, Any] | None = None,
+    noise_mechanism: str = "independent",
+    mechanism_record: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The privacy set-up for ``config.json``.
+
+    ``mechanism_record``: the noise mechanism's numbers under their own key (``banded_mf``: everything needed to
+    recompute epsilon without the code).
 
     ``sigma`` is the std of the noise in each coordinate of the first round's average ``a_k``
     (``z C / r``; with ``adaptive-clip`` ``z C_aug / r = z_u C_0 / r``, changing with ``C_k``) and
@@ -115,6 +120,8 @@ def describe_privacy(
         "sensitivity_of_sum": sensitivity,
         "adaptive_clipping": adaptive_clipping,
         "secure_aggregation": secure_aggregation,
+        "noise_mechanism": noise_mechanism,
+        **(mechanism_record or {}),
     }
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpfedavg.core.mechanism import PLACEMENTS, Neighbouring
+from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
 
 __all__ = ["DpParams", "Neighbouring"]
 
@@ -36,6 +37,11 @@ class DpParams:
         A budget: stop before a round that would exceed it (``None``: none).
     neighbouring:
         The privacy unit under which the accounted event is exact (the noise placement's).
+    mechanism:
+        A name in :data:`dpfedavg.privacy.noise_mechanisms.NOISE_MECHANISMS` (``noise-mechanism``).
+    mechanism_spec:
+        The mechanism's own narrow settings (:meth:`~dpfedavg.privacy.noise_mechanisms.NoiseMechanism.spec`;
+        ``banded-mf``: the participation rule and the strategy coefficients; ``independent``: ``None``).
     """
 
     num_clients: int
@@ -47,6 +53,8 @@ class DpParams:
     noise_multiplier: float | None
     max_epsilon: float | None
     neighbouring: Neighbouring
+    mechanism: str = "independent"
+    mechanism_spec: Any = None
 
     @property
     def q(self) -> float:
@@ -66,4 +74,6 @@ class DpParams:
             noise_multiplier=cfg.noise_multiplier,
             max_epsilon=cfg.max_epsilon if cfg.max_epsilon > 0 else None,
             neighbouring=PLACEMENTS[cfg.noise_placement].adjacency,
+            mechanism=cfg.noise_mechanism,
+            mechanism_spec=NOISE_MECHANISMS[cfg.noise_mechanism].spec(cfg),
         )

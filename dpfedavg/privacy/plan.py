@@ -10,7 +10,7 @@ from dpfedavg.core.dp import SensitivityBound
 from dpfedavg.core.mechanism import Neighbouring
 from dpfedavg.errors import ConfigError
 from dpfedavg.privacy.accountants import Accountant, create_accountant
-from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
+from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
 from dpfedavg.privacy.params import DpParams
 
 __all__ = ["PrivacyPlan", "plan_privacy"]
@@ -45,10 +45,19 @@ class PrivacyPlan:
     neighbouring: Neighbouring
     #: ``sigma_b`` of an adaptive bound's count (``clip-count-stddev``, "auto" resolved); ``None`` otherwise.
     count_stddev: float | None = None
+    #: The narrow parameters the plan was made from (its noise mechanism and that mechanism's settings).
+    params: DpParams | None = None
+
+    @property
+    def mechanism(self) -> str:
+        """The ``noise-mechanism`` (a name in :data:`~dpfedavg.privacy.noise_mechanisms.NOISE_MECHANISMS`)."""
+        return self.params.mechanism if self.params is not None else "independent"
 
     def new_accountant(self) -> Accountant:
-        """A fresh accountant of the run's method and delta."""
-        return create_accountant(self.accountant, self.delta)
+        """A fresh accountant of the run's noise mechanism, method and delta."""
+        if self.params is None:  # a plan built by hand: today's mechanism
+            return create_accountant(self.accountant, self.delta)
+        return NOISE_MECHANISMS[self.mechanism].new_accountant(self.params, self.noise_multiplier)
 
 
 def _count_stddev_error(
@@ -79,10 +88,11 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
         run has no noise; an adaptive bound with ``sigma_b <= z/2`` (checked after ``z`` is calibrated).
     """
     q, delta, accountant = params.q, params.delta, params.accountant
+    mechanism = NOISE_MECHANISMS[params.mechanism]
     if not bound.private:
         z, calibrated = 0.0, False
     elif params.target_epsilon is not None:
-        z = calibrate_noise_multiplier(params.target_epsilon, delta, q, params.rounds, accountant)
+        z = mechanism.calibrate(params)
         calibrated = True
     else:
         z, calibrated = (params.noise_multiplier or 0.0), False
@@ -91,7 +101,7 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
         count_stddev = auto_count_stddev(z, params.clients_per_round)
     if dp and bound.adaptive and not (count_stddev is not None and count_stddev > min_count_stddev(z)):
         raise _count_stddev_error(bound, count_stddev or 0.0, z, calibrated, params.target_epsilon)
-    nominal = epsilon_for(z, q, params.rounds, delta, accountant) if dp else math.inf
+    nominal = mechanism.epsilon(params, z, params.rounds) if dp else math.inf
     budget = params.max_epsilon
     if budget is not None:
         if not dp:
@@ -99,7 +109,7 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
                 f"invalid run config: 'max-epsilon' = {budget:g} but the run adds no noise "
                 f"(algorithm {bound.name!r}, noise multiplier 0): its epsilon is infinite"
             )
-        first = epsilon_for(z, q, 1, delta, accountant)
+        first = mechanism.epsilon(params, z, 1)
         if first > budget:
             raise ConfigError(
                 f"invalid run config: 'max-epsilon' = {budget:g} is exceeded by the first round already "
@@ -118,4 +128,5 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
         nominal_epsilon=nominal,
         neighbouring=params.neighbouring,
         count_stddev=count_stddev if bound.adaptive else None,
+        params=params,
     )

@@ -39,12 +39,10 @@ from dpfedavg.core import (
     SecAggGrid,
     Stream,
     fixed_denominator_mean,
-    gaussian_noise,
     keep_random_iterate,
     local_lr_at,
     make_rng,
     momentum_step,
-    poisson_sample,
     round_noise_seed,
     secure_rng,
     server_lr_at,
@@ -59,6 +57,7 @@ from dpfedavg.io.checkpoint import ServerState
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.accountants import RoundEvent
 from dpfedavg.privacy.guarantee import describe_adaptive_clipping, describe_privacy
+from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
 from dpfedavg.privacy.params import DpParams
 from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
 from dpfedavg.privacy.secure_aggregation import SecAggRelease, SecAggSettings, check_privacy_terms, describe
@@ -145,6 +144,12 @@ class DPServer:
             )
         #: Length of what each client sends and the round releases: ``d``, or ``d + 1`` with the count.
         self.release_dim = dim + (1 if self.adaptive is not None else 0)
+        #: The noise mechanism (``noise-mechanism``): who takes part each round, what the server adds to the
+        #: sum, the fixed denominator (:mod:`dpfedavg.privacy.noise_mechanisms`).
+        self.mechanism = NOISE_MECHANISMS[cfg.noise_mechanism]
+        self.round_mechanism = self.mechanism.rounds(
+            self.plan.params or self.params, self.plan.noise_multiplier, clip=cfg.clip, dim=self.release_dim
+        )
         #: The ``secagg-*`` settings (``None`` without secure aggregation).
         self.secagg = SecAggSettings.from_config(cfg) if cfg.secure_aggregation else None
         if self.secagg is not None and self.plan.dp:
@@ -183,8 +188,12 @@ class DPServer:
 
     @property
     def sigma(self) -> float:
-        """``sigma = z C / r``: the std of the noise in each coordinate of the next round's average ``a_k``."""
-        return server_noise_std(self.noise_multiplier, self.sensitivity, self.cfg.clients_per_round)
+        """``sigma = z C / r``: the std of the noise in each coordinate of the next round's average ``a_k``.
+
+        ``r`` is the mechanism's fixed denominator; with banded-MF noise this is the std of ``Z``'s rows over it
+        (round 0's; ``(C^{-1} Z)_k``'s std changes with ``k``).
+        """
+        return server_noise_std(self.noise_multiplier, self.sensitivity, self.round_mechanism.denominator)
 
     def noise_stds(self, num_sampled: int) -> tuple[float, float]:
         """``(per-client std, server std on the sum)`` of a round with ``num_sampled`` clients, all included."""
@@ -248,9 +257,12 @@ class DPServer:
                 clip_lr=cfg.clip_lr,
                 count_stddev=plan.count_stddev,
             )
+        record, key = self.round_mechanism.record(), self.round_mechanism.record_key
         return describe_privacy(
             plan,
             self.placement,
+            noise_mechanism=self.mechanism.name,
+            mechanism_record={key: record} if key and record else None,
             diagnostics=cfg.diagnostics,
             secure_noise=cfg.secure_noise,
             seed=cfg.seed,
@@ -263,14 +275,16 @@ class DPServer:
         )
 
     # ----------------------------------------------------------- round setup
-    def sample_clients(self, server_round: int) -> np.ndarray:
-        """Client ids sampled in ``server_round`` (1-based): Poisson with ``q = r/n`` (Alg. 1 line 3).
+    def sample_clients(self, server_round: int, available: Iterable[int] | None = None) -> np.ndarray:
+        """Client ids taking part in ``server_round`` (1-based), by the noise mechanism; call once per round.
 
-        The amplification by sampling holds only if nobody can predict ``S_k``: with ``secure-noise``
-        the draw comes from the OS CSPRNG; in seeded mode anyone who knows ``seed`` can replay it.
+        ``independent``: Poisson with ``q = r/n`` (Alg. 1 line 3) over all ``n`` clients. The amplification by
+        sampling holds only if nobody can predict ``S_k``: with ``secure-noise`` the draw comes from the OS
+        CSPRNG; in seeded mode anyone who knows ``seed`` can replay it. ``banded-mf``: the participation rule's
+        cohort among the ``available`` (connected) clients, ``None`` meaning all; nobody outside the rule.
         """
         rng = self._rng(Stream.SAMPLING, server_round - 1)
-        return poisson_sample(self.cfg.num_clients, self.cfg.sampling_rate, rng)
+        return self.round_mechanism.select(server_round - 1, rng, available)
 
     def instructions(self, server_round: int, num_sampled: int) -> RoundInstructions:
         """The train config of ``server_round``: ``eta_k``, ``E``, ``C``, noise std and seed."""
@@ -309,6 +323,7 @@ class DPServer:
             accountant=self.accountant.state_dict() if self.accountant is not None else None,
             history={k: asdict(v) for k, v in self.history.items()},
             adaptive_clip=self.adaptive.clip if self.adaptive is not None else None,
+            mechanism=self.round_mechanism.state_dict() or None,
         )
 
     def restore(self, state: ServerState) -> None:
@@ -334,10 +349,14 @@ class DPServer:
             )
         if self.adaptive is not None:
             self.adaptive.clip = float(state.adaptive_clip)  # type: ignore[arg-type]
+        self.round_mechanism.load_state_dict(state.mechanism or {})
 
     # ----------------------------------------------------------------- round
-    def begin_round(self, server_round: int, w: Vector) -> RoundStart:
+    def begin_round(self, server_round: int, w: Vector, available: Iterable[int] | None = None) -> RoundStart:
         """Open ``server_round`` at ``w_k``: every rule of a round, sampling and ``k~``.
+
+        ``available``: the connected clients, for a mechanism whose cohort depends on them
+        (``selects_from_available``); ``None`` means all.
 
         Raises
         ------
@@ -348,7 +367,7 @@ class DPServer:
         w = np.asarray(w, dtype=np.float64)
         if w.shape != (self.dim,):
             raise ValueError(f"global model has shape {w.shape}, expected ({self.dim},)")
-        clients = self.sample_clients(server_round)
+        clients = self.sample_clients(server_round, available)
         budget = self.plan.max_epsilon
         if budget is not None and self.accountant is not None:
             projected = self.accountant.epsilon_after(self.round_event(len(clients), len(clients)))
@@ -362,7 +381,7 @@ class DPServer:
         self.history[server_round] = stats
         self._w, self._round = w, server_round
         if not len(clients):
-            logger.warning("Round %d: Poisson sampling selected no client", server_round)
+            logger.warning("Round %d: %s selected no client", server_round, self.mechanism.name)
         if self.secagg is not None and len(clients) < 2:  # a sum of one is that client's update
             reason = f"secure aggregation needs at least 2 clients, {len(clients)} sampled"
             return RoundStart(clients, None, self.skip_round(server_round, reason))
@@ -466,22 +485,26 @@ class DPServer:
     ) -> Vector:
         stats = self.history[server_round]
         r = self.cfg.clients_per_round
+        denominator = self.round_mechanism.denominator
         stats.num_received = num_received
         stats.num_failed, stats.num_rejected = num_failed, num_rejected
         stats.num_dropped = max(0, stats.num_sampled - stats.num_received - num_failed - num_rejected)
         if stats.num_dropped:
             logger.warning("Round %d: %d sampled clients did not reply (dropouts)", server_round, stats.num_dropped)
-        # the server's share: all of (zC)^2 for `server` placement, the missing replies' share otherwise
+        # the server's share: all of (zC)^2 for `server` placement, the missing replies' share otherwise; with
+        # banded-MF noise the round's (C^-1 Z)_k instead, every round
         server_std = self.noise_stds_for(stats.num_sampled, num_received)[1]
-        if server_std > 0:
-            total += gaussian_noise(self.release_dim, server_std, self._rng(Stream.SERVER_NOISE, server_round - 1))
+        rng = self._rng(Stream.SERVER_NOISE, server_round - 1)
+        noise = self.round_mechanism.server_noise(server_round - 1, rng, server_std)
+        if noise is not None:
+            total += noise
         stats.clip = self.clip if self.bound.private else float("nan")
         if self.adaptive is not None:  # the released count T_k rides as the last coordinate (core.adaptive_clip)
             total, released_count = self.adaptive.split(total)
             if clean_total is not None:
                 clean_total = clean_total[:-1]
             stats.clip, stats.frac_unclipped = self.adaptive.step(released_count, r)
-        a = fixed_denominator_mean(total, r)
+        a = fixed_denominator_mean(total, denominator)
         w_new, self.momentum = momentum_step(self._w, self.momentum, a, stats.beta, self.cfg.server_momentum)
         if len(norms) and not self.cfg.secure_noise:  # un-noised statistics of client data: seeded research mode only
             norms_arr = np.asarray(norms)
@@ -489,7 +512,7 @@ class DPServer:
             if self.adaptive is None:  # adaptive-clip releases the private b_k instead
                 stats.frac_clipped = float(np.mean(norms_arr > self.cfg.clip))
         if clean_total is not None:
-            clean_mean = clean_total / r
+            clean_mean = clean_total / denominator
             noise_norm = float(np.linalg.norm(a - clean_mean))
             stats.snr = float(np.linalg.norm(clean_mean)) / noise_norm if noise_norm > 0 else float("inf")
         if self.accountant is not None:

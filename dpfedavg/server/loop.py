@@ -57,8 +57,12 @@ def run_rounds(
     rounds: Iterable[int],
     on_round_end: Callable[[int, Vector], None] | None = None,
     health: ReplyHealth | None = None,
+    available: Callable[[], Iterable[int]] | None = None,
 ) -> LoopResult:
     """Run ``rounds`` (1-based, ascending) from ``w``; ``on_round_end(k, w_{k})`` after each one.
+
+    ``available()`` lists the connected clients before each round, for a noise mechanism whose cohort depends
+    on them (``server.round_mechanism.selects_from_available``); ``None`` means every client is reachable.
 
     Stops cleanly before a round whose release would exceed ``max-epsilon``
     (:class:`PrivacyBudgetExhausted`, logged as a WARNING), and after a round whose replies ``health`` finds
@@ -67,7 +71,8 @@ def run_rounds(
     """
     for server_round in rounds:
         try:
-            start = server.begin_round(server_round, w)
+            connected = available() if available is not None and server.round_mechanism.selects_from_available else None
+            start = server.begin_round(server_round, w, connected)
         except PrivacyBudgetExhausted as stop:
             logger.warning("%s", stop)
             return LoopResult(w, stop.server_round)

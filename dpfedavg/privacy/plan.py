@@ -9,8 +9,8 @@ from dpfedavg.core.adaptive_clip import min_count_stddev
 from dpfedavg.core.dp import SensitivityBound
 from dpfedavg.core.mechanism import Neighbouring
 from dpfedavg.errors import ConfigError
-from dpfedavg.privacy.accountants import Accountant, create_accountant
-from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
+from dpfedavg.privacy.accountants import Accountant, AccountingRangeError, create_accountant
+from dpfedavg.privacy.calibration import CalibrationError, calibrate_noise_multiplier, epsilon_for
 from dpfedavg.privacy.params import DpParams
 
 __all__ = ["PrivacyPlan", "plan_privacy"]
@@ -76,17 +76,24 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
         run has no noise; an adaptive bound with ``sigma_b <= z/2`` (checked after ``z`` is calibrated).
     """
     q, delta, accountant = params.q, params.delta, params.accountant
+    where = f"num-rounds = {params.rounds}, q = r/n = {q:.4g}, delta = {delta:g}, accountant = {accountant!r}"
     if not bound.private:
         z, calibrated = 0.0, False
     elif params.target_epsilon is not None:
-        z = calibrate_noise_multiplier(params.target_epsilon, delta, q, params.rounds, accountant)
+        try:
+            z = calibrate_noise_multiplier(params.target_epsilon, delta, q, params.rounds, accountant)
+        except CalibrationError as err:
+            raise ConfigError(f"invalid run config: 'epsilon' = {params.target_epsilon:g} ({where}): {err}") from None
         calibrated = True
     else:
         z, calibrated = (params.noise_multiplier or 0.0), False
     dp = z > 0
     if dp and bound.adaptive and not (count_stddev is not None and count_stddev > min_count_stddev(z)):
         raise _count_stddev_error(bound, count_stddev or 0.0, z, calibrated, params.target_epsilon)
-    nominal = epsilon_for(z, q, params.rounds, delta, accountant) if dp else math.inf
+    try:
+        nominal = epsilon_for(z, q, params.rounds, delta, accountant) if dp else math.inf
+    except AccountingRangeError as err:
+        raise ConfigError(f"invalid run config: 'noise-multiplier' = {z:g} ({where}): {err}") from None
     budget = params.max_epsilon
     if budget is not None:
         if not dp:

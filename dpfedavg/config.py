@@ -184,6 +184,7 @@ class RunConfig:
     target_quantile: float = option(DEFAULT_TARGET_QUANTILE, "gamma", "adaptive-clip: C_k follows this quantile of the update norms", "a float in [0, 1]", lambda x: 0 <= x <= 1, trajectory=True)  # noqa: E501
     clip_lr: float = option(DEFAULT_CLIP_LR, "eta_C", "adaptive-clip: C_{k+1} = C_k exp(-eta_C (b_k - gamma)), b_k the privately counted fraction of unclipped updates", "a float >= 0", non_negative, trajectory=True)  # noqa: E501
     clip_count_stddev: float | None = option(None, "sigma_b", f'adaptive-clip: std of the noise on the count of unclipped updates; must exceed z/2 (the update then gets z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2)); "{CLIP_COUNT_STDDEV_AUTO}" = r/20', f'a float > 0 or "{CLIP_COUNT_STDDEV_AUTO}"', positive, sentinel=CLIP_COUNT_STDDEV_AUTO, trajectory=True)  # noqa: E501
+    clip_range_factor: float = option(1000.0, "F", "adaptive-clip: C_k stays in [C_0 / F, C_0 F] (C_0 = clip), so no released count can push it to 0 or infinity", f"a float in [1, {MAX_CLIP_RANGE_FACTOR:g}]", lambda x: 1 <= x <= MAX_CLIP_RANGE_FACTOR, trajectory=True)  # noqa: E501
     # run
     seed: int = option(0, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0, trajectory=True)
     diagnostics: bool = option(False, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)", privacy=True)  # noqa: E501
@@ -242,6 +243,11 @@ class RunConfig:
     def num_nodes(self) -> int:
         """SuperNodes the federation has: ``ceil(num-clients / clients-per-node)``."""
         return -(-self.num_clients // self.clients_per_node)
+
+    @property
+    def clip_limits(self) -> tuple[float, float]:
+        """``adaptive-clip``'s floor and ceiling of ``C_k``: ``(C_0 / F, C_0 F)``."""
+        return self.clip / self.clip_range_factor, self.clip * self.clip_range_factor
 
     @property
     def count_stddev(self) -> float:

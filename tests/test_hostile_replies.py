@@ -141,15 +141,16 @@ def test_hostile_reply_in_a_virtual_node_block_rejects_that_node_only(tmp_path: 
 @pytest.mark.parametrize("p", [1e-9, 1e-30])
 def test_plausibility_bound_is_exceeded_by_an_honest_client_with_probability_below_p(dim: int, p: float) -> None:
     """B = C + s (sqrt(d) + sqrt(2 ln(1/p))): ||g + zeta|| <= ||g|| + ||zeta|| and P(||zeta|| / s > sqrt(d) + t)
-    is scipy's chi(d) survival function, checked against p (and not looser than needed by more than the t term)."""
+    is scipy's chi(d) survival function, checked against p (it is 1e-13 to 1e-62 here: the sub-Gaussian bound
+    of Hsu, Kakade, Zhang 2012 also holds for secure aggregation's discrete Gaussians, and is loose for Gaussians)."""
     from dpfedavg.privacy.plausibility import norm_bound
 
     c, s = 2.0, 0.7
     bound = norm_bound(c, s, dim, p)
-    tail = stats.chi(dim).sf((bound - c) / s)  # worst case ||g|| = C, the noise pushing straight outwards
-    assert tail <= p
-    assert (bound - c) / s <= math.sqrt(dim) + math.sqrt(2 * math.log(1 / p)) + 1e-9
-    assert norm_bound(c, 0.0, dim, p) == pytest.approx(c, rel=1e-9)  # no noise: the bound is C
+    noise_part = (bound - c * (1 + 1e-5)) / s  # the bound less C and its float-rounding slack, in units of s
+    assert stats.chi(dim).sf(noise_part) <= p  # worst case ||g|| = C with the noise pushing straight outwards
+    assert noise_part <= math.sqrt(dim) + math.sqrt(2 * math.log(1 / p)) + 1e-9
+    assert norm_bound(c, 0.0, dim, p) == pytest.approx(c, rel=1e-4)  # no noise: the bound is C
 
 
 def test_false_rejection_probability_keeps_delta_slack_small() -> None:

@@ -249,7 +249,7 @@ def test_clip_and_norm_add_the_same_noise_vectors() -> None:
     noise = {}
     for algorithm in ("clip", "norm"):
         cfg_d = cfg.replace(diagnostics=True)
-        ctx.run_config = cfg_d.to_run_config()
+        ctx.run_config = cfg_d.replace(algorithm=algorithm).to_run_config()  # the client checks the run config
         reply = client_app(_train_message(cfg_d, w, algorithm), ctx)
         noisy = reply.content[ARRAYS][UPDATE_KEY].numpy()
         clean = reply.content["diagnostics"]["clean-update"].numpy()

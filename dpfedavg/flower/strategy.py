@@ -44,6 +44,12 @@ from dpfedavg.flower.replies import collect_replies
 from dpfedavg.flower.secure_aggregation import SecureSum, secure_sum, workflow_for
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.plan import PrivacyPlan
+from dpfedavg.privacy.plausibility import (
+    MAX_FALSE_REJECTION,
+    ReplyLimits,
+    false_rejection_probability,
+    reply_limits,
+)
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.loop import run_rounds
 
@@ -97,6 +103,15 @@ class DPFedAvg(Strategy):
         #: Wall seconds per round spent in our code (configure, aggregate, evaluate) and waiting on
         #: Flower (``grid.send_and_receive``: delivery, the ClientApps, replies), by round.
         self.timings: dict[int, dict[str, float]] = {}
+        plan = server.plan
+        #: The probability ``p`` that the plausibility bound rejects an honest reply (:mod:`dpfedavg.privacy.plausibility`).
+        self.false_rejection_p = (
+            false_rejection_probability(
+                epsilon=plan.nominal_epsilon, rounds=cfg.num_rounds, num_clients=cfg.num_clients, delta=plan.delta
+            )
+            if plan.dp
+            else MAX_FALSE_REJECTION
+        )
 
     # ------------------------------------------------------------------ info
     @property
@@ -181,6 +196,24 @@ class DPFedAvg(Strategy):
             cfg.lr_decay,
             beta,
             cfg.server_momentum,
+        )
+
+    def reply_limits(self, num_sampled: int, clients: int = 1) -> ReplyLimits | None:
+        """The plausibility bounds of ``clients`` honest clients' (summed) vectors this round; ``None`` without a bound.
+
+        ``N C (1 + 1e-5) + sqrt(N) s (sqrt(d) + sqrt(2 ln(1/p)))`` with the round's ``C`` (``C_aug``), each client's
+        noise std ``s`` at ``|S_k| = num_sampled`` and ``d`` the vector's length (:mod:`dpfedavg.privacy.plausibility`).
+        """
+        server = self.server
+        if not server.bound.private:
+            return None
+        return reply_limits(
+            bound=server.sensitivity,
+            noise_std=server.noise_stds(num_sampled)[0],
+            dim=server.release_dim,
+            p=self.false_rejection_p,
+            count_scale=server.adaptive.scale if server.adaptive is not None else None,
+            clients=clients,
         )
 
     # ------------------------------------------------------------ discovery
@@ -358,13 +391,23 @@ class DPFedAvg(Strategy):
         """Close a SecAgg+ round: aggregate its sum, or skip it if the protocol halted."""
         for reason in outcome.errors:
             logger.warning("Round %d: secure aggregation: %s", server_round, reason[:300])
+        stats = self.history[server_round]
         if outcome.total is None:
             w_new = self.server.skip_round(server_round, "; ".join(outcome.errors) or "SecAgg+ halted")
         else:
             unknown = [nid for nid in outcome.contributors if nid not in self._sampled]
             if unknown:
                 raise RuntimeError(f"SecAgg+ summed nodes that were not sampled: {unknown[:5]}")
-            w_new = self.server.finish_round_sum(server_round, outcome.total, len(outcome.contributors))
+            # one client's masked vector can move the sum anywhere in the modular range: a sum no N honest
+            # clients produce (except w.p. < p) is not used; the round releases the server's noise only
+            limits = self.reply_limits(stats.num_sampled, clients=len(outcome.contributors))
+            reason = limits.violation(outcome.total) if limits is not None else None
+            if reason is not None:
+                reason = f"the secure sum of {len(outcome.contributors)} clients is {reason}"
+                stats.rejected_reasons.append(reason)
+                w_new = self.server.skip_round(server_round, reason)
+            else:
+                w_new = self.server.finish_round_sum(server_round, outcome.total, len(outcome.contributors))
         return to_array_record(w_new), MetricRecord(self.history[server_round].as_metrics())
 
     def configure_evaluate(
@@ -404,6 +447,7 @@ class DPFedAvg(Strategy):
             diagnostics=self.cfg.diagnostics,
             clip=bound,
             block=self.cfg.clients_per_node > 1,
+            limits=self.reply_limits(self.history[server_round].num_sampled),
         )
         w_new = self.server.finish_round(
             server_round, checked.results, num_failed=checked.num_failed, num_rejected=checked.num_rejected

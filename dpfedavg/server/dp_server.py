@@ -142,6 +142,8 @@ class DPServer:
                 clip_lr=cfg.clip_lr,
                 count_stddev=cfg.count_stddev,
                 noise_multiplier=self.plan.noise_multiplier,
+                clip_floor=cfg.clip_limits[0],
+                clip_ceiling=cfg.clip_limits[1],
             )
         #: Length of what each client sends and the round releases: ``d``, or ``d + 1`` with the count.
         self.release_dim = dim + (1 if self.adaptive is not None else 0)
@@ -288,6 +290,8 @@ class DPServer:
             secagg_step=grid.step if grid is not None else 0.0,
             secagg_range=grid.clipping_range if grid is not None else 0.0,
             count_scale=self.adaptive.scale if self.adaptive is not None else 0.0,
+            noise_multiplier=self.noise_multiplier if self.plan.dp else 0.0,
+            cohort_size=num_sampled,
         )
 
     def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:

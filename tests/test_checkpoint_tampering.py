@@ -120,7 +120,7 @@ def test_edited_checkpoint_that_would_lower_epsilon_is_refused(tmp_path: Path, n
 
 def test_emptied_history_under_a_budget_cannot_buy_more_rounds(tmp_path: Path) -> None:
     """max-epsilon: an emptied history let a resume run 6 more rounds while reporting less (issue 29)."""
-    cfg = _interrupted(tmp_path, **{"epsilon": 0.0, "noise-multiplier": 1.2, "max-epsilon": 3.0})
+    cfg = _interrupted(tmp_path, **{"epsilon": 0.0, "noise-multiplier": 2.0, "max-epsilon": 3.0})  # stops before round 10
     _edit(tmp_path / "run", _history(lambda h: []))
     _refused(cfg, "server.accountant")
 

@@ -230,4 +230,5 @@ def test_full_disk_on_a_small_tmpfs_leaves_a_readable_resumable_run(tmp_path: Pa
     final_dir = out / "final" / "exp"
     assert _final(final_dir)["rounds_completed"] == 200
     reference = run_batched(RunConfig.from_run_config({**values, "output-dir": str(tmp_path / "ref")})).directory
-    np.testing.assert_array_equal(_model(final_dir), _model(reference))
+    # another process (BLAS threads may differ): equal to rounding; bit-identity is tested in one process above
+    np.testing.assert_allclose(_model(final_dir), _model(reference), rtol=1e-12, atol=1e-12)

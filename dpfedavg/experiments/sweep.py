@@ -70,6 +70,20 @@ def cell_done(cell: Cell) -> bool:
     return "final" in saved and saved.get("run_config") == json.loads(json.dumps(cell.cfg.to_run_config()))
 
 
+def set_aside_incomplete(cell: Cell) -> Path | None:
+    """Move the folder of a cell that did not finish to ``<key>.incomplete-<n>`` (first free ``n``), so that its rerun
+    starts in an empty folder and nothing of the earlier attempt is lost (a run never overwrites another's results)."""
+    directory = cell.directory
+    if not directory.exists() or not any(directory.iterdir()):
+        return None
+    n = 1
+    while (target := directory.with_name(f"{directory.name}.incomplete-{n}")).exists():
+        n += 1
+    directory.rename(target)
+    logger.warning("cell %s did not finish earlier: its files are kept in %s and the cell runs again", cell.key, target)
+    return target
+
+
 def _quiet_worker() -> None:
     logging.getLogger("dpfedavg").setLevel(logging.WARNING)
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -175,7 +189,7 @@ def _write_cell_files(cell: Cell, result: dict) -> None:
     files = result["files"]
     for name in sorted(files, key=lambda n: n == "config.json"):
         atomic_write_bytes(directory / name, files[name])
-    (directory / RAY_TASK_FILE).write_text(json.dumps(result["where"], indent=2) + "\n")
+    atomic_write_bytes(directory / RAY_TASK_FILE, (json.dumps(result["where"], indent=2) + "\n").encode())
 
 
 def _run_cells_ray(todo: Sequence[Cell], address: str, bar, failures: dict[str, str]) -> None:
@@ -238,6 +252,8 @@ def run_cells(
     todo = [c for c in cells if not cell_done(c)]
     if len(todo) < len(cells):
         logger.info("%d of %d cells already done (resuming)", len(cells) - len(todo), len(cells))
+    for cell in todo:
+        set_aside_incomplete(cell)
     failures: dict[str, str] = {}
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=desc, unit="cell", disable=not progress)
     if ray_address is not None and engine != "batched":

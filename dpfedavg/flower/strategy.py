@@ -270,8 +270,8 @@ class DPFedAvg(Strategy):
         del evaluate_config  # no client-side evaluation (see configure_evaluate)
         if num_rounds is not None and num_rounds != self.cfg.num_rounds:
             raise ValueError(f"num_rounds={num_rounds} differs from the config's num-rounds={self.cfg.num_rounds}")
-        if not 1 <= first_round <= self.cfg.num_rounds:
-            raise ValueError(f"first_round={first_round} is outside 1..num-rounds={self.cfg.num_rounds}")
+        if not 1 <= first_round <= self.cfg.num_rounds + 1:  # num-rounds + 1: a resumed run that only finishes
+            raise ValueError(f"first_round={first_round} is outside 1..num-rounds + 1 = {self.cfg.num_rounds + 1}")
         if not self.federation.node_of_partition:
             self.discover_clients(grid)
         logger.info("Starting %s strategy:", type(self).__name__)

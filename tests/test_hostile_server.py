@@ -233,3 +233,25 @@ def test_policy_refusal_inside_secure_aggregation_leaves_the_client_out_of_the_s
     rows = list(csv.DictReader((out / "metrics.csv").open()))[1:]
     assert [int(r["num_received"]) for r in rows] == [7, 7]
     assert "max-clip" in " ".join(r.getMessage() for r in dpfedavg_log)
+
+
+def test_trust_table_names_tests_that_exist() -> None:
+    """Every test the privacy page's trust table names (server honest or malicious, with and without a policy) exists."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "privacy" / "index.md").read_text()
+    table = page.split("## What each party learns with an honest or a malicious server", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"`(?:tests/(test_\w+)\.py::)?(test_\w+)(?:\[[\w-]+\])?`", table)
+    assert len(named) >= 15
+    for module, name in named:
+        source = (root / "tests" / f"{module or 'test_hostile_server'}.py").read_text()
+        assert f"def {name}(" in source, f"{module}::{name}"
+
+
+def test_every_policy_key_is_documented_on_the_deployment_page() -> None:
+    from dpfedavg.privacy.policy import POLICY_KEYS
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "how-to" / "deploy.md").read_text()
+    for key in POLICY_KEYS:
+        assert f"| `{key}` |" in page, key

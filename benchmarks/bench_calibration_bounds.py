@@ -41,8 +41,10 @@ CORNERS = [
     ("K=1e5, q=0.01, eps=100", {"num-rounds": 100_000, "clients-per-round": 1.0, "epsilon": 100.0}),
     ("K=1e5, q=0.01, eps=1", {"num-rounds": 100_000, "clients-per-round": 1.0, "epsilon": 1.0}),
     ("K=1e5, q=0.5, eps=0.01 (infeasible)", {"num-rounds": 100_000, "clients-per-round": 50.0, "epsilon": 0.01}),
-    ("K=1, q=1e-6, eps=100, delta=1e-12",
-     {"num-rounds": 1, "num-clients": 10**6, "clients-per-round": 1.0, "epsilon": 100.0, "delta": 1e-12}),
+    (
+        "K=1, q=1e-6, eps=100, delta=1e-12",
+        {"num-rounds": 1, "num-clients": 10**6, "clients-per-round": 1.0, "epsilon": 100.0, "delta": 1e-12},
+    ),
     ("K=1, q=1, eps=0.01, delta=0.1", {"num-rounds": 1, "epsilon": 0.01, "delta": 0.1}),
     ("K=200, q=0.2, eps=5 (FMNIST-like)", {"num-rounds": 200, "clients-per-round": 20.0, "delta": 1e-5}),
     ("K=1e5, q=1, z=1e6", {"num-rounds": 100_000, "epsilon": 0.0, "noise-multiplier": 1e6}),
@@ -65,7 +67,8 @@ def _measure(values: dict) -> dict:
         [sys.executable, "-c", _CHILD, json.dumps(values)], capture_output=True, text=True, timeout=600, check=False
     )
     if proc.returncode != 0:
-        return {"outcome": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1][:90]}", "seconds": float("nan"),
+        last = proc.stderr.strip().splitlines()[-1][:90]
+        return {"outcome": f"exit {proc.returncode}: {last}", "seconds": float("nan"),
                 "rss_mb": float("nan"), "process_s": time.monotonic() - t0}  # fmt: skip
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["process_s"] = time.monotonic() - t0
@@ -81,7 +84,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for label, values in ISSUE + ([] if args.quick else CORNERS):
         m = _measure({**values, "accountant": args.accountant})
-        print(f"| {label} | {m['outcome']} | {m['seconds']:.2f} | {m['process_s']:.1f} | {m['rss_mb']:.0f} |", flush=True)
+        print(
+            f"| {label} | {m['outcome']} | {m['seconds']:.2f} | {m['process_s']:.1f} | {m['rss_mb']:.0f} |", flush=True
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The errors a user's input or environment can cause, in a module that imports nothing, so that every layer can raise them."""
+"""The errors a user's input or environment can cause, in a module that imports nothing (every layer raises them)."""
 
 from __future__ import annotations
 

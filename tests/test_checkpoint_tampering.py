@@ -120,7 +120,9 @@ def test_edited_checkpoint_that_would_lower_epsilon_is_refused(tmp_path: Path, n
 
 def test_emptied_history_under_a_budget_cannot_buy_more_rounds(tmp_path: Path) -> None:
     """max-epsilon: an emptied history let a resume run 6 more rounds while reporting less (issue 29)."""
-    cfg = _interrupted(tmp_path, **{"epsilon": 0.0, "noise-multiplier": 2.0, "max-epsilon": 3.0})  # stops before round 10
+    cfg = _interrupted(
+        tmp_path, **{"epsilon": 0.0, "noise-multiplier": 2.0, "max-epsilon": 3.0}
+    )  # stops before round 10
     _edit(tmp_path / "run", _history(lambda h: []))
     _refused(cfg, "server.accountant")
 
@@ -165,7 +167,11 @@ def test_round_count_that_disagrees_with_metrics_csv_is_refused(tmp_path: Path) 
         ("round-is-missing", _set("round", None), "round"),
         ("round-is-negative", _set("round", -3), "round"),
         ("history-is-a-list", _set("server.history", [1, 2]), "server.history"),
-        ("history-row-has-an-unknown-column", _set("server.history.3", lambda row: {**row, "bogus": 1}), "server.history"),
+        (
+            "history-row-has-an-unknown-column",
+            _set("server.history.3", lambda row: {**row, "bogus": 1}),
+            "server.history",
+        ),
         ("accountant-is-a-number", _set("server.accountant", 5), "server.accountant"),
         ("accountant-history-has-strings", _history(lambda h: [["a", "b"]] * len(h)), "server.accountant"),
         ("random-round-out-of-range", _set("server.random_round", 99), "random_round"),
@@ -177,7 +183,9 @@ def test_round_count_that_disagrees_with_metrics_csv_is_refused(tmp_path: Path) 
         ("server-is-missing", _set("server", None), "server"),
     ],
 )
-def test_malformed_checkpoint_field_is_one_checkpoint_error_naming_it(tmp_path: Path, name: str, edit, field: str) -> None:
+def test_malformed_checkpoint_field_is_one_checkpoint_error_naming_it(
+    tmp_path: Path, name: str, edit, field: str
+) -> None:
     cfg = _interrupted(tmp_path)
     _edit(tmp_path / "run", edit)
     _refused(cfg, field)

@@ -40,8 +40,15 @@ def _plan(values: dict):
         ({"epsilon": 0.0, "noise-multiplier": 1e300}, ["'noise-multiplier' = 1e+300", "1e+06"]),
         ({"delta": 1e-300}, ["'delta' = 1e-300", "1e-12"]),
     ],
-    ids=["num-rounds=1e6 (int)", "num-rounds=1e6", "epsilon=1e6", "clients-per-round=1e-9", "epsilon=1e-6",
-         "noise-multiplier=1e300", "delta=1e-300"],  # fmt: skip
+    ids=[
+        "num-rounds=1e6 (int)",
+        "num-rounds=1e6",
+        "epsilon=1e6",
+        "clients-per-round=1e-9",
+        "epsilon=1e-6",
+        "noise-multiplier=1e300",
+        "delta=1e-300",
+    ],  # fmt: skip
 )
 def test_config_the_code_cannot_honour_is_one_config_error(values: dict, fragments: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
@@ -74,11 +81,15 @@ def test_plan_the_pld_accountant_cannot_compute_is_one_config_error(values: dict
 @pytest.mark.parametrize(
     "values",
     [
-        pytest.param({"num-rounds": 100_000, "epsilon": 100.0, "num-clients": 100, "clients-per-round": 100.0},
-                     marks=pytest.mark.slow),
+        pytest.param(
+            {"num-rounds": 100_000, "epsilon": 100.0, "num-clients": 100, "clients-per-round": 100.0},
+            marks=pytest.mark.slow,
+        ),
         {"num-rounds": 100_000, "epsilon": 5.0, "num-clients": 10**6, "clients-per-round": 1.0},
-        pytest.param({"num-rounds": 1, "epsilon": 100.0, "num-clients": 10**6, "clients-per-round": 1.0,
-                      "delta": 1e-12}, marks=pytest.mark.slow),
+        pytest.param(
+            {"num-rounds": 1, "epsilon": 100.0, "num-clients": 10**6, "clients-per-round": 1.0, "delta": 1e-12},
+            marks=pytest.mark.slow,
+        ),
         {"num-rounds": 1, "epsilon": 0.01, "num-clients": 1, "clients-per-round": 1.0, "delta": 0.1},
     ],
     ids=["K=1e5 q=1 eps=100", "K=1e5 q=1e-6 eps=5", "K=1 q=1e-6 eps=100 delta=1e-12", "K=1 q=1 eps=0.01"],
@@ -101,8 +112,11 @@ def test_rdp_accountant_takes_what_pld_refuses() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "values",
-    [{"epsilon": 1e-6}, {"epsilon": 0.0, "noise-multiplier": 1e300},
-     {"epsilon": 0.01, "num-rounds": 100_000, "clients-per-round": 50.0}],
+    [
+        {"epsilon": 1e-6},
+        {"epsilon": 0.0, "noise-multiplier": 1e300},
+        {"epsilon": 0.01, "num-rounds": 100_000, "clients-per-round": 50.0},
+    ],
     ids=["epsilon=1e-6", "noise-multiplier=1e300", "infeasible-target"],
 )
 def test_user_error_through_the_server_app_is_one_error_line(values: dict, tmp_path, dpfedavg_log) -> None:
@@ -118,7 +132,8 @@ def test_user_error_through_the_server_app_is_one_error_line(values: dict, tmp_p
 @pytest.mark.timeout(120)
 def test_user_error_through_the_cli_is_one_line_and_exit_2(tmp_path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "dpfedavg.run", "--run-config", f"epsilon=0.01 num-rounds=100000 clients-per-round=50.0 output-dir='{tmp_path}'"],
+        [sys.executable, "-m", "dpfedavg.run", "--run-config",
+         f"epsilon=0.01 num-rounds=100000 clients-per-round=50.0 output-dir='{tmp_path}'"],
         capture_output=True, text=True, timeout=110, check=False,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr

@@ -9,7 +9,6 @@ clipping's count coordinate and ``C_k``'s floor and ceiling, and what one client
 from __future__ import annotations
 
 import csv
-import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from scipy import stats
 from dpfedavg.config import RunConfig
 from dpfedavg.flower import server_app
 from dpfedavg.flower.client_app import app as client_app
-from dpfedavg.flower.protocol import ARRAYS, DIAGNOSTICS, METRICS, UPDATE_KEY, to_array_record
+from dpfedavg.flower.protocol import ARRAYS, UPDATE_KEY, to_array_record
 from dpfedavg.flower.testing import InProcessGrid
 
 DIM = 30
@@ -63,11 +62,15 @@ def _garbage_array() -> ArrayRecord:
 
 #: name -> what node 0 sends instead of its update (``msg`` is the TRAIN message it answers).
 HOSTILE: dict[str, Callable[[Message], Message]] = {
-    "update-norm-is-a-list": lambda m: _reply(m, arrays=_update(np.zeros(DIM)), metrics=_metrics(**{"update-norm": [1.0, 2.0]})),
+    "update-norm-is-a-list": lambda m: _reply(
+        m, arrays=_update(np.zeros(DIM)), metrics=_metrics(**{"update-norm": [1.0, 2.0]})
+    ),
     "metric-record-under-arrays": lambda m: _reply(m, arrays=MetricRecord({"update": 1.0}), metrics=_metrics()),
     "config-record-under-arrays": lambda m: _reply(m, arrays=ConfigRecord({"update": b"\x00" * 8}), metrics=_metrics()),
     "array-record-under-metrics": lambda m: _reply(m, arrays=_update(np.zeros(DIM)), metrics=_update(np.zeros(3))),
-    "config-record-under-metrics": lambda m: _reply(m, arrays=_update(np.zeros(DIM)), metrics=ConfigRecord({"update-norm": b"1"})),
+    "config-record-under-metrics": lambda m: _reply(
+        m, arrays=_update(np.zeros(DIM)), metrics=ConfigRecord({"update-norm": b"1"})
+    ),
     "bytes-that-do-not-parse": lambda m: _reply(m, arrays=_garbage_array(), metrics=_metrics()),
     "integer-dtype": lambda m: _reply(m, arrays=_update(np.zeros(DIM, dtype=np.int64)), metrics=_metrics()),
     "complex-dtype": lambda m: _reply(m, arrays=_update(np.zeros(DIM, dtype=np.complex128)), metrics=_metrics()),
@@ -79,9 +82,13 @@ HOSTILE: dict[str, Callable[[Message], Message]] = {
     "1e150-update": lambda m: _reply(m, arrays=_update(1e150 * np.ones(DIM)), metrics=_metrics()),
     "1.7e308-update": lambda m: _reply(m, arrays=_update(np.full(DIM, 1.7e308)), metrics=_metrics()),
     "norm-1000-at-C-1": lambda m: _reply(m, arrays=_update(np.full(DIM, 1000 / math.sqrt(DIM))), metrics=_metrics()),
-    "extra-record": lambda m: _reply(m, arrays=_update(np.zeros(DIM)), metrics=_metrics(), extra=ConfigRecord({"x": 1})),
+    "extra-record": lambda m: _reply(
+        m, arrays=_update(np.zeros(DIM)), metrics=_metrics(), extra=ConfigRecord({"x": 1})
+    ),
     "nothing-at-all": lambda m: _reply(m),
-    "nan-update-norm": lambda m: _reply(m, arrays=_update(np.zeros(DIM)), metrics=_metrics(**{"update-norm": float("nan")})),
+    "nan-update-norm": lambda m: _reply(
+        m, arrays=_update(np.zeros(DIM)), metrics=_metrics(**{"update-norm": float("nan")})
+    ),
     "diagnostics-nobody-asked-for": lambda m: _reply(
         m, arrays=_update(np.zeros(DIM)), metrics=_metrics(), diagnostics=to_array_record(np.ones(DIM), "clean-update")
     ),

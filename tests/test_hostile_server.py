@@ -222,7 +222,9 @@ def _z_field(z: float) -> dict:
     return {"noise_multiplier": z} if "noise_multiplier" in fields else {}
 
 
-def test_policy_refusal_inside_secure_aggregation_leaves_the_client_out_of_the_sum(tmp_path: Path, dpfedavg_log) -> None:
+def test_policy_refusal_inside_secure_aggregation_leaves_the_client_out_of_the_sum(
+    tmp_path: Path, dpfedavg_log
+) -> None:
     """Node 0's policy caps C below the run's: it refuses in SecAgg+'s masked-vector stage; the other 7 are summed."""
     cfg = _cfg(**{"secure-aggregation": True, "epsilon": 0.0, "noise-multiplier": 1.0, "clients-per-round": 8.0,
                   "num-rounds": 2, "output-dir": str(tmp_path), "run-name": "secagg"})  # fmt: skip
@@ -236,7 +238,7 @@ def test_policy_refusal_inside_secure_aggregation_leaves_the_client_out_of_the_s
 
 
 def test_trust_table_names_tests_that_exist() -> None:
-    """Every test the privacy page's trust table names (server honest or malicious, with and without a policy) exists."""
+    """Every test named by the privacy page's trust table (honest or malicious server, policy or not) exists."""
     import re
 
     root = Path(__file__).resolve().parents[1]

@@ -215,7 +215,14 @@ def test_full_disk_on_a_small_tmpfs_leaves_a_readable_resumable_run(tmp_path: Pa
     values = {**BASE, "num-rounds": 200, "checkpoint-every": 5}
     rc = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else repr(v)}" for k, v in values.items())
     rc = rc.replace("True", "true").replace("False", "false")
-    env = {"PATH": "/usr/bin:/bin", "MNT": str(mnt), "OUT": str(out), "PY": sys.executable, "RC": rc, "HOME": str(tmp_path)}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "MNT": str(mnt),
+        "OUT": str(out),
+        "PY": sys.executable,
+        "RC": rc,
+        "HOME": str(tmp_path),
+    }
     subprocess.run(["unshare", "-rm", "bash", "-c", _FILL_AND_RESUME], env=env, check=True, timeout=280)
     rc1, err1 = int((out / "rc1").read_text()), (out / "err1").read_text()
     assert rc1 != 0, "the run did not fill the 64 KiB disk"

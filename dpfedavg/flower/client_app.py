@@ -46,6 +46,7 @@ app = ClientApp()
 
 logger = logging.getLogger(__name__)
 
+
 def node_policy(context: Context) -> NodePolicy:
     """This SuperNode's policy, from its ``--node-config`` (:mod:`dpfedavg.privacy.policy`); ``PolicyError`` if bad."""
     return _policy(tuple(sorted(context.node_config.items())))
@@ -62,9 +63,7 @@ def refusal(msg: Message, reason: str) -> Message:
     return Message(Error(code=REFUSED, reason=reason), reply_to=msg)
 
 
-def checked_instructions(
-    record: object, context: Context, cfg: RunConfig, *, secure_round: bool
-) -> RoundInstructions:
+def checked_instructions(record: object, context: Context, cfg: RunConfig, *, secure_round: bool) -> RoundInstructions:
     """The round's instructions as this client follows them, checked against the node's policy and the run config.
 
     Raises :class:`~dpfedavg.privacy.policy.RoundRefused` (a broken rule, or instructions that do not parse)

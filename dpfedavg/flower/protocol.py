@@ -208,7 +208,9 @@ def parse_train_reply(
     record = _record(content, ARRAYS, ArrayRecord)
     metrics = _record(content, METRICS, MetricRecord)
     if len(record) != 1:
-        raise ValueError(f"reply has {len(record)} arrays ({', '.join(sorted(record)[:5])}), expected 1 ({UPDATE_KEY!r})")
+        raise ValueError(
+            f"reply has {len(record)} arrays ({', '.join(sorted(record)[:5])}), expected 1 ({UPDATE_KEY!r})"
+        )
     update = _array(record, UPDATE_KEY)
     _check_update(update, dim)
     norm = _norm_value(metrics[UPDATE_NORM], UPDATE_NORM) if UPDATE_NORM in metrics else float("nan")

@@ -102,9 +102,7 @@ def collect_replies(
                 _reject(out, server_round, src, f"node {src} refused the round: {reason}", len(clients))
                 continue
             out.num_failed += len(clients)
-            logger.warning(
-                "Round %d: node %d failed (%d sampled clients): %s", server_round, src, len(clients), reason
-            )
+            logger.warning("Round %d: node %d failed (%d sampled clients): %s", server_round, src, len(clients), reason)
             continue
         try:
             _take(out, server_round, msg, clients, dim=dim, diagnostics=diagnostics, clip=clip, block=block,

@@ -55,7 +55,7 @@ def timing_summary(strategy: DPFedAvg) -> dict[str, float | None]:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Validate ``run_config``, then :func:`run`. Bad config, federation or a failed write of the results: one ERROR line."""
+    """Validate ``run_config``, then :func:`run`. Bad config, federation, a failed write of results: one ERROR line."""
     setup_app_process()
     try:
         cfg = RunConfig.from_run_config(context.run_config)

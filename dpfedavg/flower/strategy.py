@@ -104,7 +104,7 @@ class DPFedAvg(Strategy):
         #: Flower (``grid.send_and_receive``: delivery, the ClientApps, replies), by round.
         self.timings: dict[int, dict[str, float]] = {}
         plan = server.plan
-        #: The probability ``p`` that the plausibility bound rejects an honest reply (:mod:`dpfedavg.privacy.plausibility`).
+        #: ``p``, the probability that an honest reply is rejected (:mod:`dpfedavg.privacy.plausibility`).
         self.false_rejection_p = (
             false_rejection_probability(
                 epsilon=plan.nominal_epsilon, rounds=cfg.num_rounds, num_clients=cfg.num_clients, delta=plan.delta

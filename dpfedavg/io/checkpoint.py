@@ -208,7 +208,9 @@ class _Fields:
             raise self.error(field, f"is a {type(value).__name__}, expected a mapping")
         return value
 
-    def vector(self, arrays: dict[str, np.ndarray], name: str, field: str, *, optional: bool = False) -> np.ndarray | None:
+    def vector(
+        self, arrays: dict[str, np.ndarray], name: str, field: str, *, optional: bool = False
+    ) -> np.ndarray | None:
         if name not in arrays:
             if optional:
                 return None
@@ -284,7 +286,9 @@ def load_checkpoint(directory: Path) -> Checkpoint:
         adaptive = read.number(adaptive, "server.adaptive_clip")
     server = ServerState(
         momentum=read.vector(arrays, _SERVER_ARRAY.format("momentum"), "server.momentum"),  # type: ignore[arg-type]
-        random_iterate=read.vector(arrays, _SERVER_ARRAY.format("random_iterate"), "server.random_iterate", optional=True),
+        random_iterate=read.vector(
+            arrays, _SERVER_ARRAY.format("random_iterate"), "server.random_iterate", optional=True
+        ),
         random_round=random_round,
         accountant=read.accountant(server_meta.get("accountant"), "server.accountant"),
         history=read.history(read.get(server_meta, "history", "server.history"), "server.history"),
@@ -350,13 +354,19 @@ def _state_errors(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: int)
         )
     if set(server.history) != set(range(1, k + 1)):
         problems.append(f"'server.history' holds rounds {sorted(server.history)[:3]}... but 'round' = {k}")
-    for name, vector in (("w", ckpt.w), ("server.momentum", server.momentum), ("server.random_iterate", server.random_iterate)):
+    for name, vector in (
+        ("w", ckpt.w),
+        ("server.momentum", server.momentum),
+        ("server.random_iterate", server.random_iterate),
+    ):
         if vector is not None and vector.shape != (dim,):
             problems.append(f"{name!r} has length {vector.shape[0]}, the model {dim}")
     if (server.random_iterate is None) != (server.random_round is None) or (
         server.random_round is not None and not 0 <= server.random_round < k
     ):
-        problems.append(f"'server.random_round' = {server.random_round!r} is not a round in 0..{k - 1} with its iterate")
+        problems.append(
+            f"'server.random_round' = {server.random_round!r} is not a round in 0..{k - 1} with its iterate"
+        )
     if BOUNDS[cfg.algorithm].adaptive:
         low, high = cfg.clip_limits
         c = server.adaptive_clip

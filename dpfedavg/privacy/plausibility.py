@@ -75,7 +75,7 @@ def _tail(p: float) -> float:
 
 
 def norm_bound(bound: float, noise_std: float, dim: int, p: float, clients: int = 1) -> float:
-    """``N C (1 + 1e-5) + sqrt(N) s (sqrt(d) + sqrt(2 ln(1/p)))``: exceeded by ``N`` honest clients' sum w.p. ``< p``."""
+    """``N C (1 + 1e-5) + sqrt(N) s (sqrt(d) + sqrt(2 ln(1/p)))``: ``N`` honest clients' sum exceeds it w.p. ``< p``."""
     return clients * bound * (1 + FLOAT_SLACK) + math.sqrt(clients) * noise_std * (math.sqrt(dim) + _tail(p))
 
 
@@ -95,11 +95,10 @@ class ReplyLimits:
         """Why ``vector`` is implausible, or ``None``."""
         norm = float(np.linalg.norm(vector))
         if not norm <= self.norm:
-            return f"implausible: norm {norm:.6g} exceeds {self.norm:.6g}, which an honest reply exceeds with probability < p"
-        if self.count is not None and not abs(float(vector[-1])) <= self.count:
-            return (
-                f"implausible: adaptive clipping's count coordinate {float(vector[-1]):.6g} is outside +-{self.count:.6g}"
-            )
+            return f"implausible: norm {norm:.6g} exceeds {self.norm:.6g} (an honest reply does w.p. < p)"
+        count = float(vector[-1])
+        if self.count is not None and not abs(count) <= self.count:
+            return f"implausible: adaptive clipping's count coordinate {count:.6g} is outside +-{self.count:.6g}"
         return None
 
 

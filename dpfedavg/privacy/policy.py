@@ -138,7 +138,9 @@ class NodePolicy:
                 values[key.replace("-", "_")] = parsed
         if errors:
             raise PolicyError(
-                "this node's policy (--node-config) is invalid: " + "; ".join(errors) + f". Policy keys: {', '.join(POLICY_KEYS)}"
+                "this node's policy (--node-config) is invalid: "
+                + "; ".join(errors)
+                + f". Policy keys: {', '.join(POLICY_KEYS)}"
             )
         return cls(**values)
 
@@ -215,12 +217,18 @@ def _check_policy(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, se
         return RoundRefused(rule, detail, policy=True)
 
     if policy.require_secure_aggregation and not secure_round:
-        raise refuse("require-secure-aggregation", "this node answers SecAgg+ rounds only; this is a plain TRAIN message")
+        raise refuse(
+            "require-secure-aggregation", "this node answers SecAgg+ rounds only; this is a plain TRAIN message"
+        )
     if policy.allowed_algorithms is not None and ins.algorithm not in policy.allowed_algorithms:
-        raise refuse("allowed-algorithms", f"algorithm {ins.algorithm!r} is not one of {', '.join(policy.allowed_algorithms)}")
+        raise refuse(
+            "allowed-algorithms", f"algorithm {ins.algorithm!r} is not one of {', '.join(policy.allowed_algorithms)}"
+        )
     if ins.diagnostics and not policy.diagnostics_allowed:
         why = " (secure-noise = true: the default is false)" if policy.allow_diagnostics is None else ""
-        raise refuse("allow-diagnostics", f"the server asks for the clean update (diagnostics), which this node never sends{why}")
+        raise refuse(
+            "allow-diagnostics", f"the server asks for the clean update (diagnostics), which this node never sends{why}"
+        )
     private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
     clip = ins.clip if private else math.inf
     if clip > policy.max_clip:
@@ -257,11 +265,17 @@ def _check_run_config(cfg: RunConfig, ins: RoundInstructions, secure_round: bool
     if not 1 <= ins.server_round <= cfg.num_rounds:
         raise refuse("num-rounds", f"round {ins.server_round} is outside 1..num-rounds = {cfg.num_rounds}")
     if ins.algorithm != cfg.algorithm:
-        raise refuse("algorithm", f"the server asks for algorithm {ins.algorithm!r}, the run config says {cfg.algorithm!r}")
+        raise refuse(
+            "algorithm", f"the server asks for algorithm {ins.algorithm!r}, the run config says {cfg.algorithm!r}"
+        )
     if ins.diagnostics != cfg.diagnostics:
-        raise refuse("diagnostics", f"the server asks for diagnostics = {ins.diagnostics}, the run config says {cfg.diagnostics}")
+        raise refuse(
+            "diagnostics", f"the server asks for diagnostics = {ins.diagnostics}, the run config says {cfg.diagnostics}"
+        )
     if ins.local_steps != cfg.local_steps:
-        raise refuse("local-steps", f"the server asks for {ins.local_steps} local steps, the run config says {cfg.local_steps}")
+        raise refuse(
+            "local-steps", f"the server asks for {ins.local_steps} local steps, the run config says {cfg.local_steps}"
+        )
     eta = local_lr_at(ins.server_round - 1, cfg.local_lr, cfg.lr_decay)
     if not _close(ins.local_lr, eta):
         raise refuse("local-lr", f"the server asks for eta_k = {ins.local_lr:g}, the run config gives {eta:g}")
@@ -280,7 +294,9 @@ def _check_run_config(cfg: RunConfig, ins: RoundInstructions, secure_round: bool
     elif ins.count_scale != 0:
         raise refuse("algorithm", f"a count scale {ins.count_scale:g} in a run without adaptive clipping")
     if PLACEMENTS[cfg.noise_placement].clients_learn_cohort_size and not 1 <= ins.cohort_size <= cfg.num_clients:
-        raise refuse("num-clients", f"cohort size |S_k| = {ins.cohort_size} is outside 1..num-clients = {cfg.num_clients}")
+        raise refuse(
+            "num-clients", f"cohort size |S_k| = {ins.cohort_size} is outside 1..num-clients = {cfg.num_clients}"
+        )
 
 
 def _check_noise_multiplier(cfg: RunConfig, ins: RoundInstructions, refuse: Any) -> None:
@@ -301,12 +317,12 @@ def _check_noise_multiplier(cfg: RunConfig, ins: RoundInstructions, refuse: Any)
                 f"(q = {cfg.sampling_rate:.4g}, delta = {cfg.delta:g}, computed by this client)",
             )
     elif not _close(z, cfg.noise_multiplier or 0.0):
-        raise refuse("noise-multiplier", f"the server sends z = {z:g}, the run config says {cfg.noise_multiplier or 0.0:g}")
+        raise refuse(
+            "noise-multiplier", f"the server sends z = {z:g}, the run config says {cfg.noise_multiplier or 0.0:g}"
+        )
 
 
-def check_round(
-    policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, secure_round: bool
-) -> RoundInstructions:
+def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, secure_round: bool) -> RoundInstructions:
     """The instructions this client follows in the round, or :class:`RoundRefused` naming the rule it breaks.
 
     The node's policy first, then the run config: the SecAgg+ rule (a run configured with secure aggregation

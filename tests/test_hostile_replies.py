@@ -175,6 +175,9 @@ def test_honest_clients_are_never_rejected_over_many_rounds(tmp_path: Path) -> N
     cfg = _cfg(tmp_path, **{"num-rounds": 50, "checkpoint-every": 0, "clip": 0.05})
     out = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg).directory
     assert sum(int(r["num_rejected"]) for r in _rows(out)) == 0
+    checks = json.loads((out / "config.json").read_text())["privacy"]["reply_checks"]
+    assert checks["false_rejection_probability"] <= 1e-9
+    assert checks["delta_added_at_most"] <= 1e-3 * cfg.delta * (1 + 1e-9)
 
 
 # ------------------------------------------------------------- adaptive clipping

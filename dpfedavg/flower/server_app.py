@@ -33,6 +33,7 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
     prepared = prepare_run(cfg, plan=plan, run_id=run_id, engine="flower")
     session = prepared.session
     strategy = DPFedAvg(cfg, server=prepared.server)
+    session.description["privacy"]["reply_checks"] = strategy.describe_reply_checks()
     result = strategy.start(
         grid=grid,
         initial_arrays=to_array_record(prepared.w),

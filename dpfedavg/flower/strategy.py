@@ -216,6 +216,22 @@ class DPFedAvg(Strategy):
             clients=clients,
         )
 
+    def describe_reply_checks(self) -> dict[str, object]:
+        """What ``config.json`` says about the plausibility checks of this run's replies (Flower engine only)."""
+        plan, p = self.server.plan, self.false_rejection_p
+        slack = (
+            float(
+                np.exp(np.logaddexp(0.0, plan.nominal_epsilon) + np.log(self.cfg.num_rounds * self.cfg.num_clients * p))
+            )
+            if plan.dp
+            else None
+        )
+        return {
+            "bound": "N C (1 + 1e-5) + sqrt(N) s (sqrt(d) + sqrt(2 ln(1/p))) for a reply (N = 1) or a secure sum",
+            "false_rejection_probability": p,
+            "delta_added_at_most": slack,
+        }
+
     # ------------------------------------------------------------ discovery
     @property
     def node_of_client(self) -> dict[int, int]:

@@ -9,6 +9,7 @@ clipping's count coordinate and ``C_k``'s floor and ceiling, and what one client
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path

@@ -42,7 +42,7 @@ def epsilon_for(noise_multiplier: float, q: float, rounds: int, delta: float, ac
 #: The largest noise multiplier calibration considers (the ``noise-multiplier`` key's upper end).
 MAX_NOISE_MULTIPLIER = 1e6
 #: Wall seconds one calibration may take before it fails with :class:`CalibrationError` (the slowest calibration
-#: in the allowed ranges took 20 s on a loaded 2-core machine: see the benchmarks page).
+#: in the allowed ranges took 13 s on a loaded 2-core machine: see the benchmarks page).
 CALIBRATION_TIME_LIMIT_S = 300.0
 
 

@@ -233,8 +233,9 @@ def test_policy_refusal_inside_secure_aggregation_leaves_the_client_out_of_the_s
     grid.contexts[first].node_config["max-clip"] = 1.0
     out = server_app.run(grid, cfg).directory
     rows = list(csv.DictReader((out / "metrics.csv").open()))[1:]
-    assert [int(r["num_received"]) for r in rows] == [7, 7]
-    assert "max-clip" in " ".join(r.getMessage() for r in dpfedavg_log)
+    assert [(int(r["num_received"]), int(r["num_rejected"])) for r in rows] == [(7, 1), (7, 1)]
+    server_side = [r.getMessage() for r in dpfedavg_log if r.name.startswith("dpfedavg.flower.strategy")]
+    assert sum("refused the round" in m and "max-clip" in m for m in server_side) == 2
 
 
 def test_trust_table_names_tests_that_exist() -> None:

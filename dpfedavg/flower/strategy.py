@@ -405,11 +405,20 @@ class DPFedAvg(Strategy):
 
     def _aggregate_secure(self, server_round: int, outcome: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
         """Close a SecAgg+ round: aggregate its sum, or skip it if the protocol halted."""
+        refused = {nid: why for nid, why in outcome.refused.items() if nid in self._sampled}
+        for nid, why in sorted(refused.items()):
+            logger.warning("Round %d: rejected reply from node %d: node %d refused the round: %s", server_round, nid,
+                           nid, why)  # fmt: skip
         for reason in outcome.errors:
-            logger.warning("Round %d: secure aggregation: %s", server_round, reason[:300])
+            if not any(why in reason for why in refused.values()):
+                logger.warning("Round %d: secure aggregation: %s", server_round, reason[:300])
         stats = self.history[server_round]
+        stats.rejected_reasons.extend(f"node {nid} refused the round: {why}" for nid, why in sorted(refused.items()))
+        rejected = sum(len(self._sampled[nid]) for nid in refused)
         if outcome.total is None:
-            w_new = self.server.skip_round(server_round, "; ".join(outcome.errors) or "SecAgg+ halted")
+            w_new = self.server.skip_round(
+                server_round, "; ".join(outcome.errors) or "SecAgg+ halted", num_rejected=rejected
+            )
         else:
             unknown = [nid for nid in outcome.contributors if nid not in self._sampled]
             if unknown:
@@ -421,9 +430,11 @@ class DPFedAvg(Strategy):
             if reason is not None:
                 reason = f"the secure sum of {len(outcome.contributors)} clients is {reason}"
                 stats.rejected_reasons.append(reason)
-                w_new = self.server.skip_round(server_round, reason)
+                w_new = self.server.skip_round(server_round, reason, num_rejected=rejected)
             else:
-                w_new = self.server.finish_round_sum(server_round, outcome.total, len(outcome.contributors))
+                w_new = self.server.finish_round_sum(
+                    server_round, outcome.total, len(outcome.contributors), num_rejected=rejected
+                )
         return to_array_record(w_new), MetricRecord(self.history[server_round].as_metrics())
 
     def configure_evaluate(

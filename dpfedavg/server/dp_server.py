@@ -406,7 +406,9 @@ class DPServer:
                 clean_total += result.clean
         return self._close_round(server_round, total, len(norms), norms, clean_total, num_failed, num_rejected)
 
-    def finish_round_sum(self, server_round: int, total: Vector, num_received: int, *, num_failed: int = 0) -> Vector:
+    def finish_round_sum(
+        self, server_round: int, total: Vector, num_received: int, *, num_failed: int = 0, num_rejected: int = 0
+    ) -> Vector:
         """:meth:`finish_round` from the *sum* of ``num_received`` replies (secure aggregation).
 
         The server never sees an individual ``g_i + zeta_i``, so there are no
@@ -416,9 +418,9 @@ class DPServer:
         total = np.asarray(total, dtype=np.float64)
         if total.shape != (self.release_dim,):
             raise ValueError(f"the secure sum has shape {total.shape}, expected ({self.release_dim},)")
-        return self._close_round(server_round, total.copy(), num_received, [], None, num_failed, 0)
+        return self._close_round(server_round, total.copy(), num_received, [], None, num_failed, num_rejected)
 
-    def skip_round(self, server_round: int, reason: str) -> Vector:
+    def skip_round(self, server_round: int, reason: str, *, num_rejected: int = 0) -> Vector:
         """Close a round in which no client's update could be summed (secure aggregation could not finish).
 
         Every sampled client counts as a dropout, so the round releases the server's top-up alone,
@@ -429,7 +431,7 @@ class DPServer:
         self._check_open(server_round)
         self.history[server_round].skipped = 1
         logger.warning("Round %d: no update could be summed (%s); the round releases noise only", server_round, reason)
-        return self._close_round(server_round, np.zeros(self.release_dim), 0, [], None, 0, 0)
+        return self._close_round(server_round, np.zeros(self.release_dim), 0, [], None, 0, num_rejected)
 
     def _check_open(self, server_round: int) -> None:
         if not self.is_open(server_round):

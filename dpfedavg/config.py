@@ -34,6 +34,7 @@ from dpfedavg.core.dp import BOUNDS
 from dpfedavg.core.mechanism import PLACEMENTS
 from dpfedavg.errors import ConfigError
 from dpfedavg.privacy.accountants import ACCOUNTANTS
+from dpfedavg.privacy.calibration import MAX_NOISE_MULTIPLIER
 from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
 from dpfedavg.privacy.secure_aggregation import SecAggSettings
 
@@ -136,6 +137,21 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 #: ``torch-dtype`` of the torch tasks.
 TORCH_DTYPES: tuple[str, ...] = ("float32", "float64")
 
+#: The ranges the code can honour (issue 29): outside them a run would hang, exhaust memory or mean nothing.
+#: K: per-round state (metrics.csv, the checkpoint's per-round statistics) grows with it; the accountants bound
+#: their own memory (:data:`dpfedavg.privacy.accountants.PLD_MIN_SIGMA`).
+MAX_ROUNDS = 100_000
+#: A target epsilon: calibration terminates in seconds over the whole range (measured on the benchmarks page).
+EPSILON_RANGE = (0.01, 100.0)
+#: delta: below 1e-12 the PLD's truncated tails (1e-15 per composition) are no longer negligible against it.
+DELTA_RANGE = (1e-12, 0.1)
+#: q = r/n: below it a client takes part in fewer than one round in 10^6 and calibration chases z -> 0.
+MIN_SAMPLING_RATE = 1e-6
+#: n: Poisson sampling draws n uniforms per round (80 MB at the limit).
+MAX_CLIENTS = 10_000_000
+#: adaptive-clip: the largest ``clip-range-factor`` F (C_k stays in [C_0 / F, C_0 F]).
+MAX_CLIP_RANGE_FACTOR = 1e6
+
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -155,19 +171,19 @@ class RunConfig:
 
     task: str = option("quadratic", "-", "objective and data: a registered task or a user's 'module:factory' / '/path/file.py:factory'", "a task name", lambda x: bool(x.strip()), trajectory=True)  # noqa: E501
     algorithm: str = option("norm", "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP, adaptive-clip = DP-FedAvg with C_k following a quantile of the update norms (Andrew et al. 2021)", choices=tuple(BOUNDS), privacy=True)  # noqa: E501
-    num_rounds: int = option(200, "K", "communication rounds (the paper's §4.4 uses 500; 200 keeps the README's first command short)", "an integer >= 1", lambda x: x >= 1)  # noqa: E501
+    num_rounds: int = option(200, "K", "communication rounds (the paper's §4.4 uses 500; 200 keeps the README's first command short)", f"an integer in [1, {MAX_ROUNDS}]", lambda x: 1 <= x <= MAX_ROUNDS)  # noqa: E501
     local_steps: int = option(20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True)  # noqa: E501
     local_lr: float = option(0.003, "eta_0", "initial local learning rate", "a float > 0", positive, trajectory=True)
     lr_decay: float = option(1.0, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: positive(x) and x <= 1, trajectory=True)  # noqa: E501
     server_lr: float | None = option(None, "beta_k", 'global step; "eta" means beta_k = eta_k', f'a float > 0 or "{SERVER_LR_FOLLOWS_LOCAL}"', positive, sentinel=SERVER_LR_FOLLOWS_LOCAL, trajectory=True)  # noqa: E501
     server_momentum: float = option(0.0, "mu", "server momentum m_{k+1} = mu m_k + a_k; 0 is Alg. 1 exactly", "a float in [0, 1)", lambda x: non_negative(x) and x < 1, trajectory=True)  # noqa: E501
-    num_clients: int = option(100, "n", "number of clients (= supernodes, or clients-per-node times them)", "an integer >= 1", lambda x: x >= 1, privacy=True)  # noqa: E501
-    clients_per_round: float = option(100.0, "r", "expected clients per round; q = r/n", "a number with 0 < r <= num-clients", positive, privacy=True)  # noqa: E501
+    num_clients: int = option(100, "n", "number of clients (= supernodes, or clients-per-node times them)", f"an integer in [1, {MAX_CLIENTS}]", lambda x: 1 <= x <= MAX_CLIENTS, privacy=True)  # noqa: E501
+    clients_per_round: float = option(100.0, "r", "expected clients per round; q = r/n", f"a number with 0 < r <= num-clients and q = r/n >= {MIN_SAMPLING_RATE:g}", positive, privacy=True)  # noqa: E501
     clip: float = option(50.0, "C", "clipping threshold (clip; adaptive-clip: the initial C_0) / scaling factor (norm)", "a float > 0", positive, privacy=True)  # noqa: E501
     # privacy
-    epsilon: float = option(5.0, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target", "a float >= 0 (0 = no target)", non_negative)  # noqa: E501
-    delta: float = option(1e-6, "delta", "delta of the reported (epsilon, delta)", "a float in (0, 1)", lambda x: math.isfinite(x) and 0 < x < 1, privacy=True)  # noqa: E501
-    noise_multiplier: float | None = option(None, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'a float >= 0 or "{NOISE_MULTIPLIER_AUTO}"', non_negative, sentinel=NOISE_MULTIPLIER_AUTO)  # noqa: E501
+    epsilon: float = option(5.0, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target", f"a float >= 0: 0 (no target) or in [{EPSILON_RANGE[0]:g}, {EPSILON_RANGE[1]:g}]", lambda x: x == 0 or EPSILON_RANGE[0] <= x <= EPSILON_RANGE[1])  # noqa: E501
+    delta: float = option(1e-6, "delta", "delta of the reported (epsilon, delta)", f"a float in [{DELTA_RANGE[0]:g}, {DELTA_RANGE[1]:g}]", lambda x: DELTA_RANGE[0] <= x <= DELTA_RANGE[1], privacy=True)  # noqa: E501
+    noise_multiplier: float | None = option(None, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'a float >= 0 and <= {MAX_NOISE_MULTIPLIER:g} or "{NOISE_MULTIPLIER_AUTO}"', lambda x: non_negative(x) and x <= MAX_NOISE_MULTIPLIER, sentinel=NOISE_MULTIPLIER_AUTO)  # noqa: E501
     accountant: str = option("pld", "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=tuple(ACCOUNTANTS), privacy=True)  # noqa: E501
     max_epsilon: float = option(0.0, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", non_negative)  # noqa: E501
     noise_placement: str = option("client-calibrated", "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=tuple(PLACEMENTS), privacy=True)  # noqa: E501
@@ -181,6 +197,7 @@ class RunConfig:
     target_quantile: float = option(DEFAULT_TARGET_QUANTILE, "gamma", "adaptive-clip: C_k follows this quantile of the update norms", "a float in [0, 1]", lambda x: 0 <= x <= 1, trajectory=True)  # noqa: E501
     clip_lr: float = option(DEFAULT_CLIP_LR, "eta_C", "adaptive-clip: C_{k+1} = C_k exp(-eta_C (b_k - gamma)), b_k the privately counted fraction of unclipped updates", "a float >= 0", non_negative, trajectory=True)  # noqa: E501
     clip_count_stddev: float | None = option(None, "sigma_b", f'adaptive-clip: std of the noise on the count of unclipped updates; must exceed z/2 (the update then gets z_u = (z^-2 - (2 sigma_b)^-2)^(-1/2)); "{CLIP_COUNT_STDDEV_AUTO}" = max(r/20, the sigma_b with z_u = 1.1 z), valid for every z', f'a float > 0 or "{CLIP_COUNT_STDDEV_AUTO}"', positive, sentinel=CLIP_COUNT_STDDEV_AUTO, trajectory=True)  # noqa: E501
+    clip_range_factor: float = option(1000.0, "F", "adaptive-clip: C_k stays in [C_0 / F, C_0 F] (C_0 = clip), so no released count can push it to 0 or infinity", f"a float in [1, {MAX_CLIP_RANGE_FACTOR:g}]", lambda x: 1 <= x <= MAX_CLIP_RANGE_FACTOR, trajectory=True)  # noqa: E501
     # run
     seed: int = option(0, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0, trajectory=True)
     diagnostics: bool = option(False, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)", privacy=True)  # noqa: E501
@@ -240,6 +257,11 @@ class RunConfig:
     def num_nodes(self) -> int:
         """SuperNodes the federation has: ``ceil(num-clients / clients-per-node)``."""
         return -(-self.num_clients // self.clients_per_node)
+
+    @property
+    def clip_limits(self) -> tuple[float, float]:
+        """``adaptive-clip``'s floor and ceiling of ``C_k``: ``(C_0 / F, C_0 F)``."""
+        return self.clip / self.clip_range_factor, self.clip * self.clip_range_factor
 
     # -------------------------------------------------------------- run_config
     def to_run_config(self) -> dict[str, Any]:
@@ -302,6 +324,14 @@ class RunConfig:
                 "expected 0 < r <= n (set clients-per-round together with num-clients; r = n is full participation)"
             )
             return errors  # the rules below read q = r / n
+        if self.sampling_rate < MIN_SAMPLING_RATE:
+            errors.append(
+                f"'clients-per-round' = {self.clients_per_round:g} with 'num-clients' = {self.num_clients}: "
+                f"q = r/n = {self.sampling_rate:.3g} is below {MIN_SAMPLING_RATE:g} (a client would take part in fewer "
+                "than one round in a million, and calibrating z for it chases z to 0); allowed: clients-per-round >= "
+                f"{MIN_SAMPLING_RATE * self.num_clients:g}"
+            )
+            return errors
         if self.clients_per_node > self.num_clients:
             errors.append(
                 f"'clients-per-node' = {self.clients_per_node} exceeds 'num-clients' = {self.num_clients}: "

@@ -45,6 +45,7 @@ def parse_run_config(text: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``--run-config``, validate it (one ConfigError, exit 2), run it with the batched engine."""
     from dpfedavg.config import ConfigError, RunConfig
+    from dpfedavg.errors import ResultsError
 
     parser = argparse.ArgumentParser(prog="python -m dpfedavg.run", description=__doc__.splitlines()[0])
     parser.add_argument("--run-config", action="append", default=[], help="key=value pairs, as for flwr run")
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # found when the task is built (e.g. its data, device or size)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except ResultsError as err:  # a full disk: every file is complete, the message says how to resume
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(run_dir)
     return 0
 

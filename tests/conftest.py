@@ -84,3 +84,23 @@ def _no_process_left_behind():
         names = ", ".join(f"{p.pid} {p.name()}" for p in left.values() if p.is_running())
         sys.stderr.write(f"\nconftest: stopping processes the tests left behind: {names}\n")
         stop_processes(left)
+
+
+@pytest.fixture
+def dpfedavg_log():
+    """The records the ``dpfedavg`` loggers emit during the test (WARNING and up), whatever the root's handlers.
+
+    A Flower app process stops ``dpfedavg``'s records from reaching the root logger (``setup_app_process``), so
+    ``caplog`` misses them once any test in the session has run a ClientApp; this handler sits on ``dpfedavg`` itself.
+    """
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("dpfedavg")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)

@@ -94,7 +94,7 @@ def test_bad_privacy_parameters() -> None:
     with pytest.raises(ValueError, match="epsilon must be > 0"):
         calibrate_noise_multiplier(0.0, 1e-5, 0.1, 10, "pld")
     with pytest.raises(ConfigError, match="exceeded by the first round"):
-        plan_for(RunConfig(epsilon=0.0, noise_multiplier=0.5, max_epsilon=0.1))
+        plan_for(RunConfig(epsilon=0.0, noise_multiplier=0.5, num_rounds=50, max_epsilon=0.1))
     with pytest.raises(ConfigError, match="adds no noise"):
         plan_for(RunConfig(algorithm="none", max_epsilon=3.0))
 

@@ -19,7 +19,7 @@ from dpfedavg.core import Stream, make_rng, poisson_sample
 from dpfedavg.flower.app_strategy import AppDPFedAvg
 from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch
 from dpfedavg.flower.mod import CLIENT_ID
-from dpfedavg.flower.protocol import instructions_to_config_record
+from dpfedavg.flower.protocol import REFUSED, instructions_to_config_record
 from dpfedavg.flower.testing import ensure_task_identity
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.server.dp_server import DPServer
@@ -159,7 +159,9 @@ def test_the_client_adds_its_noise_share_and_a_node_can_demand_secure_noise() ->
     noise = [r.content["arrays"]["update"].numpy() - r.content["diagnostics"]["clean-update"].numpy() for r in replies]
     assert abs(noise[0].std() / std - 1) < 0.05
     np.testing.assert_array_equal(noise[0], noise[1])  # seeded: the same stream for the same (round, client)
-    secure = [_call(msg, step, {"secure-noise": "true"}) for _ in range(2)]
+    refused = _call(msg, step, {"secure-noise": "true"})  # such a node never sends the clean g by default
+    assert refused.has_error() and refused.error.code == REFUSED and "allow-diagnostics" in refused.error.reason
+    secure = [_call(msg, step, {"secure-noise": "true", "allow-diagnostics": "true"}) for _ in range(2)]
     fresh = [r.content["arrays"]["update"].numpy() for r in secure]
     assert not np.allclose(fresh[0], fresh[1])  # the node's own CSPRNG, whatever seed the server sent
     assert "update-norm" not in dict(secure[0].content["metrics"])  # no un-noised statistic leaves the node
@@ -337,7 +339,7 @@ def test_a_clientapp_without_dp_mod_stops_the_run_in_round_1(dp_log) -> None:
     stop = stopped.value
     assert stop.server_round == 1 and len(stop.result.train_metrics_clientapp) == 1
     text = str(stop)
-    assert "reply lacks 'update'" in text and "wrapped with dp_mod" in text
+    assert "expected 1 ('update')" in text and "wrapped with dp_mod" in text
     # the round that ran is accounted, and the error says so
     one_round = _pld_epsilon(0.6, strategy.plan.noise_multiplier, 1, 1e-5)
     assert one_round <= stop.epsilon <= one_round * (1 + 1e-4)

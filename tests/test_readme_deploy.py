@@ -28,6 +28,7 @@ this test cannot share a machine; it fails at once if one is taken.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -301,6 +302,9 @@ def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
     assert final["guarantee"] == "dp", final
     rows = (configs[0].parent / "metrics.csv").read_text().splitlines()
     assert len(rows) == 1 + 1 + num_rounds  # header, round 0, rounds 1..K
+    # the SuperNodes' privacy policy (step 5) admits the documented run: no client refused a round
+    table = list(csv.DictReader(rows))[1:]
+    assert all(r["num_rejected"] == "0" and r["num_received"] == r["num_sampled"] for r in table), table
     # the results came back to "your machine"
     fetched = home / "dpfedavg-results" / run_name
     assert json.loads((fetched / "config.json").read_text())["final"] == final

@@ -250,7 +250,7 @@ def test_clip_and_norm_add_the_same_noise_vectors() -> None:
     noise = {}
     for algorithm in ("clip", "norm"):
         cfg_d = cfg.replace(diagnostics=True)
-        ctx.run_config = cfg_d.to_run_config()
+        ctx.run_config = cfg_d.replace(algorithm=algorithm).to_run_config()  # the client checks the run config
         reply = client_app(_train_message(cfg_d, w, algorithm), ctx)
         noisy = reply.content[ARRAYS][UPDATE_KEY].numpy()
         clean = reply.content["diagnostics"]["clean-update"].numpy()
@@ -533,7 +533,7 @@ def test_a_clientapp_that_does_not_speak_dpfedavg_stops_the_run_in_round_one(tmp
     errors = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
     assert "round 1: every sampled client's reply was unusable" in errors[0]
-    assert "lacks 'update'" in errors[0] and "wrapped with dp_mod" in errors[0]
+    assert "lacks the array 'update'" in errors[0] and "wrapped with dp_mod" in errors[0]
     assert "Rounds 1-1 ran and are accounted: epsilon = " in errors[0]
     final = json.loads((tmp_path / "foreign" / "config.json").read_text())["final"]
     assert final["rounds_completed"] == 1 and final["stopped_because"] == errors[0]

@@ -41,6 +41,7 @@ Pure numpy, no Flower.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -64,6 +65,8 @@ __all__ = [
     "next_clip",
     "update_noise_multiplier",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: gamma: the median of the update norms (Andrew et al. 2021, §4).
 DEFAULT_TARGET_QUANTILE = 0.5
@@ -169,6 +172,12 @@ class AdaptiveClip:
     clip_lr: float
     count_stddev: float
     noise_multiplier: float
+    #: ``C_k`` never leaves ``[clip_floor, clip_ceiling]`` (the ``clip-range-factor`` key: ``C_0 / F``, ``C_0 F``):
+    #: the released count ``T_k`` carries Gaussian noise and, without secure aggregation, whatever a client sent
+    #: that passed the server's plausibility checks, so the rule alone could drive ``C_k`` to 0 (then ``s = 0``
+    #: and :meth:`split` divides by it) or to infinity.
+    clip_floor: float = 0.0
+    clip_ceiling: float = math.inf
 
     @property
     def update_noise_multiplier(self) -> float:
@@ -193,5 +202,17 @@ class AdaptiveClip:
         """Close a round: ``b_k = 1/2 + T_k / r`` and ``C_{k+1}``; returns ``(C_k, b_k)`` and moves to ``C_{k+1}``."""
         b = 0.5 + released_count / clients_per_round
         used = self.clip
-        self.clip = next_clip(used, b, self.target_quantile, self.clip_lr)
+        try:
+            rule = next_clip(used, b, self.target_quantile, self.clip_lr)
+        except OverflowError:  # exp of a huge released count
+            rule = math.inf
+        self.clip = min(max(rule, self.clip_floor), self.clip_ceiling)
+        if self.clip != rule:
+            logger.warning(
+                "adaptive-clip: the rule gives C = %.4g (b_k = %.4g); C stays at its %s %.4g (clip-range-factor)",
+                rule,
+                b,
+                "floor" if self.clip > rule else "ceiling",
+                self.clip,
+            )
         return used, b

@@ -45,6 +45,10 @@ class RoundInstructions:
     #: ``adaptive-clip``: the scale ``s`` of the extra coordinate ``s (1[||u|| <= C] - 1/2)`` (see
     #: ``core.adaptive_clip``); 0 for the other algorithms.
     count_scale: float = 0.0
+    #: The public parameters a client computes its own noise share from (:mod:`dpfedavg.privacy.policy`): the
+    #: round's noise multiplier ``z`` (0 without DP) and the number of sampled clients ``|S_k|``.
+    noise_multiplier: float = 0.0
+    cohort_size: int = 0
 
 
 class ClientResult(NamedTuple):

@@ -186,12 +186,13 @@ def _open_runs(cfgs: Sequence[RunConfig]) -> tuple[Task, list[_Run]]:
     if len(dims) != 1:
         raise BatchError(f"the runs' models differ in size ({sorted(dims)}): they cannot share a batch")
     order = sorted(range(len(cfgs)), key=lambda i: cfgs[i].algorithm)  # one algorithm's runs are contiguous
+    plans = [plan_for(cfg) for cfg in cfgs]  # every run's ConfigError before any run's folder is made
     runs: list[_Run] = []
     for i in order:
         cfg, task = cfgs[i], tasks[i]
         view = _Evaluations(task, shared)
         prepared = prepare_run(
-            cfg, task=view, plan=plan_for(cfg), run_id="batched", engine="batched", epsilon_each_round=False
+            cfg, task=view, plan=plans[i], run_id="batched", engine="batched", epsilon_each_round=False
         )
         if prepared.first_round != 1:
             raise BatchError(f"run {cfg.run_name!r} resumed from a checkpoint: it cannot join a batch")

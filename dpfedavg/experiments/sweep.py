@@ -77,6 +77,23 @@ def cell_done(cell: Cell) -> bool:
     return "final" in saved and saved.get("run_config") == json.loads(json.dumps(cell.cfg.to_run_config()))
 
 
+def set_aside_incomplete(cell: Cell) -> Path | None:
+    """Move the folder of a cell that did not finish to ``<key>.incomplete-<n>`` (first free ``n``), so that its rerun
+    starts in an empty folder and nothing of the earlier attempt is lost (a run never overwrites another's results)."""
+    return _set_aside(cell.directory, cell.key)
+
+
+def _set_aside(directory: Path, key: str) -> Path | None:
+    if not directory.exists() or not any(directory.iterdir()):
+        return None
+    n = 1
+    while (target := directory.with_name(f"{directory.name}.incomplete-{n}")).exists():
+        n += 1
+    directory.rename(target)
+    logger.warning("cell %s did not finish earlier: its files are kept in %s and the cell runs again", key, target)
+    return target
+
+
 def _quiet_worker() -> None:
     logging.getLogger("dpfedavg").setLevel(logging.WARNING)
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -107,6 +124,9 @@ def _run_unit(cfgs: Sequence[RunConfig], batched: bool, progress: bool = False) 
             logger.warning(
                 "a batch of %d cells failed (%s: %s); running them one at a time", len(cfgs), type(err).__name__, err
             )
+        for cfg in cfgs:  # what the failed batch wrote is kept beside the rerun
+            if cfg.run_name:  # a sweep's cells are always named (the cell key)
+                _set_aside(Path(cfg.output_dir) / cfg.run_name, cfg.run_name)
     errors = {}
     for cfg in cfgs:
         try:
@@ -217,7 +237,7 @@ def _write_cell_files(cell: Cell, result: dict) -> None:
     files = result["files"]
     for name in sorted(files, key=lambda n: n == "config.json"):
         atomic_write_bytes(directory / name, files[name])
-    (directory / RAY_TASK_FILE).write_text(json.dumps(result["where"], indent=2) + "\n")
+    atomic_write_bytes(directory / RAY_TASK_FILE, (json.dumps(result["where"], indent=2) + "\n").encode())
 
 
 def _run_cells_ray(units: Sequence[tuple[list[Cell], bool]], address: str, bar, failures: dict[str, str]) -> None:
@@ -346,6 +366,8 @@ def run_cells(
     todo = [c for c in cells if not cell_done(c)]
     if len(todo) < len(cells):
         logger.info("%d of %d cells already done (resuming)", len(cells) - len(todo), len(cells))
+    for cell in todo:
+        set_aside_incomplete(cell)
     failures: dict[str, str] = {}
     if ray_address is not None and engine != "batched":
         raise ValueError(f"a Ray cluster runs batched cells only, not engine {engine!r}")

@@ -90,6 +90,7 @@ APP_KEYS: tuple[str, ...] = (
     "target-quantile",
     "clip-lr",
     "clip-count-stddev",
+    "clip-range-factor",
     "server-lr",
     "server-momentum",
     "seed",

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from functools import lru_cache
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app.error import Error
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import SECURE_NOISE_SEED, GradFn, client_round_update
+from dpfedavg.core import GradFn, client_round_update
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.flower.protocol import (
     ARRAYS,
@@ -29,6 +29,7 @@ from dpfedavg.flower.protocol import (
     NUM_EXAMPLES,
     NUM_PARTITIONS,
     PARTITION_ID,
+    REFUSED,
     UPDATE_KEY,
     UPDATE_NORM,
     UPDATE_NORMS,
@@ -38,39 +39,46 @@ from dpfedavg.flower.protocol import (
     to_array_record,
 )
 from dpfedavg.flower.runtime import setup_app_process
+from dpfedavg.privacy.policy import NodePolicy, PolicyError, RoundRefused, check_round
 from dpfedavg.tasks import Task, build_task, task_hooks
 
 app = ClientApp()
 
 logger = logging.getLogger(__name__)
 
-#: ``--node-config`` key with which a SuperNode's owner makes its client draw noise from the OS CSPRNG
-#: whatever the server sends (the client, not the server, decides that its noise cannot be replayed).
-NODE_SECURE_NOISE = "secure-noise"
-_TRUE = {"true", "1", "yes"}
+
+def node_policy(context: Context) -> NodePolicy:
+    """This SuperNode's policy, from its ``--node-config`` (:mod:`dpfedavg.privacy.policy`); ``PolicyError`` if bad."""
+    return _policy(tuple(sorted(context.node_config.items())))
 
 
-def secure_noise_required(context: Context, cfg: RunConfig) -> bool:
-    """Whether this client must draw its noise from the OS CSPRNG.
+@lru_cache(maxsize=16)
+def _policy(items: tuple[tuple[str, object], ...]) -> NodePolicy:
+    return NodePolicy.from_node_config(dict(items))
 
-    True when the SuperNode's own ``--node-config`` says ``secure-noise=true`` (the client's decision,
-    which no run config can override) or the run config does. A server cannot turn it off.
+
+def refusal(msg: Message, reason: str) -> Message:
+    """The error reply of a refused round (:data:`~dpfedavg.flower.protocol.REFUSED`): the server counts a rejection."""
+    logger.warning("refusing a TRAIN message: %s", reason)
+    return Message(Error(code=REFUSED, reason=reason), reply_to=msg)
+
+
+def checked_instructions(record: object, context: Context, cfg: RunConfig, *, secure_round: bool) -> RoundInstructions:
+    """The round's instructions as this client follows them, checked against the node's policy and the run config.
+
+    Raises :class:`~dpfedavg.privacy.policy.RoundRefused` (a broken rule, or instructions that do not parse)
+    or :class:`~dpfedavg.privacy.policy.PolicyError` (the node's own policy is invalid).
     """
-    value = context.node_config.get(NODE_SECURE_NOISE, False)
-    node = value if isinstance(value, bool) else str(value).strip().lower() in _TRUE
-    return bool(node or cfg.secure_noise)
-
-
-def enforce_secure_noise(ins: RoundInstructions, secure: bool) -> RoundInstructions:
-    """The instructions this client follows: a server-sent noise seed is ignored when ``secure``."""
-    if not secure or ins.noise_seed == SECURE_NOISE_SEED:
-        return ins
-    logger.warning(
-        "round %d: the server sent a noise seed, but this client requires secure noise: ignoring the seed and "
-        "drawing the noise from the OS CSPRNG",
-        ins.server_round,
-    )
-    return dataclasses.replace(ins, noise_seed=SECURE_NOISE_SEED)
+    policy = node_policy(context)
+    try:
+        ins = instructions_from_config_record(record)  # type: ignore[arg-type]
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise RoundRefused("instructions", f"the round's instructions do not parse ({type(err).__name__}: {err})",
+                           policy=False) from None  # fmt: skip
+    followed = check_round(policy, cfg, ins, secure_round=secure_round)
+    if followed.noise_seed != ins.noise_seed:
+        logger.info("round %d: secure noise: the server's noise seed is not used", ins.server_round)
+    return followed
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -123,11 +131,24 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
     masked vector, unmasking); in its masked-vector stage it calls
     :func:`train`, quantizes the reply (exactly: it is already on the grid, see
     :mod:`dpfedavg.core.secagg`), masks it and removes the unmasked arrays
-    from the reply before it leaves this node.
+    from the reply before it leaves this node. Before that stage reaches the mod, the round's
+    instructions are checked against the node's policy and the run config: a refused round is an error
+    reply (the protocol then treats this node as dropped out), not a masked vector.
     """
-    if RECORD_KEY_CONFIGS in msg.content.config_records:
-        return secaggplus_mod(msg, context, call_next)
-    return call_next(msg, context)
+    configs = msg.content.config_records.get(RECORD_KEY_CONFIGS) if not msg.has_error() else None
+    if configs is None:
+        return call_next(msg, context)
+    if configs.get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS:
+        try:
+            fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+            checked_instructions(fitins.config, context, _run_config(context), secure_round=True)
+        except (RoundRefused, PolicyError) as err:
+            return refusal(msg, str(err))
+    return secaggplus_mod(msg, context, call_next)
+
+
+def _run_config(context: Context) -> RunConfig:
+    return _config(tuple(sorted(context.run_config.items())))
 
 
 def _secure_train(msg: Message, context: Context, cfg: RunConfig, client_id: int) -> Message:
@@ -139,12 +160,7 @@ def _secure_train(msg: Message, context: Context, cfg: RunConfig, client_id: int
     """
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     (w,) = parameters_to_ndarrays(fitins.parameters)
-    ins = enforce_secure_noise(
-        instructions_from_config_record(fitins.config),  # type: ignore[arg-type]
-        secure_noise_required(context, cfg),
-    )
-    if ins.secagg_step <= 0:
-        raise ValueError("a secure-aggregation round without a quantization grid (secagg-step)")
+    ins = checked_instructions(fitins.config, context, cfg, secure_round=True)  # checked by the mod already
     result = client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([result.noisy]), num_examples=1, metrics={})
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
@@ -152,15 +168,24 @@ def _secure_train(msg: Message, context: Context, cfg: RunConfig, client_id: int
 
 @app.train(mods=[secure_aggregation_mod])
 def train(msg: Message, context: Context) -> Message:
-    """Alg. 1 / Alg. 2 lines 4-10 for this client: reply with ``g + zeta``."""
+    """Alg. 1 / Alg. 2 lines 4-10 for this client: reply with ``g + zeta``, or refuse the round.
+
+    The round's instructions are checked against this node's policy and the run config before anything
+    is trained (:mod:`dpfedavg.privacy.policy`); a refusal is an error reply naming the rule.
+    """
     setup_app_process()
-    cfg = _config(tuple(sorted(context.run_config.items())))
+    cfg = _run_config(context)
     client_id, _ = _partition(context)
     if RECORD_KEY_CONFIGS in msg.content.config_records:
         return _secure_train(msg, context, cfg, client_id)
-    secure = secure_noise_required(context, cfg)
-    ins = enforce_secure_noise(instructions_from_config_record(msg.content[CONFIG]), secure)
-    w = from_array_record(msg.content[ARRAYS])
+    try:
+        ins = checked_instructions(msg.content.config_records.get(CONFIG), context, cfg, secure_round=False)
+        w = from_array_record(msg.content.array_records[ARRAYS])
+    except (RoundRefused, PolicyError) as err:
+        return refusal(msg, str(err))
+    except KeyError as err:
+        return refusal(msg, f"refused: the TRAIN message has no model ({err})")
+    secure = node_policy(context).secure_noise or cfg.secure_noise
     if cfg.clients_per_node > 1:
         return _train_block(msg, context, cfg, ins, w, secure)
     result = client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)

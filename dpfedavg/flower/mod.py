@@ -60,7 +60,7 @@ from dpfedavg.core.noise import round_noise_law
 from dpfedavg.core.seeding import noise_rng
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch
-from dpfedavg.flower.client_app import NODE_SECURE_NOISE, enforce_secure_noise
+from dpfedavg.flower.client_app import node_policy
 from dpfedavg.flower.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -68,12 +68,14 @@ from dpfedavg.flower.protocol import (
     DIAGNOSTICS,
     METRICS,
     NUM_EXAMPLES,
+    REFUSED,
     UPDATE_KEY,
     UPDATE_NORM,
     instructions_from_config_record,
     to_array_record,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
+from dpfedavg.privacy.policy import PolicyError, RoundRefused, check_node_policy
 
 __all__ = ["ARRAY_KEYS", "CLIENT_ID", "dp_mod"]
 
@@ -84,7 +86,6 @@ CLIENT_ID = "client-id"
 #: Train-config key under secure aggregation: the model's array keys as a JSON list, in the order of the legacy
 #: ``FitIns`` parameters (which carry no keys; a legacy config holds no lists).
 ARRAY_KEYS = "array-keys"
-_TRUE = {"true", "1", "yes"}
 
 _NAME = "dp_mod"
 
@@ -103,8 +104,10 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         The TRAIN message: one ``ArrayRecord`` (the model ``w_k``) and one ``ConfigRecord`` (the user's
         keys and the round's instructions: ``algorithm``, ``clip``, ``noise-std``, ``noise-seed``, ...).
     context:
-        The ClientApp's context; ``node_config["secure-noise"] = true`` makes this client draw its noise
-        from the OS CSPRNG whatever the server asks.
+        The ClientApp's context: its ``node_config`` holds the operator's privacy policy
+        (:mod:`dpfedavg.privacy.policy`; e.g. ``secure-noise = true`` draws the noise from the OS CSPRNG whatever
+        the server asks, ``min-noise-multiplier`` refuses rounds with less noise). ``max-epsilon`` needs the run
+        config, which your app's clients do not have: it refuses every round here.
     call_next:
         The user's train function (and any inner mods).
 
@@ -127,9 +130,11 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         )
     config = next(iter(content.config_records.values()))
     try:
-        ins = _instructions(config, context, msg)
+        ins = _instructions(config, context, msg, secure_round=False)
         received = next(iter(content.array_records.values()))
         layout = ArrayLayout.of(received)
+    except (RoundRefused, PolicyError) as err:
+        return _refused(msg, str(err))
     except ValueError as err:
         return _error(msg, str(err))
     reply = call_next(msg, context)
@@ -149,7 +154,7 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
     return Message(out, reply_to=msg)
 
 
-def _instructions(config: ConfigRecord, context: Context, msg: Message) -> RoundInstructions:
+def _instructions(config: ConfigRecord, context: Context, msg: Message, *, secure_round: bool) -> RoundInstructions:
     """The round's instructions from the train config; ``ValueError`` saying which key is missing."""
     try:
         ins = instructions_from_config_record(config)
@@ -158,9 +163,7 @@ def _instructions(config: ConfigRecord, context: Context, msg: Message) -> Round
             f"the train config lacks {err}: the ServerApp's strategy must be dpfedavg's DPFedAvg, which sends "
             "each round's clip and noise (with another strategy there is nothing to make private)"
         ) from None
-    node = context.node_config.get(NODE_SECURE_NOISE, False)
-    secure = node if isinstance(node, bool) else str(node).strip().lower() in _TRUE
-    return enforce_secure_noise(ins, secure)  # the rule dpfedavg's own ClientApp follows
+    return check_node_policy(node_policy(context), ins, secure_round=secure_round)
 
 
 def _client_id(config: ConfigRecord, msg: Message) -> int:
@@ -210,6 +213,13 @@ def _error(msg: Message, reason: str) -> Message:
     return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=f"{_NAME}: {reason}"), reply_to=msg)
 
 
+def _refused(msg: Message, reason: str) -> Message:
+    """A round this node's policy refuses (:data:`~dpfedavg.flower.protocol.REFUSED`: the server counts a rejection)."""
+    route_logs_through_flower()
+    logger.warning("%s: %s", _NAME, reason)
+    return Message(Error(code=REFUSED, reason=f"{_NAME}: {reason}"), reply_to=msg)
+
+
 # ------------------------------------------------------------------ secure aggregation (inside secaggplus_mod)
 def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """The masked-vector stage of SecAgg+: the user's train on its own record, ``g~ + zeta~`` as a legacy FitRes.
@@ -233,13 +243,15 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
     if not isinstance(keys, list) or len(keys) != len(arrays):
         return _error(msg, f"the SecAgg+ train config has no {ARRAY_KEYS!r} for its {len(arrays)} arrays")
     try:
-        ins = _instructions(config, context, msg)
+        ins = _instructions(config, context, msg, secure_round=True)
         if ins.secagg_step <= 0:
             raise ValueError("a secure-aggregation round without a quantization grid (secagg-step)")
         received = ArrayRecord(
             {str(k): Array(np.require(a, requirements="C")) for k, a in zip(keys, arrays, strict=True)}
         )
         layout = ArrayLayout.of(received)
+    except (RoundRefused, PolicyError) as err:
+        return _refused(msg, str(err))
     except ValueError as err:
         return _error(msg, str(err))
     inner = Message(RecordDict({ARRAYS: received, CONFIG: config}), metadata=msg.metadata)

@@ -7,11 +7,13 @@ Flower's examples.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from dpfedavg.core.types import RoundInstructions, Vector
 
@@ -23,6 +25,7 @@ __all__ = [
     "CONFIG",
     "METRICS",
     "DIAGNOSTICS",
+    "REFUSED",
     "RoundInstructions",
     "from_array_record",
     "instructions_from_config_record",
@@ -41,6 +44,10 @@ __all__ = [
     "block_key",
     "parse_block_reply",
 ]
+
+#: The error code of a ClientApp's reply that refuses a round (:mod:`dpfedavg.privacy.policy`: the node's policy or
+#: the run config forbids what the server asked); the reason names the rule. The server counts a rejection.
+REFUSED = 4029
 
 #: RecordDict keys.
 ARRAYS = "arrays"
@@ -103,6 +110,8 @@ def instructions_to_config_record(ins: RoundInstructions) -> ConfigRecord:
             "secagg-step": ins.secagg_step,
             "secagg-range": ins.secagg_range,
             "count-scale": ins.count_scale,
+            "noise-multiplier": ins.noise_multiplier,
+            "cohort-size": ins.cohort_size,
         }
     )
 
@@ -121,6 +130,8 @@ def instructions_from_config_record(record: ConfigRecord) -> RoundInstructions:
         secagg_step=float(record.get("secagg-step", 0.0)),
         secagg_range=float(record.get("secagg-range", 0.0)),
         count_scale=float(record.get("count-scale", 0.0)),
+        noise_multiplier=float(record.get("noise-multiplier", 0.0)),
+        cohort_size=int(record.get("cohort-size", 0)),
     )
 
 
@@ -135,9 +146,9 @@ def _check_update(update: np.ndarray, dim: int) -> None:
 
 
 def _check_clean(clean: np.ndarray, dim: int, clip: float) -> None:
-    """``ValueError`` unless the clean update has length ``dim`` and norm at most ``clip``."""
-    if clean.shape != (dim,):
-        raise ValueError(f"clean update has shape {clean.shape}, expected ({dim},)")
+    """``ValueError`` unless the clean update is a finite float vector of length ``dim`` and norm at most ``clip``."""
+    if clean.shape != (dim,) or not np.issubdtype(clean.dtype, np.floating):
+        raise ValueError(f"clean update has shape {clean.shape} and dtype {clean.dtype}, expected ({dim},) floats")
     clean_norm = float(np.linalg.norm(clean))
     if not clean_norm <= clip * (1 + 1e-9):  # also catches NaN
         raise ValueError(
@@ -145,33 +156,71 @@ def _check_clean(clean: np.ndarray, dim: int, clip: float) -> None:
         )
 
 
+def _record(content: RecordDict, key: str, kind: type) -> Any:
+    """``content[key]``, which must be a ``kind`` record; ``ValueError`` naming what is there instead."""
+    if key not in content:
+        raise ValueError(f"reply lacks {key!r}")
+    record = content[key]
+    if not isinstance(record, kind):
+        raise ValueError(f"reply's {key!r} is a {type(record).__name__}, expected a {kind.__name__}")
+    return record
+
+
+def _array(record: ArrayRecord, key: str) -> np.ndarray:
+    """The array stored under ``key``; ``ValueError`` if absent or its bytes do not parse."""
+    if key not in record:
+        raise ValueError(f"reply lacks the array {key!r}")
+    try:
+        return np.asarray(record[key].numpy())
+    except Exception as err:  # noqa: BLE001 - a client's bytes: any failure to decode them is a malformed reply
+        raise ValueError(f"array {key!r} does not parse ({type(err).__name__}: {str(err)[:120]})") from None
+
+
+def _check_records(content: RecordDict, diagnostics: bool) -> None:
+    """Exactly :data:`ARRAYS` and :data:`METRICS` (and :data:`DIAGNOSTICS` when it is on): nothing else is accepted."""
+    expected = {ARRAYS, METRICS} | ({DIAGNOSTICS} if diagnostics else set())
+    extra = sorted(set(content) - expected)
+    if DIAGNOSTICS in extra:
+        raise ValueError("reply carries a clean update, but diagnostics is off (nothing but g + zeta is accepted)")
+    if extra:
+        raise ValueError(f"reply has unexpected records {', '.join(map(repr, extra[:5]))}")
+
+
+def _norm_value(value: object, key: str) -> float:
+    """A reported ``||u||``: a finite number >= 0 (``ValueError`` otherwise: a list, NaN, a string...)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"reply's {key!r} = {str(value)[:60]} is not a finite number >= 0")
+    return float(value)
+
+
 def parse_train_reply(
     content: RecordDict, dim: int, *, diagnostics: bool, clip: float
 ) -> tuple[Vector, float, Vector | None]:
     """A TRAIN reply's ``(g + zeta, ||u|| or NaN, clean g or None)``; ``ValueError`` naming what is malformed.
 
-    Exactly one array, :data:`UPDATE_KEY`, a finite float vector of length ``dim``; a
-    :data:`METRICS` record (``update-norm`` only in seeded mode). With ``diagnostics`` the clean
-    update :data:`CLEAN_UPDATE_KEY` must be there, of length ``dim`` and norm at most ``clip`` (the
-    bound every update has before noise).
+    Exactly the records :data:`ARRAYS` (an ArrayRecord holding one array, :data:`UPDATE_KEY`, a finite float
+    vector of length ``dim``) and :data:`METRICS` (a MetricRecord; ``update-norm``, sent in seeded mode only,
+    a finite number >= 0). With ``diagnostics`` the clean update :data:`CLEAN_UPDATE_KEY` must be there, of
+    length ``dim`` and norm at most ``clip`` (the bound every update has before noise); without it, a clean
+    update is refused. Any other record type in any place, dtype, shape or value is a ``ValueError``.
     """
-    try:
-        record = content[ARRAYS]
-        update = from_array_record(record, UPDATE_KEY)
-        metrics = dict(content[METRICS])
-    except KeyError as err:
-        raise ValueError(f"reply lacks {err}") from None
+    _check_records(content, diagnostics)
+    record = _record(content, ARRAYS, ArrayRecord)
+    metrics = _record(content, METRICS, MetricRecord)
     if len(record) != 1:
-        raise ValueError(f"reply has {len(record)} arrays ({', '.join(sorted(record))}), expected 1 ({UPDATE_KEY!r})")
+        raise ValueError(
+            f"reply has {len(record)} arrays ({', '.join(sorted(record)[:5])}), expected 1 ({UPDATE_KEY!r})"
+        )
+    update = _array(record, UPDATE_KEY)
     _check_update(update, dim)
+    norm = _norm_value(metrics[UPDATE_NORM], UPDATE_NORM) if UPDATE_NORM in metrics else float("nan")
     clean = None
     if diagnostics:
-        try:
-            clean = from_array_record(content[DIAGNOSTICS], CLEAN_UPDATE_KEY)
-        except KeyError:
-            raise ValueError("diagnostics is on but the reply has no clean update") from None
+        if DIAGNOSTICS not in content:
+            raise ValueError("diagnostics is on but the reply has no clean update")
+        clean = _array(_record(content, DIAGNOSTICS, ArrayRecord), CLEAN_UPDATE_KEY)
         _check_clean(clean, dim, clip)
-    return update.astype(np.float64), float(metrics.get(UPDATE_NORM, np.nan)), clean
+    return update.astype(np.float64), norm, clean
 
 
 @dataclass
@@ -209,15 +258,13 @@ def parse_block_reply(
     Each client's update must pass the checks of :func:`parse_train_reply` (finite float vector of
     length ``dim``; with ``diagnostics`` a clean update of norm at most ``clip``); a client that fails
     them, or that the reply neither answers nor reports as diverged, is rejected alone. ``ValueError``
-    when the reply as a whole cannot be read (no arrays or metrics, client lists that are not lists of
-    integers, a client the node was not asked for, arrays that belong to no listed client): then none
-    of the node's clients counts.
+    when the reply as a whole cannot be read (records of the wrong type or unexpected ones, client lists
+    that are not lists of integers, a client the node was not asked for, arrays that belong to no listed
+    client, norms that are not numbers): then none of the node's clients counts.
     """
-    try:
-        record = content[ARRAYS]
-        metrics = dict(content[METRICS])
-    except KeyError as err:
-        raise ValueError(f"reply lacks {err}") from None
+    _check_records(content, diagnostics)
+    record = _record(content, ARRAYS, ArrayRecord)
+    metrics = dict(_record(content, METRICS, MetricRecord))
     replied, diverged = _id_list(metrics, CLIENT_IDS), _id_list(metrics, DIVERGED_CLIENT_IDS)
     asked = set(int(c) for c in client_ids)
     listed = replied + diverged
@@ -234,23 +281,21 @@ def parse_block_reply(
         norms = [float("nan")] * len(replied)
     elif not isinstance(norms, list) or len(norms) != len(replied):
         raise ValueError(f"reply's {UPDATE_NORMS!r} does not have one value per client in {CLIENT_IDS!r}")
+    else:
+        norms = [_norm_value(v, UPDATE_NORMS) for v in norms]
     out = BlockReply(diverged=sorted(diverged))
     for client_id in sorted(asked - set(listed)):
         out.rejected[client_id] = f"client {client_id} is missing from its node's reply"
-    clean_record = content.get(DIAGNOSTICS) if diagnostics else None
+    clean_record = _record(content, DIAGNOSTICS, ArrayRecord) if diagnostics and DIAGNOSTICS in content else None
     for client_id, norm in zip(replied, norms, strict=True):
         try:
-            key = block_key(UPDATE_KEY, client_id)
-            if key not in record:
-                raise ValueError(f"reply lacks the update {key!r}")
-            update = from_array_record(record, key)
+            update = _array(record, block_key(UPDATE_KEY, client_id))
             _check_update(update, dim)
             clean = None
             if diagnostics:
-                clean_key = block_key(CLEAN_UPDATE_KEY, client_id)
-                if clean_record is None or clean_key not in clean_record:
+                if clean_record is None:
                     raise ValueError("diagnostics is on but the reply has no clean update")
-                clean = from_array_record(clean_record, clean_key)
+                clean = _array(clean_record, block_key(CLEAN_UPDATE_KEY, client_id))
                 _check_clean(clean, dim, clip)
         except ValueError as err:
             out.rejected[client_id] = f"client {client_id}: {err}"

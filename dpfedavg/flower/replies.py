@@ -6,8 +6,13 @@ hosting a block of virtual clients); this module turns the replies of one round 
 results and counts for :meth:`dpfedavg.server.dp_server.DPServer.finish_round`:
 
 * a reply that passes the checks: one :class:`ClientResult` per client;
-* a malformed update: that client is rejected (with the reason); a reply that cannot be read at all
-  rejects every client of its node;
+* a malformed update (any record type in any place, dtype, shape, NaN/Inf, bytes that do not parse, a list
+  where a number belongs), or one no honest client sends (beyond the plausibility bound of
+  :mod:`dpfedavg.privacy.plausibility`): that client is rejected (with the reason); a reply that cannot be
+  read at all rejects every client of its node; whatever a reply holds, it is never an exception here;
+* a refusal (an error reply with code :data:`~dpfedavg.flower.protocol.REFUSED`: the node's policy or the run
+  config forbids the round, :mod:`dpfedavg.privacy.policy`): every client of the node is rejected, the rule
+  in the reason;
 * an error reply: every client of the node failed, or dropped out when Flower reports the node or
   its reply unavailable; a client whose local training diverged failed;
 * no reply within the round timeout: every client of the node dropped out (``DPServer`` counts the
@@ -27,7 +32,8 @@ from flwr.app import Message
 from flwr.common.constant import ErrorCode
 
 from dpfedavg.core.types import ClientResult
-from dpfedavg.flower.protocol import parse_block_reply, parse_train_reply
+from dpfedavg.flower.protocol import REFUSED, parse_block_reply, parse_train_reply
+from dpfedavg.privacy.plausibility import ReplyLimits
 
 __all__ = ["RoundReplies", "collect_replies"]
 
@@ -58,6 +64,7 @@ def collect_replies(
     diagnostics: bool,
     clip: float,
     block: bool,
+    limits: ReplyLimits | None = None,
 ) -> RoundReplies:
     """Check a round's replies and count them per client.
 
@@ -69,6 +76,8 @@ def collect_replies(
         The bound on a clean update's norm (``inf`` without DP), checked with ``diagnostics``.
     block:
         The nodes host virtual clients (``clients-per-node`` > 1): replies hold one update per client.
+    limits:
+        The plausibility bounds of one client's ``g + zeta`` (``None`` without a sensitivity bound).
     """
     out = RoundReplies()
     replied: set[int] = set()
@@ -90,6 +99,10 @@ def collect_replies(
         replied.add(src)
         clients = sampled[src]
         if msg.has_error():
+            reason = str(msg.error.reason or "")[:300]
+            if msg.error.code == REFUSED:
+                _reject(out, server_round, src, f"node {src} refused the round: {reason}", len(clients))
+                continue
             out.num_failed += len(clients)
             out.failures.extend([f"node {src} failed: {msg.error.reason[:300]}"] * len(clients))
             logger.warning(
@@ -97,10 +110,14 @@ def collect_replies(
                 server_round,
                 src,
                 len(clients),
-                msg.error.reason[:300],
+                reason,
             )
             continue
-        _take(out, server_round, msg, clients, dim=dim, diagnostics=diagnostics, clip=clip, block=block)
+        try:
+            _take(out, server_round, msg, clients, dim=dim, diagnostics=diagnostics, clip=clip, block=block,
+                  limits=limits)  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - a client's message must never end the ServerApp
+            _reject(out, server_round, src, f"unreadable reply ({type(err).__name__}: {str(err)[:200]})", len(clients))
     if unavailable:
         logger.warning("Round %d: %d sampled nodes became unavailable (dropouts)", server_round, unavailable)
     out.results.sort(key=lambda result: result.client_id)  # fixed summation order
@@ -117,20 +134,35 @@ def _take(
     diagnostics: bool,
     clip: float,
     block: bool,
+    limits: ReplyLimits | None,
 ) -> None:
-    """One node's reply (not an error): its clients' results, rejections and diverged local trainings."""
+    """One node's reply (not an error): its clients' results, rejections and diverged local trainings.
+
+    The results are collected first and appended only once the whole reply was read, so a reply that fails
+    half-way leaves no partial results behind.
+    """
     src = msg.metadata.src_node_id
     try:
         if not block:
             update, norm, clean = parse_train_reply(msg.content, dim, diagnostics=diagnostics, clip=clip)
-            out.results.append(ClientResult(clients[0], update, norm, clean))
+            reason = limits.violation(update) if limits is not None else None
+            if reason is not None:
+                _reject(out, server_round, src, f"client {clients[0]}: {reason}", 1)
+            else:
+                out.results.append(ClientResult(clients[0], update, norm, clean))
             return
         parsed = parse_block_reply(msg.content, clients, dim, diagnostics=diagnostics, clip=clip)
     except ValueError as err:
         _reject(out, server_round, src, str(err), len(clients))
         return
+    accepted = []
     for client_id, (update, norm, clean) in parsed.updates.items():
-        out.results.append(ClientResult(client_id, update, norm, clean))
+        reason = limits.violation(update) if limits is not None else None
+        if reason is not None:
+            parsed.rejected[client_id] = f"client {client_id}: {reason}"
+            continue
+        accepted.append(ClientResult(client_id, update, norm, clean))
+    out.results.extend(accepted)
     for reason in parsed.rejected.values():
         _reject(out, server_round, src, reason, 1)
     if parsed.diverged:

@@ -40,6 +40,7 @@ from flwr.serverapp import Grid
 
 from dpfedavg.core import SecAggGrid
 from dpfedavg.core.types import Vector
+from dpfedavg.flower.protocol import REFUSED
 
 __all__ = ["HALTED", "SecureSum", "secure_sum", "workflow_for"]
 
@@ -51,11 +52,35 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SecureSum:
-    """What a SecAgg+ round produced: the sum and the node ids it contains, or why it halted."""
+    """What a SecAgg+ round produced: the sum and the node ids it contains, or why it halted.
+
+    ``refused``: node id -> the reason of each node that refused the round (an error reply with code
+    :data:`~dpfedavg.flower.protocol.REFUSED`: its policy or the run config forbids it); those nodes are not
+    in the sum, and the server counts them as rejected.
+    """
 
     total: Vector | None
     contributors: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    refused: dict[int, str] = field(default_factory=dict)
+
+
+class _RefusalWatch:
+    """The round's Grid as the workflow sees it, noting the replies that refuse the round (by node)."""
+
+    def __init__(self, grid: Grid) -> None:
+        self._grid = grid
+        self.refused: dict[int, str] = {}
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201 - Grid's signature
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        for msg in replies:
+            if msg.has_error() and msg.error.code == REFUSED:
+                self.refused[msg.metadata.src_node_id] = str(msg.error.reason or "")[:300]
+        return replies
 
 
 class _Node:
@@ -180,14 +205,15 @@ def secure_sum(
     context = LegacyContext(base, strategy=adapter, client_manager=_Online(num_online))  # type: ignore[arg-type]
     context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: server_round})
     context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
+    watch = _RefusalWatch(grid)
     try:
-        workflow(grid, context)
+        workflow(watch, context)  # type: ignore[arg-type]
     except Exception as err:  # noqa: BLE001 - e.g. a malformed client reply inside Flower's stages
         # Nothing was released (the sum is only handed over at the very end): skip the round, keep running.
-        return SecureSum(None, errors=[f"SecAgg+ failed: {type(err).__name__}: {err}"])
+        return SecureSum(None, errors=[f"SecAgg+ failed: {type(err).__name__}: {err}"], refused=watch.refused)
     if adapter.average is None:
         why = adapter.errors or list(getattr(workflow, "failures", [])) or [HALTED]
-        return SecureSum(None, errors=why)
+        return SecureSum(None, errors=why, refused=watch.refused)
     (average,) = adapter.average
     total = np.asarray(average, dtype=np.float64) * len(adapter.contributors)
-    return SecureSum(total, adapter.contributors, adapter.errors)
+    return SecureSum(total, adapter.contributors, adapter.errors, watch.refused)

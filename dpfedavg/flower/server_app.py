@@ -9,6 +9,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.errors import ResultsError
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.protocol import from_array_record, to_array_record
 from dpfedavg.flower.runtime import setup_app_process
@@ -16,7 +17,7 @@ from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.health import TrainingStopped
 from dpfedavg.server.run import plan_for, prepare_run
-from dpfedavg.server.session import RunResult
+from dpfedavg.server.session import RunResult, check_run_directory
 from dpfedavg.tasks import resolve_task
 from dpfedavg.tasks.errors import DataUnavailableError
 
@@ -35,6 +36,7 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
     prepared = prepare_run(cfg, plan=plan, run_id=run_id, engine="flower")
     session = prepared.session
     strategy = DPFedAvg(cfg, server=prepared.server)
+    session.description["privacy"]["reply_checks"] = strategy.describe_reply_checks()
     result = strategy.start(
         grid=grid,
         initial_arrays=to_array_record(prepared.w),
@@ -64,10 +66,11 @@ def timing_summary(strategy: DPFedAvg) -> dict[str, float | None]:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Validate ``run_config``, then :func:`run`. Bad config or federation: one ERROR line."""
+    """Validate ``run_config``, then :func:`run`. Bad config, federation, a failed write of results: one ERROR line."""
     setup_app_process()
     try:
         cfg = RunConfig.from_run_config(context.run_config)
+        check_run_directory(cfg)  # a reused run-name: one error before the calibration
         resolve_task(cfg.task)  # a misspelled task: one error before the calibration
         plan = plan_for(cfg)
     except ConfigError as err:
@@ -77,5 +80,5 @@ def main(grid: Grid, context: Context) -> None:
         run(grid, cfg, run_id=context.run_id, plan=plan)
     except FederationError as err:
         logger.error("federation does not match the run: %s", err)
-    except (ConfigError, DataUnavailableError, TrainingStopped) as err:
+    except (ConfigError, DataUnavailableError, ResultsError, TrainingStopped) as err:
         logger.error("%s", err)

@@ -44,6 +44,12 @@ from dpfedavg.flower.replies import collect_replies
 from dpfedavg.flower.secure_aggregation import SecureSum, secure_sum, workflow_for
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.plan import PrivacyPlan
+from dpfedavg.privacy.plausibility import (
+    MAX_FALSE_REJECTION,
+    ReplyLimits,
+    false_rejection_probability,
+    reply_limits,
+)
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, TrainingStopped
 from dpfedavg.server.loop import run_rounds
@@ -108,6 +114,16 @@ class DPFedAvg(Strategy):
     @property
     def plan(self) -> PrivacyPlan:
         return self.server.plan
+
+    @property
+    def false_rejection_p(self) -> float:
+        """``p``, the probability that an honest reply is rejected (:mod:`dpfedavg.privacy.plausibility`)."""
+        plan, cfg = self.server.plan, self.cfg
+        if not plan.dp:
+            return MAX_FALSE_REJECTION
+        return false_rejection_probability(
+            epsilon=plan.nominal_epsilon, rounds=cfg.num_rounds, num_clients=cfg.num_clients, delta=plan.delta
+        )
 
     @property
     def history(self) -> dict[int, RoundStats]:
@@ -189,6 +205,40 @@ class DPFedAvg(Strategy):
             cfg.server_momentum,
         )
 
+    def reply_limits(self, num_sampled: int, clients: int = 1) -> ReplyLimits | None:
+        """The plausibility bounds of ``clients`` honest clients' (summed) vectors this round; ``None`` without a bound.
+
+        ``N C (1 + 1e-5) + sqrt(N) s (sqrt(d) + sqrt(2 ln(1/p)))`` with the round's ``C`` (``C_aug``), each client's
+        noise std ``s`` at ``|S_k| = num_sampled`` and ``d`` the vector's length (:mod:`dpfedavg.privacy.plausibility`).
+        """
+        server = self.server
+        if not server.bound.private:
+            return None
+        return reply_limits(
+            bound=server.sensitivity,
+            noise_std=server.noise_stds(num_sampled)[0],
+            dim=server.release_dim,
+            p=self.false_rejection_p,
+            count_scale=server.adaptive.scale if server.adaptive is not None else None,
+            clients=clients,
+        )
+
+    def describe_reply_checks(self) -> dict[str, object]:
+        """What ``config.json`` says about the plausibility checks of this run's replies (Flower engine only)."""
+        plan, p = self.server.plan, self.false_rejection_p
+        slack = (
+            float(
+                np.exp(np.logaddexp(0.0, plan.nominal_epsilon) + np.log(self.cfg.num_rounds * self.cfg.num_clients * p))
+            )
+            if plan.dp
+            else None
+        )
+        return {
+            "bound": "N C (1 + 1e-5) + sqrt(N) s (sqrt(d) + sqrt(2 ln(1/p))) for a reply (N = 1) or a secure sum",
+            "false_rejection_probability": p,
+            "delta_added_at_most": slack,
+        }
+
     # ------------------------------------------------------------ discovery
     @property
     def node_of_client(self) -> dict[int, int]:
@@ -243,8 +293,8 @@ class DPFedAvg(Strategy):
         del evaluate_config  # no client-side evaluation (see configure_evaluate)
         if num_rounds is not None and num_rounds != self.cfg.num_rounds:
             raise ValueError(f"num_rounds={num_rounds} differs from the config's num-rounds={self.cfg.num_rounds}")
-        if not 1 <= first_round <= self.cfg.num_rounds:
-            raise ValueError(f"first_round={first_round} is outside 1..num-rounds={self.cfg.num_rounds}")
+        if not 1 <= first_round <= self.cfg.num_rounds + 1:  # num-rounds + 1: a resumed run that only finishes
+            raise ValueError(f"first_round={first_round} is outside 1..num-rounds + 1 = {self.cfg.num_rounds + 1}")
         if not self.federation.node_of_partition:
             self.discover_clients(grid)
         logger.info("Starting %s strategy:", type(self).__name__)
@@ -375,15 +425,36 @@ class DPFedAvg(Strategy):
 
     def _aggregate_secure(self, server_round: int, outcome: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
         """Close a SecAgg+ round: aggregate its sum, or skip it if the protocol halted."""
+        refused = {nid: why for nid, why in outcome.refused.items() if nid in self._sampled}
+        for nid, why in sorted(refused.items()):
+            logger.warning("Round %d: rejected reply from node %d: node %d refused the round: %s", server_round, nid,
+                           nid, why)  # fmt: skip
         for reason in outcome.errors:
-            logger.warning("Round %d: secure aggregation: %s", server_round, reason[:300])
+            if not any(why in reason for why in refused.values()):
+                logger.warning("Round %d: secure aggregation: %s", server_round, reason[:300])
+        stats = self.history[server_round]
+        stats.rejected_reasons.extend(f"node {nid} refused the round: {why}" for nid, why in sorted(refused.items()))
+        rejected = sum(len(self._sampled[nid]) for nid in refused)
         if outcome.total is None:
-            w_new = self.server.skip_round(server_round, "; ".join(outcome.errors) or "SecAgg+ halted")
+            w_new = self.server.skip_round(
+                server_round, "; ".join(outcome.errors) or "SecAgg+ halted", num_rejected=rejected
+            )
         else:
             unknown = [nid for nid in outcome.contributors if nid not in self._sampled]
             if unknown:
                 raise RuntimeError(f"SecAgg+ summed nodes that were not sampled: {unknown[:5]}")
-            w_new = self.server.finish_round_sum(server_round, outcome.total, len(outcome.contributors))
+            # one client's masked vector can move the sum anywhere in the modular range: a sum no N honest
+            # clients produce (except w.p. < p) is not used; the round releases the server's noise only
+            limits = self.reply_limits(stats.num_sampled, clients=len(outcome.contributors))
+            reason = limits.violation(outcome.total) if limits is not None else None
+            if reason is not None:
+                reason = f"the secure sum of {len(outcome.contributors)} clients is {reason}"
+                stats.rejected_reasons.append(reason)
+                w_new = self.server.skip_round(server_round, reason, num_rejected=rejected)
+            else:
+                w_new = self.server.finish_round_sum(
+                    server_round, outcome.total, len(outcome.contributors), num_rejected=rejected
+                )
         return to_array_record(w_new), MetricRecord(self.history[server_round].as_metrics())
 
     def configure_evaluate(
@@ -428,6 +499,7 @@ class DPFedAvg(Strategy):
             diagnostics=self.cfg.diagnostics,
             clip=bound,
             block=self.cfg.clients_per_node > 1,
+            limits=self.reply_limits(self.history[server_round].num_sampled),
         )
         w_new = self.server.finish_round(
             server_round, checked.results, num_failed=checked.num_failed, num_rejected=checked.num_rejected

@@ -37,7 +37,10 @@ from typing import Any
 import numpy as np
 
 from dpfedavg.config import OPTIONS, ConfigError, RunConfig
+from dpfedavg.core.dp import BOUNDS
 from dpfedavg.io.atomic import atomic_open
+from dpfedavg.io.metrics import RoundStats
+from dpfedavg.privacy.accountants import RoundEvent
 from dpfedavg.privacy.plan import PrivacyPlan
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "ServerState",
     "check_compatible",
     "load_checkpoint",
+    "nominal_accountant_state",
     "privacy_signature",
     "save_checkpoint",
 ]
@@ -182,8 +186,89 @@ def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
     return path
 
 
+class _Fields:
+    """Reads a checkpoint's fields; every malformed one is a :class:`CheckpointError` naming it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def error(self, field: str, detail: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {self.path} is unusable: field {field!r} {detail}")
+
+    def get(self, mapping: Any, key: str, field: str) -> Any:
+        if not isinstance(mapping, dict):
+            raise self.error(field.rpartition(".")[0] or field, f"is a {type(mapping).__name__}, expected a mapping")
+        if key not in mapping:
+            raise self.error(field, "is missing")
+        return mapping[key]
+
+    def integer(self, value: Any, field: str, low: int = 0) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise self.error(field, f"= {value!r}: expected an integer >= {low}")
+        return value
+
+    def number(self, value: Any, field: str, *, finite: bool = True) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or (finite and not math.isfinite(value)):
+            raise self.error(field, f"= {value!r}: expected a finite number")
+        return float(value)
+
+    def mapping(self, value: Any, field: str) -> dict:
+        if not isinstance(value, dict):
+            raise self.error(field, f"is a {type(value).__name__}, expected a mapping")
+        return value
+
+    def vector(
+        self, arrays: dict[str, np.ndarray], name: str, field: str, *, optional: bool = False
+    ) -> np.ndarray | None:
+        if name not in arrays:
+            if optional:
+                return None
+            raise self.error(field, "is missing")
+        value = arrays[name]
+        if value.ndim != 1 or not np.issubdtype(value.dtype, np.floating):
+            raise self.error(field, f"has shape {value.shape} and dtype {value.dtype}, expected a float vector")
+        if not np.all(np.isfinite(value)):
+            raise self.error(field, "holds NaN or Inf")
+        return value
+
+    def accountant(self, value: Any, field: str) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        state = self.mapping(value, field)
+        if not isinstance(state.get("accountant"), str):
+            raise self.error(f"{field}.accountant", f"= {state.get('accountant')!r}: expected an accountant's name")
+        self.number(self.get(state, "delta", f"{field}.delta"), f"{field}.delta")
+        history = self.get(state, "history", f"{field}.history")
+        if not isinstance(history, list):
+            raise self.error(f"{field}.history", f"is a {type(history).__name__}, expected a list of [q, z]")
+        for i, event in enumerate(history):
+            ok = isinstance(event, list) and len(event) == 2
+            ok = ok and all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in event)
+            if not ok or event[0] is None:
+                raise self.error(f"{field}.history[{i}]", f"= {event!r}: expected [q, z] numbers (z may be null)")
+        return state
+
+    def history(self, value: Any, field: str) -> dict[int, dict[str, Any]]:
+        rows: dict[int, dict[str, Any]] = {}
+        for key, row in self.mapping(value, field).items():
+            try:
+                k = int(key)
+                RoundStats(**self.mapping(row, f"{field}.{key}"))
+            except (TypeError, ValueError) as err:
+                raise self.error(f"{field}.{key}", f"is not a round's statistics ({err})") from None
+            if row.get("round") != k:
+                raise self.error(f"{field}.{key}", f"holds round {row.get('round')!r}")
+            rows[k] = row
+        return rows
+
+
 def load_checkpoint(directory: Path) -> Checkpoint:
-    """Read ``directory/checkpoint.npz``; :class:`CheckpointError` if absent or unreadable."""
+    """Read ``directory/checkpoint.npz``; one :class:`CheckpointError` if absent, unreadable or malformed.
+
+    Every field is checked for its type and range (the round an integer >= 1, the arrays finite float vectors,
+    the per-round statistics the columns of ``metrics.csv``, the accountant's history ``[q, z]`` pairs, ...);
+    the error names the first bad field. Whether the state fits the run is :func:`check_compatible`'s.
+    """
     path = Path(directory) / CHECKPOINT_FILE
     if not path.exists():
         raise CheckpointError(
@@ -196,33 +281,129 @@ def load_checkpoint(directory: Path) -> Checkpoint:
             arrays = {name: data[name].copy() for name in data.files if name != "meta"}
     except Exception as err:  # noqa: BLE001 - any failure to read means the file is unusable
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err})") from None
+    read = _Fields(path)
+    meta = read.mapping(meta, "meta")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-    server_meta = meta["server"]
+    rounds = read.integer(read.get(meta, "round", "round"), "round", low=1)
+    server_meta = read.mapping(read.get(meta, "server", "server"), "server")
+    random_round = server_meta.get("random_round")
+    if random_round is not None:
+        random_round = read.integer(random_round, "server.random_round")
+    adaptive = server_meta.get("adaptive_clip")
+    if adaptive is not None:
+        adaptive = read.number(adaptive, "server.adaptive_clip")
     server = ServerState(
-        **{f.name: arrays.get(_SERVER_ARRAY.format(f.name), server_meta.get(f.name)) for f in fields(ServerState)}
+        momentum=read.vector(arrays, _SERVER_ARRAY.format("momentum"), "server.momentum"),  # type: ignore[arg-type]
+        random_iterate=read.vector(
+            arrays, _SERVER_ARRAY.format("random_iterate"), "server.random_iterate", optional=True
+        ),
+        random_round=random_round,
+        accountant=read.accountant(server_meta.get("accountant"), "server.accountant"),
+        history=read.history(read.get(server_meta, "history", "server.history"), "server.history"),
+        adaptive_clip=adaptive,
     )
-    for name, array in arrays.items():  # the arrays of a dict-valued field (the noise mechanism's state)
-        field_name, _, key = name.removeprefix(_SERVER_ARRAY.format("")).partition("/")
-        if name.startswith(_SERVER_ARRAY.format("")) and key and isinstance(getattr(server, field_name, None), dict):
-            getattr(server, field_name)[key] = array
-    server.history = {int(k): v for k, v in server.history.items()}
+    mechanism = server_meta.get("mechanism")
+    if mechanism is not None:
+        mechanism = dict(read.mapping(mechanism, "server.mechanism"))
+        prefix = _SERVER_ARRAY.format("mechanism/")
+        for name, array in arrays.items():  # the noise mechanism's arrays, stored bit-exact as their own entries
+            if name.startswith(prefix):
+                mechanism[name.removeprefix(prefix)] = array
+    server.mechanism = mechanism
+    evaluated = {}
+    for key, metrics in read.mapping(read.get(meta, "evaluated", "evaluated"), "evaluated").items():
+        try:
+            evaluated[int(key)] = {str(k): read.number(v, f"evaluated.{key}.{k}", finite=False)
+                                   for k, v in read.mapping(metrics, f"evaluated.{key}").items()}  # fmt: skip
+        except ValueError:
+            raise read.error(f"evaluated.{key}", "is not a round number") from None
+    trajectory = arrays.get("trajectory")
+    if trajectory is not None and (trajectory.ndim != 2 or not np.all(np.isfinite(trajectory))):
+        raise read.error("trajectory", f"has shape {trajectory.shape} or holds NaN/Inf, expected rounds x dim finite")
     return Checkpoint(
-        round=int(meta["round"]),
-        w=arrays["w"],
+        round=rounds,
+        w=read.vector(arrays, "w", "w"),  # type: ignore[arg-type]
         server=server,
-        run_config=meta["run_config"],
-        privacy=meta["privacy"],
-        evaluated={int(k): v for k, v in meta["evaluated"].items()},
-        elapsed_s=float(meta["elapsed_s"]),
-        trajectory=arrays.get("trajectory"),
+        run_config=read.mapping(read.get(meta, "run_config", "run_config"), "run_config"),
+        privacy=read.mapping(read.get(meta, "privacy", "privacy"), "privacy"),
+        evaluated=evaluated,
+        elapsed_s=read.number(read.get(meta, "elapsed_s", "elapsed_s"), "elapsed_s"),
+        trajectory=trajectory,
     )
+
+
+def nominal_accountant_state(plan: PrivacyPlan, rounds: int) -> dict[str, Any] | None:
+    """The accountant's state after ``rounds`` rounds of the plan: every round charges ``(q, z)`` (both public).
+
+    Every round a run completes is charged the nominal event whoever replied (the server tops up missing noise,
+    :mod:`dpfedavg.core.mechanism`), so the plan and the round count alone determine the accountant.
+    """
+    if not plan.dp:
+        return None
+    accountant = plan.new_accountant()
+    if rounds:
+        accountant.step(RoundEvent(plan.q, plan.noise_multiplier), rounds)
+    return accountant.state_dict()
+
+
+def _state_errors(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: int) -> list[str]:
+    """Where the checkpoint's server state disagrees with what its round count and the run imply."""
+    k, server, problems = ckpt.round, ckpt.server, []
+    expected = nominal_accountant_state(plan, k)
+    saved = server.accountant
+    if expected is None:
+        if saved is not None and saved.get("history"):
+            problems.append("'server.accountant' holds privacy events but this run has no DP")
+    elif saved is None or saved.get("accountant") != expected["accountant"] or saved.get("delta") != expected["delta"]:
+        problems.append(
+            f"'server.accountant' is {None if saved is None else {k_: saved.get(k_) for k_ in ('accountant', 'delta')}}"
+            f", the run's is {expected['accountant']!r} at delta = {expected['delta']:g}"
+        )
+    elif saved["history"] != expected["history"]:
+        got = saved["history"]
+        first = next((i for i, (a, b) in enumerate(zip(got, expected["history"], strict=False)) if a != b), None)
+        where = f"event {first} is {got[first]} instead of {expected['history'][first]}" if first is not None else ""
+        problems.append(
+            f"'server.accountant.history' has {len(got)} events, but {k} rounds of (q, z) = ({plan.q:.6g}, "
+            f"{plan.noise_multiplier:.6g}) make {k} identical ones{'; ' + where if where else ''} (an edited history "
+            "would lower the reported epsilon)"
+        )
+    if set(server.history) != set(range(1, k + 1)):
+        problems.append(f"'server.history' holds rounds {sorted(server.history)[:3]}... but 'round' = {k}")
+    for name, vector in (
+        ("w", ckpt.w),
+        ("server.momentum", server.momentum),
+        ("server.random_iterate", server.random_iterate),
+    ):
+        if vector is not None and vector.shape != (dim,):
+            problems.append(f"{name!r} has length {vector.shape[0]}, the model {dim}")
+    if (server.random_iterate is None) != (server.random_round is None) or (
+        server.random_round is not None and not 0 <= server.random_round < k
+    ):
+        problems.append(
+            f"'server.random_round' = {server.random_round!r} is not a round in 0..{k - 1} with its iterate"
+        )
+    if BOUNDS[cfg.algorithm].adaptive:
+        low, high = cfg.clip_limits
+        c = server.adaptive_clip
+        if c is None or not low <= c <= high:
+            problems.append(f"'server.adaptive_clip' = {c!r} is outside [{low:g}, {high:g}] (clip / clip-range-factor)")
+    elif server.adaptive_clip is not None:
+        problems.append(f"'server.adaptive_clip' = {server.adaptive_clip!r} but algorithm {cfg.algorithm!r} has no C_k")
+    if ckpt.trajectory is not None and ckpt.trajectory.shape != (k + 1, dim):
+        problems.append(f"'trajectory' has shape {ckpt.trajectory.shape}, expected ({k + 1}, {dim}) (rounds 0..{k})")
+    if cfg.save_trajectory and ckpt.trajectory is None:
+        problems.append("'trajectory' is missing but save-trajectory = true")
+    return problems
 
 
 def check_compatible(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: int) -> None:
-    """Refuse to resume ``ckpt`` under settings that would not continue the same run.
+    """Refuse to resume ``ckpt`` under settings that would not continue the same run, or with state they do not imply.
 
-    Raises :class:`CheckpointError` naming every differing setting.
+    Raises one :class:`CheckpointError` naming every differing setting and every field of the server's state
+    that disagrees with its round count and the privacy plan: above all the accountant's history, which must be
+    ``round`` copies of the plan's public ``(q, z)`` (an edited history would lower the reported epsilon).
     """
     problems: list[str] = []
     saved_privacy = ckpt.privacy
@@ -231,7 +412,7 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: i
         same = (
             old == value
             if not isinstance(value, float)
-            else (old is not None and math.isclose(float(old), value, rel_tol=1e-12, abs_tol=0.0))
+            else (isinstance(old, int | float) and math.isclose(float(old), value, rel_tol=1e-12, abs_tol=0.0))
         )
         if not same:
             problems.append(f"{key}: {old!r} in the checkpoint, {value!r} now (privacy-relevant)")
@@ -243,8 +424,10 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: i
             problems.append(f"{key!r}: {old!r} in the checkpoint, {now.get(key)!r} now")
     if ckpt.w.shape != (dim,):
         problems.append(f"model dimension: {ckpt.w.shape[0]} in the checkpoint, {dim} now")
-    if ckpt.round >= cfg.num_rounds:
-        problems.append(f"the checkpoint is after round {ckpt.round}, and num-rounds = {cfg.num_rounds}: nothing to do")
+    if ckpt.round > cfg.num_rounds:
+        problems.append(f"the checkpoint is after round {ckpt.round}, and num-rounds = {cfg.num_rounds}")
+    if not problems:
+        problems = _state_errors(ckpt, cfg, plan, dim)
     if problems:
         raise CheckpointError(
             "cannot resume from the checkpoint: " + "; ".join(problems) + ". Resume with the interrupted run's "

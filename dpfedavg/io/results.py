@@ -16,9 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from dpfedavg.io.atomic import atomic_write_bytes
+from dpfedavg.io.atomic import append_bytes, atomic_write_bytes
 
-__all__ = ["RunRecorder", "package_versions", "read_metrics", "write_config_json"]
+__all__ = ["RESULT_FILES", "RunRecorder", "complete_rows", "package_versions", "read_metrics", "write_config_json"]
+
+#: The files a run writes in its directory: a directory holding one of them holds a run's results.
+RESULT_FILES = ("metrics.csv", "config.json", "model.npz", "checkpoint.npz", "metrics.png", "trajectory.npy")
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +50,28 @@ def _fmt(value: Any) -> Any:
     return value
 
 
+def complete_rows(path: Path) -> list[list[str]]:
+    """``metrics.csv``'s complete rows, header first: a last line without its terminator (a process killed while
+    appending it) is dropped with a warning, and so is any row of the wrong width."""
+    text = Path(path).read_bytes().decode()
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith(("\n", "\r")):
+        logger.warning("%s ends with an incomplete row (written when the run stopped); it is ignored", path)
+        lines = lines[:-1]
+    rows = list(csv.reader(lines))
+    if not rows:
+        return rows
+    width = len(rows[0])
+    kept = [row for row in rows if len(row) == width]
+    if len(kept) != len(rows):
+        logger.warning("%s: %d rows of the wrong width are ignored", path, len(rows) - len(kept))
+    return kept
+
+
 def read_metrics(path: Path) -> list[dict[str, float]]:
-    """``metrics.csv`` as rows of floats (an empty cell is NaN), in file order."""
-    with Path(path).open(newline="") as fh:
-        return [{k: float(v) if v != "" else math.nan for k, v in row.items()} for row in csv.DictReader(fh)]
+    """``metrics.csv`` as rows of floats (an empty cell is NaN), in file order (complete rows only)."""
+    header, *rows = complete_rows(path) or [[]]
+    return [{k: float(v) if v != "" else math.nan for k, v in zip(header, row, strict=True)} for row in rows]
 
 
 def write_config_json(path: Path, payload: Mapping[str, Any]) -> None:
@@ -61,8 +82,9 @@ def write_config_json(path: Path, payload: Mapping[str, Any]) -> None:
 class RunRecorder:
     """Writes one run's results under ``directory``.
 
-    ``metrics.csv`` is appended and flushed after every round, so a run that
-    dies still leaves the rounds it finished.
+    ``metrics.csv`` gets one row per round, appended as one write that is undone if it fails
+    (:func:`dpfedavg.io.atomic.append_bytes`), so a run that dies or fills the disk leaves the rounds it
+    finished, every row complete; the other files are replaced atomically.
     """
 
     def __init__(self, directory: Path, columns: Sequence[str], keep_rounds_through: int | None = None) -> None:
@@ -75,8 +97,7 @@ class RunRecorder:
         kept: list[list[str]] = []
         if keep_rounds_through is not None and self.metrics_path.exists():
             # a resumed run: keep the rows up to the checkpoint's round (later ones are redone)
-            with self.metrics_path.open(newline="") as fh:
-                rows = list(csv.reader(fh))
+            rows = complete_rows(self.metrics_path)
             if rows and tuple(rows[0]) == self.columns:
                 kept = [row for row in rows[1:] if row and int(row[0]) <= keep_rounds_through]
         buf = io.StringIO()
@@ -90,8 +111,9 @@ class RunRecorder:
         unknown = set(row) - set(self.columns)
         if unknown:
             raise KeyError(f"metrics row has columns not in metrics.csv: {sorted(unknown)}")
-        with self.metrics_path.open("a", newline="") as fh:
-            csv.writer(fh).writerow([_fmt(row.get(col, float("nan"))) for col in self.columns])
+        buf = io.StringIO()
+        csv.writer(buf).writerow([_fmt(row.get(col, float("nan"))) for col in self.columns])
+        append_bytes(self.metrics_path, buf.getvalue().encode())
 
     def write_plot(self, headline: str, title: str = "") -> Path | None:
         """``metrics.png``: the headline metric and epsilon over the rounds, from ``metrics.csv``.
@@ -108,8 +130,8 @@ class RunRecorder:
         except ImportError:
             logger.info("metrics.png not written: matplotlib is not installed (pip install matplotlib)")
             return None
-        with self.metrics_path.open(newline="") as fh:
-            rows = list(csv.DictReader(fh))
+        header, *lines = complete_rows(self.metrics_path) or [[]]
+        rows = [dict(zip(header, line, strict=True)) for line in lines]
         pts = [(int(r["round"]), float(r[headline])) for r in rows if r.get(headline, "") not in ("", None)]
         eps = [(int(r["round"]), float(r["epsilon"])) for r in rows if r.get("epsilon", "") not in ("", "inf")]
         fig, ax = plt.subplots(figsize=(6.4, 3.6), constrained_layout=True)
@@ -127,11 +149,19 @@ class RunRecorder:
             twin.set_ylim(bottom=0)
         ax.set_title(title, fontsize=9)
         path = self.directory / "metrics.png"
-        fig.savefig(path, dpi=110)
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=110, format="png")
         plt.close(fig)
+        atomic_write_bytes(path, buf.getvalue())
         return path
 
     def write_model(self, **arrays: np.ndarray | int | float) -> None:
         buf = io.BytesIO()
         np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})
         atomic_write_bytes(self.model_path, buf.getvalue())
+
+    def write_array(self, name: str, array: np.ndarray) -> None:
+        """``<name>`` (``.npy``) written atomically (the trajectory)."""
+        buf = io.BytesIO()
+        np.save(buf, array)
+        atomic_write_bytes(self.directory / name, buf.getvalue())

@@ -9,15 +9,31 @@ noise ends at or below its target.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
 from dpfedavg.core.dp import server_noise_std
-from dpfedavg.privacy.accountants import ACCOUNTANTS, PLD_DISCRETIZATION, RoundEvent, create_accountant
+from dpfedavg.privacy.accountants import (
+    ACCOUNTANTS,
+    PLD_DISCRETIZATION,
+    AccountingRangeError,
+    RoundEvent,
+    create_accountant,
+)
 from dpfedavg.privacy.cache import cached
 
-__all__ = ["calibrate_noise_multiplier", "epsilon_for", "paper_sigma", "privacy_report", "smallest_noise_multiplier"]
+__all__ = [
+    "CALIBRATION_TIME_LIMIT_S",
+    "MAX_NOISE_MULTIPLIER",
+    "CalibrationError",
+    "calibrate_noise_multiplier",
+    "epsilon_for",
+    "paper_sigma",
+    "privacy_report",
+    "smallest_noise_multiplier",
+]
 
 
 def epsilon_for(noise_multiplier: float, q: float, rounds: int, delta: float, accountant: str) -> float:
@@ -29,24 +45,60 @@ def epsilon_for(noise_multiplier: float, q: float, rounds: int, delta: float, ac
     return acc.epsilon
 
 
+#: The largest noise multiplier calibration considers (the ``noise-multiplier`` key's upper end).
+MAX_NOISE_MULTIPLIER = 1e6
+#: Wall seconds one calibration may take before it fails with :class:`CalibrationError` (the slowest calibration
+#: in the allowed ranges took 13 s on a loaded 2-core machine: see the benchmarks page).
+CALIBRATION_TIME_LIMIT_S = 300.0
+
+
+class CalibrationError(ValueError):
+    """No noise multiplier in ``(0, MAX_NOISE_MULTIPLIER]`` reaches the target, or the search ran out of time."""
+
+
 def smallest_noise_multiplier(
-    epsilon_of: Callable[[float], float], epsilon: float, rel_tol: float = 1e-3, what: str = ""
+    epsilon_of: Callable[[float], float],
+    epsilon: float,
+    rel_tol: float = 1e-3,
+    what: str = "",
+    *,
+    time_limit: float = CALIBRATION_TIME_LIMIT_S,
 ) -> float:
     """The smallest ``z`` (to ``rel_tol`` relative) with ``epsilon_of(z) <= epsilon``; ``epsilon_of`` decreasing.
 
-    Bisection on ``z``: the returned ``z`` always satisfies the target, and ``z * (1 - rel_tol)`` may
-    not. Raises ``ValueError`` (naming ``what``) when ``epsilon <= 0`` or no ``z`` below 1e6 reaches it.
+    Bisection on ``z``: the returned ``z`` always satisfies the target, and ``z * (1 - rel_tol)`` may not.
+    It first checks :data:`MAX_NOISE_MULTIPLIER` (one evaluation: a target no ``z`` reaches fails at once),
+    then doubles from 1 and bisects: at most about 20 + 10 evaluations. A ``z`` the accountant cannot compute in
+    bounded memory (:class:`~dpfedavg.privacy.accountants.AccountingRangeError`: too little noise) counts as
+    missing the target, so the result is always a ``z`` whose epsilon was computed. Raises
+    :class:`CalibrationError` (naming ``what``) when ``epsilon <= 0``, when no ``z`` up to the maximum reaches
+    it, or after ``time_limit`` seconds.
     """
     if not epsilon > 0:
-        raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+        raise CalibrationError(f"epsilon must be > 0, got {epsilon!r}")
+    deadline = time.monotonic() + time_limit
+
+    def misses(z: float) -> bool:
+        if time.monotonic() > deadline:
+            raise CalibrationError(
+                f"calibrating the noise multiplier for epsilon={epsilon:g}{what} took more than {time_limit:g} s"
+            )
+        try:
+            return epsilon_of(z) > epsilon
+        except AccountingRangeError:
+            return True
+
+    if misses(MAX_NOISE_MULTIPLIER):
+        raise CalibrationError(
+            f"no noise multiplier up to {MAX_NOISE_MULTIPLIER:g} reaches epsilon={epsilon:g}{what}: "
+            "raise epsilon or delta, or lower num-rounds or the sampling rate"
+        )
     lo, hi = 0.0, 1.0
-    while epsilon_of(hi) > epsilon:
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e6:
-            raise ValueError(f"no noise multiplier below 1e6 reaches epsilon={epsilon}{what}")
+    while misses(hi):
+        lo, hi = hi, min(2.0 * hi, MAX_NOISE_MULTIPLIER)
     while hi - lo > rel_tol * hi:
         mid = 0.5 * (lo + hi)
-        if epsilon_of(mid) > epsilon:
+        if misses(mid):
             lo = mid
         else:
             hi = mid

@@ -9,7 +9,8 @@ from dpfedavg.core.adaptive_clip import auto_count_stddev, min_count_stddev
 from dpfedavg.core.dp import SensitivityBound
 from dpfedavg.core.mechanism import Neighbouring
 from dpfedavg.errors import ConfigError
-from dpfedavg.privacy.accountants import Accountant, create_accountant
+from dpfedavg.privacy.accountants import Accountant, AccountingRangeError, create_accountant
+from dpfedavg.privacy.calibration import CalibrationError
 from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
 from dpfedavg.privacy.params import DpParams
 
@@ -89,10 +90,14 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
     """
     q, delta, accountant = params.q, params.delta, params.accountant
     mechanism = NOISE_MECHANISMS[params.mechanism]
+    where = f"num-rounds = {params.rounds}, q = r/n = {q:.4g}, delta = {delta:g}, accountant = {accountant!r}"
     if not bound.private:
         z, calibrated = 0.0, False
     elif params.target_epsilon is not None:
-        z = mechanism.calibrate(params)
+        try:
+            z = mechanism.calibrate(params)
+        except CalibrationError as err:
+            raise ConfigError(f"invalid run config: 'epsilon' = {params.target_epsilon:g} ({where}): {err}") from None
         calibrated = True
     else:
         z, calibrated = (params.noise_multiplier or 0.0), False
@@ -101,7 +106,10 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
         count_stddev = auto_count_stddev(z, params.clients_per_round)
     if dp and bound.adaptive and not (count_stddev is not None and count_stddev > min_count_stddev(z)):
         raise _count_stddev_error(bound, count_stddev or 0.0, z, calibrated, params.target_epsilon)
-    nominal = mechanism.epsilon(params, z, params.rounds) if dp else math.inf
+    try:
+        nominal = mechanism.epsilon(params, z, params.rounds) if dp else math.inf
+    except AccountingRangeError as err:
+        raise ConfigError(f"invalid run config: 'noise-multiplier' = {z:g} ({where}): {err}") from None
     budget = params.max_epsilon
     if budget is not None:
         if not dp:

@@ -141,6 +141,8 @@ class DPServer:
                 clip_lr=cfg.clip_lr,
                 count_stddev=self.plan.count_stddev,
                 noise_multiplier=self.plan.noise_multiplier,
+                clip_floor=cfg.clip_limits[0],
+                clip_ceiling=cfg.clip_limits[1],
             )
         #: Length of what each client sends and the round releases: ``d``, or ``d + 1`` with the count.
         self.release_dim = dim + (1 if self.adaptive is not None else 0)
@@ -302,6 +304,8 @@ class DPServer:
             secagg_step=grid.step if grid is not None else 0.0,
             secagg_range=grid.clipping_range if grid is not None else 0.0,
             count_scale=self.adaptive.scale if self.adaptive is not None else 0.0,
+            noise_multiplier=self.noise_multiplier if self.plan.dp else 0.0,
+            cohort_size=num_sampled,
         )
 
     def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
@@ -421,7 +425,9 @@ class DPServer:
                 clean_total += result.clean
         return self._close_round(server_round, total, len(norms), norms, clean_total, num_failed, num_rejected)
 
-    def finish_round_sum(self, server_round: int, total: Vector, num_received: int, *, num_failed: int = 0) -> Vector:
+    def finish_round_sum(
+        self, server_round: int, total: Vector, num_received: int, *, num_failed: int = 0, num_rejected: int = 0
+    ) -> Vector:
         """:meth:`finish_round` from the *sum* of ``num_received`` replies (secure aggregation).
 
         The server never sees an individual ``g_i + zeta_i``, so there are no
@@ -431,7 +437,7 @@ class DPServer:
         total = np.asarray(total, dtype=np.float64)
         if total.shape != (self.release_dim,):
             raise ValueError(f"the secure sum has shape {total.shape}, expected ({self.release_dim},)")
-        return self._close_round(server_round, total.copy(), num_received, [], None, num_failed, 0)
+        return self._close_round(server_round, total.copy(), num_received, [], None, num_failed, num_rejected)
 
     def finish_round_block(
         self,
@@ -456,7 +462,7 @@ class DPServer:
         norms = np.asarray(norms, dtype=np.float64)
         return self._close_round(server_round, total.copy(), len(norms), norms, clean, num_failed, 0)
 
-    def skip_round(self, server_round: int, reason: str) -> Vector:
+    def skip_round(self, server_round: int, reason: str, *, num_rejected: int = 0) -> Vector:
         """Close a round in which no client's update could be summed (secure aggregation could not finish).
 
         Every sampled client counts as a dropout, so the round releases the server's top-up alone,
@@ -467,7 +473,7 @@ class DPServer:
         self._check_open(server_round)
         self.history[server_round].skipped = 1
         logger.warning("Round %d: no update could be summed (%s); the round releases noise only", server_round, reason)
-        return self._close_round(server_round, np.zeros(self.release_dim), 0, [], None, 0, 0)
+        return self._close_round(server_round, np.zeros(self.release_dim), 0, [], None, 0, num_rejected)
 
     def _check_open(self, server_round: int) -> None:
         if not self.is_open(server_round):

@@ -54,6 +54,24 @@ FIXES: tuple[tuple[str, str], ...] = (
         "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `@app.train(mods=[dp_mod])`",
     ),
     (
+        "lacks the array 'update'",
+        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `@app.train(mods=[dp_mod])`",
+    ),
+    (
+        "expected 1 ('update')",
+        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `@app.train(mods=[dp_mod])`",
+    ),
+    (
+        "refused by this node's policy",
+        "the SuperNodes' privacy policy (their --node-config) refuses this run's settings: change the run config to "
+        "meet the rule the reason names, or ask the nodes' operators",
+    ),
+    (
+        "refused by the run config",
+        "the server's instructions disagree with the run config the clients see: start the ServerApp and the "
+        "SuperNodes with the same run config (and dpfedavg version)",
+    ),
+    (
         "lacks 'arrays'",
         "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `@app.train(mods=[dp_mod])`",
     ),

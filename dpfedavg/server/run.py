@@ -18,7 +18,7 @@ from dpfedavg.core.types import Vector
 from dpfedavg.privacy.params import DpParams
 from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
 from dpfedavg.server.dp_server import DPServer
-from dpfedavg.server.session import RunSession
+from dpfedavg.server.session import RunSession, check_run_directory
 from dpfedavg.tasks import Task, build_task, resolve_task
 
 __all__ = ["PreparedRun", "plan_for", "prepare_run"]
@@ -58,9 +58,13 @@ def prepare_run(
     Raises
     ------
     dpfedavg.errors.ConfigError
-        An unknown task, a privacy plan that cannot hold, secure-aggregation settings that void the
-        guarantee, or a checkpoint that does not fit (``resume``).
+        A ``run-name`` whose folder holds an earlier run's results (without ``resume``), an unknown task, a
+        privacy plan that cannot hold, secure-aggregation settings that void the guarantee, or a checkpoint
+        that does not fit (``resume``).
+    dpfedavg.errors.ResultsError
+        The run's first files could not be written.
     """
+    check_run_directory(cfg)  # a reused run-name: refused before the calibration
     source = task if task is not None else resolve_task(cfg.task)
     plan = plan if plan is not None else plan_for(cfg)
     built = build_task(cfg, source)

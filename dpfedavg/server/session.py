@@ -9,6 +9,7 @@ engine both use it, so their outputs have one schema.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -22,21 +23,24 @@ import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core.types import Vector
+from dpfedavg.errors import ConfigError, ResultsError
 from dpfedavg.io.checkpoint import (
     CHECKPOINT_FILE,
     Checkpoint,
+    CheckpointError,
     check_compatible,
     load_checkpoint,
+    nominal_accountant_state,
     privacy_signature,
     save_checkpoint,
 )
 from dpfedavg.io.metrics import RoundStats
-from dpfedavg.io.results import RunRecorder, package_versions, read_metrics
+from dpfedavg.io.results import RESULT_FILES, RunRecorder, complete_rows, package_versions, read_metrics
 from dpfedavg.privacy.guarantee import released_metric_names
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.tasks import Task, task_hooks
 
-__all__ = ["RunResult", "RunSession", "run_directory"]
+__all__ = ["RunResult", "RunSession", "check_run_directory", "run_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,50 @@ def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
     task = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.task.rsplit("/", 1)[-1])  # a user's "/path/mytask.py:make_task"
     name = cfg.run_name or f"{task}-{cfg.algorithm}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{run_id}"
     return Path(cfg.output_dir).expanduser().resolve() / name
+
+
+def _results_in(directory: Path) -> list[str]:
+    """The run files ``directory`` holds (none if it does not exist)."""
+    return [name for name in RESULT_FILES if (directory / name).exists()]
+
+
+def check_run_directory(cfg: RunConfig) -> None:
+    """A named run never overwrites another run's results: :class:`ConfigError` before anything starts.
+
+    ``run-name`` names a folder that already holds a run's files (``metrics.csv``, ``config.json``, ...) and
+    ``resume`` is false: refused, naming the folder (continue it with ``resume=true``, or pick a new name). A
+    default, timestamped name never collides: :func:`_claim` appends ``-2``, ``-3``, ... instead.
+    """
+    if not cfg.run_name or cfg.resume:
+        return
+    directory = Path(cfg.output_dir).expanduser().resolve() / cfg.run_name
+    found = _results_in(directory)
+    if found:
+        raise ConfigError(
+            f"invalid run config: 'run-name' = {cfg.run_name!r}: {directory} holds the results of an earlier run "
+            f"({', '.join(found)}) and a run never overwrites another; pass resume=true to continue that run from "
+            "its checkpoint, or choose a new run-name"
+        )
+
+
+def _claim(cfg: RunConfig, run_id: int | str) -> Path:
+    """The new run's directory, created: the named one (checked again), or the default name with a free suffix."""
+    directory = run_directory(cfg, run_id)
+    if cfg.run_name:
+        check_run_directory(cfg)
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+    candidate, n = directory, 1
+    while True:
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+        except FileExistsError:
+            n += 1
+            candidate = directory.with_name(f"{directory.name}-{n}")
+            continue
+        if candidate != directory:
+            logger.warning("%s exists (another run started in the same second): writing to %s", directory, candidate)
+        return candidate
 
 
 @dataclass(frozen=True)
@@ -94,31 +142,80 @@ class RunSession:
 
     def __init__(self, cfg: RunConfig, task: Task, server: DPServer, run_id: int | str, engine: str) -> None:
         self.cfg, self.task, self.server = cfg, task, server
-        self.directory = run_directory(cfg, run_id)
-        #: The checkpoint this run resumes from (``resume=true``), checked before anything is written.
-        self.resumed: Checkpoint | None = None
-        if cfg.resume:
-            self.resumed = load_checkpoint(self.directory)
-            check_compatible(self.resumed, cfg, server.plan, server.dim)
-        elif (self.directory / CHECKPOINT_FILE).exists():
-            logger.warning(
-                "%s holds a checkpoint of an earlier run; starting over (resume=true would continue it, "
-                "without spending the privacy budget again)",
-                self.directory,
-            )
-        keep = self.resumed.round if self.resumed is not None else None
         #: The task metrics this run computes (training-data metrics are withheld with secure-noise).
         self.metric_names = released_metric_names(
             task.metric_names, task_hooks(task).training_data_metrics, cfg.secure_noise
         )
-        self.recorder = RunRecorder(self.directory, RoundStats.columns(self.metric_names), keep_rounds_through=keep)
+        columns = RoundStats.columns(self.metric_names)
+        #: The checkpoint this run resumes from (``resume=true``), checked before anything is written.
+        self.resumed: Checkpoint | None = None
+        if cfg.resume:
+            self.directory = run_directory(cfg, run_id)
+            self.resumed = load_checkpoint(self.directory)
+            check_compatible(self.resumed, cfg, server.plan, server.dim)
+            self._check_resumable(self.resumed, columns)
+            # the accountant is rebuilt from the round count and the plan (checked equal to the stored one above)
+            self.resumed.server.accountant = nominal_accountant_state(server.plan, self.resumed.round)
+        else:
+            self.directory = _claim(cfg, run_id)
+        #: The round of the last checkpoint written (or resumed from), for the messages of a failed write.
+        self.last_checkpoint: int | None = self.resumed.round if self.resumed is not None else None
+        #: The last round whose row is in metrics.csv.
+        self.last_row: int | None = self.resumed.round if self.resumed is not None else None
+        keep = self.resumed.round if self.resumed is not None else None
         self.evaluated: dict[int, dict[str, float]] = {}
         self.trajectory: list[np.ndarray] = []
         self.description = self._describe(run_id, engine)
-        self.recorder.write_config(self.description)
+        try:
+            self.recorder = RunRecorder(self.directory, columns, keep_rounds_through=keep)
+            self.recorder.write_config(self.description)
+        except OSError as err:
+            raise self._results_error("the run's first files (metrics.csv, config.json)", err) from None
         self._t0 = time.monotonic() - (self.resumed.elapsed_s if self.resumed is not None else 0.0)
         logger.info("Results will be written to %s", self.directory)
         self._log_privacy()
+
+    def _check_resumable(self, ckpt: Checkpoint, columns: tuple[str, ...]) -> None:
+        """metrics.csv must hold the rows of rounds 0..k (the checkpoint's round); a finished run has nothing to do."""
+        path = self.directory / "metrics.csv"
+        rows = complete_rows(path) if path.exists() else []
+        rounds = [int(float(row[0])) for row in rows[1:]] if rows and tuple(rows[0]) == columns else []
+        if rounds[: ckpt.round + 1] != list(range(ckpt.round + 1)):
+            have = f"rounds {rounds[0]}..{rounds[-1]}" if rounds else "no rows of this run's columns"
+            raise CheckpointError(
+                f"cannot resume: the checkpoint's 'round' = {ckpt.round} disagrees with {path}, which holds {have}: "
+                f"rounds 0..{ckpt.round} must all be there (a checkpoint is written after its round's row)"
+            )
+        if ckpt.round == self.cfg.num_rounds:
+            config = self.directory / "config.json"
+            try:
+                finished = "final" in json.loads(config.read_text())
+            except (OSError, ValueError):
+                finished = False
+            if finished:
+                raise CheckpointError(
+                    f"cannot resume from the checkpoint: it is after round {ckpt.round}, num-rounds = "
+                    f"{self.cfg.num_rounds} and {config} holds the finished run: nothing to do"
+                )
+
+    def _results_error(self, what: str, err: OSError) -> ResultsError:
+        """The one error of a failed write: what is on disk, and how to continue."""
+        rows = f"metrics.csv holds rounds 0..{self.last_row}" if self.last_row is not None else "metrics.csv is empty"
+        ckpt = (
+            f"the last checkpoint is after round {self.last_checkpoint}"
+            if self.last_checkpoint is not None
+            else "there is no checkpoint yet"
+        )
+        how = (
+            f"free space and rerun with resume=true and run-name='{self.directory.name}' to continue from it"
+            if self.last_checkpoint is not None
+            else "free space and start the run again"
+        )
+        reason = err.strerror or str(err)
+        return ResultsError(
+            f"could not write {what} in {self.directory} ({reason}); the run stops. Every file there is complete: "
+            f"{rows}, {ckpt}; {how}"
+        )
 
     def _describe(self, run_id: int | str, engine: str) -> dict[str, Any]:
         cfg = self.cfg
@@ -224,6 +321,7 @@ class RunSession:
                 err,
             )
             return False
+        self.last_checkpoint = server_round
         logger.debug("checkpoint written after round %d", server_round)
         return True
 
@@ -244,7 +342,11 @@ class RunSession:
         row: dict[str, Any] = {"round": server_round, **metrics, "elapsed_s": round(time.monotonic() - self._t0, 3)}
         if stats is not None:
             row.update(stats.as_metrics())
-        self.recorder.write_row(row)
+        try:
+            self.recorder.write_row(row)
+        except OSError as err:
+            raise self._results_error(f"round {server_round}'s row of metrics.csv", err) from None
+        self.last_row = server_round
         shown = " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()) or "not evaluated"
         if stats is None:
             logger.info("round %d/%d | %s", server_round, self.cfg.num_rounds, shown)
@@ -264,18 +366,18 @@ class RunSession:
             )
         return metrics
 
-    def _write_final(
+    def _final(
         self,
         last5: list[dict[str, float]],
         completed: int,
         stopped_before_round: int | None,
         k_random: int,
         failed: str | None,
-    ) -> dict[str, float]:
-        """``config.json``'s ``final``: the last-5-round metrics, epsilon, the guarantee; returns the metrics."""
+    ) -> tuple[dict[str, float], dict[str, Any]]:
+        """The last-5-round metrics and ``config.json``'s ``final``: those, epsilon, the guarantee, why it stopped."""
         names = self.metric_names
         summary = {f"last5_{name}": float(np.mean([m[name] for m in last5])) for name in names} if last5 else {}
-        self.description["final"] = {
+        final = {
             **summary,
             "epsilon": self.server.epsilon,
             "delta": self.server.plan.delta,
@@ -286,8 +388,7 @@ class RunSession:
             "stopped_because": failed,
             "finished_utc": datetime.now(UTC).isoformat(),
         }
-        self.recorder.write_config(self.description)
-        return summary
+        return summary, final
 
     def finish(
         self,
@@ -298,25 +399,34 @@ class RunSession:
         plot: bool = True,
         failed: str | None = None,
     ) -> RunResult:
-        """Write ``model.npz``, the final summary into ``config.json`` and ``metrics.png``; the run's result.
+        """Write the final checkpoint, ``model.npz``, then ``config.json``'s summary (last: a run is finished once it is
+        there) and ``metrics.png``; the run's result.
 
         ``checkpoint`` / ``plot``: also the final ``checkpoint.npz`` (with ``checkpoint-every``) and ``metrics.png``;
         a sweep's batch (:mod:`dpfedavg.engines.batched_runs`) writes neither (a cell reruns whole, figures
         come from the sweep). ``failed``: why the run stopped early because its replies were unusable
         (``config.json`` ``final.stopped_because``).
+
+        A failed write of the model, the trajectory or ``config.json`` is one :class:`ResultsError`: the run reads
+        as unfinished, and ``resume=true`` from the final checkpoint writes them (no round is run again).
         """
         server = self.server
         w_random = server.random_iterate if server.random_iterate is not None else w_final
         k_random = server.random_round if server.random_round is not None else 0
-        self.recorder.write_model(w_final=w_final, w_random_iterate=w_random, random_iterate_round=k_random)
         if checkpoint and self.cfg.checkpoint_every and server.history:
             self.checkpoint(max(server.history), w_final)
-        if self.trajectory:
-            np.save(self.directory / "trajectory.npy", np.stack(self.trajectory))
         completed = len(server.history)
         last5 = [self.evaluated[k] for k in sorted(self.evaluated) if k > 0][-5:]
-        summary = self._write_final(last5, completed, stopped_before_round, k_random, failed)
+        summary, final = self._final(last5, completed, stopped_before_round, k_random, failed)
         epsilon = server.epsilon
+        try:
+            self.recorder.write_model(w_final=w_final, w_random_iterate=w_random, random_iterate_round=k_random)
+            if self.trajectory:
+                self.recorder.write_array("trajectory.npy", np.stack(self.trajectory))
+            self.recorder.write_config({**self.description, "final": final})
+        except OSError as err:
+            raise self._results_error("the finished run's model.npz, trajectory.npy or config.json", err) from None
+        self.description["final"] = final
         try:
             title = f"{self.cfg.task}, {self.cfg.algorithm}, C = {self.cfg.clip:g}, {self.cfg.noise_placement} noise"
             if plot:

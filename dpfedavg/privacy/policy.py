@@ -1,0 +1,401 @@
+"""The SuperNode operator's privacy policy, checked by the client before it trains (issue 29).
+
+The person who runs a SuperNode agrees to take part under some conditions and states them in the
+node's ``--node-config`` (:data:`POLICY_KEYS`); the ClientApp checks every round's instructions against
+them, and against the run config, *before* it trains (:func:`check_round`). A round that breaks a rule
+is refused with one line naming the rule (:class:`RoundRefused`; the ClientApp sends it as an error reply,
+which the server counts as a rejection). Where the client can compute its own noise share from public
+parameters, it does, and the server's ``noise-std`` is only compared with it:
+
+    ``s = placement.client_std(z, C, r, |S_k|)``  (``client-calibrated``: ``z C / sqrt(|S_k|)``; Alg. 1 line 10)
+
+with ``z`` and ``|S_k|`` from the instructions, the placement and ``r`` from the run config, ``C`` the round's
+bound (``C_aug = sqrt(C_k^2 + s_b^2 / 4)`` with adaptive clipping, ``s_b`` recomputed here too).
+
+What a client cannot check: which rounds it is sampled in (the server could sample it more often than
+``q``), ``|S_k|`` itself (bounded only by ``min-update-noise-multiplier``), the model ``w_k`` it is sent, and
+anything the SuperLink's operator does to the run config itself (the policy is the node's; the run config is
+the server's). The privacy pages' trust table says what each party learns with and without a policy.
+
+Pure Python over :class:`~dpfedavg.config.RunConfig` and :class:`~dpfedavg.core.types.RoundInstructions`; no
+Flower import (the ClientApp, :mod:`dpfedavg.flower.client_app`, turns a refusal into an error reply).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from dpfedavg.config import RunConfig
+from dpfedavg.core import SECURE_NOISE_SEED, local_lr_at
+from dpfedavg.core.adaptive_clip import augmented_bound, auto_count_stddev, count_scale
+from dpfedavg.core.dp import ALGORITHMS, BOUNDS
+from dpfedavg.core.mechanism import PLACEMENTS
+from dpfedavg.core.types import RoundInstructions
+from dpfedavg.privacy.accountants import AccountingRangeError
+from dpfedavg.privacy.calibration import epsilon_for
+from dpfedavg.privacy.secure_aggregation import SecAggSettings
+
+__all__ = [
+    "NODE_SECURE_NOISE",
+    "NodePolicy",
+    "POLICY_KEYS",
+    "PolicyError",
+    "RoundRefused",
+    "check_node_policy",
+    "check_round",
+    "client_noise_std",
+]
+
+#: ``--node-config`` key with which a SuperNode's owner makes its client draw noise from the OS CSPRNG whatever the
+#: server sends (and, by default, never send diagnostics).
+NODE_SECURE_NOISE = "secure-noise"
+#: The node-config keys the Flower SuperNode itself needs (not policy keys).
+NODE_IDENTITY_KEYS = ("partition-id", "num-partitions")
+#: Relative tolerance when the server's floats are compared with the client's own (the same formulas, so equal).
+_RTOL = 1e-9
+
+
+class PolicyError(ValueError):
+    """The node's policy (its ``--node-config``) is invalid: names the key, the value and what is allowed."""
+
+
+class RoundRefused(Exception):
+    """This round breaks a rule: ``rule`` is the policy key or the run-config key it breaks."""
+
+    def __init__(self, rule: str, detail: str, *, policy: bool) -> None:
+        where = "this node's policy" if policy else "the run config"
+        super().__init__(f"refused by {where} ({rule}): {detail}")
+        self.rule = rule
+
+
+@dataclass(frozen=True)
+class NodePolicy:
+    """What the operator of a SuperNode agreed to (the keys of :data:`POLICY_KEYS`, snake_case).
+
+    Attributes
+    ----------
+    secure_noise:
+        Draw the noise from the OS CSPRNG, whatever seed the server sends (``secure-noise``).
+    min_noise_multiplier:
+        The smallest ``z`` of a round (the noise of the released sum over ``C``) the node takes part in.
+    min_update_noise_multiplier:
+        The smallest noise this client's own update carries over its bound (``s / C``): what a curious server
+        without secure aggregation sees of it. ``z / sqrt(|S_k|)`` with the default placement, so it also caps
+        the cohort size a server may claim.
+    max_clip:
+        The largest ``C`` (``C_k`` with adaptive clipping); a round without a bound (``algorithm = none``) breaks it.
+    allowed_algorithms:
+        The ``algorithm`` values the node accepts (``None``: any).
+    require_secure_aggregation:
+        Answer SecAgg+ rounds only.
+    allow_diagnostics:
+        Whether the clean ``g`` may ever leave the node (default: not with ``secure-noise``).
+    max_epsilon:
+        The largest epsilon (at the run's delta, over its ``num-rounds``, by the run's accountant) of a run the
+        node takes part in; the client computes it from ``z``, ``q``, ``K`` and ``delta`` itself.
+    """
+
+    secure_noise: bool = False
+    min_noise_multiplier: float = 0.0
+    min_update_noise_multiplier: float = 0.0
+    max_clip: float = math.inf
+    allowed_algorithms: tuple[str, ...] | None = None
+    require_secure_aggregation: bool = False
+    allow_diagnostics: bool | None = None
+    max_epsilon: float = math.inf
+
+    @property
+    def diagnostics_allowed(self) -> bool:
+        return (not self.secure_noise) if self.allow_diagnostics is None else self.allow_diagnostics
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePolicy:
+        """Parse the policy keys of a node config; :class:`PolicyError` naming every bad key, value and the allowed.
+
+        Unknown keys (other than ``partition-id`` / ``num-partitions``) are errors, with a "did you mean":
+        a misspelt rule must not be silently ignored.
+        """
+        errors: list[str] = []
+        values: dict[str, Any] = {}
+        for key, value in node_config.items():
+            if key in NODE_IDENTITY_KEYS:
+                continue
+            spec = POLICY_KEYS.get(key)
+            if spec is None:
+                hint = difflib.get_close_matches(key, list(POLICY_KEYS), n=1)
+                errors.append(f"unknown key '{key}'" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
+                continue
+            parse, allowed = spec
+            parsed = parse(value)
+            if parsed is None:
+                errors.append(f"'{key}' = {value!r}: expected {allowed}")
+            else:
+                values[key.replace("-", "_")] = parsed
+        if errors:
+            raise PolicyError(
+                "this node's policy (--node-config) is invalid: "
+                + "; ".join(errors)
+                + f". Policy keys: {', '.join(POLICY_KEYS)}"
+            )
+        return cls(**values)
+
+
+def _flag(value: Any) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text)
+
+
+def _number(value: Any, check: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if check(number) else None
+
+
+def _algorithms(value: Any) -> tuple[str, ...] | None:
+    names = tuple(name.strip() for name in str(value).split(",") if name.strip()) if isinstance(value, str) else ()
+    return names if names and all(name in ALGORITHMS for name in names) else None
+
+
+#: Policy key -> (parser returning ``None`` for a bad value, what is allowed).
+POLICY_KEYS: dict[str, tuple[Any, str]] = {
+    NODE_SECURE_NOISE: (_flag, "true or false"),
+    "min-noise-multiplier": (lambda v: _number(v, lambda x: 0 <= x < math.inf), "a number >= 0"),
+    "min-update-noise-multiplier": (lambda v: _number(v, lambda x: 0 <= x < math.inf), "a number >= 0"),
+    "max-clip": (lambda v: _number(v, lambda x: x > 0), "a number > 0"),
+    "allowed-algorithms": (_algorithms, f"a comma-separated list of {', '.join(map(repr, ALGORITHMS))}"),
+    "require-secure-aggregation": (_flag, "true or false"),
+    "allow-diagnostics": (_flag, "true or false"),
+    "max-epsilon": (lambda v: _number(v, lambda x: x > 0), "a number > 0"),
+}
+
+
+@lru_cache(maxsize=64)
+def _run_epsilon(z: float, q: float, rounds: int, delta: float, accountant: str) -> float:
+    """Epsilon of ``rounds`` rounds of ``(q, z)``, computed by the client itself (cached per process)."""
+    if z <= 0:
+        return math.inf
+    try:
+        return epsilon_for(z, q, rounds, delta, accountant)
+    except AccountingRangeError:
+        return math.inf
+
+
+def client_noise_std(cfg: RunConfig, ins: RoundInstructions) -> tuple[float, float]:
+    """``(bound, s)``: the round's norm bound of this client's vector and its own noise std, from public parameters.
+
+    ``bound`` is ``C`` (``C_aug`` with adaptive clipping, the count scale recomputed from ``z``, ``C_k`` and
+    ``sigma_b``); ``s = placement.client_std(z, bound, r, |S_k|)``.
+    """
+    bound = ins.clip
+    if BOUNDS[cfg.algorithm].adaptive and ins.noise_multiplier > 0:
+        bound = augmented_bound(ins.clip, count_scale(ins.noise_multiplier, ins.clip, _count_stddev(cfg, ins)))
+    elif BOUNDS[cfg.algorithm].adaptive:
+        bound = augmented_bound(ins.clip, ins.clip)  # z = 0: s = C (core.adaptive_clip.count_scale)
+    placement = PLACEMENTS[cfg.noise_placement]
+    return bound, placement.client_std(ins.noise_multiplier, bound, cfg.clients_per_round, ins.cohort_size)
+
+
+def _count_stddev(cfg: RunConfig, ins: RoundInstructions) -> float:
+    """``sigma_b`` of the run: ``clip-count-stddev``, or ``"auto"`` recomputed from the round's ``z`` and ``r``."""
+    if cfg.clip_count_stddev is not None:
+        return cfg.clip_count_stddev
+    return auto_count_stddev(ins.noise_multiplier, cfg.clients_per_round)
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=_RTOL, abs_tol=0.0)
+
+
+def _check_policy(policy: NodePolicy, cfg: RunConfig | None, ins: RoundInstructions, secure_round: bool) -> None:
+    """The operator's rules (checked first: a refusal names the node's own promise); ``cfg`` ``None``: no run config."""
+
+    def refuse(rule: str, detail: str) -> RoundRefused:
+        return RoundRefused(rule, detail, policy=True)
+
+    if policy.require_secure_aggregation and not secure_round:
+        raise refuse(
+            "require-secure-aggregation", "this node answers SecAgg+ rounds only; this is a plain TRAIN message"
+        )
+    if policy.allowed_algorithms is not None and ins.algorithm not in policy.allowed_algorithms:
+        raise refuse(
+            "allowed-algorithms", f"algorithm {ins.algorithm!r} is not one of {', '.join(policy.allowed_algorithms)}"
+        )
+    if ins.diagnostics and not policy.diagnostics_allowed:
+        why = " (secure-noise = true: the default is false)" if policy.allow_diagnostics is None else ""
+        raise refuse(
+            "allow-diagnostics", f"the server asks for the clean update (diagnostics), which this node never sends{why}"
+        )
+    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    clip = ins.clip if private else math.inf
+    if clip > policy.max_clip:
+        raise refuse("max-clip", f"the round's C = {clip:g} exceeds this node's max-clip = {policy.max_clip:g}")
+    if ins.noise_multiplier < policy.min_noise_multiplier:
+        raise refuse(
+            "min-noise-multiplier",
+            f"the round's noise multiplier z = {ins.noise_multiplier:g} is below {policy.min_noise_multiplier:g}",
+        )
+    if math.isfinite(policy.max_epsilon) and cfg is None:
+        raise refuse(
+            "max-epsilon",
+            "this client has no run config (q, num-rounds, delta, accountant) to compute the run's epsilon from "
+            "(dp_mod in your own app): use min-noise-multiplier instead",
+        )
+    if cfg is not None and math.isfinite(policy.max_epsilon):
+        eps = _run_epsilon(ins.noise_multiplier, cfg.sampling_rate, cfg.num_rounds, cfg.delta, cfg.accountant)
+        if eps > policy.max_epsilon:
+            raise refuse(
+                "max-epsilon",
+                f"the run's epsilon at delta = {cfg.delta:g} over {cfg.num_rounds} rounds of z = "
+                f"{ins.noise_multiplier:g}, q = {cfg.sampling_rate:.4g} is {eps:.4g} > {policy.max_epsilon:g}",
+            )
+
+
+def _check_run_config(cfg: RunConfig, ins: RoundInstructions, secure_round: bool) -> None:
+    """The instructions must be what the run config implies (a server that lies is caught here)."""
+
+    def refuse(rule: str, detail: str) -> RoundRefused:
+        return RoundRefused(rule, detail, policy=False)
+
+    if cfg.secure_aggregation and not secure_round:
+        raise refuse(
+            "secure-aggregation",
+            "the run config says secure-aggregation = true: this client answers SecAgg+ rounds only, never a plain "
+            "TRAIN message, whose update the server would see in the clear",
+        )
+    if secure_round and not cfg.secure_aggregation:
+        raise refuse("secure-aggregation", "a SecAgg+ round in a run whose config says secure-aggregation = false")
+    if not 1 <= ins.server_round <= cfg.num_rounds:
+        raise refuse("num-rounds", f"round {ins.server_round} is outside 1..num-rounds = {cfg.num_rounds}")
+    if ins.algorithm != cfg.algorithm:
+        raise refuse(
+            "algorithm", f"the server asks for algorithm {ins.algorithm!r}, the run config says {cfg.algorithm!r}"
+        )
+    if ins.diagnostics != cfg.diagnostics:
+        raise refuse(
+            "diagnostics", f"the server asks for diagnostics = {ins.diagnostics}, the run config says {cfg.diagnostics}"
+        )
+    if ins.local_steps != cfg.local_steps:
+        raise refuse(
+            "local-steps", f"the server asks for {ins.local_steps} local steps, the run config says {cfg.local_steps}"
+        )
+    eta = local_lr_at(ins.server_round - 1, cfg.local_lr, cfg.lr_decay)
+    if not _close(ins.local_lr, eta):
+        raise refuse("local-lr", f"the server asks for eta_k = {ins.local_lr:g}, the run config gives {eta:g}")
+    bound = BOUNDS[cfg.algorithm]
+    if bound.adaptive:
+        low, high = cfg.clip_limits
+        if not low * (1 - _RTOL) <= ins.clip <= high * (1 + _RTOL):
+            raise refuse("clip", f"C_k = {ins.clip:g} is outside [{low:g}, {high:g}] (clip / clip-range-factor)")
+    elif bound.private and not _close(ins.clip, cfg.clip):
+        raise refuse("clip", f"the server asks for C = {ins.clip:g}, the run config says {cfg.clip:g}")
+    _check_noise_multiplier(cfg, ins, refuse)
+    if bound.adaptive:
+        expected = count_scale(ins.noise_multiplier, ins.clip, _count_stddev(cfg, ins))
+        if not _close(ins.count_scale, expected):
+            raise refuse("clip-count-stddev", f"count scale {ins.count_scale:g}; z, C_k and sigma_b give {expected:g}")
+    elif ins.count_scale != 0:
+        raise refuse("algorithm", f"a count scale {ins.count_scale:g} in a run without adaptive clipping")
+    if PLACEMENTS[cfg.noise_placement].clients_learn_cohort_size and not 1 <= ins.cohort_size <= cfg.num_clients:
+        raise refuse(
+            "num-clients", f"cohort size |S_k| = {ins.cohort_size} is outside 1..num-clients = {cfg.num_clients}"
+        )
+
+
+def _check_noise_multiplier(cfg: RunConfig, ins: RoundInstructions, refuse: Any) -> None:
+    """``z`` of the instructions against the run config: the given one, or (calibrated) one that meets the target."""
+    z = ins.noise_multiplier
+    if not (math.isfinite(z) and z >= 0):
+        raise refuse("noise-multiplier", f"z = {z!r} is not a number >= 0")
+    if not BOUNDS[cfg.algorithm].private:
+        if z != 0:
+            raise refuse("noise-multiplier", f"z = {z:g} in a run without DP")
+        return
+    if cfg.epsilon > 0:  # calibrated by the server: the client checks that z meets the target itself
+        eps = _run_epsilon(z, cfg.sampling_rate, cfg.num_rounds, cfg.delta, cfg.accountant)
+        if not eps <= cfg.epsilon * (1 + _RTOL):
+            raise refuse(
+                "epsilon",
+                f"z = {z:g} gives epsilon {eps:.4g} > the run's target {cfg.epsilon:g} over {cfg.num_rounds} rounds "
+                f"(q = {cfg.sampling_rate:.4g}, delta = {cfg.delta:g}, computed by this client)",
+            )
+    elif not _close(z, cfg.noise_multiplier or 0.0):
+        raise refuse(
+            "noise-multiplier", f"the server sends z = {z:g}, the run config says {cfg.noise_multiplier or 0.0:g}"
+        )
+
+
+def check_node_policy(policy: NodePolicy, ins: RoundInstructions, *, secure_round: bool) -> RoundInstructions:
+    """:func:`check_round` for a client without a run config (``dp_mod`` in a user's own app): the node's rules only.
+
+    The server's ``noise-std`` is what the client adds (there is no run config to recompute it from), so
+    ``min-update-noise-multiplier`` compares it with the round's bound; ``max-epsilon`` cannot be computed and
+    refuses every round (``min-noise-multiplier`` is the rule that works here). With ``secure-noise`` the
+    instructions carry no seed.
+    """
+    _check_policy(policy, None, ins, secure_round)
+    bound = augmented_bound(ins.clip, ins.count_scale) if ins.count_scale > 0 else ins.clip
+    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    if private and ins.noise_std < policy.min_update_noise_multiplier * bound:
+        raise RoundRefused(
+            "min-update-noise-multiplier",
+            f"this client's own noise would be {ins.noise_std / bound:.4g} C, below "
+            f"{policy.min_update_noise_multiplier:g} C",
+            policy=True,
+        )
+    return dataclasses.replace(ins, noise_seed=SECURE_NOISE_SEED) if policy.secure_noise else ins
+
+
+def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, secure_round: bool) -> RoundInstructions:
+    """The instructions this client follows in the round, or :class:`RoundRefused` naming the rule it breaks.
+
+    The node's policy first, then the run config: the SecAgg+ rule (a run configured with secure aggregation
+    never answers a plain TRAIN message), the algorithm, diagnostics, ``E``, ``eta_k``, ``C`` (or ``C_k`` within
+    its floor and ceiling), ``z`` (the run's, or one whose epsilon, computed here, meets the target), the count
+    scale, ``|S_k|``. Then the client's own noise share (:func:`client_noise_std`; the server's ``noise-std``
+    must agree with it), the update-noise floor of the policy and, in a SecAgg+ round, the grid. The result
+    carries the client's own ``noise_std`` and, with ``secure-noise`` (the node's or the run's), no seed.
+    """
+    _check_policy(policy, cfg, ins, secure_round)
+    _check_run_config(cfg, ins, secure_round)
+    bound, own = client_noise_std(cfg, ins)
+    if not _close(ins.noise_std, own):
+        raise RoundRefused(
+            "noise-std",
+            f"the server asks for noise std {ins.noise_std:g}; z = {ins.noise_multiplier:g}, C = {bound:g}, "
+            f"r = {cfg.clients_per_round:g} and |S_k| = {ins.cohort_size} give this client's share {own:g} "
+            f"({cfg.noise_placement} placement)",
+            policy=False,
+        )
+    if BOUNDS[cfg.algorithm].private and own < policy.min_update_noise_multiplier * bound:
+        raise RoundRefused(
+            "min-update-noise-multiplier",
+            f"this client's own noise would be {own / bound:.4g} C (z = {ins.noise_multiplier:g}, |S_k| = "
+            f"{ins.cohort_size}), below {policy.min_update_noise_multiplier:g} C",
+            policy=True,
+        )
+    if secure_round:
+        grid = SecAggSettings.from_config(cfg).grid(bound, own)
+        if not (_close(ins.secagg_step, grid.step) and _close(ins.secagg_range, grid.clipping_range)):
+            raise RoundRefused(
+                "secagg-clip-stds",
+                f"the server's grid (step {ins.secagg_step:g}, range {ins.secagg_range:g}) is not the one the run "
+                f"config gives (step {grid.step:g}, range {grid.clipping_range:g})",
+                policy=False,
+            )
+    elif ins.secagg_step != 0 or ins.secagg_range != 0:
+        raise RoundRefused("secure-aggregation", "a secure-aggregation grid in a plain round", policy=False)
+    secure = policy.secure_noise or cfg.secure_noise
+    seed = SECURE_NOISE_SEED if secure else ins.noise_seed
+    return dataclasses.replace(ins, noise_std=own, noise_seed=seed)

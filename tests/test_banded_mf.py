@@ -418,6 +418,78 @@ def test_tracker_resume_is_identical() -> None:
         )
 
 
+def _zeroed(state: dict) -> dict:
+    """A participation history edited to 'nobody ever took part', at the same position."""
+    return {**state, "last_round": np.full_like(state["last_round"], -1), "count": np.zeros_like(state["count"])}
+
+
+@pytest.mark.parametrize("scheme", ["min-separation", "cyclic"])
+def test_edited_participation_history_is_refused_since_it_would_break_the_rule(scheme: str) -> None:
+    """Emptying the history lets clients asked in the last b - 1 rounds be asked again at once: the checker
+    (independent of the tracker) sees the rule broken. Checked against each round's cohort size, the load refuses."""
+    cap = 4 if scheme == "min-separation" else None
+    rule = ParticipationRule(scheme, 20, 3, 15, max_cohort=cap)
+    first = ParticipationTracker(rule)
+    schedule = [first.select(r, make_rng(4, Stream.SAMPLING, r)).tolist() for r in range(8)]
+    sizes = [len(c) for c in schedule]
+    edited = _npz_round_trip(_zeroed(first.state_dict()))
+    blind = ParticipationTracker(rule)
+    blind.load_state_dict(edited)  # without the cohort sizes the edit is a consistent state
+    if scheme == "min-separation":
+        with pytest.raises(ParticipationError):
+            check_schedule(schedule + [blind.select(8, make_rng(4, Stream.SAMPLING, 8)).tolist()], bands=3)
+    with pytest.raises(ValueError, match="counts add up to 0, the rounds asked"):
+        ParticipationTracker(rule).load_state_dict(edited, cohort_sizes=sizes)
+    ParticipationTracker(rule).load_state_dict(_npz_round_trip(first.state_dict()), cohort_sizes=sizes)  # genuine
+
+
+def test_participation_history_checks_catch_each_inconsistency() -> None:
+    rule = ParticipationRule("min-separation", 12, 3, 12, max_participations=3)
+    tracker = ParticipationTracker(rule)
+    schedule = [tracker.select(r, available=np.flatnonzero(np.random.default_rng(r).random(12) < 0.6)).tolist()
+                for r in range(7)]  # fmt: skip
+    sizes, state = [len(c) for c in schedule], tracker.state_dict()
+    assert tracker.history_errors(state["last_round"], state["count"], 7, sizes) == []
+    last, count = state["last_round"], state["count"]
+    recent = next(i for i in schedule[6] if count[i] <= 2)  # asked in the last round
+    moved = last.copy()
+    moved[recent] = (count[recent] - 1) * 3  # "last took part rounds earlier": eligible again at once
+    cases = {
+        "count outside": (last, np.where(np.arange(12) == recent, 9, count), sizes),
+        "last round not in": (np.where(np.arange(12) == recent, 7, last), count, sizes),
+        "took part iff": (np.where(np.arange(12) == recent, -1, last), count, sizes),
+        "cannot fit": (last, np.where(last >= 0, np.minimum(count + 2, 3), count), None),
+        "have it as last round": (moved, count, sizes),
+        "has completed 6 rounds": (last, count, sizes[:6]),
+    }
+    for what, (l_, c_, s_) in cases.items():
+        errors = tracker.history_errors(np.asarray(l_), np.asarray(c_), 7, s_)
+        assert any(what in e for e in errors), (what, errors)
+    cyclic = ParticipationTracker(ParticipationRule("cyclic", 12, 3, 12))
+    for r in range(4):
+        cyclic.select(r)
+    st = cyclic.state_dict()
+    st["last_round"][0] = 1  # client 0 is in group 0: rounds 0, 3, ...
+    assert any("cyclic group" in e for e in cyclic.history_errors(st["last_round"], st["count"], 4))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_participation_history_of_real_runs_passes_its_checks(seed: int) -> None:
+    """No false alarm: histories the tracker writes (random availability, caps, Poisson groups) all pass."""
+    rng = np.random.default_rng(seed)
+    for rule in (
+        ParticipationRule("min-separation", 30, 4, 20, max_participations=3, max_cohort=5),
+        ParticipationRule("cyclic-poisson", 30, 3, 20, sampling_probability=0.4),
+        ParticipationRule("cyclic", 31, 5, 20),
+    ):
+        tracker, sizes = ParticipationTracker(rule), []
+        for r in range(20):
+            available = np.flatnonzero(rng.random(30) < 0.7)
+            sizes.append(len(tracker.select(r, make_rng(seed, Stream.SAMPLING, r), available)))
+            st = tracker.state_dict()
+            assert tracker.history_errors(st["last_round"], st["count"], r + 1, sizes) == [], (rule, r)
+
+
 # --------------------------------------------------------------------------------------------------- accounting
 @pytest.mark.parametrize(
     ("scheme", "n", "bands", "rounds", "k"),

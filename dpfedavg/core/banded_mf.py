@@ -400,6 +400,8 @@ class BandedNoiseStream:
         history = np.asarray(state["history"], dtype=np.float64)
         if history.shape != self._ring.shape:
             raise ValueError(f"the checkpoint's noise buffer has shape {history.shape}, expected {self._ring.shape}")
+        if not np.all(np.isfinite(history)):
+            raise ValueError("the checkpoint's noise buffer holds NaN or Inf")
         position = int(state["position"])
         if position < 0:
             raise ValueError(f"the checkpoint's noise stream position is {position}, must be >= 0")

@@ -330,8 +330,18 @@ class ParticipationTracker:
             + [r.max_cohort]
         )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; refuse one recorded under another rule."""
+    def load_state_dict(self, state: dict[str, Any], cohort_sizes: Sequence[int] | None = None) -> None:
+        """Continue from ``state``; refuse one recorded under another rule or one the rule could not have produced.
+
+        ``cohort_sizes``: the number of clients asked in each round so far (``metrics.csv``'s ``num_sampled``),
+        when known; the history must then account for exactly those participations (:meth:`history_errors`).
+
+        Raises
+        ------
+        ValueError
+            Another rule, wrong shapes, or a history that breaks the rule or disagrees with ``cohort_sizes``:
+            an edited history could let a client take part more often than the guarantee allows.
+        """
         r = self.rule
         mine, saved = self._rule_json(), str(state["rule"])
         if saved != mine:
@@ -343,7 +353,60 @@ class ParticipationTracker:
         count = np.asarray(state["count"], dtype=np.int64)
         if last.shape != (r.num_clients,) or count.shape != (r.num_clients,):
             raise ValueError(f"the checkpoint's participation history is not for {r.num_clients} clients")
-        self.last_round, self.count, self.position = last.copy(), count.copy(), int(state["position"])
+        position = int(state["position"])
+        errors = self.history_errors(last, count, position, cohort_sizes)
+        if errors:
+            raise ValueError(
+                "the checkpoint's participation history is not one the rule produces: "
+                + "; ".join(errors)
+                + " (an edited history could let a client take part more often than the accounted sensitivity)"
+            )
+        self.last_round, self.count, self.position = last.copy(), count.copy(), position
+
+    def history_errors(
+        self, last_round: np.ndarray, count: np.ndarray, position: int, cohort_sizes: Sequence[int] | None = None
+    ) -> list[str]:
+        """Why ``(last_round, count)`` after ``position`` rounds could not have come from this rule (empty: it could).
+
+        Checked: counts in ``[0, k]``; last rounds before ``position``, in the client's cyclic group, and at least
+        ``(count - 1) b`` (``count`` participations ``b`` apart); with ``cohort_sizes``, the counts add up to the
+        rounds' cohorts, no round has more last participations than clients asked, and in the last ``b - 1``
+        rounds exactly as many (a client asked there cannot have been asked again since). What a history cannot
+        show (which of two clients took part) is not checked.
+        """
+        r, never, problems = self.rule, self.NEVER, []
+        if position < 0:
+            return [f"position {position} < 0"]
+        if cohort_sizes is not None and len(cohort_sizes) != position:
+            problems.append(f"it is at round {position} but the run has completed {len(cohort_sizes)} rounds")
+        took_part = last_round != never
+
+        def first(mask: np.ndarray, what: str) -> None:
+            if mask.any():
+                i = int(np.flatnonzero(mask)[0])
+                problems.append(
+                    f"client {i} has count {int(count[i])}, last round {int(last_round[i])}: {what} "
+                    f"({int(mask.sum())} client(s))"
+                )
+
+        first((count < 0) | (count > r.participations), f"count outside [0, max-participations = {r.participations}]")
+        first((last_round < never) | (last_round >= position), f"last round not in {never} (never) .. {position - 1}")
+        first(took_part != (count > 0), "a client took part iff its count is > 0")
+        first(took_part & (last_round < (count - 1) * r.bands), f"{r.bands} rounds apart cannot fit that many")
+        if r.scheme is not Participation.MIN_SEPARATION:
+            ids = np.arange(r.num_clients)
+            first(took_part & (last_round % r.bands != ids % r.bands), "a round outside the client's cyclic group")
+        if cohort_sizes is not None and len(cohort_sizes) == position and not problems:
+            sizes = np.asarray(cohort_sizes, dtype=np.int64)
+            if int(count.sum()) != int(sizes.sum()):
+                problems.append(f"counts add up to {int(count.sum())}, the rounds asked {int(sizes.sum())} clients")
+            last = np.bincount(last_round[took_part], minlength=position)[:position] if position else np.zeros(0)
+            recent = np.arange(position) >= position - r.bands + 1
+            bad = np.flatnonzero((last > sizes) | (recent & (last != sizes)))
+            if bad.size:
+                k = int(bad[0])
+                problems.append(f"round {k} asked {int(sizes[k])} clients, {int(last[k])} have it as last round")
+        return problems
 
 
 # ------------------------------------------------------------------------------------------- schedule check

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,11 +324,18 @@ class BandedMFMechanism:
         parts = {"stream": self.stream, "tracker": self.tracker}
         return {f"{name}/{key}": value for name, part in parts.items() for key, value in part.state_dict().items()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s output (each part refuses a checkpoint of other settings)."""
-        for name, part in (("stream", self.stream), ("tracker", self.tracker)):
-            prefix = f"{name}/"
-            part.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+    def load_state_dict(self, state: dict[str, Any], cohort_sizes: Sequence[int] | None = None) -> None:
+        """Continue from :meth:`state_dict`'s output (each part refuses a checkpoint of other settings).
+
+        ``cohort_sizes`` (each completed round's number of clients asked) is checked against the participation
+        history (:meth:`~dpfedavg.core.participation.ParticipationTracker.history_errors`).
+        """
+
+        def part_of(name: str) -> dict[str, Any]:
+            return {k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(f"{name}/")}
+
+        self.stream.load_state_dict(part_of("stream"))
+        self.tracker.load_state_dict(part_of("tracker"), cohort_sizes)
         if self.stream.position != self.tracker.position:
             raise ValueError(
                 f"inconsistent banded-MF checkpoint: noise at round {self.stream.position}, participation at "

@@ -26,6 +26,7 @@ Two ship:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,8 +66,8 @@ class RoundMechanism(Protocol):
     def state_dict(self) -> dict[str, Any]:
         """The state the next round depends on (flat: arrays, numbers, strings)."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s output."""
+    def load_state_dict(self, state: dict[str, Any], cohort_sizes: Sequence[int] | None = None) -> None:
+        """Continue from :meth:`state_dict`'s output; ``cohort_sizes``: each completed round's clients asked."""
 
 
 class NoiseMechanism(Protocol):
@@ -116,7 +117,8 @@ class IndependentRounds:
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], cohort_sizes: Sequence[int] | None = None) -> None:
+        del cohort_sizes  # Poisson sampling has no history to check
         if state:
             raise ValueError(f"the checkpoint holds a noise mechanism's state ({sorted(state)[:3]}) but this run's "
                              "noise-mechanism is 'independent'")  # fmt: skip

@@ -353,7 +353,8 @@ class DPServer:
             )
         if self.adaptive is not None:
             self.adaptive.clip = float(state.adaptive_clip)  # type: ignore[arg-type]
-        self.round_mechanism.load_state_dict(state.mechanism or {})
+        sizes = [self.history[k].num_sampled for k in sorted(self.history)]
+        self.round_mechanism.load_state_dict(state.mechanism or {}, cohort_sizes=sizes)
 
     # ----------------------------------------------------------------- round
     def begin_round(self, server_round: int, w: Vector, available: Iterable[int] | None = None) -> RoundStart:

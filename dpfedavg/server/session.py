@@ -156,6 +156,10 @@ class RunSession:
             self._check_resumable(self.resumed, columns)
             # the accountant is rebuilt from the round count and the plan (checked equal to the stored one above)
             self.resumed.server.accountant = nominal_accountant_state(server.plan, self.resumed.round)
+            try:  # the server's own checks of its state (the noise mechanism's history), before any file is touched
+                server.restore(self.resumed.server)
+            except (ValueError, TypeError, KeyError) as err:
+                raise CheckpointError(f"checkpoint {self.directory / CHECKPOINT_FILE}: {err}") from None
         else:
             self.directory = _claim(cfg, run_id)
         #: The round of the last checkpoint written (or resumed from), for the messages of a failed write.
@@ -269,15 +273,14 @@ class RunSession:
     def begin(self, w0: Vector) -> tuple[Vector, int]:
         """Start the run: ``(w_0, 1)`` after recording round 0, or a resumed run's ``(w_k, k + 1)``.
 
-        On resume the server gets back its momentum, random iterate, per-round
-        statistics and the accountant's history (epsilon continues; it never
-        restarts from 0).
+        On resume the server got back its momentum, random iterate, per-round
+        statistics, the accountant's history (epsilon continues; it never
+        restarts from 0) and its noise mechanism's state when the session was made.
         """
         ckpt = self.resumed
         if ckpt is None:
             self.record_round(0, w0)
             return w0, 1
-        self.server.restore(ckpt.server)
         self.evaluated = dict(ckpt.evaluated)
         if ckpt.trajectory is not None:
             self.trajectory = list(ckpt.trajectory)

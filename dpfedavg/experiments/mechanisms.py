@@ -24,7 +24,6 @@ Outputs in ``out``: ``mechanisms.csv`` (one row per run), ``mechanisms.md`` (mea
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
@@ -36,6 +35,7 @@ import numpy as np
 
 from dpfedavg.experiments import PAPER_ALGORITHMS
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
+from dpfedavg.io.atomic import write_csv, write_text
 
 __all__ = ["EPSILONS", "MECHANISM_VARIANTS", "SETTINGS", "mechanism_cells", "run_mechanisms"]
 
@@ -136,10 +136,7 @@ def _matches(cfg, base: dict) -> bool:
 def collect(cells: Sequence[Cell], out: Path) -> list[dict]:
     """``mechanisms.csv``: one row per run."""
     rows = [_row(cell) for cell in cells]
-    with (out / "mechanisms.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "mechanisms.csv", list(rows[0]), rows)
     return rows
 
 
@@ -219,5 +216,5 @@ def run_mechanisms(out: Path, *, jobs: int = 1, progress: bool = True, **grid) -
     cells = mechanism_cells(out, **grid)
     run_cells(cells, jobs=jobs, progress=progress, desc="mechanisms")
     rows = collect(cells, out)
-    (out / "mechanisms.md").write_text(markdown(rows))
+    write_text(out / "mechanisms.md", markdown(rows))
     return {"csv": out / "mechanisms.csv", "table": out / "mechanisms.md", "plot": plot(rows, out / "mechanisms.png")}

@@ -50,7 +50,6 @@ simulation keeps every trial, which a deployment must not publish.
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import zlib
@@ -65,6 +64,7 @@ from dpfedavg.experiments import PAPER_ALGORITHMS
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
 from dpfedavg.experiments.tuning_report import write_report
+from dpfedavg.io.atomic import write_csv
 from dpfedavg.privacy.accountants import RdpAccountant
 from dpfedavg.privacy.selection import TrialCount, calibrate_tuning_noise, trial_epsilon, tuning_epsilon
 
@@ -237,10 +237,7 @@ def _collect(trials: Sequence[Trial], dataset: str, calibration: dict[float, dic
             best[key] = row
     for row in best.values():
         row["released"] = 1
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=PRIVATE_TUNING_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(path, PRIVATE_TUNING_COLUMNS, rows)
     return rows
 
 

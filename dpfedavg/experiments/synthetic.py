@@ -36,6 +36,7 @@ import numpy as np
 from dpfedavg.experiments import PAPER_ALGORITHMS
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
+from dpfedavg.io.atomic import write_csv, write_text
 
 __all__ = ["SYNTHETIC_COLUMNS", "synthetic_cells", "run_synthetic"]
 
@@ -116,10 +117,7 @@ def collect(cells: Sequence[Cell], path: Path) -> list[dict]:
                         "C_k": float(r["clip"]) if r.get("clip") else float("nan"),
                     }
                 )
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=SYNTHETIC_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(path, SYNTHETIC_COLUMNS, rows)
     return rows
 
 
@@ -377,5 +375,5 @@ def run_synthetic(
     adaptive_figure = plot_adaptive(rows, out, z, snr_eta)
     if adaptive_figure is not None:
         figures.append(adaptive_figure)
-    (out / "summary.md").write_text(summarize(rows, z))
+    write_text(out / "summary.md", summarize(rows, z))
     return {"csv": out / "synthetic.csv", "summary": out / "summary.md", **{p.stem: p for p in figures}}

@@ -30,6 +30,7 @@ from dpfedavg.core.dp import BOUNDS
 from dpfedavg.experiments import PAPER_ALGORITHMS
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values, clip_curves
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
+from dpfedavg.io.atomic import write_csv, write_text
 
 __all__ = ["CLIPS", "DEFAULT_ROUNDS", "LEARNING_RATES", "PAPER_TABLE1", "run_table1", "table1_cells"]
 
@@ -142,10 +143,7 @@ def collect(cells: Sequence[Cell], dataset: str, path: Path) -> list[dict]:
                 "final_clip": float(last["clip"]) if last.get("clip") else float("nan"),  # C_K (adaptive-clip)
             }
         )
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=TABLE1_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(path, TABLE1_COLUMNS, rows)
     return rows
 
 
@@ -236,7 +234,7 @@ def run_table1(
               max_batch_memory=max_batch_memory)  # fmt: skip
     rows = collect(cells, dataset, out / "table1.csv")
     best = best_settings(rows)
-    (out / "table1.md").write_text(markdown(dataset, best, epsilons, rounds))
+    write_text(out / "table1.md", markdown(dataset, best, epsilons, rounds))
     outputs = {"csv": out / "table1.csv", "table": out / "table1.md"}
     curves = curve_cells(out, cells, best, seeds)
     if curves:

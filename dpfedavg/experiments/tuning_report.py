@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfedavg.io.atomic import write_text
 from dpfedavg.privacy.accountants import PldAccountant
 from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
 from dpfedavg.privacy.selection import TrialCount
@@ -243,8 +244,8 @@ def write_report(
         "calibration": [calibration[e] for e in calibration],
         "summary": summary,
     }
-    (where / "private_tuning.json").write_text(json.dumps(report, indent=2) + "\n")
-    (where / "private_tuning.md").write_text(markdown(dataset, summary, count, repetitions, tuning_seed))
+    write_text(where / "private_tuning.json", json.dumps(report, indent=2) + "\n")
+    write_text(where / "private_tuning.md", markdown(dataset, summary, count, repetitions, tuning_seed))
     result = {
         "private_tuning_csv": where / "private_tuning.csv",
         "private_tuning_json": where / "private_tuning.json",

@@ -15,14 +15,15 @@ Every byte the package writes to a run's files goes through :func:`_write_all` (
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["append_bytes", "atomic_open", "atomic_write_bytes"]
+__all__ = ["append_bytes", "atomic_open", "atomic_write_bytes", "write_csv", "write_text"]
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -75,6 +76,20 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = False) -> Non
         raise
     if durable:
         _fsync_folder(path.parent)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) atomically: a summary, a table, a report."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_csv(path: Path, columns: Sequence[str], rows: Iterable[Mapping[str, object]]) -> None:
+    """Replace ``path`` with a CSV of ``rows`` under the header ``columns``, atomically (a sweep's summary)."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(columns))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(path, text.getvalue())
 
 
 def append_bytes(path: Path, data: bytes, *, durable: bool = False) -> None:

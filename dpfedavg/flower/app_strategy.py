@@ -64,7 +64,7 @@ from dpfedavg.flower.replies import UNAVAILABLE_CODES
 from dpfedavg.flower.runtime import route_logs_through_flower
 from dpfedavg.flower.secure_aggregation import HALTED, SecureSum
 from dpfedavg.flower.strategy import DPFedAvg as FlowerDPFedAvg
-from dpfedavg.flower.strategy import FlowerRunner
+from dpfedavg.flower.strategy import FlowerRunner, log_privacy_plan
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, stopped
 from dpfedavg.server.loop import run_rounds
@@ -429,22 +429,7 @@ class AppDPFedAvg(DPFedAvg):
             cfg.server_momentum,
         )
         if plan.dp:
-            how = (
-                f"calibrated for (epsilon={plan.target_epsilon:g}, delta={plan.delta:g}) over K={plan.rounds}"
-                if plan.calibrated
-                else f"given; nominal epsilon {plan.nominal_epsilon:.4g} at delta={plan.delta:g} over K={plan.rounds}"
-            )
-            logger.info(
-                "\t├── C=%g, z=%.5g (%s, %s accountant), sigma=zC/r=%.4g, noise placement: %s",
-                cfg.clip,
-                plan.noise_multiplier,
-                how,
-                plan.accountant,
-                self.server.sigma,
-                cfg.noise_placement,
-            )
-            if plan.max_epsilon is not None:
-                logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
+            log_privacy_plan(cfg, plan, self.server.sigma)
         else:
             logger.warning("\t├── algorithm 'none': FedAvg without DP (no clipping, no noise, no epsilon)")
         if cfg.secure_aggregation:

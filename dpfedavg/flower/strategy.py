@@ -54,9 +54,29 @@ from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, TrainingStopped
 from dpfedavg.server.loop import run_rounds
 
-__all__ = ["DPFedAvg", "FlowerRunner"]
+__all__ = ["DPFedAvg", "FlowerRunner", "log_privacy_plan"]
 
 logger = logging.getLogger(__name__)
+
+
+def log_privacy_plan(cfg: RunConfig, plan: PrivacyPlan, sigma: float) -> None:
+    """The start-up lines on C, z (calibrated or given), sigma = zC/r, the placement and the budget stop."""
+    how = (
+        f"calibrated for (epsilon={plan.target_epsilon:g}, delta={plan.delta:g}) over K={plan.rounds}"
+        if plan.calibrated
+        else f"given; nominal epsilon {plan.nominal_epsilon:.4g} at delta={plan.delta:g} over K={plan.rounds}"
+    )
+    logger.info(
+        "\t├── C=%g, z=%.5g (%s, %s accountant), sigma=zC/r=%.4g, noise placement: %s",
+        cfg.clip,
+        plan.noise_multiplier,
+        how,
+        plan.accountant,
+        sigma,
+        cfg.noise_placement,
+    )
+    if plan.max_epsilon is not None:
+        logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
 
 
 class DPFedAvg(Strategy):
@@ -164,22 +184,7 @@ class DPFedAvg(Strategy):
                 cfg.num_nodes,
             )
         if plan.dp:
-            how = (
-                f"calibrated for (epsilon={plan.target_epsilon:g}, delta={plan.delta:g}) over K={plan.rounds}"
-                if plan.calibrated
-                else f"given; nominal epsilon {plan.nominal_epsilon:.4g} at delta={plan.delta:g} over K={plan.rounds}"
-            )
-            logger.info(
-                "\t├── C=%g, z=%.5g (%s, %s accountant), sigma=zC/r=%.4g, noise placement: %s",
-                cfg.clip,
-                plan.noise_multiplier,
-                how,
-                plan.accountant,
-                self.server.sigma,
-                cfg.noise_placement,
-            )
-            if plan.max_epsilon is not None:
-                logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
+            log_privacy_plan(cfg, plan, self.server.sigma)
         if cfg.secure_aggregation:
             logger.info(
                 "\t├── Secure aggregation: SecAgg+ (shares %g, threshold %g), Q=2^%d levels, M=2^%d; "

@@ -11,6 +11,8 @@ Fashion-MNIST; the cost does not depend on the pixel values):
 * the same objective through the generic :class:`~dpfedavg.tasks.torch_task.TorchTask` path (``torch.func``
   autograd steps, vmapped over each block of clients; what any ``nn.Module`` gets), loaded as
   ``task = "<this file>:generic_logistic"`` (a user's ``module:factory``);
+* the same model as a user writes it, ``nn.Sequential(nn.Linear(784, 10))`` through ``TorchTask``
+  (``task = "<this file>:user_linear"``): PyTorch's ``(out, in)`` weight layout, the generic path;
 * ``mlp-fmnist``: the MLP 784-100-10 on torch (79,510 parameters), the generic path.
 
 The per-round time is the median of ``elapsed_s`` differences over rounds where the server does
@@ -46,6 +48,13 @@ def generic_logistic(cfg: RunConfig):  # -> LogisticTask
     return task
 
 
+def user_linear(cfg: RunConfig):  # -> TorchTask
+    """The same model as a user would write it: ``nn.Sequential(nn.Linear(784, 10))`` on the FMNIST shards."""
+    from dpfedavg.tasks.torch_examples import _on_shards, mlp
+
+    return _on_shards(cfg, "fmnist", mlp((784, 10)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=3000)
@@ -67,6 +76,7 @@ def main() -> None:
         "numpy": {"task": "fmnist"},
         "torch-logistic": {"task": "fmnist", "backend": "torch", **torch_keys},
         "torch-logistic-vmap": {"task": f"{Path(__file__).resolve()}:generic_logistic", **torch_keys},
+        "torch-user-linear": {"task": f"{Path(__file__).resolve()}:user_linear", **torch_keys},
         "torch-mlp": {"task": "mlp-fmnist", **torch_keys},
     }
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
@@ -83,7 +93,8 @@ def main() -> None:
         where = {"numpy": "numpy closed form", "torch-logistic": "torch closed form"}.get(label, "torch.func vmap")
         if label != "numpy":
             where += f", {args.dtype}, {args.device}, {args.torch_threads or 'default'} torch threads"
-        name = "fmnist" if label.startswith(("numpy", "torch-logistic")) else cfg.task
+        names = {"torch-logistic-vmap": "fmnist (logistic, ours)", "torch-user-linear": "fmnist (`nn.Linear(784, 10)`)"}
+        name = names.get(label, "fmnist" if label.startswith(("numpy", "torch-logistic")) else cfg.task)
         print(f"| {name} | {where} | {s:.3f} | {1000 * s / (0.2 * n):.2f} | {wall:.1f} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
 

@@ -6,8 +6,9 @@ of r = 600 per round (q = 0.2), E = 20 full-batch local SGD steps at eta = 0.01,
 (5, 1e-5) with PLD accounting. Data are generated (this machine cannot download Fashion-MNIST); the cost
 of a round does not depend on the pixel values.
 
-* **dpfedavg**: the batched engine with the generic ``torch.func`` path (``bench_torch.py:generic_logistic``,
-  what any ``nn.Module`` gets), float32, in this process.
+* **dpfedavg**: the batched engine with the generic ``torch.func`` path (what any ``nn.Module`` gets), float32,
+  in this process, on pfl's model ``nn.Linear(784, 10)`` (``bench_torch.py:user_linear``) and on the logistic
+  task's ``(784, 10)`` weight layout (``bench_torch.py:generic_logistic``).
 * **pfl**: Apple's ``pfl`` 0.6.0 (``FederatedAveraging``, ``SimulatedBackend``, ``PyTorchModel``, a central
   ``GaussianMechanism`` from its ``PLDPrivacyAccountant``, ``WeightByUser``), in one process and with
   ``--pfl-workers`` processes under ``torchrun`` (pfl's own way to use several cores). pfl samples a
@@ -143,17 +144,21 @@ def run_pfl(python: str, clients: int, rounds: int, workers: int, tmp: Path) -> 
 
 
 # ---------------------------------------------------------------------------------------- the dpfedavg side
-def run_dpfedavg(clients: int, rounds: int, tmp: Path) -> dict:
-    """The same workload on dpfedavg's generic torch path (the batched engine), in this process."""
+def run_dpfedavg(clients: int, rounds: int, tmp: Path, factory: str) -> dict:
+    """The same workload on dpfedavg's generic torch path (the batched engine), in this process.
+
+    ``factory``: ``user_linear`` (``nn.Linear(784, 10)``, pfl's model) or ``generic_logistic`` (the logistic
+    task's ``(784, 10)`` weight layout), both from ``bench_torch.py``.
+    """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_engines import fmnist_workload, per_round
 
     from dpfedavg.config import RunConfig
     from dpfedavg.engines.batched import run_batched
 
-    task = f"{Path(__file__).resolve().parent / 'bench_torch.py'}:generic_logistic"
+    task = f"{Path(__file__).resolve().parent / 'bench_torch.py'}:{factory}"
     values = {**fmnist_workload(tmp, clients, rounds), "task": task, "torch-dtype": "float32",
-              "server-momentum": 0.8, "run-name": "dpfedavg"}  # fmt: skip
+              "server-momentum": 0.8, "run-name": factory}  # fmt: skip
     same = (values["clip"], values["local-lr"], values["clients-per-round"]) == (
         CLIP,
         LOCAL_LR,
@@ -181,10 +186,16 @@ def main() -> None:
         parser.error("--pfl-python is required: the python of an environment with pfl[pytorch]==0.6.0")
     tmp = Path(tempfile.mkdtemp(prefix="bench-pfl-"))
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
-    results = {"dpfedavg, generic torch.func path": run_dpfedavg(args.clients, args.rounds, tmp)}
+    ours_name = "dpfedavg, `nn.Linear(784, 10)` (pfl's model), generic torch.func path"
+    results = {
+        ours_name: run_dpfedavg(args.clients, args.rounds, tmp, "user_linear"),
+        "dpfedavg, the logistic task's model, generic torch.func path": run_dpfedavg(
+            args.clients, args.rounds, tmp, "generic_logistic"
+        ),
+    }
     for workers in args.pfl_workers:
         results[f"pfl 0.6.0, {workers} process(es)"] = run_pfl(args.pfl_python, args.clients, args.rounds, workers, tmp)
-    ours = results["dpfedavg, generic torch.func path"]["per_round"]
+    ours = results[ours_name]["per_round"]
     print(f"load average after: {os.getloadavg()[0]:.2f} (1 min)")
     print("| path | s per round (median) | wall (s) | s per round / dpfedavg's |")
     print("|---|---|---|---|")

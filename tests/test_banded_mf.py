@@ -720,6 +720,7 @@ def test_default_mechanism_is_four_cyclic_groups_within_the_target() -> None:
     schedule = []
     for k in range(200):
         schedule.append(mech.select(k))
+        mech.admit(k, schedule[-1])
         assert len(schedule[-1]) == 25
         mech.server_noise(k, make_rng(0, Stream.SERVER_NOISE, k))
         accountant.step(ROUND)
@@ -738,6 +739,7 @@ def test_mechanism_checkpoint_resumes_bit_identically() -> None:
         out = []
         for k in rounds:
             cohort = mech.select(k, make_rng(1, Stream.SAMPLING, k), avail[k])
+            mech.admit(k, cohort)
             out.append((cohort.tolist(), mech.server_noise(k, make_rng(1, Stream.SERVER_NOISE, k))))
         return out
 

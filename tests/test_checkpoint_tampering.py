@@ -254,3 +254,15 @@ def test_edited_banded_mf_state_is_refused(tmp_path: Path, participation: str, n
 def test_untouched_banded_mf_checkpoint_resumes(tmp_path: Path) -> None:
     cfg = _interrupted(tmp_path, participation="min-separation", **BANDED)
     assert run_batched(cfg).history[-1]["round"] == 10
+
+
+def test_banded_mf_run_stopped_by_its_budget_resumes_and_stops_again(tmp_path: Path) -> None:
+    """The round the budget refused is not recorded in the participation history, so the final checkpoint is
+    consistent: a resume is accepted, runs nothing more and reports the same epsilon (as an independent run)."""
+    budget = {**BANDED, "num-clients": 12, "clients-per-round": 3.0, "num-rounds": 40, "epsilon": 0.0,
+              "noise-multiplier": 3.0, "max-epsilon": 4.0}  # fmt: skip
+    cfg = RunConfig.from_run_config({**BASE, **budget, "output-dir": str(tmp_path)})
+    first = run_batched(cfg)
+    assert 1 < len(first.history) - 1 < 40  # stopped by the budget
+    again = run_batched(cfg.replace(resume=True))
+    assert len(again.history) == len(first.history) and again.epsilon == first.epsilon <= 4.0

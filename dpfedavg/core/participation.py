@@ -231,7 +231,21 @@ class ParticipationTracker:
         rng: np.random.Generator | None = None,
         available: Iterable[int] | None = None,
     ) -> np.ndarray:
-        """Round ``k``'s cohort by the scheme, recorded; nobody outside the rule is ever returned.
+        """Round ``k``'s cohort by the scheme, recorded: :meth:`choose`, then :meth:`admit`."""
+        chosen = self.choose(round_index, rng, available)
+        self.admit(round_index, chosen)
+        return chosen
+
+    def choose(
+        self,
+        round_index: int,
+        rng: np.random.Generator | None = None,
+        available: Iterable[int] | None = None,
+    ) -> np.ndarray:
+        """Round ``k``'s cohort by the scheme, not yet recorded; nobody outside the rule is ever returned.
+
+        The server records it with :meth:`admit` once the round is sure to run (not, say, when the privacy
+        budget stops the run before it).
 
         Parameters
         ----------
@@ -261,7 +275,6 @@ class ParticipationTracker:
         cap = self.rule.max_cohort
         if cap is not None and chosen.size > cap:
             chosen = self._longest_waiting(chosen, cap, rng)
-        self.admit(round_index, chosen)
         return chosen
 
     def _longest_waiting(self, ids: np.ndarray, how_many: int, rng: np.random.Generator | None) -> np.ndarray:

@@ -291,8 +291,12 @@ class BandedMFMechanism:
 
     # ------------------------------------------------------------------------------------------- per round
     def select(self, round_index: int, rng: np.random.Generator | None = None, available: Any = None) -> np.ndarray:
-        """Round ``k``'s cohort (0-based ``k``), recorded by the gate (:meth:`ParticipationTracker.select`)."""
-        return self.tracker.select(round_index, rng, available)
+        """Round ``k``'s cohort (0-based ``k``) by the gate's rule (:meth:`ParticipationTracker.choose`)."""
+        return self.tracker.choose(round_index, rng, available)
+
+    def admit(self, round_index: int, cohort: np.ndarray) -> None:
+        """Record round ``k``'s cohort in the participation history (:meth:`ParticipationTracker.admit`)."""
+        self.tracker.admit(round_index, cohort)
 
     def server_noise(self, round_index: int, rng: np.random.Generator, top_up_std: float = 0.0) -> Vector:
         """``(C^{-1} Z)_k`` for the server to add to round ``k``'s sum (every round, also an empty or skipped one).

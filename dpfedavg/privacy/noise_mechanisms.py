@@ -55,7 +55,10 @@ class RoundMechanism(Protocol):
         """The fixed divisor of the round's sum (Alg. 1 line 12's ``r``)."""
 
     def select(self, round_index: int, rng: np.random.Generator | None, available: Any = None) -> np.ndarray:
-        """Round ``k``'s cohort (0-based ``k``, sorted client ids)."""
+        """Round ``k``'s cohort (0-based ``k``, sorted client ids), not yet recorded."""
+
+    def admit(self, round_index: int, cohort: np.ndarray) -> None:
+        """Record round ``k``'s cohort, once the round is sure to run (after the budget check)."""
 
     def server_noise(self, round_index: int, rng: np.random.Generator, top_up_std: float = 0.0) -> Vector | None:
         """What the server adds to round ``k``'s sum (``top_up_std``: the placement's share for the server)."""
@@ -106,6 +109,9 @@ class IndependentRounds:
         """Poisson sampling over all ``n`` clients with ``q = r / n`` (Alg. 1 line 3); ``available`` is not read."""
         assert rng is not None
         return poisson_sample(self.num_clients, self.clients_per_round / self.num_clients, rng)
+
+    def admit(self, round_index: int, cohort: np.ndarray) -> None:
+        """Nothing to record: every round's Poisson draw is independent of the earlier ones."""
 
     def server_noise(self, round_index: int, rng: np.random.Generator, top_up_std: float = 0.0) -> Vector | None:
         """``N(0, top_up_std^2 I)``: the server's share (all of ``(zC)^2`` for ``server`` placement)."""

@@ -284,6 +284,7 @@ class DPServer:
         sampling holds only if nobody can predict ``S_k``: with ``secure-noise`` the draw comes from the OS
         CSPRNG; in seeded mode anyone who knows ``seed`` can replay it. ``banded-mf``: the participation rule's
         cohort among the ``available`` (connected) clients, ``None`` meaning all; nobody outside the rule.
+        Not yet recorded: :meth:`begin_round` admits the cohort once the round is sure to run.
         """
         rng = self._rng(Stream.SAMPLING, server_round - 1)
         return self.round_mechanism.select(server_round - 1, rng, available)
@@ -378,6 +379,7 @@ class DPServer:
             projected = self.accountant.epsilon_after(self.round_event(len(clients), len(clients)))
             if projected > budget:
                 raise PrivacyBudgetExhausted(server_round, self.accountant.epsilon, projected, budget)
+        self.round_mechanism.admit(k, clients)  # recorded only for a round that runs
         if keep_random_iterate(k, self._rng(Stream.ITERATE, k)):
             self.random_iterate, self.random_round = w.copy(), k
         stats = RoundStats(round=server_round, num_sampled=len(clients))

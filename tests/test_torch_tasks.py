@@ -165,6 +165,27 @@ def test_logistic_torch_backend_equals_the_numpy_backend(tmp_path: Path, dtype: 
         rtol=0,
         atol=tol * np.abs(numpy_task.client_grad_fn(7)(w)).max(),
     )
+    # the forward pass on w (the module keeps W^T: flat_transposed) gives numpy's training loss
+    train_loss = numpy_task.evaluate(w)["train_loss"]
+    assert torch_task.torch_task.evaluate(w)["train_loss"] == pytest.approx(train_loss, rel=tol)
+
+
+def test_flat_transposed_must_name_two_dimensional_parameters() -> None:
+    class Bad(torch.nn.Module):
+        flat_transposed = ("bias",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(3, 4))
+            self.bias = torch.nn.Parameter(torch.zeros(3))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    cfg = RunConfig(num_clients=2, clients_per_round=2.0)
+    data = [(np.zeros((2, 4), np.float32), np.zeros(2, np.int64))] * 2
+    with pytest.raises(ValueError, match="flat_transposed"):
+        TorchTask(cfg, model=Bad(), clients=data).layout  # noqa: B018
 
 
 def test_numpy_backend_rejects_minibatches(tmp_path: Path) -> None:

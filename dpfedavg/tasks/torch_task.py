@@ -192,20 +192,24 @@ class ShardedClients(ArrayClients):
 def linear_softmax_model(num_features: int, num_classes: int) -> Any:
     """``x -> x W + b`` with ``W`` of shape ``(d, c)`` and ``b`` of shape ``(c,)``, both zero.
 
-    The parameters flatten to ``[vec(W), b]``, the layout of :class:`~dpfedavg.tasks.logistic.LogisticTask`.
+    The parameters flatten to ``[vec(W), b]``, the layout of :class:`~dpfedavg.tasks.logistic.LogisticTask`;
+    the module stores ``W^T`` (``flat_transposed``).
     """
     torch = _torch()
 
     class LinearSoftmax(torch.nn.Module):
+        #: The flat vector holds ``vec(W)`` with ``W`` of shape ``(d, c)``; the module keeps ``W^T``, PyTorch's
+        #: ``(out, in)`` layout, whose gradient under ``vmap`` is a product of contiguous operands (1.7x faster
+        #: per step than a ``(d, c)`` weight; the benchmarks page). See :attr:`TorchTask.layout`.
+        flat_transposed = ("weight",)
+
         def __init__(self) -> None:
             super().__init__()
-            self.weight = torch.nn.Parameter(torch.zeros(num_features, num_classes))
+            self.weight = torch.nn.Parameter(torch.zeros(num_classes, num_features))
             self.bias = torch.nn.Parameter(torch.zeros(num_classes))
 
         def forward(self, x: Any) -> Any:
-            # (W^T x^T)^T with W^T contiguous: the same product as x W, but autograd then forms the weight's
-            # gradient as grad^T x, a fast batched product under vmap (x @ W's x^T grad was 3x slower; BENCHMARKS.md)
-            return (self.weight.t().contiguous() @ x.transpose(-1, -2)).transpose(-1, -2) + self.bias
+            return torch.nn.functional.linear(x, self.weight, self.bias)
 
     return LinearSoftmax()
 
@@ -219,13 +223,25 @@ def _numpy(a: Any) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- the task
 @dataclass(frozen=True)
 class _Layout:
+    """The flat vector's parameters, in order: names, the module's shapes, sizes, and which 2-D ones it holds
+    transposed (a module's ``flat_transposed``)."""
+
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     numels: tuple[int, ...]
+    transposed: tuple[bool, ...] = ()
 
     @property
     def dim(self) -> int:
         return int(sum(self.numels))
+
+    def flat_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Each parameter's shape in the flat vector's order (reversed for a transposed one)."""
+        flip = self.transposed or (False,) * len(self.shapes)
+        return tuple(shape[::-1] if t else shape for shape, t in zip(self.shapes, flip, strict=True))
+
+    def is_transposed(self, index: int) -> bool:
+        return bool(self.transposed) and self.transposed[index]
 
 
 class TorchTask:
@@ -323,11 +339,23 @@ class TorchTask:
 
     @cached_property
     def layout(self) -> _Layout:
+        """The flat vector ``w``: the trainable parameters in ``named_parameters()`` order, each raveled.
+
+        A module may name 2-D parameters in ``flat_transposed``: ``w`` then holds their transpose's ravel (the
+        logistic model keeps PyTorch's fast ``(out, in)`` weight while ``w`` keeps the numpy task's order).
+        """
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(f"task {self.name!r}: the model has no trainable parameters")
+        flipped = set(getattr(self.module, "flat_transposed", ()))
+        bad = sorted(n for n, p in named if n in flipped and p.dim() != 2)
+        if bad or not flipped <= {n for n, _ in named}:
+            raise ValueError(f"task {self.name!r}: flat_transposed = {sorted(flipped)}: each must name a 2-D parameter")
         return _Layout(
-            tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named), tuple(p.numel() for _, p in named)
+            tuple(n for n, _ in named),
+            tuple(tuple(p.shape) for _, p in named),
+            tuple(p.numel() for _, p in named),
+            tuple(n in flipped for n, _ in named) if flipped else (),
         )
 
     @property
@@ -341,12 +369,16 @@ class TorchTask:
 
     def initial_weights(self) -> Vector:
         """``w_0``: the model's initial parameters (built under the seed), flattened, float64."""
-        params = dict(self.module.named_parameters())
-        return np.concatenate([params[n].detach().cpu().double().numpy().ravel() for n in self.layout.names])
+        params, layout = dict(self.module.named_parameters()), self.layout
+        flat = [params[n].detach().t() if layout.is_transposed(i) else params[n].detach()
+                for i, n in enumerate(layout.names)]  # fmt: skip
+        return np.concatenate([p.cpu().double().numpy().ravel() for p in flat])
 
     def _params(self, flat: Any) -> dict[str, Any]:
-        chunks = self.torch.split(flat, self.layout.numels)
-        params = {n: c.view(s) for n, c, s in zip(self.layout.names, chunks, self.layout.shapes, strict=True)}
+        layout, params = self.layout, {}
+        chunks = self.torch.split(flat, layout.numels)
+        for i, (name, chunk, shape) in enumerate(zip(layout.names, chunks, layout.flat_shapes(), strict=True)):
+            params[name] = chunk.view(shape).t() if layout.is_transposed(i) else chunk.view(shape)
         params.update(self._buffers)
         return params
 
@@ -482,8 +514,12 @@ class TorchTask:
                 raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
             runs = len(w)
             w0 = torch.as_tensor(w, device=self.device).to(self.dtype)
-            start = {n: c.reshape(runs, 1, *shape) for n, c, shape in
-                     zip(layout.names, torch.split(w0, layout.numels, dim=1), layout.shapes, strict=True)}  # fmt: skip
+            start = {}  # w_k per parameter, (R, 1, ...) in the module's layout
+            pieces = torch.split(w0, layout.numels, dim=1)
+            for i, (name, piece, shape) in enumerate(zip(layout.names, pieces, layout.flat_shapes(), strict=True)):
+                start[name] = piece.reshape(runs, 1, *shape)
+                if layout.is_transposed(i):
+                    start[name] = start[name].transpose(-1, -2).contiguous()
             out = torch.empty((runs, len(ids), layout.dim), dtype=torch.float64, device=self.device)
             lr = torch.as_tensor(lrs, device=self.device).to(self.dtype)
             decay = lr * self.weight_decay
@@ -494,7 +530,9 @@ class TorchTask:
                     moved = self._chunk_steps(
                         start, lr, decay, x[lo:hi], y[lo:hi], full_mask[lo:hi], batches, num_steps
                     )
-                    flat = torch.cat([moved[n].reshape(runs, hi - lo, -1) for n in layout.names], dim=2)
+                    parts = [moved[n].transpose(-1, -2) if layout.is_transposed(i) else moved[n]
+                             for i, n in enumerate(layout.names)]  # fmt: skip
+                    flat = torch.cat([part.reshape(runs, hi - lo, -1) for part in parts], dim=2)
                     out[:, lo:hi] = flat.to(torch.float64) / -torch.as_tensor(lrs, device=self.device)[:, None, None]
             return out.cpu().numpy()
 

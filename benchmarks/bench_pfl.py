@@ -8,7 +8,7 @@ of a round does not depend on the pixel values.
 
 * **dpfedavg**: the batched engine with the generic ``torch.func`` path (what any ``nn.Module`` gets), float32,
   in this process, on pfl's model ``nn.Linear(784, 10)`` (``bench_torch.py:user_linear``) and on the logistic
-  task's ``(784, 10)`` weight layout (``bench_torch.py:generic_logistic``).
+  task's model (``bench_torch.py:generic_logistic``).
 * **pfl**: Apple's ``pfl`` 0.6.0 (``FederatedAveraging``, ``SimulatedBackend``, ``PyTorchModel``, a central
   ``GaussianMechanism`` from its ``PLDPrivacyAccountant``, ``WeightByUser``), in one process and with
   ``--pfl-workers`` processes under ``torchrun`` (pfl's own way to use several cores). pfl samples a
@@ -148,7 +148,7 @@ def run_dpfedavg(clients: int, rounds: int, tmp: Path, factory: str) -> dict:
     """The same workload on dpfedavg's generic torch path (the batched engine), in this process.
 
     ``factory``: ``user_linear`` (``nn.Linear(784, 10)``, pfl's model) or ``generic_logistic`` (the logistic
-    task's ``(784, 10)`` weight layout), both from ``bench_torch.py``.
+    task's model), both from ``bench_torch.py``.
     """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_engines import fmnist_workload, per_round

@@ -253,7 +253,9 @@ class TorchTask:
         The run config: ``num-clients``, ``seed`` (initial weights: the model is built under
         ``torch.manual_seed(seed)``), ``weight-decay``, ``device``, ``torch-dtype``, ``local-batch-size``.
     model:
-        An ``nn.Module`` or a zero-argument factory returning one (called under the seed).
+        An ``nn.Module`` or a zero-argument factory returning one (called under the seed). ``w`` is its
+        trainable parameters raveled in ``named_parameters()`` order; a module may list 2-D parameters in a
+        ``flat_transposed`` attribute, which ``w`` then holds transposed (:attr:`layout`).
     clients:
         Per-client examples: a sequence of ``(x_i, y_i)`` (arrays or tensors), a function
         ``i -> (x_i, y_i)`` (called only for the clients a process needs), or an

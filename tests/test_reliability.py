@@ -211,9 +211,14 @@ def test_bad_resume_through_the_server_app_is_one_error_line(tmp_path: Path, cap
     cfg = _cfg(tmp_path, resume=True)
     grid = InProcessGrid(client_app, 12, cfg.to_run_config())
     context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=cfg.to_run_config())
-    with caplog.at_level(logging.ERROR):
-        server_app.main(grid, context)
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    package = logging.getLogger("dpfedavg")  # the app routes it through Flower's handler (propagate = False)
+    package.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.ERROR):
+            server_app.main(grid, context)
+    finally:
+        package.removeHandler(caplog.handler)
+    errors = list({id(r): r for r in caplog.records if r.levelno >= logging.ERROR}.values())  # once if it propagates
     assert len(errors) == 1 and "no checkpoint" in errors[0].getMessage() and errors[0].exc_info is None
 
 
@@ -325,3 +330,18 @@ def test_faulty_clients_do_not_stop_the_run(tmp_path: Path) -> None:
             for r in rows] == [(1, 1, 1, 9)] * 3  # fmt: skip
     assert _final(out)["rounds_completed"] == 3
     assert load_checkpoint(out).round == 3
+
+
+def test_round_stats_state_dict_is_asdict_without_shared_lists() -> None:
+    """The checkpoint's per-round rows: the same dict as ``dataclasses.asdict``, lists copied, round-trips."""
+    from dataclasses import asdict
+
+    from dpfedavg.io.metrics import RoundStats
+
+    stats = RoundStats(round=4, num_sampled=7, num_received=5, num_rejected=1, eta=0.1, snr=float("nan"),
+                       rejected_reasons=["norm above the bound"], failed_reasons=["client 3: diverged"])  # fmt: skip
+    state = stats.state_dict()
+    assert state == asdict(stats) and list(state) == list(asdict(stats))
+    state["rejected_reasons"].append("edited")
+    assert stats.rejected_reasons == ["norm above the bound"]
+    assert RoundStats(**stats.state_dict()) == stats

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, fields
+from math import isfinite
 from pathlib import Path
 from typing import Any
 
@@ -125,14 +126,27 @@ def _json_default(value: Any) -> Any:
 
 
 def _encode(obj: Any) -> Any:
-    """JSON-safe: NaN/inf floats become strings (JSON has no NaN)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return repr(obj)
+    """JSON-safe: NaN/inf floats become strings (JSON has no NaN).
+
+    A container's scalars are converted inline rather than by a call each: a checkpoint holds every round's
+    statistics, so this runs over ``K x 20`` values each time one is written.
+    """
     if isinstance(obj, dict):
-        return {str(k): _encode(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_encode(v) for v in obj]
-    return obj
+        return {
+            str(k): _encode(v)
+            if isinstance(v, _CONTAINERS)
+            else (repr(v) if isinstance(v, float) and not isfinite(v) else v)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, _CONTAINERS):
+        return [
+            _encode(v) if isinstance(v, _CONTAINERS) else (repr(v) if isinstance(v, float) and not isfinite(v) else v)
+            for v in obj
+        ]
+    return repr(obj) if isinstance(obj, float) and not isfinite(obj) else obj
+
+
+_CONTAINERS = (dict, list, tuple)
 
 
 def _decode(obj: Any) -> Any:

@@ -49,6 +49,21 @@ class RoundStats:
         cut = train.index(cls.METRICS_AFTER) + 1
         return ("round", *train[:cut], *metric_names, *train[cut:], "elapsed_s")
 
+    def state_dict(self) -> dict[str, object]:
+        """Every field, for a checkpoint: ``RoundStats(**state_dict())`` is an equal copy.
+
+        ``dataclasses.asdict`` gives the same dict, but it deep-copies field by field: with a checkpoint every
+        10 rounds that was most of the time a long run spent writing them (the benchmarks page).
+        """
+        state: dict[str, object] = {name: getattr(self, name) for name in _FIELD_NAMES}
+        state["rejected_reasons"] = list(self.rejected_reasons)
+        state["failed_reasons"] = list(self.failed_reasons)
+        return state
+
     def as_metrics(self) -> dict[str, float]:
         """The numeric columns for the MetricRecord / CSV."""
         return {name: getattr(self, name) for name in self.columns()[1:-1]}
+
+
+#: :class:`RoundStats`'s field names, in order.
+_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(RoundStats))

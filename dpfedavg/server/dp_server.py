@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import asdict
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -326,7 +325,7 @@ class DPServer:
             random_iterate=None if self.random_iterate is None else self.random_iterate.copy(),
             random_round=self.random_round,
             accountant=self.accountant.state_dict() if self.accountant is not None else None,
-            history={k: asdict(v) for k, v in self.history.items()},
+            history={k: v.state_dict() for k, v in self.history.items()},
             adaptive_clip=self.adaptive.clip if self.adaptive is not None else None,
             mechanism=self.round_mechanism.state_dict() or None,
         )

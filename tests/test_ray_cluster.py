@@ -137,7 +137,7 @@ def test_a_node_killed_mid_sweep_loses_no_cell(cluster: LoopbackRayCluster, tmp_
         # wait until a cell finished and node 1 is running one, then kill node 1 (every process of it)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and sweep.poll() is None:
-            busy = [p for p in map(psutil.Process, cluster.node_pids(1)) if _running_cell(p)]
+            busy = [pid for pid in cluster.node_pids(1) if _running_cell(pid)]
             if busy and list((out / "runs").glob(f"*/{RAY_TASK_FILE}")):
                 break
             time.sleep(0.1)
@@ -157,8 +157,10 @@ def test_a_node_killed_mid_sweep_loses_no_cell(cluster: LoopbackRayCluster, tmp_
     _assert_same_cells(out, tmp_path / "local")
 
 
-def _running_cell(proc: psutil.Process) -> bool:
+def _running_cell(pid: int) -> bool:
+    """Whether process ``pid`` is a Ray worker running a batch of cells (a process may exit meanwhile: False)."""
     try:
-        return "_ray_cells" in " ".join(proc.cmdline()) and "IDLE" not in " ".join(proc.cmdline())
+        command = " ".join(psutil.Process(pid).cmdline())
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return False
+    return "_ray_cells" in command and "IDLE" not in command

@@ -229,7 +229,7 @@ class _Layout:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     numels: tuple[int, ...]
-    transposed: tuple[bool, ...] = ()
+    transposed: tuple[bool, ...]
 
     @property
     def dim(self) -> int:
@@ -237,11 +237,10 @@ class _Layout:
 
     def flat_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Each parameter's shape in the flat vector's order (reversed for a transposed one)."""
-        flip = self.transposed or (False,) * len(self.shapes)
-        return tuple(shape[::-1] if t else shape for shape, t in zip(self.shapes, flip, strict=True))
+        return tuple(shape[::-1] if t else shape for shape, t in zip(self.shapes, self.transposed, strict=True))
 
     def is_transposed(self, index: int) -> bool:
-        return bool(self.transposed) and self.transposed[index]
+        return self.transposed[index]
 
 
 class TorchTask:
@@ -357,7 +356,7 @@ class TorchTask:
             tuple(n for n, _ in named),
             tuple(tuple(p.shape) for _, p in named),
             tuple(p.numel() for _, p in named),
-            tuple(n in flipped for n, _ in named) if flipped else (),
+            tuple(n in flipped for n, _ in named),
         )
 
     @property

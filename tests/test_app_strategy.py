@@ -493,19 +493,6 @@ def test_the_noise_calibration_matches_the_budget_for_any_n() -> None:
 
 
 # ------------------------------------------------------------------ secure aggregation
-class SpyGrid(InProcessGrid):
-    """An in-process grid that keeps every reply the server receives."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.received: list[Message] = []
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = list(super().send_and_receive(messages, timeout=timeout))
-        self.received.extend(replies)
-        return replies
-
-
 def _secure_app(order: str) -> ClientApp:
     from flwr.client.mod import secaggplus_mod
 
@@ -520,7 +507,7 @@ def test_dp_mod_inside_secaggplus_mod_gives_the_server_the_exact_sum_only() -> N
     settings = {"algorithm": "clip", "clip": 0.5, "epsilon": 4.0, "delta": 1e-5, "clients_per_round": 4.0,
                 "secure_aggregation": True}  # fmt: skip
     strategy = DPFedAvg(**settings)
-    spy = SpyGrid(_secure_app("inside"), 6, {})
+    spy = InProcessGrid(_secure_app("inside"), 6, {})
     result = strategy.start(grid=spy, initial_arrays=initial_arrays(), num_rounds=1, train_config=lr())
     stats = strategy.history[1]
     assert stats.num_received == stats.num_sampled >= 2

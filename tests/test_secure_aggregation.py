@@ -180,9 +180,9 @@ def _survivors_model(cfg: RunConfig, in_sum: set[int], beta: float) -> np.ndarra
     return w0 - beta * total / cfg.clients_per_round
 
 
-def _run_flower(cfg: RunConfig, tmp_path, name: str, client=client_app, grid_cls=InProcessGrid, **grid_kwargs):
+def _run_flower(cfg: RunConfig, tmp_path, name: str, client=client_app, **grid_kwargs):
     cfg = cfg.replace(output_dir=str(tmp_path), run_name=name)
-    grid = grid_cls(client, cfg.num_clients, cfg.to_run_config(), **grid_kwargs)
+    grid = InProcessGrid(client, cfg.num_clients, cfg.to_run_config(), **grid_kwargs)
     return server_app.run(grid, cfg, plan=plan_for(cfg)).directory, grid
 
 
@@ -213,19 +213,6 @@ def test_secure_aggregate_is_the_unquantized_aggregate_within_the_stated_error(t
     assert error < 0.25 * bound
 
 
-class SpyGrid(InProcessGrid):
-    """An in-process grid that keeps every message the server receives."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.received: list[Message] = []
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = list(super().send_and_receive(messages, timeout=timeout))
-        self.received.extend(replies)
-        return replies
-
-
 def _arrays_in(msg: Message) -> list[np.ndarray]:
     """Every array a reply carries: array records, and bytes in config records decoded as numpy arrays."""
     out = []
@@ -251,7 +238,7 @@ def test_the_server_never_receives_an_individual_unmasked_update(tmp_path, monke
         "dpfedavg.server.dp_server.DPServer.finish_round",
         lambda *a, **k: pytest.fail("finish_round (per-client updates) called under secure aggregation"),
     )
-    out, grid = _run_flower(cfg, tmp_path, "spy", grid_cls=SpyGrid)
+    out, grid = _run_flower(cfg, tmp_path, "spy")
     assert (out / "model.npz").exists()
     task = build_task(cfg)
     strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_for(cfg))

@@ -102,7 +102,9 @@ class InProcessGrid(Grid):
             )
             for nid, pid in zip(ids, pids, strict=True)
         }
+        #: Every message the server sent and every reply it received (for tests that check what it saw).
         self.sent: list[Message] = []
+        self.received: list[Message] = []
         self._mailbox: dict[str, Message] = {}
 
     # -- the part Strategy.start uses -------------------------------------
@@ -124,6 +126,7 @@ class InProcessGrid(Grid):
         if self._shuffle:
             order = self._rng.permutation(len(replies))
             replies = [replies[i] for i in order]
+        self.received.extend(replies)
         return replies
 
     def _call(self, msg: Message) -> Message | None:
@@ -161,7 +164,9 @@ class InProcessGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """The replies that arrived for ``message_ids`` (each is returned once)."""
-        return [self._mailbox.pop(mid) for mid in list(message_ids) if mid in self._mailbox]
+        replies = [self._mailbox.pop(mid) for mid in list(message_ids) if mid in self._mailbox]
+        self.received.extend(replies)
+        return replies
 
 
 def _copy_message(msg: Message) -> Message:

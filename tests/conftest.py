@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -104,3 +105,12 @@ def dpfedavg_log():
         yield records
     finally:
         logger.removeHandler(handler)
+
+
+@pytest.fixture
+def dp_log(caplog):
+    """dpfedavg's log records (in an app its logger writes through Flower's handler and does not propagate)."""
+    logger = logging.getLogger("dpfedavg")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)

@@ -80,15 +80,6 @@ def _quick_start(monkeypatch) -> None:
     monkeypatch.setattr(AppDPFedAvg, "settle_seconds", 0.05)
 
 
-@pytest.fixture
-def dp_log(caplog):
-    """dpfedavg's log records (in an app its logger writes through Flower's handler and does not propagate)."""
-    logger = logging.getLogger("dpfedavg")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 def lr() -> ConfigRecord:
     """The user's train config (a fresh one: Flower's FedAvg writes 'server-round' into the one it is given)."""
     return ConfigRecord({"lr": 0.05})

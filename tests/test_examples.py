@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import logging
 import re
 import sys
 from pathlib import Path
@@ -107,15 +106,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield torch
     torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def dp_log(caplog):
-    """dpfedavg's log records (its logger writes through Flower's handler and does not propagate)."""
-    logger = logging.getLogger("dpfedavg")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def _run_main(folder: Path, server_app, client_app, overrides: str, nodes: int) -> dict:

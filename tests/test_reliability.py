@@ -207,18 +207,13 @@ def test_resume_errors_are_clear(tmp_path: Path) -> None:
         run_batched(_cfg(tmp_path, **{"run-name": "done", "resume": True}))
 
 
-def test_bad_resume_through_the_server_app_is_one_error_line(tmp_path: Path, caplog) -> None:
+def test_bad_resume_through_the_server_app_is_one_error_line(tmp_path: Path, dp_log) -> None:
     cfg = _cfg(tmp_path, resume=True)
     grid = InProcessGrid(client_app, 12, cfg.to_run_config())
     context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=cfg.to_run_config())
-    package = logging.getLogger("dpfedavg")  # the app routes it through Flower's handler (propagate = False)
-    package.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.ERROR):
-            server_app.main(grid, context)
-    finally:
-        package.removeHandler(caplog.handler)
-    errors = list({id(r): r for r in caplog.records if r.levelno >= logging.ERROR}.values())  # once if it propagates
+    with dp_log.at_level(logging.ERROR):
+        server_app.main(grid, context)
+    errors = list({id(r): r for r in dp_log.records if r.levelno >= logging.ERROR}.values())  # once if it propagates
     assert len(errors) == 1 and "no checkpoint" in errors[0].getMessage() and errors[0].exc_info is None
 
 

@@ -190,16 +190,32 @@ def test_nested_dp_mod_privatises_once() -> None:
         ({"noise-std": 0.0}, None, "noise-std"),
         ({"noise-multiplier": "nan"}, {"min-noise-multiplier": 1.0}, "noise-multiplier"),
         ({"noise-multiplier": float("nan")}, {"min-noise-multiplier": 1.0}, "noise-multiplier"),
-        ({"algorithm": "none", "noise-std": 0.0, "noise-multiplier": 0.0}, {"min-update-noise-multiplier": 0.5},
-         "min-update-noise-multiplier"),
+        (
+            {"algorithm": "none", "noise-std": 0.0, "noise-multiplier": 0.0},
+            {"min-update-noise-multiplier": 0.5},
+            "min-update-noise-multiplier",
+        ),
         ({"diagnostics": "false"}, None, "diagnostics"),
         ({"noise-placement": "server", "noise-std": 0.0}, {"secure-noise": True}, "allow-server-noise"),
-        ({"noise-placement": "client", "clients-per-round": 1e12, "noise-std": 2.0 / 1e6},
-         {"min-update-noise-multiplier": 0.5}, "min-update-noise-multiplier"),
+        (
+            {"noise-placement": "client", "clients-per-round": 1e12, "noise-std": 2.0 / 1e6},
+            {"min-update-noise-multiplier": 0.5},
+            "min-update-noise-multiplier",
+        ),
     ],
-    ids=["std-0-secure-noise", "std-1e-400-min-z", "std-minus-0-secure-noise", "z-2-std-0-min-z", "std-0-no-policy",
-         "z-nan-string", "z-nan-float", "algorithm-none-min-update-z", "diagnostics-string-false",
-         "server-placement-secure-noise", "huge-r"],  # fmt: skip
+    ids=[
+        "std-0-secure-noise",
+        "std-1e-400-min-z",
+        "std-minus-0-secure-noise",
+        "z-2-std-0-min-z",
+        "std-0-no-policy",
+        "z-nan-string",
+        "z-nan-float",
+        "algorithm-none-min-update-z",
+        "diagnostics-string-false",
+        "server-placement-secure-noise",
+        "huge-r",
+    ],
 )
 def test_server_chosen_noise_is_refused_by_dp_mod(changes: dict, node_config: dict | None, rule: str) -> None:
     """The client computes its own std from z, C, r, |S_k| and the placement; the server's values only compare."""
@@ -292,11 +308,19 @@ def test_secagg_content_as_train_default_gets_no_unmasked_vector_from_the_own_cl
         ({"noise-multiplier": 0.0}, {"secure-noise": True}, "secure-noise"),
         ({"algorithm": "none", "noise-multiplier": 0.0}, {"secure-noise": True}, "secure-noise"),
         ({"noise-placement": "server"}, {"secure-noise": True, "min-noise-multiplier": 0.5}, "allow-server-noise"),
-        ({"algorithm": "none", "noise-multiplier": 0.0}, {"min-update-noise-multiplier": 0.5},
-         "min-update-noise-multiplier"),
+        (
+            {"algorithm": "none", "noise-multiplier": 0.0},
+            {"min-update-noise-multiplier": 0.5},
+            "min-update-noise-multiplier",
+        ),
     ],
-    ids=["secure-noise-server-placement", "secure-noise-z-0", "secure-noise-algorithm-none",
-         "secure-noise-min-z-server-placement", "min-update-z-algorithm-none"],  # fmt: skip
+    ids=[
+        "secure-noise-server-placement",
+        "secure-noise-z-0",
+        "secure-noise-algorithm-none",
+        "secure-noise-min-z-server-placement",
+        "min-update-z-algorithm-none",
+    ],
 )
 def test_partial_policy_never_sends_an_un_noised_update(overrides: dict, node_config: dict, rule: str) -> None:
     """The run config (the server's) asks for a round without the client's noise: a policy with secure-noise or a

@@ -1,9 +1,9 @@
 """``dp_mod``: DP-FedAvg / DP-NormFedAvg around a Flower ClientApp's own train function.
 
 Flower's idiom for adding a privacy step to someone else's app is a *mod* (``flwr.clientapp.mod``):
-a function ``mod(msg, context, call_next)`` attached to one handler, ``@app.train(mods=[dp_mod])``.
-This one turns the user's unchanged train function into one sampled client of Alg. 1 / Alg. 2
-(Das et al., lines 4-10):
+a function ``mod(msg, context, call_next)`` attached to the whole app, ``ClientApp(mods=[dp_mod])`` (the safe
+pattern: it sees every message), or to one handler, ``@app.train(mods=[dp_mod])``. This one turns the user's
+unchanged train function into one sampled client of Alg. 1 / Alg. 2 (Das et al., lines 4-10):
 
 1. it hands the user's function the message as it arrived: the global model ``w_k`` in the user's
    own ``ArrayRecord`` (any keys, shapes and dtypes) and the round's ``ConfigRecord`` (the user's

@@ -367,3 +367,22 @@ def test_a_node_config_that_underflows_refuses_every_message_in_both_clients() -
     _assert_refused(_send(user_app("app"), "train", _user_train_message(), {"min-noise-multiplier": "1e-400"}),
                     "'1e-400'")  # fmt: skip
     assert NodePolicy.from_node_config({"secure-noise": "true", "min-noise-multiplier": "0.5"}).secure_noise
+
+
+def test_the_safe_pattern_finishes_a_run_under_the_strict_policy(monkeypatch) -> None:
+    """App-level dp_mod, every node with a policy that demands noise: DPFedAvg's honest rounds are all answered
+    (it evaluates on the server only and sends no evaluate message), so the ServerApp finishes its run."""
+    from dpfedavg import DPFedAvg
+    from dpfedavg.flower.app_strategy import AppDPFedAvg
+
+    monkeypatch.setattr(AppDPFedAvg, "settle_seconds", 0.05)
+    policy = {"secure-noise": True, "min-noise-multiplier": 0.5, "max-clip": 10.0, "allow-diagnostics": False}
+    strategy = DPFedAvg(algorithm="clip", clip=1.0, epsilon=0.0, noise_multiplier=1.0, clients_per_round=3.0,
+                        secure_noise=True)  # fmt: skip
+    grid = InProcessGrid(user_app("app"), 6, {}, node_config=policy)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord({"w": Array(np.zeros(50))}), num_rounds=3,
+                            train_config=ConfigRecord({"lr": 0.05}))  # fmt: skip
+    stats = [strategy.history[k] for k in (1, 2, 3)]
+    assert [(s.num_received, s.num_rejected, s.num_failed) for s in stats] == [(s.num_sampled, 0, 0) for s in stats]
+    assert np.all(np.isfinite(result.arrays["w"].numpy()))
+    assert not [m for m in grid.sent if m.metadata.message_type.startswith("evaluate")]

@@ -1,8 +1,8 @@
 """Flower ClientApp: read the message, call the core, reply. No math here.
 
-Every message the node answers passes through one app-level mod, :func:`node_guard`: train messages
-(``train``, ``train.default``) go to :func:`train`, whose instructions are checked once, by
-:func:`checked_instructions`, against the node's policy and the run config (in a SecAgg+ round, in the
+Every message the node answers passes through one app-level mod, ``node_guard``: train messages
+(``train``, ``train.default``) go to ``train``, whose instructions are checked once, by
+``checked_instructions``, against the node's policy and the run config (in a SecAgg+ round, in the
 protocol's masked-vector stage and nowhere else); the partition query is answered with the node's
 ``partition-id`` and ``num-partitions`` only (its public node config, no data); every other message
 (``evaluate*``, ``query.<action>``, any other type) is refused. SecAgg+ content is answered only as a
@@ -78,7 +78,7 @@ def node_guard(msg: Message, context: Context, call_next: ClientAppCallable) -> 
     """The one enforcement point of this ClientApp (an app-level mod: every message the node answers passes here).
 
     Train messages of any action Flower routes here go on (their instructions are checked by
-    :func:`checked_instructions`; SecAgg+ content only through the protocol, :func:`secure_aggregation_mod`);
+    ``checked_instructions``; SecAgg+ content only through the protocol, ``secure_aggregation_mod``);
     the partition query goes on (its reply holds the node's partition id and count, not data); any other
     message is refused: its reply could be a function of the node's data that nothing here makes private.
     """
@@ -163,8 +163,8 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
     """Flower's ``secaggplus_mod`` for the rounds the server runs through SecAgg+, a pass-through otherwise.
 
     ``secaggplus_mod`` handles the protocol's four stages (keys, shares, the masked vector, unmasking); in its
-    masked-vector stage it calls :func:`_secure_train`, quantizes the reply (exactly: it is already on the grid,
-    see :mod:`dpfedavg.core.secagg`), masks it and removes the unmasked arrays from the reply before it leaves
+    masked-vector stage it calls ``_secure_train``, quantizes the reply (exactly: it is already on the grid,
+    see ``dpfedavg.core.secagg``), masks it and removes the unmasked arrays from the reply before it leaves
     this node. Before that stage reaches the mod, the round's instructions are checked against the node's
     policy and the run config: a refused round is an error reply (the protocol then treats this node as
     dropped out), not a masked vector. SecAgg+ content in a ``train.<action>`` message (which ``secaggplus_mod``
@@ -207,7 +207,7 @@ def _run_config(context: Context) -> RunConfig:
 def _secure_train(msg: Message, cfg: RunConfig, client_id: int, ins: RoundInstructions) -> Message:
     """The masked-vector stage of SecAgg+ (called by ``secaggplus_mod`` only): ``g~ + zeta~`` as a legacy ``FitRes``.
 
-    ``ins`` are the round's instructions as :func:`secure_aggregation_mod` checked them. The reply is a legacy
+    ``ins`` are the round's instructions as ``secure_aggregation_mod`` checked them. The reply is a legacy
     ``FitRes`` holding only the encoded ``g~ + zeta~`` (weight ``num_examples = 1``: the server needs the plain
     sum); the mod masks it. No norms or other per-client metrics are sent.
     """
@@ -223,8 +223,8 @@ def train(msg: Message, context: Context) -> Message:
     """Alg. 1 / Alg. 2 lines 4-10 for this client: reply with ``g + zeta``, or refuse the round.
 
     The round's instructions are checked against this node's policy and the run config before anything
-    is trained (:mod:`dpfedavg.privacy.policy`); a refusal is an error reply naming the rule. SecAgg+
-    content is answered only inside the protocol (:func:`secure_aggregation_mod`), never here.
+    is trained (``dpfedavg.privacy.policy``); a refusal is an error reply naming the rule. SecAgg+
+    content is answered only inside the protocol (``secure_aggregation_mod``), never here.
     """
     setup_app_process()
     cfg = _run_config(context)

@@ -28,8 +28,8 @@ the same with ``C = eta C_paper``. With DP-NormFedAvg every client moves the ave
 **Its own noise.** The client computes its noise std itself from the round's public parameters,
 ``s = placement.client_std(z, C, r, |S_k|)`` (``z C / sqrt(|S_k|)`` with the default placement; Alg. 1 line 10),
 with ``z``, ``C`` and ``|S_k|`` from the instructions and the placement and ``r`` from the train config
-(:func:`public_parameters`); the server's ``noise-std`` is only compared with it, and a round whose
-``noise-std`` differs is refused (:func:`dpfedavg.privacy.policy.check_node_policy`).
+(``public_parameters``); the server's ``noise-std`` is only compared with it, and a round whose
+``noise-std`` differs is refused (``dpfedavg.privacy.policy.check_node_policy``).
 
 **Every message type.** Flower routes ``train`` and ``train.<action>`` to train handlers, ``evaluate*`` and
 ``query*`` to theirs. ``dp_mod`` privatises every train message, whatever the action, by the same path; as an
@@ -113,7 +113,7 @@ _HANDLING: ContextVar[bool] = ContextVar("dp_mod_handling", default=False)
 
 
 def public_parameters(cfg: RunConfig) -> dict[str, str | float]:
-    """The train-config entries :func:`dp_mod` needs besides the instructions: the placement and ``r``."""
+    """The train-config entries ``dp_mod`` needs besides the instructions: the placement and ``r``."""
     return {NOISE_PLACEMENT: cfg.noise_placement, CLIENTS_PER_ROUND: float(cfg.clients_per_round)}
 
 
@@ -122,7 +122,7 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
 
     Attach it to the whole app, ``ClientApp(mods=[dp_mod])``, so that it sees every message the node
     answers (or to each train handler, ``@app.train(mods=[dp_mod])``), with dpfedavg's
-    :class:`~dpfedavg.DPFedAvg` as the ServerApp's strategy. Every train message (``train`` or
+    ``DPFedAvg`` as the ServerApp's strategy. Every train message (``train`` or
     ``train.<action>``) is privatised; evaluate, query and any other message goes to the user's handler
     without a node policy, and is refused under one (evaluate unless ``allow-evaluate = true``).
     It should be the last mod to touch the arrays (the innermost one); under SecAgg+ it goes inside
@@ -229,7 +229,7 @@ def _instructions(config: ConfigRecord, context: Context, msg: Message, *, secur
     """The round's instructions as this client follows them: its own noise std, checked against its policy.
 
     Every train message ``dp_mod`` answers passes here (plain and SecAgg+). ``ValueError`` saying which key is
-    missing; :class:`~dpfedavg.privacy.policy.RoundRefused` naming the rule a round breaks or the value that
+    missing; ``RoundRefused`` naming the rule a round breaks or the value that
     does not parse.
     """
     try:

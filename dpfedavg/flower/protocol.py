@@ -133,7 +133,7 @@ def _float(record: ConfigRecord, key: str, default: float | None = None) -> floa
 
 
 def instructions_from_config_record(record: ConfigRecord) -> RoundInstructions:
-    """The inverse of :func:`instructions_to_config_record` (on the client), read strictly.
+    """The inverse of ``instructions_to_config_record`` (on the client), read strictly.
 
     Every value must have the type the server writes: integers for the round, ``E``, the seed and ``|S_k|``,
     finite numbers for the floats (a string such as ``'nan'`` or ``'1e-400'`` is refused, not converted), a

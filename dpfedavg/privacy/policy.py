@@ -16,7 +16,7 @@ A policy that states a floor (``min-noise-multiplier``, ``min-update-noise-multi
 ``max-epsilon``) or ``secure-noise`` means "this node never sends an un-noised update": it refuses
 ``algorithm = none``, ``z = 0``, a ``z`` that is not a finite number and the ``server`` placement (whose
 clients send their clean clipped update), the last unless ``allow-server-noise = true`` says the operator
-trusts the server with central DP (:meth:`NodePolicy.demands_noise`, :func:`check_noise_demand`).
+trusts the server with central DP (``NodePolicy.demands_noise``, ``check_noise_demand``).
 
 What a client cannot check: which rounds it is sampled in (the server could sample it more often than
 ``q``), ``|S_k|`` itself (bounded only by ``min-update-noise-multiplier``), the model ``w_k`` it is sent, and
@@ -271,9 +271,9 @@ def _close(a: float, b: float) -> bool:
 
 
 def check_noise_demand(policy: NodePolicy, ins: RoundInstructions, placement: str) -> None:
-    """Under a policy that demands noise (:attr:`NodePolicy.demands_noise`), the update must carry its own.
+    """Under a policy that demands noise (``NodePolicy.demands_noise``), the update must carry its own.
 
-    Refuses (:class:`RoundRefused` naming the policy's key) an algorithm without a bound (``none``: the raw
+    Refuses (``RoundRefused`` naming the policy's key) an algorithm without a bound (``none``: the raw
     update), a noise multiplier that is not a finite number > 0 (``z = 0``, NaN, inf), and the ``server``
     placement unless ``allow-server-noise = true`` (there each client sends its clean clipped ``g``).
     """
@@ -435,7 +435,7 @@ def check_node_policy(
     placement: str,
     clients_per_round: float,
 ) -> RoundInstructions:
-    """:func:`check_round` for a client without a run config (``dp_mod`` in a user's own app).
+    """``check_round`` for a client without a run config (``dp_mod`` in a user's own app).
 
     The node's rules, then this client's own noise share from the round's public parameters (Alg. 1 line 10):
     ``s = placement.client_std(z, C, r, |S_k|)`` with ``C`` the round's bound (``C_aug = sqrt(C_k^2 + s_b^2/4)``

@@ -18,7 +18,7 @@ from dpfedavg import ConfigError, DPFedAvg, InProcessGrid, RunConfig, TrainingSt
 from dpfedavg.core import Stream, make_rng, poisson_sample
 from dpfedavg.flower.app_strategy import AppDPFedAvg
 from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch
-from dpfedavg.flower.mod import CLIENT_ID
+from dpfedavg.flower.mod import CLIENT_ID, public_parameters
 from dpfedavg.flower.protocol import REFUSED, instructions_to_config_record
 from dpfedavg.flower.testing import ensure_task_identity
 from dpfedavg.io.metrics import RoundStats
@@ -91,9 +91,12 @@ def _train_message(arrays: ArrayRecord, **settings) -> Message:
     ensure_task_identity()
     values = {"algorithm": "clip", "clip": 1.0, "num_clients": 10, "clients_per_round": 5.0, "epsilon": 0.0,
               "server_lr": 1.0, **settings}  # fmt: skip
-    server = DPServer(RunConfig(**values), ArrayLayout.of(arrays).dim)
+    cfg = RunConfig(**values)
+    server = DPServer(cfg, ArrayLayout.of(arrays).dim)
     config = instructions_to_config_record(server.instructions(2, 5))
     config["lr"], config[CLIENT_ID] = 0.05, 3
+    for key, value in public_parameters(cfg).items():
+        config[key] = value
     return Message(RecordDict({"arrays": arrays, "config": config}), dst_node_id=5, message_type=MessageType.TRAIN)
 
 
@@ -509,6 +512,8 @@ def test_dp_mod_inside_secaggplus_mod_gives_the_server_the_exact_sum_only() -> N
     nodes = sorted(spy.get_node_ids())
     config = instructions_to_config_record(opened.instructions)
     config["lr"] = 0.05
+    for key, value in public_parameters(strategy.cfg).items():
+        config[key] = value
     encoded = []
     for client in opened.clients:
         node = nodes[int(client)]

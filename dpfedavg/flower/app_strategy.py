@@ -48,7 +48,7 @@ from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.errors import ConfigError
 from dpfedavg.flower.arrays import ArrayLayout
 from dpfedavg.flower.federation import FederationError
-from dpfedavg.flower.mod import ARRAY_KEYS, CLIENT_ID
+from dpfedavg.flower.mod import ARRAY_KEYS, CLIENT_ID, public_parameters
 from dpfedavg.flower.protocol import (
     ARRAYS,
     CONFIG,
@@ -483,7 +483,12 @@ class AppDPFedAvg(DPFedAvg):
         clock = time.perf_counter()
         train_config = ConfigRecord() if train_config is None else train_config
         self._setup(grid, initial_arrays, num_rounds)
-        round_keys = {*instructions_to_config_record(self._probe_instructions()), CLIENT_ID} - {"server-round"}
+        round_keys = {
+            *instructions_to_config_record(self._probe_instructions()),
+            *public_parameters(self.cfg),
+            CLIENT_ID,
+        }
+        round_keys -= {"server-round"}
         reserved = sorted(set(train_config) & round_keys)  # "server-round" means the same as Flower's FedAvg's
         if reserved:
             raise ConfigError(f"train_config keys {reserved} are set by DPFedAvg for each round; rename them")
@@ -604,6 +609,8 @@ class AppDPFedAvg(DPFedAvg):
             logger.warning("Round %d: %d sampled clients are not connected (dropouts)", server_round, len(offline))
         train_config = ConfigRecord(dict(config))
         for key, value in instructions_to_config_record(instructions).items():
+            train_config[key] = value
+        for key, value in public_parameters(self.cfg).items():  # dp_mod computes its own noise std from these
             train_config[key] = value
         return train_config
 

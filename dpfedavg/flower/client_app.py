@@ -1,4 +1,13 @@
-"""Flower ClientApp: read the message, call the core, reply. No math here."""
+"""Flower ClientApp: read the message, call the core, reply. No math here.
+
+Every message the node answers passes through one app-level mod, ``node_guard``: train messages
+(``train``, ``train.default``) go to ``train``, whose instructions are checked once, by
+``checked_instructions``, against the node's policy and the run config (in a SecAgg+ round, in the
+protocol's masked-vector stage and nowhere else); the partition query is answered with the node's
+``partition-id`` and ``num-partitions`` only (its public node config, no data); every other message
+(``evaluate*``, ``query.<action>``, any other type) is refused. SecAgg+ content is answered only as a
+``train`` message inside Flower's protocol, whose masked-vector stage masks the vector.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +15,7 @@ import logging
 from functools import lru_cache
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.app.error import Error
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
@@ -42,8 +51,6 @@ from dpfedavg.flower.runtime import setup_app_process
 from dpfedavg.privacy.policy import NodePolicy, PolicyError, RoundRefused, check_round
 from dpfedavg.tasks import Task, build_task, task_hooks
 
-app = ClientApp()
-
 logger = logging.getLogger(__name__)
 
 
@@ -59,8 +66,32 @@ def _policy(items: tuple[tuple[str, object], ...]) -> NodePolicy:
 
 def refusal(msg: Message, reason: str) -> Message:
     """The error reply of a refused round (:data:`~dpfedavg.flower.protocol.REFUSED`): the server counts a rejection."""
-    logger.warning("refusing a TRAIN message: %s", reason)
+    logger.warning("refusing a %r message: %s", msg.metadata.message_type, reason)
     return Message(Error(code=REFUSED, reason=reason), reply_to=msg)
+
+
+#: The message types this ClientApp answers besides train ones: the partition query (Flower's default action).
+_QUERY_TYPES = (MessageType.QUERY, f"{MessageType.QUERY}.default")
+
+
+def node_guard(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """The one enforcement point of this ClientApp (an app-level mod: every message the node answers passes here).
+
+    Train messages of any action Flower routes here go on (their instructions are checked by
+    ``checked_instructions``; SecAgg+ content only through the protocol, ``secure_aggregation_mod``);
+    the partition query goes on (its reply holds the node's partition id and count, not data); any other
+    message is refused: its reply could be a function of the node's data that nothing here makes private.
+    """
+    message_type = msg.metadata.message_type
+    if message_type.split(".", 1)[0] == MessageType.TRAIN or message_type in _QUERY_TYPES:
+        return call_next(msg, context)
+    return refusal(
+        msg,
+        f"refused: this node answers train messages (privatised) and the partition query only, not {message_type!r}",
+    )
+
+
+app = ClientApp(mods=[node_guard])
 
 
 def checked_instructions(record: object, context: Context, cfg: RunConfig, *, secure_round: bool) -> RoundInstructions:
@@ -119,7 +150,11 @@ def _round_grad_fn(cfg: RunConfig, client_id: int, server_round: int) -> GradFn:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Report this node's client id so the server can sample by client."""
+    """Report this node's client id so the server can sample by client.
+
+    The reply is the node's ``partition-id`` and ``num-partitions`` (its public node config), whatever the
+    message holds: no function of the node's data, so it is answered under any policy.
+    """
     pid, num = _partition(context)
     return Message(RecordDict({METRICS: MetricRecord({PARTITION_ID: pid, NUM_PARTITIONS: num})}), reply_to=msg)
 
@@ -127,40 +162,57 @@ def query(msg: Message, context: Context) -> Message:
 def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower's ``secaggplus_mod`` for the rounds the server runs through SecAgg+, a pass-through otherwise.
 
-    ``secaggplus_mod`` handles the protocol's four stages (keys, shares, the
-    masked vector, unmasking); in its masked-vector stage it calls
-    :func:`train`, quantizes the reply (exactly: it is already on the grid, see
-    :mod:`dpfedavg.core.secagg`), masks it and removes the unmasked arrays
-    from the reply before it leaves this node. Before that stage reaches the mod, the round's
-    instructions are checked against the node's policy and the run config: a refused round is an error
-    reply (the protocol then treats this node as dropped out), not a masked vector.
+    ``secaggplus_mod`` handles the protocol's four stages (keys, shares, the masked vector, unmasking); in its
+    masked-vector stage it calls ``_secure_train``, quantizes the reply (exactly: it is already on the grid,
+    see ``dpfedavg.core.secagg``), masks it and removes the unmasked arrays from the reply before it leaves
+    this node. Before that stage reaches the mod, the round's instructions are checked against the node's
+    policy and the run config: a refused round is an error reply (the protocol then treats this node as
+    dropped out), not a masked vector. SecAgg+ content in a ``train.<action>`` message (which ``secaggplus_mod``
+    would pass through unmasked) is refused, and the plain train handler never answers SecAgg+ content.
     """
     configs = msg.content.config_records.get(RECORD_KEY_CONFIGS) if not msg.has_error() else None
     if configs is None:
         return call_next(msg, context)
-    if configs.get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS:
-        try:
-            fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
-            checked_instructions(fitins.config, context, _run_config(context), secure_round=True)
-        except (RoundRefused, PolicyError) as err:
-            return refusal(msg, str(err))
-    return secaggplus_mod(msg, context, call_next)
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return refusal(
+            msg,
+            f"refused: a {msg.metadata.message_type!r} message with SecAgg+ content; SecAgg+ rounds are answered "
+            "only as 'train' messages inside the protocol, whose masked-vector stage masks the vector",
+        )
+    if configs.get(Key.STAGE) != Stage.COLLECT_MASKED_VECTORS:
+        return secaggplus_mod(msg, context, _no_training_outside_the_masked_vector_stage)
+    setup_app_process()
+    cfg = _run_config(context)
+    client_id, _ = _partition(context)
+    try:
+        fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+        ins = checked_instructions(fitins.config, context, cfg, secure_round=True)
+    except (RoundRefused, PolicyError) as err:
+        return refusal(msg, str(err))
+
+    def masked_vector(inner: Message, ctxt: Context) -> Message:
+        return _secure_train(inner, cfg, client_id, ins)
+
+    return secaggplus_mod(msg, context, masked_vector)
+
+
+def _no_training_outside_the_masked_vector_stage(msg: Message, context: Context) -> Message:
+    raise RuntimeError("secaggplus_mod trains only in its masked-vector stage")
 
 
 def _run_config(context: Context) -> RunConfig:
     return _config(tuple(sorted(context.run_config.items())))
 
 
-def _secure_train(msg: Message, context: Context, cfg: RunConfig, client_id: int) -> Message:
-    """The masked-vector stage of SecAgg+: the round's instructions arrive as legacy ``FitIns``.
+def _secure_train(msg: Message, cfg: RunConfig, client_id: int, ins: RoundInstructions) -> Message:
+    """The masked-vector stage of SecAgg+ (called by ``secaggplus_mod`` only): ``g~ + zeta~`` as a legacy ``FitRes``.
 
-    The reply is a legacy ``FitRes`` holding only the encoded ``g~ + zeta~``
-    (weight ``num_examples = 1``: the server needs the plain sum); the mod
-    masks it. No norms or other per-client metrics are sent.
+    ``ins`` are the round's instructions as ``secure_aggregation_mod`` checked them. The reply is a legacy
+    ``FitRes`` holding only the encoded ``g~ + zeta~`` (weight ``num_examples = 1``: the server needs the plain
+    sum); the mod masks it. No norms or other per-client metrics are sent.
     """
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     (w,) = parameters_to_ndarrays(fitins.parameters)
-    ins = checked_instructions(fitins.config, context, cfg, secure_round=True)  # checked by the mod already
     result = client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([result.noisy]), num_examples=1, metrics={})
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
@@ -171,13 +223,14 @@ def train(msg: Message, context: Context) -> Message:
     """Alg. 1 / Alg. 2 lines 4-10 for this client: reply with ``g + zeta``, or refuse the round.
 
     The round's instructions are checked against this node's policy and the run config before anything
-    is trained (:mod:`dpfedavg.privacy.policy`); a refusal is an error reply naming the rule.
+    is trained (``dpfedavg.privacy.policy``); a refusal is an error reply naming the rule. SecAgg+
+    content is answered only inside the protocol (``secure_aggregation_mod``), never here.
     """
     setup_app_process()
     cfg = _run_config(context)
     client_id, _ = _partition(context)
     if RECORD_KEY_CONFIGS in msg.content.config_records:
-        return _secure_train(msg, context, cfg, client_id)
+        return refusal(msg, "refused: SecAgg+ content outside the protocol's masked-vector stage")
     try:
         ins = checked_instructions(msg.content.config_records.get(CONFIG), context, cfg, secure_round=False)
         w = from_array_record(msg.content.array_records[ARRAYS])

@@ -1,9 +1,9 @@
 """``dp_mod``: DP-FedAvg / DP-NormFedAvg around a Flower ClientApp's own train function.
 
 Flower's idiom for adding a privacy step to someone else's app is a *mod* (``flwr.clientapp.mod``):
-a function ``mod(msg, context, call_next)`` attached to one handler, ``@app.train(mods=[dp_mod])``.
-This one turns the user's unchanged train function into one sampled client of Alg. 1 / Alg. 2
-(Das et al., lines 4-10):
+a function ``mod(msg, context, call_next)`` attached to the whole app, ``ClientApp(mods=[dp_mod])`` (the safe
+pattern: it sees every message), or to one handler, ``@app.train(mods=[dp_mod])``. This one turns the user's
+unchanged train function into one sampled client of Alg. 1 / Alg. 2 (Das et al., lines 4-10):
 
 1. it hands the user's function the message as it arrived: the global model ``w_k`` in the user's
    own ``ArrayRecord`` (any keys, shapes and dtypes) and the round's ``ConfigRecord`` (the user's
@@ -25,8 +25,20 @@ train function runs ``E`` steps at learning rate ``eta`` and would be clipped at
 the same with ``C = eta C_paper``. With DP-NormFedAvg every client moves the average by exactly ``C``
 (times the server's step, 1 by default) before noise.
 
-Evaluate and query messages go straight to the user's handlers. A numpy-only client (no gradients,
-any update rule that returns new weights) works the same way.
+**Its own noise.** The client computes its noise std itself from the round's public parameters,
+``s = placement.client_std(z, C, r, |S_k|)`` (``z C / sqrt(|S_k|)`` with the default placement; Alg. 1 line 10),
+with ``z``, ``C`` and ``|S_k|`` from the instructions and the placement and ``r`` from the train config
+(``public_parameters``); the server's ``noise-std`` is only compared with it, and a round whose
+``noise-std`` differs is refused (``dpfedavg.privacy.policy.check_node_policy``).
+
+**Every message type.** Flower routes ``train`` and ``train.<action>`` to train handlers, ``evaluate*`` and
+``query*`` to theirs. ``dp_mod`` privatises every train message, whatever the action, by the same path; as an
+app-level mod, ``ClientApp(mods=[dp_mod])``, it also sees every evaluate and query message, and under a node
+policy (any policy key in the node config) it refuses them, evaluation unless the operator sets
+``allow-evaluate = true`` (the reply is the user's metrics of the node's data, without noise). Without a
+policy they go straight to the user's handlers. A ``dp_mod`` both at the app level and on a handler
+privatises once (the outer one). A numpy-only client (no gradients, any update rule that returns new weights)
+works the same way.
 
 **Secure aggregation.** Under Flower's SecAgg+ the mod goes *inside* Flower's mod,
 ``@app.train(mods=[secaggplus_mod, dp_mod])``: ``secaggplus_mod`` runs the protocol's stages and calls
@@ -34,7 +46,9 @@ any update rule that returns new weights) works the same way.
 layout; ``dp_mod`` rebuilds the user's ``ArrayRecord`` (the server sends the keys), calls the user's
 function, encodes ``g + zeta`` on the round's grid (discrete Gaussian noise) and returns it for
 masking. The user's metrics are dropped there: the server must see the sum only. The other order is
-refused with an error reply naming the right one.
+refused with an error reply naming the right one, and so is SecAgg+ content that did not come through
+the protocol's masked-vector stage (a ``train.<action>`` message, which ``secaggplus_mod`` passes through
+unmasked, or an app without ``secaggplus_mod``).
 
 Errors (a message without the round's instructions, a reply whose arrays are not the model's, local
 training that diverged) become error *replies* (``Message(Error(...), reply_to=msg)``), as in Flower's
@@ -45,16 +59,18 @@ from __future__ import annotations
 
 import json
 import logging
+from contextvars import ContextVar
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.common.constant import ErrorCode
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Stage
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from flwr.compat.common import recorddict_compat as compat
 
+from dpfedavg.config import RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED, private_block_update
 from dpfedavg.core.noise import round_noise_law
 from dpfedavg.core.seeding import noise_rng
@@ -75,9 +91,9 @@ from dpfedavg.flower.protocol import (
     to_array_record,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
-from dpfedavg.privacy.policy import PolicyError, RoundRefused, check_node_policy
+from dpfedavg.privacy.policy import NodePolicy, PolicyError, RoundRefused, check_node_policy
 
-__all__ = ["ARRAY_KEYS", "CLIENT_ID", "dp_mod"]
+__all__ = ["ARRAY_KEYS", "CLIENT_ID", "CLIENTS_PER_ROUND", "NOISE_PLACEMENT", "dp_mod", "public_parameters"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,39 +102,94 @@ CLIENT_ID = "client-id"
 #: Train-config key under secure aggregation: the model's array keys as a JSON list, in the order of the legacy
 #: ``FitIns`` parameters (which carry no keys; a legacy config holds no lists).
 ARRAY_KEYS = "array-keys"
+#: Train-config keys: the run's public parameters a client computes its own noise share from (with ``z``, ``C``
+#: and ``|S_k|`` of the instructions): the noise placement and the expected cohort ``r``.
+NOISE_PLACEMENT = "noise-placement"
+CLIENTS_PER_ROUND = "clients-per-round"
 
 _NAME = "dp_mod"
+#: Set while a ``dp_mod`` handles a message: an inner ``dp_mod`` (app-level and per-handler) passes it on.
+_HANDLING: ContextVar[bool] = ContextVar("dp_mod_handling", default=False)
+
+
+def public_parameters(cfg: RunConfig) -> dict[str, str | float]:
+    """The train-config entries ``dp_mod`` needs besides the instructions: the placement and ``r``."""
+    return {NOISE_PLACEMENT: cfg.noise_placement, CLIENTS_PER_ROUND: float(cfg.clients_per_round)}
 
 
 def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Make the wrapped train function one client of DP-FedAvg / DP-NormFedAvg (Alg. 1 / 2, lines 4-10).
 
-    Attach it to the train handler, ``@app.train(mods=[dp_mod])``, with dpfedavg's
-    :class:`~dpfedavg.DPFedAvg` as the ServerApp's strategy. Non-TRAIN messages pass through untouched.
+    Attach it to the whole app, ``ClientApp(mods=[dp_mod])``, so that it sees every message the node
+    answers (or to each train handler, ``@app.train(mods=[dp_mod])``), with dpfedavg's
+    ``DPFedAvg`` as the ServerApp's strategy. Every train message (``train`` or
+    ``train.<action>``) is privatised; evaluate, query and any other message goes to the user's handler
+    without a node policy, and is refused under one (evaluate unless ``allow-evaluate = true``).
     It should be the last mod to touch the arrays (the innermost one); under SecAgg+ it goes inside
     Flower's mod: ``mods=[secaggplus_mod, dp_mod]``.
 
     Parameters
     ----------
     msg:
-        The TRAIN message: one ``ArrayRecord`` (the model ``w_k``) and one ``ConfigRecord`` (the user's
-        keys and the round's instructions: ``algorithm``, ``clip``, ``noise-std``, ``noise-seed``, ...).
+        The message. A train message has one ``ArrayRecord`` (the model ``w_k``) and one ``ConfigRecord``
+        (the user's keys and the round's instructions: ``algorithm``, ``clip``, ``noise-multiplier``,
+        ``cohort-size``, ``noise-placement``, ``clients-per-round``, ``noise-std``, ``noise-seed``, ...).
     context:
         The ClientApp's context: its ``node_config`` holds the operator's privacy policy
         (:mod:`dpfedavg.privacy.policy`; e.g. ``secure-noise = true`` draws the noise from the OS CSPRNG whatever
-        the server asks, ``min-noise-multiplier`` refuses rounds with less noise). ``max-epsilon`` needs the run
-        config, which your app's clients do not have: it refuses every round here.
+        the server asks and never sends an un-noised update, ``min-noise-multiplier`` refuses rounds with less
+        noise). ``max-epsilon`` needs the run config, which your app's clients do not have: it refuses every
+        round here.
     call_next:
-        The user's train function (and any inner mods).
+        The user's handler (and any inner mods).
 
     Returns
     -------
     Message
-        ``{"arrays": {"update": g + zeta}, "metrics": the user's metrics + num-examples (+ update-norm
-        in seeded mode)}``, or an error reply saying what is wrong.
+        For a train message ``{"arrays": {"update": g + zeta}, "metrics": the user's metrics + num-examples
+        (+ update-norm in seeded mode)}``; the user's reply for a message it lets through; or an error reply
+        saying what is wrong or which rule refuses it.
     """
-    if msg.metadata.message_type != MessageType.TRAIN:
+    if _HANDLING.get():
         return call_next(msg, context)
+    token = _HANDLING.set(True)
+    try:
+        return _answer(msg, context, call_next)
+    finally:
+        _HANDLING.reset(token)
+
+
+def _answer(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """The one place every message through ``dp_mod`` is answered: privatised (train), let through or refused."""
+    try:
+        policy = node_policy(context)
+    except PolicyError as err:
+        return _refused(msg, str(err))
+    category = msg.metadata.message_type.split(".", 1)[0]
+    if category == MessageType.TRAIN:
+        return _train(msg, context, call_next)
+    if not policy.active:
+        return call_next(msg, context)
+    if category == MessageType.EVALUATE and policy.allow_evaluate:
+        return call_next(msg, context)
+    return _refused(msg, _not_answered(msg.metadata.message_type, category, policy))
+
+
+def _not_answered(message_type: str, category: str, policy: NodePolicy) -> str:
+    """Why a message that is not a train message is refused under a node policy."""
+    if category == MessageType.EVALUATE:
+        return (
+            f"refused by this node's policy (allow-evaluate): a {message_type!r} message's reply is the user's "
+            "metrics of this node's data without noise; the node answers it only with allow-evaluate = true"
+        )
+    return (
+        f"refused by this node's policy ({', '.join(policy.stated)}): a {message_type!r} message is neither a train "
+        "message (privatised) nor an evaluate message (allow-evaluate); this node answers no other under a policy"
+    )
+
+
+def _train(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """A train message of any action: Alg. 1 / 2 lines 4-10 on the user's reply, or a refusal."""
     if RECORD_KEY_CONFIGS in msg.content.config_records:
         return _secure_train(msg, context, call_next)
     content = msg.content
@@ -155,15 +226,30 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
 
 
 def _instructions(config: ConfigRecord, context: Context, msg: Message, *, secure_round: bool) -> RoundInstructions:
-    """The round's instructions from the train config; ``ValueError`` saying which key is missing."""
+    """The round's instructions as this client follows them: its own noise std, checked against its policy.
+
+    Every train message ``dp_mod`` answers passes here (plain and SecAgg+). ``ValueError`` saying which key is
+    missing; ``RoundRefused`` naming the rule a round breaks or the value that
+    does not parse.
+    """
     try:
         ins = instructions_from_config_record(config)
+        placement, r = config[NOISE_PLACEMENT], config[CLIENTS_PER_ROUND]
     except KeyError as err:
         raise ValueError(
             f"the train config lacks {err}: the ServerApp's strategy must be dpfedavg's DPFedAvg, which sends "
             "each round's clip and noise (with another strategy there is nothing to make private)"
         ) from None
-    return check_node_policy(node_policy(context), ins, secure_round=secure_round)
+    except ValueError as err:
+        raise RoundRefused("instructions", f"the round's instructions do not parse ({err})", policy=False) from None
+    if not isinstance(placement, str) or isinstance(r, bool) or not isinstance(r, (int, float)):
+        raise RoundRefused(
+            "instructions", f"{NOISE_PLACEMENT!r} = {placement!r} and {CLIENTS_PER_ROUND!r} = {r!r}: expected a "
+            "placement name and a number", policy=False,
+        )  # fmt: skip
+    return check_node_policy(
+        node_policy(context), ins, secure_round=secure_round, placement=placement, clients_per_round=float(r)
+    )
 
 
 def _client_id(config: ConfigRecord, msg: Message) -> int:
@@ -233,6 +319,12 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
             "a SecAgg+ message reached dp_mod before secaggplus_mod: put dp_mod inside it, "
             "@app.train(mods=[secaggplus_mod, dp_mod])",
         )
+    if not _in_masked_vector_stage(msg, context):
+        return _refused(
+            msg,
+            f"refused: a {msg.metadata.message_type!r} message with SecAgg+ content outside the protocol's "
+            "masked-vector stage (only a 'train' message through secaggplus_mod is answered; its vector is masked)",
+        )
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     config = ConfigRecord({k: v for k, v in fitins.config.items() if k != ARRAY_KEYS})  # type: ignore[misc]
     arrays = parameters_to_ndarrays(fitins.parameters)
@@ -264,3 +356,16 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
         return _error(msg, str(err))
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([update.noisy]), num_examples=1, metrics={})
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+
+
+def _in_masked_vector_stage(msg: Message, context: Context) -> bool:
+    """Whether ``secaggplus_mod`` called this in its masked-vector stage (then it masks what ``dp_mod`` returns).
+
+    It runs the protocol for the exact type ``train`` only (``train.<action>`` passes through it unmasked),
+    pops the stage key before it calls the inner app, and saves the stage it enters only after that call:
+    during it the node's saved SecAgg+ state is still at the key-sharing stage.
+    """
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return False
+    state = context.state.config_records.get(RECORD_KEY_STATE)
+    return state is not None and state.get("current_stage") == Stage.SHARE_KEYS

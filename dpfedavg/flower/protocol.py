@@ -116,22 +116,50 @@ def instructions_to_config_record(ins: RoundInstructions) -> ConfigRecord:
     )
 
 
+def _int(record: ConfigRecord, key: str, default: int | None = None) -> int:
+    """``record[key]``, which must be an int (not a bool, a float or a string); ``ValueError`` naming it."""
+    value = record.get(key, default) if default is not None else record[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key!r} = {value!r} is not an integer")
+    return value
+
+
+def _float(record: ConfigRecord, key: str, default: float | None = None) -> float:
+    """``record[key]``, which must be a finite int or float (not a bool or a string); ``ValueError`` naming it."""
+    value = record.get(key, default) if default is not None else record[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key!r} = {value!r} is not a finite number")
+    return float(value)
+
+
 def instructions_from_config_record(record: ConfigRecord) -> RoundInstructions:
-    """The inverse of :func:`instructions_to_config_record` (on the client)."""
+    """The inverse of ``instructions_to_config_record`` (on the client), read strictly.
+
+    Every value must have the type the server writes: integers for the round, ``E``, the seed and ``|S_k|``,
+    finite numbers for the floats (a string such as ``'nan'`` or ``'1e-400'`` is refused, not converted), a
+    bool for ``diagnostics`` (the string ``'false'`` would be true). ``KeyError`` for a missing key,
+    ``ValueError`` naming a mistyped one.
+    """
+    diagnostics = record["diagnostics"]
+    if not isinstance(diagnostics, bool):
+        raise ValueError(f"'diagnostics' = {diagnostics!r} is not a bool")
+    algorithm = record["algorithm"]
+    if not isinstance(algorithm, str):
+        raise ValueError(f"'algorithm' = {algorithm!r} is not a string")
     return RoundInstructions(
-        server_round=int(record["server-round"]),
-        local_lr=float(record["local-lr"]),
-        local_steps=int(record["local-steps"]),
-        algorithm=str(record["algorithm"]),
-        clip=float(record["clip"]),
-        noise_std=float(record["noise-std"]),
-        noise_seed=int(record["noise-seed"]),
-        diagnostics=bool(record["diagnostics"]),
-        secagg_step=float(record.get("secagg-step", 0.0)),
-        secagg_range=float(record.get("secagg-range", 0.0)),
-        count_scale=float(record.get("count-scale", 0.0)),
-        noise_multiplier=float(record.get("noise-multiplier", 0.0)),
-        cohort_size=int(record.get("cohort-size", 0)),
+        server_round=_int(record, "server-round"),
+        local_lr=_float(record, "local-lr"),
+        local_steps=_int(record, "local-steps"),
+        algorithm=algorithm,
+        clip=_float(record, "clip"),
+        noise_std=_float(record, "noise-std"),
+        noise_seed=_int(record, "noise-seed"),
+        diagnostics=diagnostics,
+        secagg_step=_float(record, "secagg-step", 0.0),
+        secagg_range=_float(record, "secagg-range", 0.0),
+        count_scale=_float(record, "count-scale", 0.0),
+        noise_multiplier=_float(record, "noise-multiplier", 0.0),
+        cohort_size=_int(record, "cohort-size", 0),
     )
 
 

@@ -1,4 +1,4 @@
-"""The SuperNode operator's privacy policy, checked by the client before it trains (issue 29).
+"""The SuperNode operator's privacy policy, checked by the client before it trains.
 
 The person who runs a SuperNode agrees to take part under some conditions and states them in the
 node's ``--node-config`` (:data:`POLICY_KEYS`); the ClientApp checks every round's instructions against
@@ -12,6 +12,12 @@ parameters, it does, and the server's ``noise-std`` is only compared with it:
 with ``z`` and ``|S_k|`` from the instructions, the placement and ``r`` from the run config, ``C`` the round's
 bound (``C_aug = sqrt(C_k^2 + s_b^2 / 4)`` with adaptive clipping, ``s_b`` recomputed here too).
 
+A policy that states a floor (``min-noise-multiplier``, ``min-update-noise-multiplier``, ``max-clip``,
+``max-epsilon``) or ``secure-noise`` means "this node never sends an un-noised update": it refuses
+``algorithm = none``, ``z = 0``, a ``z`` that is not a finite number and the ``server`` placement (whose
+clients send their clean clipped update), the last unless ``allow-server-noise = true`` says the operator
+trusts the server with central DP (``NodePolicy.demands_noise``, ``check_noise_demand``).
+
 What a client cannot check: which rounds it is sampled in (the server could sample it more often than
 ``q``), ``|S_k|`` itself (bounded only by ``min-update-noise-multiplier``), the model ``w_k`` it is sent, and
 anything the SuperLink's operator does to the run config itself (the policy is the node's; the run config is
@@ -24,6 +30,7 @@ Flower import (the ClientApp, :mod:`dpfedavg.flower.client_app`, turns a refusal
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import difflib
 import math
 from collections.abc import Mapping
@@ -48,6 +55,7 @@ __all__ = [
     "PolicyError",
     "RoundRefused",
     "check_node_policy",
+    "check_noise_demand",
     "check_round",
     "client_noise_std",
 ]
@@ -99,6 +107,14 @@ class NodePolicy:
     max_epsilon:
         The largest epsilon (at the run's delta, over its ``num-rounds``, by the run's accountant) of a run the
         node takes part in; the client computes it from ``z``, ``q``, ``K`` and ``delta`` itself.
+    allow_evaluate:
+        Answer evaluate messages (``allow-evaluate``): their replies are the user's metrics of the node's data,
+        un-noised (with ``dp_mod``; dpfedavg's own ClientApp answers none).
+    allow_server_noise:
+        Accept the ``server`` placement (``allow-server-noise``): central DP, the clean clipped update goes to a
+        server trusted to add the noise. Off, a policy that demands noise refuses it.
+    stated:
+        The policy keys the node config names (an empty tuple: no policy).
     """
 
     secure_noise: bool = False
@@ -109,10 +125,30 @@ class NodePolicy:
     require_secure_aggregation: bool = False
     allow_diagnostics: bool | None = None
     max_epsilon: float = math.inf
+    allow_evaluate: bool = False
+    allow_server_noise: bool = False
+    stated: tuple[str, ...] = ()
 
     @property
     def diagnostics_allowed(self) -> bool:
         return (not self.secure_noise) if self.allow_diagnostics is None else self.allow_diagnostics
+
+    @property
+    def active(self) -> bool:
+        """Whether the node config states any policy key (then evaluate and query messages are refused by
+        ``dp_mod`` unless ``allow-evaluate``)."""
+        return bool(self.stated)
+
+    @property
+    def floors(self) -> tuple[str, ...]:
+        """The keys of this policy that promise noise: a stated floor, or ``secure-noise = true``."""
+        keys = [key for key in _FLOOR_KEYS if key in self.stated]
+        return tuple(keys + ([NODE_SECURE_NOISE] if self.secure_noise else []))
+
+    @property
+    def demands_noise(self) -> bool:
+        """Whether every update this node sends must carry its own noise (see the module docstring)."""
+        return bool(self.floors)
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePolicy:
@@ -123,6 +159,7 @@ class NodePolicy:
         """
         errors: list[str] = []
         values: dict[str, Any] = {}
+        stated: list[str] = []
         for key, value in node_config.items():
             if key in NODE_IDENTITY_KEYS:
                 continue
@@ -137,28 +174,36 @@ class NodePolicy:
                 errors.append(f"'{key}' = {value!r}: expected {allowed}")
             else:
                 values[key.replace("-", "_")] = parsed
+                stated.append(key)
         if errors:
             raise PolicyError(
                 "this node's policy (--node-config) is invalid: "
                 + "; ".join(errors)
                 + f". Policy keys: {', '.join(POLICY_KEYS)}"
             )
-        return cls(**values)
+        return cls(**values, stated=tuple(sorted(stated)))
 
 
 def _flag(value: Any) -> bool | None:
+    """``true`` / ``false``: a bool, or exactly the string ``'true'`` or ``'false'`` (nothing else: not 1, 'yes')."""
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower()
-    return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text)
+    return {"true": True, "false": False}.get(value) if isinstance(value, str) else None
 
 
 def _number(value: Any, check: Any) -> float | None:
-    if isinstance(value, bool):
+    """A finite number (an int, a float or its string) that passes ``check``; ``None`` for anything else.
+
+    A string that is not zero but rounds to 0.0 as a float (``'1e-400'``) is refused: it would turn a rule off.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
     try:
         number = float(value)
-    except (TypeError, ValueError):
+        exact = decimal.Decimal(value.strip()) if isinstance(value, str) else None
+    except (ValueError, OverflowError, decimal.InvalidOperation):
+        return None
+    if not math.isfinite(number) or (exact is not None and number == 0 and exact != 0):
         return None
     return number if check(number) else None
 
@@ -169,16 +214,23 @@ def _algorithms(value: Any) -> tuple[str, ...] | None:
 
 
 #: Policy key -> (parser returning ``None`` for a bad value, what is allowed).
+_FLAG = "true or false"
+_AT_LEAST_0 = "a number >= 0 (finite, and not one that rounds to 0)"
+_ABOVE_0 = "a number > 0 (finite, and not one that rounds to 0)"
 POLICY_KEYS: dict[str, tuple[Any, str]] = {
-    NODE_SECURE_NOISE: (_flag, "true or false"),
-    "min-noise-multiplier": (lambda v: _number(v, lambda x: 0 <= x < math.inf), "a number >= 0"),
-    "min-update-noise-multiplier": (lambda v: _number(v, lambda x: 0 <= x < math.inf), "a number >= 0"),
-    "max-clip": (lambda v: _number(v, lambda x: x > 0), "a number > 0"),
+    NODE_SECURE_NOISE: (_flag, _FLAG),
+    "min-noise-multiplier": (lambda v: _number(v, lambda x: x >= 0), _AT_LEAST_0),
+    "min-update-noise-multiplier": (lambda v: _number(v, lambda x: x >= 0), _AT_LEAST_0),
+    "max-clip": (lambda v: _number(v, lambda x: x > 0), _ABOVE_0),
     "allowed-algorithms": (_algorithms, f"a comma-separated list of {', '.join(map(repr, ALGORITHMS))}"),
-    "require-secure-aggregation": (_flag, "true or false"),
-    "allow-diagnostics": (_flag, "true or false"),
-    "max-epsilon": (lambda v: _number(v, lambda x: x > 0), "a number > 0"),
+    "require-secure-aggregation": (_flag, _FLAG),
+    "allow-diagnostics": (_flag, _FLAG),
+    "max-epsilon": (lambda v: _number(v, lambda x: x > 0), _ABOVE_0),
+    "allow-evaluate": (_flag, _FLAG),
+    "allow-server-noise": (_flag, _FLAG),
 }
+#: The policy keys that state a floor on the noise (or a ceiling on what it hides): each promises noise.
+_FLOOR_KEYS = ("min-noise-multiplier", "min-update-noise-multiplier", "max-clip", "max-epsilon")
 
 
 @lru_cache(maxsize=64)
@@ -218,7 +270,45 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=_RTOL, abs_tol=0.0)
 
 
-def _check_policy(policy: NodePolicy, cfg: RunConfig | None, ins: RoundInstructions, secure_round: bool) -> None:
+def check_noise_demand(policy: NodePolicy, ins: RoundInstructions, placement: str) -> None:
+    """Under a policy that demands noise (``NodePolicy.demands_noise``), the update must carry its own.
+
+    Refuses (``RoundRefused`` naming the policy's key) an algorithm without a bound (``none``: the raw
+    update), a noise multiplier that is not a finite number > 0 (``z = 0``, NaN, inf), and the ``server``
+    placement unless ``allow-server-noise = true`` (there each client sends its clean clipped ``g``).
+    """
+    if not policy.demands_noise:
+        return
+    rule = policy.floors[0]
+    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    if not private:
+        raise RoundRefused(
+            rule, f"algorithm {ins.algorithm!r} sends the update without a bound or noise; this node's policy "
+            f"({', '.join(policy.floors)}) never sends an un-noised update", policy=True,
+        )  # fmt: skip
+    z = ins.noise_multiplier
+    if not (math.isfinite(z) and z > 0):
+        raise RoundRefused(
+            rule, f"the round's noise multiplier z = {z!r} is not a finite number > 0; this node's policy "
+            f"({', '.join(policy.floors)}) never sends an un-noised update", policy=True,
+        )  # fmt: skip
+    if placement not in PLACEMENTS:
+        raise RoundRefused(
+            "noise-placement", f"{placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}", policy=False
+        )
+    if not PLACEMENTS[placement].adds_client_noise and not policy.allow_server_noise:
+        raise RoundRefused(
+            "allow-server-noise",
+            f"the {placement!r} placement has this client send its clean update for the server to noise; this "
+            f"node's policy ({', '.join(policy.floors)}) sends only noised updates (allow-server-noise = true "
+            "trusts the server with central DP)",
+            policy=True,
+        )
+
+
+def _check_policy(
+    policy: NodePolicy, cfg: RunConfig | None, ins: RoundInstructions, secure_round: bool, placement: str
+) -> None:
     """The operator's rules (checked first: a refusal names the node's own promise); ``cfg`` ``None``: no run config."""
 
     def refuse(rule: str, detail: str) -> RoundRefused:
@@ -237,11 +327,12 @@ def _check_policy(policy: NodePolicy, cfg: RunConfig | None, ins: RoundInstructi
         raise refuse(
             "allow-diagnostics", f"the server asks for the clean update (diagnostics), which this node never sends{why}"
         )
+    check_noise_demand(policy, ins, placement)
     private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
     clip = ins.clip if private else math.inf
-    if clip > policy.max_clip:
+    if not clip <= policy.max_clip:  # also NaN
         raise refuse("max-clip", f"the round's C = {clip:g} exceeds this node's max-clip = {policy.max_clip:g}")
-    if ins.noise_multiplier < policy.min_noise_multiplier:
+    if not ins.noise_multiplier >= policy.min_noise_multiplier:  # also NaN
         raise refuse(
             "min-noise-multiplier",
             f"the round's noise multiplier z = {ins.noise_multiplier:g} is below {policy.min_noise_multiplier:g}",
@@ -336,25 +427,61 @@ def _check_noise_multiplier(cfg: RunConfig, ins: RoundInstructions, refuse: Any)
         )
 
 
-def check_node_policy(policy: NodePolicy, ins: RoundInstructions, *, secure_round: bool) -> RoundInstructions:
-    """:func:`check_round` for a client without a run config (``dp_mod`` in a user's own app): the node's rules only.
+def check_node_policy(
+    policy: NodePolicy,
+    ins: RoundInstructions,
+    *,
+    secure_round: bool,
+    placement: str,
+    clients_per_round: float,
+) -> RoundInstructions:
+    """``check_round`` for a client without a run config (``dp_mod`` in a user's own app).
 
-    The server's ``noise-std`` is what the client adds (there is no run config to recompute it from), so
-    ``min-update-noise-multiplier`` compares it with the round's bound; ``max-epsilon`` cannot be computed and
-    refuses every round (``min-noise-multiplier`` is the rule that works here). With ``secure-noise`` the
-    instructions carry no seed.
+    The node's rules, then this client's own noise share from the round's public parameters (Alg. 1 line 10):
+    ``s = placement.client_std(z, C, r, |S_k|)`` with ``C`` the round's bound (``C_aug = sqrt(C_k^2 + s_b^2/4)``
+    with adaptive clipping), ``placement`` and ``r`` as the server's train config names them. The server's
+    ``noise-std`` is only compared with ``s`` (a different one is refused); ``min-update-noise-multiplier``
+    compares ``s`` with the bound. ``max-epsilon`` cannot be computed without the run config and refuses every
+    round (``min-noise-multiplier`` is the rule that works here). The result carries ``s`` and, with
+    ``secure-noise``, no seed.
     """
-    _check_policy(policy, None, ins, secure_round)
-    bound = augmented_bound(ins.clip, ins.count_scale) if ins.count_scale > 0 else ins.clip
+
+    def refuse(rule: str, detail: str, *, by_policy: bool = False) -> RoundRefused:
+        return RoundRefused(rule, detail, policy=by_policy)
+
+    _check_policy(policy, None, ins, secure_round, placement)
+    if placement not in PLACEMENTS:
+        raise refuse("noise-placement", f"{placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}")
+    if not (math.isfinite(clients_per_round) and clients_per_round > 0):
+        raise refuse("clients-per-round", f"r = {clients_per_round!r} is not a finite number > 0")
+    z = ins.noise_multiplier
+    if not (math.isfinite(z) and z >= 0):
+        raise refuse("noise-multiplier", f"z = {z!r} is not a finite number >= 0")
     private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
-    if private and ins.noise_std < policy.min_update_noise_multiplier * bound:
-        raise RoundRefused(
-            "min-update-noise-multiplier",
-            f"this client's own noise would be {ins.noise_std / bound:.4g} C, below "
-            f"{policy.min_update_noise_multiplier:g} C",
-            policy=True,
+    if not private and z != 0:
+        raise refuse("noise-multiplier", f"z = {z:g} with algorithm {ins.algorithm!r}, which has no bound to scale it")
+    bound = augmented_bound(ins.clip, ins.count_scale) if ins.count_scale > 0 else ins.clip
+    if private and not (math.isfinite(bound) and bound > 0):
+        raise refuse("clip", f"C = {bound!r} is not a finite number > 0")
+    rule = PLACEMENTS[placement]
+    if private and z > 0 and rule.clients_learn_cohort_size and ins.cohort_size < 1:
+        raise refuse("cohort-size", f"|S_k| = {ins.cohort_size} with the {placement!r} placement (needs >= 1)")
+    own = rule.client_std(z, bound, clients_per_round, ins.cohort_size) if private else 0.0
+    if not _close(ins.noise_std, own):
+        raise refuse(
+            "noise-std",
+            f"the server asks for noise std {ins.noise_std!r}; z = {z:g}, C = {bound:g}, r = {clients_per_round:g} "
+            f"and |S_k| = {ins.cohort_size} give this client's share {own:g} ({placement} placement)",
         )
-    return dataclasses.replace(ins, noise_seed=SECURE_NOISE_SEED) if policy.secure_noise else ins
+    if private and not own >= policy.min_update_noise_multiplier * bound:
+        raise refuse(
+            "min-update-noise-multiplier",
+            f"this client's own noise would be {own / bound:.4g} C (z = {z:g}, |S_k| = {ins.cohort_size}), below "
+            f"{policy.min_update_noise_multiplier:g} C",
+            by_policy=True,
+        )
+    seed = SECURE_NOISE_SEED if policy.secure_noise else ins.noise_seed
+    return dataclasses.replace(ins, noise_std=own, noise_seed=seed)
 
 
 def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, secure_round: bool) -> RoundInstructions:
@@ -367,7 +494,7 @@ def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, s
     must agree with it), the update-noise floor of the policy and, in a SecAgg+ round, the grid. The result
     carries the client's own ``noise_std`` and, with ``secure-noise`` (the node's or the run's), no seed.
     """
-    _check_policy(policy, cfg, ins, secure_round)
+    _check_policy(policy, cfg, ins, secure_round, cfg.noise_placement)
     _check_run_config(cfg, ins, secure_round)
     bound, own = client_noise_std(cfg, ins)
     if not _close(ins.noise_std, own):
@@ -378,7 +505,7 @@ def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, s
             f"({cfg.noise_placement} placement)",
             policy=False,
         )
-    if BOUNDS[cfg.algorithm].private and own < policy.min_update_noise_multiplier * bound:
+    if BOUNDS[cfg.algorithm].private and not own >= policy.min_update_noise_multiplier * bound:
         raise RoundRefused(
             "min-update-noise-multiplier",
             f"this client's own noise would be {own / bound:.4g} C (z = {ins.noise_multiplier:g}, |S_k| = "

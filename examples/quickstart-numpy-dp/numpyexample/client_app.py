@@ -6,10 +6,10 @@ from flwr.clientapp import ClientApp
 
 from numpyexample.task import load_data, train
 
-app = ClientApp()
+app = ClientApp(mods=[dp_mod])
 
 
-@app.train(mods=[dp_mod])
+@app.train()
 def train_fn(msg: Message, context: Context):
     """A few gradient steps on local data; the new weights go back (dp_mod turns them into a private update)."""
     arrays = msg.content["arrays"]

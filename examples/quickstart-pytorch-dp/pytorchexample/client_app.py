@@ -10,10 +10,10 @@ from pytorchexample.task import test as test_fn
 from pytorchexample.task import train as train_fn
 
 # Flower ClientApp
-app = ClientApp()
+app = ClientApp(mods=[dp_mod])
 
 
-@app.train(mods=[dp_mod])
+@app.train()
 def train(msg: Message, context: Context):
     """Train the model on local data."""
     model = Net()

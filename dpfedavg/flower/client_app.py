@@ -6,7 +6,7 @@ import logging
 from functools import lru_cache
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.app.error import Error
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
@@ -39,6 +39,7 @@ from dpfedavg.flower.protocol import (
     to_array_record,
 )
 from dpfedavg.flower.runtime import setup_app_process
+from dpfedavg.privacy.ledger import record_release
 from dpfedavg.privacy.policy import NodePolicy, PolicyError, RoundRefused, check_round
 from dpfedavg.tasks import Task, build_task, task_hooks
 
@@ -63,8 +64,13 @@ def refusal(msg: Message, reason: str) -> Message:
     return Message(Error(code=REFUSED, reason=reason), reply_to=msg)
 
 
-def checked_instructions(record: object, context: Context, cfg: RunConfig, *, secure_round: bool) -> RoundInstructions:
+def checked_instructions(
+    record: object, context: Context, cfg: RunConfig, *, secure_round: bool, charge: bool = True
+) -> RoundInstructions:
     """The round's instructions as this client follows them, checked against the node's policy and the run config.
+
+    ``charge``: then record the release in the node's privacy ledger (``dpfedavg.privacy.ledger``; write-ahead,
+    refused past ``max-epsilon``); ``False`` only where the same message was charged already (SecAgg+).
 
     Raises :class:`~dpfedavg.privacy.policy.RoundRefused` (a broken rule, or instructions that do not parse)
     or :class:`~dpfedavg.privacy.policy.PolicyError` (the node's own policy is invalid).
@@ -76,6 +82,8 @@ def checked_instructions(record: object, context: Context, cfg: RunConfig, *, se
         raise RoundRefused("instructions", f"the round's instructions do not parse ({type(err).__name__}: {err})",
                            policy=False) from None  # fmt: skip
     followed = check_round(policy, cfg, ins, secure_round=secure_round)
+    if charge:
+        record_release(context.node_config, context.run_id, followed, cfg, message_type=MessageType.TRAIN)
     if followed.noise_seed != ins.noise_seed:
         logger.info("round %d: secure noise: the server's noise seed is not used", ins.server_round)
     return followed
@@ -160,7 +168,7 @@ def _secure_train(msg: Message, context: Context, cfg: RunConfig, client_id: int
     """
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     (w,) = parameters_to_ndarrays(fitins.parameters)
-    ins = checked_instructions(fitins.config, context, cfg, secure_round=True)  # checked by the mod already
+    ins = checked_instructions(fitins.config, context, cfg, secure_round=True, charge=False)  # charged by the mod
     result = client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([result.noisy]), num_examples=1, metrics={})
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)

@@ -75,6 +75,7 @@ from dpfedavg.flower.protocol import (
     to_array_record,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
+from dpfedavg.privacy.ledger import record_release
 from dpfedavg.privacy.policy import PolicyError, RoundRefused, check_node_policy
 
 __all__ = ["ARRAY_KEYS", "CLIENT_ID", "dp_mod"]
@@ -106,8 +107,9 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
     context:
         The ClientApp's context: its ``node_config`` holds the operator's privacy policy
         (:mod:`dpfedavg.privacy.policy`; e.g. ``secure-noise = true`` draws the noise from the OS CSPRNG whatever
-        the server asks, ``min-noise-multiplier`` refuses rounds with less noise). ``max-epsilon`` needs the run
-        config, which your app's clients do not have: it refuses every round here.
+        the server asks, ``min-noise-multiplier`` refuses rounds with less noise). ``max-epsilon`` is the node's
+        budget in its privacy ledger, which charges every release here as an unamplified Gaussian(z)
+        (your app's clients have no run config, so no q: ``dpfedavg.privacy.ledger``).
     call_next:
         The user's train function (and any inner mods).
 
@@ -163,7 +165,9 @@ def _instructions(config: ConfigRecord, context: Context, msg: Message, *, secur
             f"the train config lacks {err}: the ServerApp's strategy must be dpfedavg's DPFedAvg, which sends "
             "each round's clip and noise (with another strategy there is nothing to make private)"
         ) from None
-    return check_node_policy(node_policy(context), ins, secure_round=secure_round)
+    followed = check_node_policy(node_policy(context), ins, secure_round=secure_round)
+    record_release(context.node_config, context.run_id, followed, None, message_type=msg.metadata.message_type)
+    return followed
 
 
 def _client_id(config: ConfigRecord, msg: Message) -> int:

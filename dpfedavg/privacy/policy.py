@@ -29,6 +29,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from dpfedavg.config import RunConfig
@@ -97,8 +98,13 @@ class NodePolicy:
     allow_diagnostics:
         Whether the clean ``g`` may ever leave the node (default: not with ``secure-noise``).
     max_epsilon:
-        The largest epsilon (at the run's delta, over its ``num-rounds``, by the run's accountant) of a run the
-        node takes part in; the client computes it from ``z``, ``q``, ``K`` and ``delta`` itself.
+        The node's budget: the largest epsilon of a run it takes part in (at the run's delta, over its
+        ``num-rounds``, by the run's accountant; the client computes it from ``z``, ``q``, ``K`` and ``delta``
+        itself), and of everything its privacy ledger records, composed (``dpfedavg.privacy.ledger``).
+    max_epsilon_delta:
+        The delta the ledger's composed epsilon is read at (``None``: the smallest delta of the runs it records).
+    privacy_ledger:
+        The ledger file (``None``: ``dpfedavg.privacy.ledger.ledger_path``'s default in the node's home).
     """
 
     secure_noise: bool = False
@@ -109,6 +115,8 @@ class NodePolicy:
     require_secure_aggregation: bool = False
     allow_diagnostics: bool | None = None
     max_epsilon: float = math.inf
+    max_epsilon_delta: float | None = None
+    privacy_ledger: str | None = None
 
     @property
     def diagnostics_allowed(self) -> bool:
@@ -168,6 +176,12 @@ def _algorithms(value: Any) -> tuple[str, ...] | None:
     return names if names and all(name in ALGORITHMS for name in names) else None
 
 
+def _ledger_file(value: Any) -> str | None:
+    if not isinstance(value, str) or not value.strip() or any(ord(c) < 32 for c in value):
+        return None
+    return value if Path(value).expanduser().is_absolute() else None
+
+
 #: Policy key -> (parser returning ``None`` for a bad value, what is allowed).
 POLICY_KEYS: dict[str, tuple[Any, str]] = {
     NODE_SECURE_NOISE: (_flag, "true or false"),
@@ -178,6 +192,8 @@ POLICY_KEYS: dict[str, tuple[Any, str]] = {
     "require-secure-aggregation": (_flag, "true or false"),
     "allow-diagnostics": (_flag, "true or false"),
     "max-epsilon": (lambda v: _number(v, lambda x: x > 0), "a number > 0"),
+    "max-epsilon-delta": (lambda v: _number(v, lambda x: 0 < x < 1), "a number in (0, 1)"),
+    "privacy-ledger": (_ledger_file, "an absolute file path (or ~/...), one line"),
 }
 
 
@@ -245,12 +261,6 @@ def _check_policy(policy: NodePolicy, cfg: RunConfig | None, ins: RoundInstructi
         raise refuse(
             "min-noise-multiplier",
             f"the round's noise multiplier z = {ins.noise_multiplier:g} is below {policy.min_noise_multiplier:g}",
-        )
-    if math.isfinite(policy.max_epsilon) and cfg is None:
-        raise refuse(
-            "max-epsilon",
-            "this client has no run config (q, num-rounds, delta, accountant) to compute the run's epsilon from "
-            "(dp_mod in your own app): use min-noise-multiplier instead",
         )
     if cfg is not None and math.isfinite(policy.max_epsilon):
         eps = _run_epsilon(ins.noise_multiplier, cfg.sampling_rate, cfg.num_rounds, cfg.delta, cfg.accountant)
@@ -340,9 +350,9 @@ def check_node_policy(policy: NodePolicy, ins: RoundInstructions, *, secure_roun
     """:func:`check_round` for a client without a run config (``dp_mod`` in a user's own app): the node's rules only.
 
     The server's ``noise-std`` is what the client adds (there is no run config to recompute it from), so
-    ``min-update-noise-multiplier`` compares it with the round's bound; ``max-epsilon`` cannot be computed and
-    refuses every round (``min-noise-multiplier`` is the rule that works here). With ``secure-noise`` the
-    instructions carry no seed.
+    ``min-update-noise-multiplier`` compares it with the round's bound; ``max-epsilon`` is held by the node's
+    ledger, which charges each release as an unamplified Gaussian (``dpfedavg.privacy.ledger``). With
+    ``secure-noise`` the instructions carry no seed.
     """
     _check_policy(policy, None, ins, secure_round)
     bound = augmented_bound(ins.clip, ins.count_scale) if ins.count_scale > 0 else ins.clip

@@ -13,6 +13,8 @@ import errno
 import json
 import math
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -193,7 +195,15 @@ def test_a_restarted_node_keeps_its_spent_budget(tmp_path) -> None:
     reply = Node(dict(node_config)).send(cfg, 14, 1)
     assert reply.has_error() and "max-epsilon" in reply.error.reason
     assert _numbers(reply.error.reason)["spent"] == pytest.approx(gaussian_epsilon(2.5 / math.sqrt(15), 1e-5), 2e-3)
-    assert str(ledger_module.node_home() / "dpfedavg" / "privacy-ledger-0.json") in reply.error.reason
+    path = ledger_module.node_home() / "dpfedavg" / "privacy-ledger-0.json"
+    assert str(path) in reply.error.reason
+    # a new Python process reads the same spent budget from the file alone
+    script = (
+        "import sys; from dpfedavg.privacy.ledger import NodeLedger; from dpfedavg.privacy.policy import NodePolicy; "
+        "print(NodeLedger(sys.argv[1]).spent(NodePolicy()))"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True)
+    assert float(out.stdout) == pytest.approx(_numbers(reply.error.reason)["spent"], rel=1e-3)
 
 
 # ------------------------------------------------------------------ the file

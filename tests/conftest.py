@@ -51,6 +51,20 @@ def _flower_task_identity():
 
 
 @pytest.fixture(autouse=True)
+def _node_home(tmp_path_factory, monkeypatch):
+    """Every test's in-process SuperNodes keep their privacy ledgers in a home of their own (never ~/.flwr)."""
+    home: list[Path] = []
+
+    def node_home() -> Path:
+        if not home:
+            home.append(tmp_path_factory.mktemp("flwr-home"))
+        return home[0]
+
+    monkeypatch.setattr("dpfedavg.privacy.ledger.node_home", node_home)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_process_leaked():
     """A test that leaves a child process running fails, naming it (after stopping it).
 

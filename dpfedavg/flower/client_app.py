@@ -48,6 +48,7 @@ from dpfedavg.flower.protocol import (
     to_array_record,
 )
 from dpfedavg.flower.runtime import setup_app_process
+from dpfedavg.privacy.ledger import record_release
 from dpfedavg.privacy.policy import NodePolicy, PolicyError, RoundRefused, check_round
 from dpfedavg.tasks import Task, build_task, task_hooks
 
@@ -94,8 +95,13 @@ def node_guard(msg: Message, context: Context, call_next: ClientAppCallable) -> 
 app = ClientApp(mods=[node_guard])
 
 
-def checked_instructions(record: object, context: Context, cfg: RunConfig, *, secure_round: bool) -> RoundInstructions:
+def checked_instructions(
+    record: object, context: Context, cfg: RunConfig, *, secure_round: bool, message_type: str = MessageType.TRAIN
+) -> RoundInstructions:
     """The round's instructions as this client follows them, checked against the node's policy and the run config.
+
+    The release is then recorded in the node's privacy ledger (``dpfedavg.privacy.ledger``: write-ahead, refused
+    past ``max-epsilon``) under ``message_type``; every round is checked here exactly once.
 
     Raises :class:`~dpfedavg.privacy.policy.RoundRefused` (a broken rule, or instructions that do not parse)
     or :class:`~dpfedavg.privacy.policy.PolicyError` (the node's own policy is invalid).
@@ -107,6 +113,7 @@ def checked_instructions(record: object, context: Context, cfg: RunConfig, *, se
         raise RoundRefused("instructions", f"the round's instructions do not parse ({type(err).__name__}: {err})",
                            policy=False) from None  # fmt: skip
     followed = check_round(policy, cfg, ins, secure_round=secure_round)
+    record_release(context.node_config, context.run_id, followed, cfg, message_type=message_type)
     if followed.noise_seed != ins.noise_seed:
         logger.info("round %d: secure noise: the server's noise seed is not used", ins.server_round)
     return followed
@@ -186,7 +193,9 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
     client_id, _ = _partition(context)
     try:
         fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
-        ins = checked_instructions(fitins.config, context, cfg, secure_round=True)
+        ins = checked_instructions(
+            fitins.config, context, cfg, secure_round=True, message_type=msg.metadata.message_type
+        )
     except (RoundRefused, PolicyError) as err:
         return refusal(msg, str(err))
 
@@ -232,7 +241,10 @@ def train(msg: Message, context: Context) -> Message:
     if RECORD_KEY_CONFIGS in msg.content.config_records:
         return refusal(msg, "refused: SecAgg+ content outside the protocol's masked-vector stage")
     try:
-        ins = checked_instructions(msg.content.config_records.get(CONFIG), context, cfg, secure_round=False)
+        ins = checked_instructions(
+            msg.content.config_records.get(CONFIG), context, cfg, secure_round=False,
+            message_type=msg.metadata.message_type,
+        )  # fmt: skip
         w = from_array_record(msg.content.array_records[ARRAYS])
     except (RoundRefused, PolicyError) as err:
         return refusal(msg, str(err))

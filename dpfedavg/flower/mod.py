@@ -91,6 +91,7 @@ from dpfedavg.flower.protocol import (
     to_array_record,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
+from dpfedavg.privacy.ledger import record_release
 from dpfedavg.privacy.policy import NodePolicy, PolicyError, RoundRefused, check_node_policy
 
 __all__ = ["ARRAY_KEYS", "CLIENT_ID", "CLIENTS_PER_ROUND", "NOISE_PLACEMENT", "dp_mod", "public_parameters"]
@@ -138,8 +139,8 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         The ClientApp's context: its ``node_config`` holds the operator's privacy policy
         (:mod:`dpfedavg.privacy.policy`; e.g. ``secure-noise = true`` draws the noise from the OS CSPRNG whatever
         the server asks and never sends an un-noised update, ``min-noise-multiplier`` refuses rounds with less
-        noise). ``max-epsilon`` needs the run config, which your app's clients do not have: it refuses every
-        round here.
+        noise). ``max-epsilon`` is the node's budget in its privacy ledger, which charges every release here as an
+        unamplified Gaussian(z) (your app's clients have no run config, so no q: ``dpfedavg.privacy.ledger``).
     call_next:
         The user's handler (and any inner mods).
 
@@ -247,9 +248,11 @@ def _instructions(config: ConfigRecord, context: Context, msg: Message, *, secur
             "instructions", f"{NOISE_PLACEMENT!r} = {placement!r} and {CLIENTS_PER_ROUND!r} = {r!r}: expected a "
             "placement name and a number", policy=False,
         )  # fmt: skip
-    return check_node_policy(
+    followed = check_node_policy(
         node_policy(context), ins, secure_round=secure_round, placement=placement, clients_per_round=float(r)
     )
+    record_release(context.node_config, context.run_id, followed, None, message_type=msg.metadata.message_type)
+    return followed
 
 
 def _client_id(config: ConfigRecord, msg: Message) -> int:

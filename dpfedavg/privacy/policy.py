@@ -36,6 +36,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from dpfedavg.config import RunConfig
@@ -105,14 +106,19 @@ class NodePolicy:
     allow_diagnostics:
         Whether the clean ``g`` may ever leave the node (default: not with ``secure-noise``).
     max_epsilon:
-        The largest epsilon (at the run's delta, over its ``num-rounds``, by the run's accountant) of a run the
-        node takes part in; the client computes it from ``z``, ``q``, ``K`` and ``delta`` itself.
+        The node's budget: the largest epsilon of a run it takes part in (at the run's delta, over its
+        ``num-rounds``, by the run's accountant; the client computes it from ``z``, ``q``, ``K`` and ``delta``
+        itself), and of everything its privacy ledger records, composed (``dpfedavg.privacy.ledger``).
     allow_evaluate:
         Answer evaluate messages (``allow-evaluate``): their replies are the user's metrics of the node's data,
         un-noised (with ``dp_mod``; dpfedavg's own ClientApp answers none).
     allow_server_noise:
         Accept the ``server`` placement (``allow-server-noise``): central DP, the clean clipped update goes to a
         server trusted to add the noise. Off, a policy that demands noise refuses it.
+    max_epsilon_delta:
+        The delta the ledger's composed epsilon is read at (``None``: the smallest delta of the runs it records).
+    privacy_ledger:
+        The ledger file (``None``: ``dpfedavg.privacy.ledger.ledger_path``'s default in the node's home).
     stated:
         The policy keys the node config names (an empty tuple: no policy).
     """
@@ -127,6 +133,8 @@ class NodePolicy:
     max_epsilon: float = math.inf
     allow_evaluate: bool = False
     allow_server_noise: bool = False
+    max_epsilon_delta: float | None = None
+    privacy_ledger: str | None = None
     stated: tuple[str, ...] = ()
 
     @property
@@ -213,6 +221,12 @@ def _algorithms(value: Any) -> tuple[str, ...] | None:
     return names if names and all(name in ALGORITHMS for name in names) else None
 
 
+def _ledger_file(value: Any) -> str | None:
+    if not isinstance(value, str) or not value.strip() or any(ord(c) < 32 for c in value):
+        return None
+    return value if Path(value).expanduser().is_absolute() else None
+
+
 #: Policy key -> (parser returning ``None`` for a bad value, what is allowed).
 _FLAG = "true or false"
 _AT_LEAST_0 = "a number >= 0 (finite, and not one that rounds to 0)"
@@ -228,6 +242,8 @@ POLICY_KEYS: dict[str, tuple[Any, str]] = {
     "max-epsilon": (lambda v: _number(v, lambda x: x > 0), _ABOVE_0),
     "allow-evaluate": (_flag, _FLAG),
     "allow-server-noise": (_flag, _FLAG),
+    "max-epsilon-delta": (lambda v: _number(v, lambda x: 0 < x < 1), "a number in (0, 1)"),
+    "privacy-ledger": (_ledger_file, "an absolute file path (or ~/...), one line"),
 }
 #: The policy keys that state a floor on the noise (or a ceiling on what it hides): each promises noise.
 _FLOOR_KEYS = ("min-noise-multiplier", "min-update-noise-multiplier", "max-clip", "max-epsilon")
@@ -337,12 +353,6 @@ def _check_policy(
             "min-noise-multiplier",
             f"the round's noise multiplier z = {ins.noise_multiplier:g} is below {policy.min_noise_multiplier:g}",
         )
-    if math.isfinite(policy.max_epsilon) and cfg is None:
-        raise refuse(
-            "max-epsilon",
-            "this client has no run config (q, num-rounds, delta, accountant) to compute the run's epsilon from "
-            "(dp_mod in your own app): use min-noise-multiplier instead",
-        )
     if cfg is not None and math.isfinite(policy.max_epsilon):
         eps = _run_epsilon(ins.noise_multiplier, cfg.sampling_rate, cfg.num_rounds, cfg.delta, cfg.accountant)
         if eps > policy.max_epsilon:
@@ -441,9 +451,9 @@ def check_node_policy(
     ``s = placement.client_std(z, C, r, |S_k|)`` with ``C`` the round's bound (``C_aug = sqrt(C_k^2 + s_b^2/4)``
     with adaptive clipping), ``placement`` and ``r`` as the server's train config names them. The server's
     ``noise-std`` is only compared with ``s`` (a different one is refused); ``min-update-noise-multiplier``
-    compares ``s`` with the bound. ``max-epsilon`` cannot be computed without the run config and refuses every
-    round (``min-noise-multiplier`` is the rule that works here). The result carries ``s`` and, with
-    ``secure-noise``, no seed.
+    compares ``s`` with the bound. ``max-epsilon`` is held by the node's ledger, which charges each release as an
+    unamplified Gaussian (``dpfedavg.privacy.ledger``). The result carries ``s`` and, with ``secure-noise``, no
+    seed.
     """
 
     def refuse(rule: str, detail: str, *, by_policy: bool = False) -> RoundRefused:

@@ -1,0 +1,381 @@
+"""The node's privacy ledger against a server that runs it again and again (issue 36, part 4).
+
+Every test drives the real ClientApp (or ``dp_mod`` in a user's app) through ``InProcessGrid``, a new run id per
+run, with the node's ``--node-config``. The composed epsilon is checked against independent computations: the exact
+(epsilon, delta) curve of the Gaussian mechanism (Balle & Wang 2018, solved with scipy) where ``q = 1`` (``K``
+Gaussian rounds of ``z`` are exactly one Gaussian of ``z / sqrt(K)``), and dp-accounting's own PLD and RDP
+accountants where ``q < 1``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Message, MessageType, RecordDict
+from flwr.clientapp import ClientApp
+from scipy.optimize import brentq
+from scipy.stats import norm
+
+from dpfedavg.config import RunConfig
+from dpfedavg.core.types import RoundInstructions
+from dpfedavg.flower import client_app as client_app_module
+from dpfedavg.flower.client_app import app as client_app
+from dpfedavg.flower.mod import dp_mod, public_parameters
+from dpfedavg.flower.protocol import ARRAYS, CONFIG, instructions_to_config_record, to_array_record
+from dpfedavg.flower.testing import InProcessGrid
+from dpfedavg.privacy import ledger as ledger_module
+from dpfedavg.privacy import policy as policy_module
+from dpfedavg.privacy.ledger import NodeLedger, Release, ledger_path, record_release
+from dpfedavg.privacy.policy import NodePolicy, PolicyError
+from dpfedavg.server.dp_server import DPServer
+
+DIM = 20
+#: q = 1 (r = n = 4), z = 2.5, K = 5, delta = 1e-5: one run is one Gaussian of std 2.5 / sqrt(5); R runs of
+#: std 2.5 / sqrt(5 R). Exact epsilon: 3 runs 7.33, 4 runs 8.72: the crossing of 8 is 0.67 / 0.72 away.
+EXACT_RUNS = {
+    "task": "quadratic",
+    "dim": DIM,
+    "num-clients": 4,
+    "clients-per-round": 4.0,
+    "num-rounds": 5,
+    "epsilon": 0.0,
+    "noise-multiplier": 2.5,
+    "delta": 1e-5,
+    "algorithm": "clip",
+    "clip": 3.0,
+    "seed": 1,
+    "checkpoint-every": 0,
+}
+#: q = 1/2: a Poisson-sampled run.
+SAMPLED_RUN = {**EXACT_RUNS, "num-clients": 8, "clients-per-round": 4.0, "noise-multiplier": 1.0}
+
+
+def gaussian_epsilon(sigma: float, delta: float) -> float:
+    """Exact epsilon of the Gaussian mechanism with std ``sigma`` (sensitivity 1) at ``delta`` (Balle & Wang 2018)."""
+
+    def delta_of(eps: float) -> float:
+        return norm.cdf(-eps * sigma + 1 / (2 * sigma)) - math.exp(eps) * norm.cdf(-eps * sigma - 1 / (2 * sigma))
+
+    return brentq(lambda eps: delta_of(eps) - delta, 0.0, 500.0, xtol=1e-10)
+
+
+def _cfg(values: dict) -> RunConfig:
+    return RunConfig.from_run_config(values)
+
+
+class Node:
+    """One SuperNode (partition 0) of a fresh in-process federation per run: a new Context, a new run id."""
+
+    def __init__(self, node_config: dict, client=client_app) -> None:
+        self.node_config = node_config
+        self.client = client
+
+    def send(self, cfg: RunConfig, run_id: int, server_round: int, *, content: RecordDict | None = None) -> Message:
+        grid = InProcessGrid(self.client, cfg.num_clients, cfg.to_run_config(), node_config=self.node_config)
+        for context in grid.contexts.values():
+            context.run_id = run_id
+        node = next(nid for nid, c in grid.contexts.items() if c.node_config["partition-id"] == 0)
+        if content is None:
+            ins = DPServer(cfg, DIM).instructions(server_round, round(cfg.clients_per_round))
+            content = RecordDict({ARRAYS: to_array_record(np.zeros(DIM)), CONFIG: instructions_to_config_record(ins)})
+        (reply,) = grid.send_and_receive([Message(content, dst_node_id=node, message_type=MessageType.TRAIN)])
+        return reply
+
+    def run(self, cfg: RunConfig, run_id: int) -> list[Message]:
+        """Every round of one run; stops at the first refusal."""
+        replies = []
+        for k in range(1, cfg.num_rounds + 1):
+            replies.append(self.send(cfg, run_id, k))
+            if replies[-1].has_error():
+                break
+        return replies
+
+
+def _answered(replies: list[Message]) -> bool:
+    return all(not r.has_error() and ARRAYS in r.content for r in replies)
+
+
+def _restart() -> None:
+    """Forget every process-level cache a restarted ClientApp process would not have."""
+    client_app_module._policy.cache_clear()
+    client_app_module._config.cache_clear()
+    policy_module._run_epsilon.cache_clear()
+    ledger_module._epsilon.cache_clear()
+
+
+def _numbers(reason: str) -> dict[str, float]:
+    spent = re.search(r"has spent epsilon ([0-9.e+-]+)", reason)
+    total = re.search(r"composed epsilon to ([0-9.e+-]+) > max-epsilon = ([0-9.e+-]+)", reason)
+    assert spent and total, reason
+    return {"spent": float(spent[1]), "total": float(total[1]), "budget": float(total[2])}
+
+
+# ------------------------------------------------------------------ the budget across runs
+def test_five_runs_against_max_epsilon_8_are_refused_once_the_composed_epsilon_would_pass_it(tmp_path) -> None:
+    """Each run alone (epsilon 3.85) passes the node's max-epsilon = 8; composed, runs 4 and 5 are refused."""
+    cfg = _cfg(EXACT_RUNS)
+    path = tmp_path / "ledger.json"
+    node = Node({"max-epsilon": 8.0, "privacy-ledger": str(path)})
+    answered = [_answered(node.run(cfg, run_id)) for run_id in range(1, 6)]
+    assert answered == [True, True, True, False, False]
+
+    exact = {runs: gaussian_epsilon(2.5 / math.sqrt(5 * runs), 1e-5) for runs in (1, 3, 4)}
+    assert exact[1] < 8 and exact[3] < 8 - 0.5 and exact[4] > 8 + 0.5  # the crossing is unambiguous
+    spent = NodeLedger(path).spent(NodePolicy(max_epsilon=8.0))
+    assert spent == pytest.approx(exact[3], rel=2e-3)  # PLD at discretization 1e-3, pessimistic
+    refusal = node.send(cfg, 6, 1)
+    reason = refusal.error.reason
+    assert "max-epsilon" in reason and str(path) in reason
+    numbers = _numbers(reason)
+    assert numbers["spent"] == pytest.approx(exact[3], rel=2e-3)
+    assert numbers["total"] == pytest.approx(exact[4], rel=2e-3) and numbers["budget"] == 8.0
+    alone = re.search(r"costs ([0-9.]+) on its own", reason)
+    assert alone and float(alone[1]) == pytest.approx(exact[1], rel=2e-3)  # one run's plan
+    assert len(NodeLedger(path).read()) == 3 * cfg.num_rounds  # every release, none of the refused
+
+
+def test_a_redone_round_is_charged_one_more_sampled_round(tmp_path) -> None:
+    """q = 1/2: rounds 1..5, then round 3 again (a resume after a crash): K + 1 sampled Gaussians, not K."""
+    import dp_accounting
+
+    cfg = _cfg(SAMPLED_RUN)
+    path = tmp_path / "ledger.json"
+    node = Node({"privacy-ledger": str(path)})
+    assert _answered(node.run(cfg, 1))
+    policy = NodePolicy()
+    before = NodeLedger(path).spent(policy)
+    assert _answered([node.send(cfg, 1, 3)])
+    after = NodeLedger(path).spent(policy)
+
+    def pld(rounds: int) -> float:
+        acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+        acc.compose(dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(1.0)), rounds)
+        return acc.get_epsilon(1e-5)
+
+    def rdp(rounds: int) -> float:
+        acc = dp_accounting.rdp.RdpAccountant()
+        acc.compose(dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(1.0)), rounds)
+        return acc.get_epsilon(1e-5)
+
+    assert before == pytest.approx(pld(5), rel=5e-3) and before <= rdp(5)
+    assert after == pytest.approx(pld(6), rel=5e-3) and after <= rdp(6)
+    assert after > before * 1.05
+    assert [r.server_round for r in NodeLedger(path).read()] == [1, 2, 3, 4, 5, 3]
+
+
+def test_a_redone_round_past_the_budget_is_refused(tmp_path) -> None:
+    """q = 1: the run's 5 rounds are exactly a Gaussian of 2.5 / sqrt(5) (3.85), one more round of 2.5 / sqrt(6)
+    (4.28): a node with max-epsilon = 4.05 answers the run and refuses the redone round."""
+    cfg = _cfg(EXACT_RUNS)
+    five, six = (gaussian_epsilon(2.5 / math.sqrt(k), 1e-5) for k in (5, 6))
+    assert five < 4.05 - 0.15 and six > 4.05 + 0.15
+    node = Node({"max-epsilon": 4.05, "privacy-ledger": str(tmp_path / "ledger.json")})
+    assert _answered(node.run(cfg, 7))
+    redone = node.send(cfg, 7, 4)
+    assert redone.has_error() and "max-epsilon" in redone.error.reason
+    assert _numbers(redone.error.reason)["total"] == pytest.approx(six, rel=2e-3)
+
+
+def test_a_restarted_node_keeps_its_spent_budget(tmp_path) -> None:
+    """Three runs, a restart (no process-level state, a new federation), and the fourth run is refused."""
+    cfg = _cfg(EXACT_RUNS)
+    node_config = {"max-epsilon": 8.0, "min-noise-multiplier": 1.0}  # the default ledger, in the node's home
+    for run_id in (11, 12, 13):
+        assert _answered(Node(node_config).run(cfg, run_id))
+    _restart()
+    reply = Node(dict(node_config)).send(cfg, 14, 1)
+    assert reply.has_error() and "max-epsilon" in reply.error.reason
+    assert _numbers(reply.error.reason)["spent"] == pytest.approx(gaussian_epsilon(2.5 / math.sqrt(15), 1e-5), 2e-3)
+    path = ledger_module.node_home() / "dpfedavg" / "privacy-ledger-0.json"
+    assert str(path) in reply.error.reason
+    # a new Python process reads the same spent budget from the file alone
+    script = (
+        "import sys; from dpfedavg.privacy.ledger import NodeLedger; from dpfedavg.privacy.policy import NodePolicy; "
+        "print(NodeLedger(sys.argv[1]).spent(NodePolicy()))"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True)
+    assert float(out.stdout) == pytest.approx(_numbers(reply.error.reason)["spent"], rel=1e-3)
+
+
+# ------------------------------------------------------------------ the file
+@pytest.mark.parametrize("damage", ["garbage", "entry-removed", "not-a-ledger"])
+def test_a_corrupt_ledger_is_one_clear_error_never_an_empty_ledger(tmp_path, damage: str) -> None:
+    cfg = _cfg(EXACT_RUNS)
+    path = tmp_path / "ledger.json"
+    node = Node({"privacy-ledger": str(path)})
+    assert _answered(node.run(cfg, 1))
+    data = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_bytes(path.read_bytes()[:-40])
+    elif damage == "entry-removed":
+        data["entries"].pop()
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text(json.dumps({"entries": []}))
+    damaged = path.read_bytes()
+    reply = node.send(cfg, 2, 1)
+    assert reply.has_error()
+    expected = {"garbage": "is corrupt", "entry-removed": "was edited", "not-a-ledger": "is not a"}[damage]
+    assert f"privacy-ledger {path} {expected}" in reply.error.reason
+    assert path.read_bytes() == damaged  # left as it was, not reset
+
+
+def test_the_ledger_entry_is_on_disk_before_the_update_is_computed(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "ledger.json"
+    seen: list[int] = []
+    original = client_app_module.client_round_update
+
+    def training(*args, **kwargs):
+        seen.append(len(NodeLedger(path).read()))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(client_app_module, "client_round_update", training)
+    assert _answered(Node({"privacy-ledger": str(path)}).run(_cfg(EXACT_RUNS), 1))
+    assert seen == [1, 2, 3, 4, 5]
+
+
+def test_a_failed_ledger_write_sends_no_update(tmp_path, monkeypatch) -> None:
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ledger_module, "atomic_write_bytes", full_disk)
+    path = tmp_path / "ledger.json"
+    reply = Node({"privacy-ledger": str(path)}).send(_cfg(EXACT_RUNS), 1, 1)
+    assert reply.has_error() and f"privacy-ledger {path} cannot be written" in reply.error.reason
+    assert "nothing is sent" in reply.error.reason
+
+
+def test_concurrent_client_processes_lose_no_entry(tmp_path) -> None:
+    """Four writers (separate lock descriptors, as separate ClientApp processes) append 5 releases each."""
+    path = tmp_path / "ledger.json"
+    node_config = {"privacy-ledger": str(path)}
+    ins = RoundInstructions(1, 0.1, 1, "clip", 1.0, 1.0, 0, False, noise_multiplier=2.0, cohort_size=1)
+
+    def writer(run_id: int) -> None:
+        for _ in range(5):
+            record_release(node_config, run_id, ins, None, message_type="train")
+
+    threads = [threading.Thread(target=writer, args=(run_id,)) for run_id in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.run_id for r in NodeLedger(path).read()) == sorted(list(range(4)) * 5)
+
+
+# ------------------------------------------------------------------ dp_mod
+def _dp_mod_app() -> ClientApp:
+    app = ClientApp()
+
+    @app.train(mods=[dp_mod])
+    def train(msg: Message, context) -> Message:
+        arrays = msg.content.array_records["arrays"]
+        w = arrays["w"].numpy() - 0.1
+        return Message(RecordDict({"arrays": ArrayRecord({"w": to_array_record(w)["w"]})}), reply_to=msg)
+
+    return app
+
+
+def test_dp_mod_charges_each_release_as_an_unamplified_gaussian(tmp_path) -> None:
+    """dp_mod has no q: n releases of z = sqrt(1.25) are one Gaussian of sqrt(1.25 / n), exactly: 3 releases
+    7.33, 4 releases 8.72 at delta = 1e-5. A node with max-epsilon = 8 answers 3 and refuses the 4th."""
+    z = math.sqrt(1.25)
+    exact = {n: gaussian_epsilon(z / math.sqrt(n), 1e-5) for n in (3, 4)}
+    assert exact[3] < 8 - 0.5 and exact[4] > 8 + 0.5
+    path = tmp_path / "ledger.json"
+    node = Node({"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(path)}, _dp_mod_app())
+    cfg = _cfg(EXACT_RUNS)
+    replies = []
+    for k in (1, 2, 3, 4):
+        ins = RoundInstructions(k, 0.1, 1, "clip", 1.0, z / 2, 0, False, noise_multiplier=z, cohort_size=4)
+        config = instructions_to_config_record(ins)
+        for key, value in public_parameters(cfg).items():  # client-calibrated, r = 4: the share z C / sqrt(4)
+            config[key] = value
+        content = RecordDict({"arrays": ArrayRecord({"w": to_array_record(np.zeros(3))["w"]}), "config": config})
+        replies.append(node.send(cfg, 21, k, content=content))
+    assert [r.has_error() for r in replies] == [False, False, False, True]
+    reason = replies[-1].error.reason
+    assert reason.startswith("dp_mod: ") and "max-epsilon" in reason
+    assert _numbers(reason)["spent"] == pytest.approx(exact[3], rel=2e-3)
+    assert _numbers(reason)["total"] == pytest.approx(exact[4], rel=2e-3)
+    assert {r.mechanism for r in NodeLedger(path).read()} == {"gaussian"}
+
+
+# ------------------------------------------------------------------ the keys
+def test_the_default_ledger_is_one_file_per_partition_in_the_nodes_home() -> None:
+    home = ledger_module.node_home()
+    assert ledger_path({"partition-id": 3, "secure-noise": True}, NodePolicy()) == home / "dpfedavg" / (
+        "privacy-ledger-3.json"
+    )
+    assert (
+        ledger_path({"privacy-ledger": "~/l.json"}, NodePolicy(privacy_ledger="~/l.json"))
+        == Path("~/l.json").expanduser()
+    )
+
+
+def test_a_node_without_a_policy_keeps_no_ledger(tmp_path) -> None:
+    """The README's research simulation: partition-id and num-partitions only, no file written, nothing charged."""
+    assert _answered(Node({}).run(_cfg(EXACT_RUNS), 1))
+    assert not (ledger_module.node_home() / "dpfedavg").exists()
+
+
+@pytest.mark.parametrize(
+    ("node_config", "fragments"),
+    [
+        ({"privacy-ledger": "ledger.json"}, ["'privacy-ledger' = 'ledger.json'", "an absolute file path"]),
+        ({"privacy-ledger": "/tmp/a\nb"}, ["'privacy-ledger'", "one line"]),
+        ({"max-epsilon-delta": 1.5}, ["'max-epsilon-delta' = 1.5", "a number in (0, 1)"]),
+    ],
+)
+def test_bad_ledger_keys_are_one_clear_error(node_config: dict, fragments: list[str]) -> None:
+    with pytest.raises(PolicyError) as err:
+        NodePolicy.from_node_config(node_config)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_a_release_is_recorded_with_what_the_node_did(tmp_path) -> None:
+    path = tmp_path / "ledger.json"
+    assert _answered([Node({"privacy-ledger": str(path)}).send(_cfg(SAMPLED_RUN), 5, 2)])
+    (entry,) = NodeLedger(path).read()
+    assert isinstance(entry, Release)
+    assert (entry.run_id, entry.server_round, entry.message_type, entry.mechanism) == (
+        5, 2, "train", "poisson-sampled-gaussian"
+    )  # fmt: skip
+    assert (entry.noise_multiplier, entry.sampling_rate, entry.num_rounds, entry.delta) == (1.0, 0.5, 5, 1e-5)
+    assert entry.clip == 3.0 and entry.placement == "client-calibrated"
+    assert entry.noise_std == pytest.approx(1.0 * 3.0 / math.sqrt(4))
+
+
+def test_a_secure_aggregation_round_is_charged_once_per_node(tmp_path) -> None:
+    """SecAgg+: the round is checked (and charged) before the masked vector leaves, not again inside the protocol."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    from dpfedavg.flower import server_app
+    from dpfedavg.server.run import plan_for
+
+    values = {"num-clients": 6, "clients-per-round": 4.0, "num-rounds": 2, "dim": 8, "seed": 5, "epsilon": 0.0,
+              "noise-multiplier": 1.0, "clip": 20.0, "secure-aggregation": True, "checkpoint-every": 0,
+              "output-dir": str(tmp_path), "run-name": "secagg"}  # fmt: skip
+    cfg = _cfg(values)
+    grid = InProcessGrid(client_app, cfg.num_clients, cfg.to_run_config(), node_config={"secure-noise": True})
+    server_app.run(grid, cfg, plan=plan_for(cfg))
+    masked = [
+        m
+        for m in grid.sent
+        if RECORD_KEY_CONFIGS in m.content.config_records
+        and m.content.config_records[RECORD_KEY_CONFIGS].get(Key.STAGE) == Stage.COLLECT_MASKED_VECTORS
+    ]
+    files = sorted((ledger_module.node_home() / "dpfedavg").glob("privacy-ledger-*.json"))
+    rounds = [[r.server_round for r in NodeLedger(f).read()] for f in files]
+    assert masked and sum(map(len, rounds)) == len(masked)
+    assert all(len(set(r)) == len(r) for r in rounds)  # no round charged twice

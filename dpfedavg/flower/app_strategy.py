@@ -299,7 +299,7 @@ class AppDPFedAvg(DPFedAvg):
         self._closed: dict[int, Vector] = {}
         self._failures: dict[int, list[str]] = {}
         self._client_metrics: dict[int, dict[str, float]] = {}
-        #: Round -> why clients' own metrics were left out of its average (:mod:`dpfedavg.flower.client_metrics`).
+        #: Round -> why clients' own metrics were left out of its average (``dpfedavg.flower.client_metrics``).
         self.client_metrics_rejected: dict[int, list[str]] = {}
         self._newcomers: set[int] = set()
         self._num_rounds = 0
@@ -636,7 +636,7 @@ class AppDPFedAvg(DPFedAvg):
         """The clients' own metrics of the usable replies, averaged weighted by ``num-examples`` (as FedAvg does).
 
         A client whose ``num-examples`` or a metric is not plausible is left out, with the reason logged and kept in
-        :attr:`client_metrics_rejected` (:mod:`dpfedavg.flower.client_metrics`).
+        ``client_metrics_rejected`` (the rules: ``dpfedavg.flower.client_metrics``).
         """
         bound = self.server.sensitivity if self.server.bound.private else float("inf")
         clients: list[tuple[str, dict[str, Any]]] = []

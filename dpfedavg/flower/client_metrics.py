@@ -15,14 +15,11 @@ A reply without ``num-examples`` weighs 1. A key is averaged when every kept cli
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["MAX_NUM_EXAMPLES", "average_client_metrics", "metrics_violation"]
-
-logger = logging.getLogger(__name__)
 
 #: The largest ``num-examples`` one client may report: a billion examples on one SuperNode.
 MAX_NUM_EXAMPLES = 1e9

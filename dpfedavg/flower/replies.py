@@ -18,7 +18,7 @@ results and counts for :meth:`dpfedavg.server.dp_server.DPServer.finish_round`:
 * no reply within the round timeout: every client of the node dropped out (``DPServer`` counts the
   sampled clients that are neither received, failed nor rejected as dropouts);
 * a reply from a node that was not sampled this round, or a node's second reply: rejected with its reason
-  and counted apart (:attr:`RoundReplies.num_unexpected`), never against a sampled client, so a sampled node
+  and counted apart (``RoundReplies.num_unexpected``), never against a sampled client, so a sampled node
   that did not answer still counts as a dropout.
 
 In every case the server tops up the noise of the updates that did not arrive (:mod:`dpfedavg.core.mechanism`),
@@ -55,7 +55,7 @@ class RoundReplies:
     #: Sampled clients whose reply was rejected.
     num_rejected: int = 0
     #: Replies nobody asked for (a node not sampled this round, a node's second reply): rejected, their reasons
-    #: in :attr:`reasons`, but not counted against the sampled clients (each of those still replied, failed,
+    #: in ``reasons``, but not counted against the sampled clients (each of those still replied, failed,
     #: was rejected or dropped out).
     num_unexpected: int = 0
     reasons: list[str] = field(default_factory=list)

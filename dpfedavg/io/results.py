@@ -86,7 +86,7 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
 
 
 def check_output_dir(output_dir: str, run_name: str = "") -> None:
-    """The run can write its results under ``output_dir``: one :class:`ConfigError` before any expensive start-up.
+    """The run can write its results under ``output_dir``: one ``ConfigError`` before any expensive start-up.
 
     The nearest folder of ``<output-dir>/<run-name>`` that exists must be a folder this process can write in
     (checked by creating and removing a file there, so read-only file systems and permissions both count); the

@@ -127,6 +127,8 @@ def _privacy_report(args: argparse.Namespace) -> dict[str, Any]:
     from dpfedavg.privacy.calibration import privacy_report
     from dpfedavg.privacy.params import DpParams
 
+    if not args.epsilon > 0:  # the report is for a target (a run config would also accept a fixed z instead)
+        _fail(f"--epsilon = {args.epsilon!r}: expected a float > 0")
     try:
         cfg = RunConfig(
             epsilon=args.epsilon,
@@ -139,8 +141,6 @@ def _privacy_report(args: argparse.Namespace) -> dict[str, Any]:
         )
     except ConfigError as err:
         _fail(_as_flags(str(err), _PRIVACY_FLAGS))
-    if not cfg.epsilon > 0:
-        _fail(f"--epsilon = {args.epsilon!r}: expected a float > 0")
     return privacy_report(DpParams.from_config(cfg), clip=cfg.clip)
 
 

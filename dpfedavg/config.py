@@ -152,7 +152,15 @@ MAX_CLIENTS = 10_000_000
 #: adaptive-clip: the largest ``clip-range-factor`` F (C_k stays in [C_0 / F, C_0 F]).
 MAX_CLIP_RANGE_FACTOR = 1e6
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: ``run-name``: one portable folder name (``fullmatch``: ``$`` would let a trailing newline through).
+MAX_RUN_NAME = 128
+_RUN_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_RUN_NAME - 1}}}")
+
+
+def _noise_multiplier_ok(x: float) -> bool:
+    """z = 0 (the explicit opt-out) or in (0, max]; ``-0.0`` is refused: it compares equal to 0, but its sign says a
+    negative value was meant, and no value may turn the noise off unless it is spelled 0."""
+    return non_negative(x) and math.copysign(1.0, x) > 0 and x <= MAX_NOISE_MULTIPLIER
 
 
 def _device_ok(value: str) -> bool:
@@ -181,9 +189,9 @@ class RunConfig:
     clients_per_round: float = option(100.0, "r", "expected clients per round; q = r/n", f"a number with 0 < r <= num-clients and q = r/n >= {MIN_SAMPLING_RATE:g}", positive, privacy=True)  # noqa: E501
     clip: float = option(50.0, "C", "clipping threshold (clip; adaptive-clip: the initial C_0) / scaling factor (norm)", "a float > 0", positive, privacy=True)  # noqa: E501
     # privacy
-    epsilon: float = option(5.0, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target", f"a float >= 0: 0 (no target) or in [{EPSILON_RANGE[0]:g}, {EPSILON_RANGE[1]:g}]", lambda x: x == 0 or EPSILON_RANGE[0] <= x <= EPSILON_RANGE[1])  # noqa: E501
+    epsilon: float = option(5.0, "epsilon", "target epsilon: z is calibrated so the run spends at most this; 0 = no target, for a fixed noise-multiplier (or algorithm 'none')", f"a float >= 0: 0 (no target) or in [{EPSILON_RANGE[0]:g}, {EPSILON_RANGE[1]:g}]", lambda x: x == 0 or EPSILON_RANGE[0] <= x <= EPSILON_RANGE[1])  # noqa: E501
     delta: float = option(1e-6, "delta", "delta of the reported (epsilon, delta)", f"a float in [{DELTA_RANGE[0]:g}, {DELTA_RANGE[1]:g}]", lambda x: DELTA_RANGE[0] <= x <= DELTA_RANGE[1], privacy=True)  # noqa: E501
-    noise_multiplier: float | None = option(None, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'a float >= 0 and <= {MAX_NOISE_MULTIPLIER:g} or "{NOISE_MULTIPLIER_AUTO}"', lambda x: non_negative(x) and x <= MAX_NOISE_MULTIPLIER, sentinel=NOISE_MULTIPLIER_AUTO)  # noqa: E501
+    noise_multiplier: float | None = option(None, "z", 'std of the summed noise / C (sigma = z C / r); "auto" = calibrated from epsilon and delta', f'"{NOISE_MULTIPLIER_AUTO}", 0 (explicitly no noise) or a float in (0, {MAX_NOISE_MULTIPLIER:g}]; a negative value, -0.0 too, is refused', _noise_multiplier_ok, sentinel=NOISE_MULTIPLIER_AUTO)  # noqa: E501
     accountant: str = option("pld", "-", "pld (privacy loss distributions, tight) or rdp (Renyi DP)", choices=tuple(ACCOUNTANTS), privacy=True)  # noqa: E501
     max_epsilon: float = option(0.0, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", non_negative)  # noqa: E501
     noise_placement: str = option("client-calibrated", "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=tuple(PLACEMENTS), privacy=True)  # noqa: E501
@@ -202,7 +210,7 @@ class RunConfig:
     seed: int = option(0, "-", "seed of every random stream", "an integer >= 0", lambda x: x >= 0, trajectory=True)
     diagnostics: bool = option(False, "-", "clients also send the noise-free g so the server can log SNR_k (breaks privacy; research only)", privacy=True)  # noqa: E501
     output_dir: str = option("outputs", "-", "results root; relative paths are relative to the SuperLink's working directory", "a non-empty path", lambda x: bool(x.strip()))  # noqa: E501
-    run_name: str = option("", "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', "empty or letters, digits, '.', '_', '-' (no '/')", lambda x: x == "" or bool(_RUN_NAME.match(x)))  # noqa: E501
+    run_name: str = option("", "-", 'results subfolder; "" means <task>-<algorithm>-<timestamp>-<run id>', f"empty, or one folder name: 1 to {MAX_RUN_NAME} letters, digits, '.', '_', '-', starting with a letter or digit (no '/', space, newline or other character)", lambda x: x == "" or bool(_RUN_NAME.fullmatch(x)))  # noqa: E501
     node_wait_timeout: float = option(300.0, "-", "seconds to wait for all n supernodes to register before round 1", "a float > 0", positive)  # noqa: E501
     round_timeout: float = option(3600.0, "-", "seconds a round waits for replies", "a float > 0", positive)
     clients_per_node: int = option(1, "-", "simulation: clients each SuperNode hosts (virtual clients); the node with partition-id p computes clients p*m .. p*m+m-1, so num-supernodes = ceil(num-clients / m); 1 = one SuperNode per client (deployment)", "an integer >= 1", lambda x: x >= 1)  # noqa: E501
@@ -317,6 +325,14 @@ class RunConfig:
                 f"'epsilon' = {self.epsilon:g} and 'noise-multiplier' = {self.noise_multiplier:g} are both set: "
                 "set epsilon (z is calibrated) or noise-multiplier (fixed z, reported epsilon) — "
                 "for a fixed z pass epsilon=0"
+            )
+        if self.epsilon == 0 and self.noise_multiplier is None and BOUNDS[self.algorithm].private:
+            errors.append(
+                f"'epsilon' = 0 with 'noise-multiplier' = {NOISE_MULTIPLIER_AUTO!r} and 'algorithm' = "
+                f"{self.algorithm!r}: there is no target to calibrate the noise for, so the run would train WITHOUT "
+                "differential privacy; for privacy set epsilon (a target in "
+                f"[{EPSILON_RANGE[0]:g}, {EPSILON_RANGE[1]:g}], z is calibrated) or a noise-multiplier > 0 (fixed z, "
+                "reported epsilon); to train without DP say so: algorithm='none' or noise-multiplier=0"
             )
         if self.clients_per_round > self.num_clients:
             errors.append(

@@ -73,7 +73,7 @@ def test_types_are_coerced_and_sentinels_mean_none() -> None:
         ({"server-lr": "beta"}, ["'server-lr' = 'beta'"]),
         ({"lr-decay": 1.5}, ["'lr-decay' = 1.5", "(0, 1]"]),
         ({"server-momentum": 1.0}, ["'server-momentum' = 1.0", "[0, 1)"]),
-        ({"noise-multiplier": -1.0, "epsilon": 0.0}, ["'noise-multiplier' = -1.0", ">= 0"]),
+        ({"noise-multiplier": -1.0, "epsilon": 0.0}, ["'noise-multiplier' = -1.0", "a negative value"]),
         ({"noise-multiplier": "automatic"}, ["'noise-multiplier' = 'automatic'", '"auto"']),
         ({"noise-multiplier": 1.0}, ["'epsilon' = 5 and 'noise-multiplier' = 1 are both set", "epsilon=0"]),
         ({"delta": 0.0}, ["'delta' = 0.0", "[1e-12, 0.1]"]),

@@ -47,6 +47,7 @@ from dpfedavg.config import OPTIONS, RunConfig
 from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.errors import ConfigError
 from dpfedavg.flower.arrays import ArrayLayout
+from dpfedavg.flower.client_metrics import average_client_metrics
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.mod import ARRAY_KEYS, CLIENT_ID, public_parameters
 from dpfedavg.flower.protocol import (
@@ -298,6 +299,8 @@ class AppDPFedAvg(DPFedAvg):
         self._closed: dict[int, Vector] = {}
         self._failures: dict[int, list[str]] = {}
         self._client_metrics: dict[int, dict[str, float]] = {}
+        #: Round -> why clients' own metrics were left out of its average (``dpfedavg.flower.client_metrics``).
+        self.client_metrics_rejected: dict[int, list[str]] = {}
         self._newcomers: set[int] = set()
         self._num_rounds = 0
 
@@ -632,32 +635,32 @@ class AppDPFedAvg(DPFedAvg):
             for msg in replies
             if msg.has_error() and msg.error.code not in UNAVAILABLE_CODES and msg.metadata.src_node_id in self._sampled
         ]
-        self._client_metrics[server_round] = self._aggregate_client_metrics(replies)
+        self._client_metrics[server_round] = self._aggregate_client_metrics(server_round, replies)
         w_new = super()._finish_from_replies(server_round, replies)
         return self.layout.round_trip(w_new)  # type: ignore[union-attr]
 
-    def _aggregate_client_metrics(self, replies: list[Message]) -> dict[str, float]:
-        """The clients' own metrics of the usable replies, averaged weighted by ``num-examples`` (as FedAvg does)."""
+    def _aggregate_client_metrics(self, server_round: int, replies: list[Message]) -> dict[str, float]:
+        """The clients' own metrics of the usable replies, averaged weighted by ``num-examples`` (as FedAvg does).
+
+        A client whose ``num-examples`` or a metric is not plausible is left out, with the reason logged and kept in
+        ``client_metrics_rejected`` (the rules: ``dpfedavg.flower.client_metrics``).
+        """
         bound = self.server.sensitivity if self.server.bound.private else float("inf")
-        rows: list[tuple[float, dict[str, Any]]] = []
+        clients: list[tuple[str, dict[str, Any]]] = []
         for msg in replies:
-            if msg.has_error() or msg.metadata.src_node_id not in self._sampled:
+            src = msg.metadata.src_node_id
+            if msg.has_error() or src not in self._sampled:
                 continue
             try:
                 parse_train_reply(msg.content, self.server.release_dim, diagnostics=self.cfg.diagnostics, clip=bound)
             except ValueError:
                 continue
-            metrics = dict(msg.content[METRICS])
-            weight = metrics.get(NUM_EXAMPLES, 1)
-            weight = float(weight) if isinstance(weight, (int, float)) and weight > 0 else 1.0
-            rows.append((weight, metrics))
-        out: dict[str, float] = {}
-        total = sum(w for w, _ in rows)
-        keys = {k for _, m in rows for k in m} - {NUM_EXAMPLES, UPDATE_NORM, PARTITION_ID}
-        for key in sorted(keys):
-            values = [(w, m.get(key)) for w, m in rows]
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for _, v in values):
-                out[key] = float(sum(w * v for w, v in values) / total)
+            clients.append((f"node {src} (client {self._sampled[src][0]})", dict(msg.content[METRICS])))
+        out, rejected = average_client_metrics(clients, NUM_EXAMPLES, skip=frozenset({UPDATE_NORM, PARTITION_ID}))
+        for reason in rejected:
+            logger.warning("Round %d: clients' metrics: %s", server_round, reason)
+        if rejected:
+            self.client_metrics_rejected[server_round] = rejected
         return out
 
     # ------------------------------------------------------------------ secure aggregation

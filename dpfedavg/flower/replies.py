@@ -16,7 +16,10 @@ results and counts for :meth:`dpfedavg.server.dp_server.DPServer.finish_round`:
 * an error reply: every client of the node failed, or dropped out when Flower reports the node or
   its reply unavailable; a client whose local training diverged failed;
 * no reply within the round timeout: every client of the node dropped out (``DPServer`` counts the
-  sampled clients that are neither received, failed nor rejected as dropouts).
+  sampled clients that are neither received, failed nor rejected as dropouts);
+* a reply from a node that was not sampled this round, or a node's second reply: rejected with its reason
+  and counted apart (``RoundReplies.num_unexpected``), never against a sampled client, so a sampled node
+  that did not answer still counts as a dropout.
 
 In every case the server tops up the noise of the updates that did not arrive (:mod:`dpfedavg.core.mechanism`),
 so the released sum carries the nominal noise whatever a node's failure takes with it.
@@ -49,7 +52,12 @@ class RoundReplies:
 
     results: list[ClientResult] = field(default_factory=list)
     num_failed: int = 0
+    #: Sampled clients whose reply was rejected.
     num_rejected: int = 0
+    #: Replies nobody asked for (a node not sampled this round, a node's second reply): rejected, their reasons
+    #: in ``reasons``, but not counted against the sampled clients (each of those still replied, failed,
+    #: was rejected or dropped out).
+    num_unexpected: int = 0
     reasons: list[str] = field(default_factory=list)
     #: Why clients failed (a node's error reply, diverged local training).
     failures: list[str] = field(default_factory=list)
@@ -91,10 +99,10 @@ def collect_replies(
             unavailable += 1
             continue
         if src not in sampled:
-            _reject(out, server_round, src, f"reply from node {src}, which was not sampled this round", 1)
+            _reject_unexpected(out, server_round, src, f"reply from node {src}, which was not sampled this round")
             continue
         if src in replied:
-            _reject(out, server_round, src, f"second reply from node {src} in this round", 1)
+            _reject_unexpected(out, server_round, src, f"second reply from node {src} in this round")
             continue
         replied.add(src)
         clients = sampled[src]
@@ -178,5 +186,11 @@ def _take(
 
 def _reject(out: RoundReplies, server_round: int, node: int, reason: str, count: int) -> None:
     out.num_rejected += count
+    out.reasons.append(reason)
+    logger.warning("Round %d: rejected reply from node %d: %s", server_round, node, reason)
+
+
+def _reject_unexpected(out: RoundReplies, server_round: int, node: int, reason: str) -> None:
+    out.num_unexpected += 1
     out.reasons.append(reason)
     logger.warning("Round %d: rejected reply from node %d: %s", server_round, node, reason)

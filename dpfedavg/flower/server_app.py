@@ -14,6 +14,7 @@ from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.protocol import from_array_record, to_array_record
 from dpfedavg.flower.runtime import setup_app_process
 from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.io.results import check_output_dir
 from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.health import TrainingStopped
 from dpfedavg.server.run import plan_for, prepare_run
@@ -70,6 +71,7 @@ def main(grid: Grid, context: Context) -> None:
     setup_app_process()
     try:
         cfg = RunConfig.from_run_config(context.run_config)
+        check_output_dir(cfg.output_dir, cfg.run_name)  # a read-only output-dir: one error, not a traceback later
         check_run_directory(cfg)  # a reused run-name: one error before the calibration
         resolve_task(cfg.task)  # a misspelled task: one error before the calibration
         plan = plan_for(cfg)

@@ -484,7 +484,8 @@ class DPFedAvg(Strategy):
         """Check the replies client by client (:func:`.replies.collect_replies`), then let the server aggregate.
 
         The server divides by the fixed r, applies momentum and charges the accountant; every sampled
-        client that is neither received, failed nor rejected is a dropout.
+        client that is neither received, failed nor rejected is a dropout. A reply from a node that was not
+        sampled (or a second one) is counted in ``num_rejected`` besides, with its reason: it hides no dropout.
         """
         if server_round in self._closed:  # closed by a rule in configure_train
             metrics = MetricRecord(self.history[server_round].as_metrics())
@@ -509,6 +510,8 @@ class DPFedAvg(Strategy):
         w_new = self.server.finish_round(
             server_round, checked.results, num_failed=checked.num_failed, num_rejected=checked.num_rejected
         )
+        # the server counted the dropouts among the sampled clients; the replies nobody asked for are rejected too
+        self.history[server_round].num_rejected += checked.num_unexpected
         self.history[server_round].rejected_reasons.extend(checked.reasons)
         self.history[server_round].failed_reasons.extend(checked.failures)
         return w_new

@@ -7,7 +7,9 @@ import io
 import json
 import logging
 import math
+import os
 import platform
+import tempfile
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from importlib import metadata
@@ -16,9 +18,18 @@ from typing import Any
 
 import numpy as np
 
+from dpfedavg.errors import ConfigError
 from dpfedavg.io.atomic import append_bytes, atomic_write_bytes
 
-__all__ = ["RESULT_FILES", "RunRecorder", "complete_rows", "package_versions", "read_metrics", "write_config_json"]
+__all__ = [
+    "RESULT_FILES",
+    "RunRecorder",
+    "check_output_dir",
+    "complete_rows",
+    "package_versions",
+    "read_metrics",
+    "write_config_json",
+]
 
 #: The files a run writes in its directory: a directory holding one of them holds a run's results.
 RESULT_FILES = ("metrics.csv", "config.json", "model.npz", "checkpoint.npz", "metrics.png", "trajectory.npy")
@@ -72,6 +83,31 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     """``metrics.csv`` as rows of floats (an empty cell is NaN), in file order (complete rows only)."""
     header, *rows = complete_rows(path) or [[]]
     return [{k: float(v) if v != "" else math.nan for k, v in zip(header, row, strict=True)} for row in rows]
+
+
+def check_output_dir(output_dir: str, run_name: str = "") -> None:
+    """The run can write its results under ``output_dir``: one ``ConfigError`` before any expensive start-up.
+
+    The nearest folder of ``<output-dir>/<run-name>`` that exists must be a folder this process can write in
+    (checked by creating and removing a file there, so read-only file systems and permissions both count); the
+    folders below it are created by the run. Nothing is left behind.
+    """
+    target = (Path(output_dir).expanduser() / run_name).absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    prefix = f"invalid run config: 'output-dir' = {output_dir!r}"
+    allowed = "allowed: a folder this process can create and write in (or pass another output-dir)"
+    if not existing.is_dir():
+        raise ConfigError(f"{prefix}: {existing} is not a folder, so {target} cannot be created; {allowed}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dpfedavg-write-check-", dir=existing)
+    except OSError as err:
+        raise ConfigError(
+            f"{prefix}: cannot write in {existing} ({type(err).__name__}: {err.strerror or err}); {allowed}"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_config_json(path: Path, payload: Mapping[str, Any]) -> None:

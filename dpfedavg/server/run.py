@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from dpfedavg.config import RunConfig
 from dpfedavg.core.dp import BOUNDS
 from dpfedavg.core.types import Vector
+from dpfedavg.io.results import check_output_dir
 from dpfedavg.privacy.params import DpParams
 from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
 from dpfedavg.server.dp_server import DPServer
@@ -58,12 +59,13 @@ def prepare_run(
     Raises
     ------
     dpfedavg.errors.ConfigError
-        A ``run-name`` whose folder holds an earlier run's results (without ``resume``), an unknown task, a
-        privacy plan that cannot hold, secure-aggregation settings that void the guarantee, or a checkpoint
-        that does not fit (``resume``).
+        An ``output-dir`` this process cannot write in, a ``run-name`` whose folder holds an earlier run's results
+        (without ``resume``), an unknown task, a privacy plan that cannot hold, secure-aggregation settings that
+        void the guarantee, or a checkpoint that does not fit (``resume``).
     dpfedavg.errors.ResultsError
         The run's first files could not be written.
     """
+    check_output_dir(cfg.output_dir, cfg.run_name)  # a read-only output-dir: one ConfigError, before the calibration
     check_run_directory(cfg)  # a reused run-name: refused before the calibration
     source = task if task is not None else resolve_task(cfg.task)
     plan = plan if plan is not None else plan_for(cfg)

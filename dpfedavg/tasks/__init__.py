@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -112,11 +113,29 @@ def load_task_factory(spec: str) -> Callable[[RunConfig], Task]:
             raise ConfigError(f"{prefix}: {where!r} has no attribute {part!r}{more}; its callables: {callables}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ConfigError(
-            f"{prefix}: {attr!r} is a {type(obj).__name__}, not a task factory; expected a function (or class) "
-            "called as factory(cfg) and returning a Task"
-        )
+        raise ConfigError(f"{prefix}: {attr!r} is a {type(obj).__name__}, not a task factory; {_FACTORY}")
+    if inspect.isbuiltin(obj) or not _takes_one_argument(obj):
+        kind = "a built-in function" if inspect.isbuiltin(obj) else "a callable that cannot be called with one argument"
+        raise ConfigError(f"{prefix}: {attr!r} is {kind}, not a task factory; {_FACTORY}")
     return obj  # type: ignore[return-value]
+
+
+#: What ``task = "module:factory"`` must name (the end of every error about it).
+_FACTORY = (
+    "expected a Python function (or class) of your own, called as factory(cfg) with the RunConfig and returning a "
+    "Task (docs: tutorials/own-model.md)"
+)
+
+
+def _takes_one_argument(obj: object) -> bool:
+    """Whether ``obj(cfg)`` binds (a signature Python cannot read is given the benefit of the doubt)."""
+    try:
+        inspect.signature(obj).bind(None)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 #: A task factory: ``factory(cfg) -> Task``.

@@ -60,6 +60,7 @@ from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
 from dpfedavg.privacy.params import DpParams
 from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
 from dpfedavg.privacy.secure_aggregation import SecAggRelease, SecAggSettings, check_privacy_terms, describe
+from dpfedavg.server.releases import ReleaseLog
 
 __all__ = ["ClientResult", "DPServer", "PrivacyBudgetExhausted", "RoundInstructions", "RoundStart", "RoundStats"]
 
@@ -160,6 +161,9 @@ class DPServer:
         self.random_iterate: Vector | None = None
         self.random_round: int | None = None
         self.history: dict[int, RoundStats] = {}
+        #: The write-ahead record of releases (``secure-noise``: :mod:`dpfedavg.server.releases`); the run's session
+        #: sets it. :meth:`begin_round` writes each round's line before anything of the round leaves the server.
+        self.release_log: ReleaseLog | None = None
         self._w: Vector | None = None
         self._round: int | None = None
 
@@ -378,6 +382,8 @@ class DPServer:
             projected = self.accountant.epsilon_after(self.round_event(len(clients), len(clients)))
             if projected > budget:
                 raise PrivacyBudgetExhausted(server_round, self.accountant.epsilon, projected, budget)
+        if self.release_log is not None:  # on disk before the round is sent: a crash cannot hide this release
+            self.release_log.write(server_round)
         self.round_mechanism.admit(k, clients)  # recorded only for a round that runs
         if keep_random_iterate(k, self._rng(Stream.ITERATE, k)):
             self.random_iterate, self.random_round = w.copy(), k

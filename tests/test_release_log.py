@@ -222,6 +222,27 @@ def test_max_epsilon_counts_the_redone_rounds(tmp_path: Path) -> None:
     assert result.epsilon <= budget
 
 
+def test_a_record_that_cannot_be_written_stops_the_run_before_the_round_is_sent(tmp_path: Path, monkeypatch) -> None:
+    from dpfedavg.errors import ResultsError
+    from dpfedavg.server import releases
+
+    real, calls = releases.append_bytes, {"n": 0}
+
+    def disk_full_at_the_third(path, data, *, durable=False):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device")
+        return real(path, data, durable=durable)
+
+    monkeypatch.setattr(releases, "append_bytes", disk_full_at_the_third)
+    cfg = RunConfig.from_run_config({**BASE, "output-dir": str(tmp_path), "secure-noise": True})
+    clients = _Clients()
+    with pytest.raises(ResultsError, match="before the round is sent"):
+        server_app.run(InProcessGrid(clients, 6, cfg.to_run_config()), cfg)
+    assert {k for _, k, _ in clients.trained} == {1, 2}  # round 3 reached nobody
+    assert [r["round"] for r in _lines(tmp_path / "run")] == [1, 2]
+
+
 def test_banded_mf_with_secure_noise_refuses_to_redo_rounds(tmp_path: Path) -> None:
     banded = {"noise-mechanism": "banded-mf", "noise-placement": "server", "clients-per-round": 2.0}
     cfg = _interrupted(tmp_path, **banded)

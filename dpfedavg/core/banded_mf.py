@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 #: Largest ``K`` :func:`brute_force_sensitivity` accepts (``2^K`` patterns at ``b = 1``).
 BRUTE_FORCE_MAX_ROUNDS = 16
-#: ``p`` of :func:`noise_norm_bounds`: an honest noise vector's norm is outside its bounds with probability at most
+#: ``p`` of ``noise_norm_bounds``: an honest noise vector's norm is outside its bounds with probability at most
 #: ``p`` on each side, so an honest checkpoint's buffer is refused with probability at most ``2 (b - 1) p``.
 NOISE_NORM_FAILURE_PROBABILITY = 1e-12
 
@@ -448,7 +448,7 @@ class BandedNoiseStream:
 
     def _check_buffer_law(self, history: np.ndarray, position: int) -> None:
         """Each buffered ``w_t = (C^{-1} Z)_t`` must look like a draw of its law: ``N(0, s_t^2 I_d)`` with
-        ``s_t = sigma ||C^{-1}[t, :]||``, so its norm within :func:`noise_norm_bounds` (``p`` =
+        ``s_t = sigma ||C^{-1}[t, :]||``, so its norm within ``noise_norm_bounds`` (``p`` =
         ``NOISE_NORM_FAILURE_PROBABILITY``); rows before round 0 (and every row without noise) exactly 0.
 
         A scaled or replaced buffer (``x 1e6``, ``1e300``) would add to the coming rounds noise the accounting does

@@ -207,7 +207,7 @@ class ParticipationTracker:
     """
 
     NEVER = -1  #: ``last_round`` of a client that never took part
-    #: The keys of :meth:`state_dict`.
+    #: The keys of ``state_dict``.
     STATE_KEYS = ("position", "cohort_ids", "cohort_sizes", "rule")
 
     def __init__(self, rule: ParticipationRule) -> None:
@@ -215,7 +215,7 @@ class ParticipationTracker:
         self.position = 0  #: the next round to select
         #: Each admitted round's cohort (sorted ids), the record everything else follows from.
         self.cohorts: list[np.ndarray] = []
-        #: Derived from :attr:`cohorts`: each client's last round (``NEVER``) and number of participations.
+        #: Derived from ``cohorts``: each client's last round (``NEVER``) and number of participations.
         self.last_round = np.full(rule.num_clients, self.NEVER, dtype=np.int64)
         self.count = np.zeros(rule.num_clients, dtype=np.int64)
 
@@ -355,7 +355,7 @@ class ParticipationTracker:
     def load_state_dict(self, state: dict[str, Any], cohort_sizes: Sequence[int] | None = None) -> None:
         """Continue from ``state``; refuse one recorded under another rule or one the rule could not have produced.
 
-        The recorded cohorts are replayed through the gate (:meth:`admit`), round after round: the per-client
+        The recorded cohorts are replayed through the gate (``admit``), round after round: the per-client
         counts and last rounds are what the replay gives, so no count can be moved from one client to another
         without editing a cohort, and an edited cohort must itself obey the rule (at most ``k`` participations,
         ``b`` rounds apart, the client's cyclic group). ``cohort_sizes``: the number of clients asked in each round

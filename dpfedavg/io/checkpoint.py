@@ -105,7 +105,7 @@ class Checkpoint:
     elapsed_s: float = 0.0
     trajectory: np.ndarray | None = None
     #: The releases charged when it was written: ``round``, plus the rounds redone after earlier crashes with
-    #: ``secure-noise`` (:mod:`dpfedavg.server.releases`). The accountant's history holds one event per release.
+    #: ``secure-noise`` (``dpfedavg.server.releases``). The accountant's history holds one event per release.
     releases: int | None = None
 
     def __post_init__(self) -> None:

@@ -79,7 +79,7 @@ class NoiseMechanism(Protocol):
     name: str
     description: str
     #: Whether a round released twice (redone after a crash with secure noise: fresh cohort and noise) is
-    #: accounted by charging the round's event once more (:mod:`dpfedavg.server.releases`).
+    #: accounted by charging the round's event once more (``dpfedavg.server.releases``).
     charges_redone_rounds: bool
 
     def config_errors(self, cfg: Any) -> list[str]: ...

@@ -4,10 +4,11 @@
 iterate, per-round statistics) and runs one round in two halves:
 
 * :meth:`DPServer.begin_round`: the rules every round obeys, in one place (the stop before a round
-  that would exceed ``max-epsilon``; the secure-aggregation round with fewer than two sampled clients,
-  whose sum would be that client's update, closed at once without contacting anyone), Poisson
-  sampling (line 3), ``w_{k~}`` by reservoir sampling (line 13), and what the sampled clients must do
-  (:class:`RoundInstructions`);
+  that would exceed ``max-epsilon``; with ``secure-noise``, the round's line of the write-ahead record
+  of releases, on disk before anything of the round leaves the server, ``dpfedavg.server.releases``;
+  the secure-aggregation round with fewer than two sampled clients, whose sum would be that client's
+  update, closed at once without contacting anyone), Poisson sampling (line 3), ``w_{k~}`` by
+  reservoir sampling (line 13), and what the sampled clients must do (``RoundInstructions``);
 * :meth:`DPServer.finish_round`: sum the clients' ``g + zeta`` (in client-id order), add the server's
   share of the noise (all of it for ``server`` placement, the missing replies' share otherwise: the sum
   always carries ``N(0, (zC)^2 I)``, see :mod:`dpfedavg.core.mechanism`), divide by the fixed ``r``
@@ -161,8 +162,8 @@ class DPServer:
         self.random_iterate: Vector | None = None
         self.random_round: int | None = None
         self.history: dict[int, RoundStats] = {}
-        #: The write-ahead record of releases (``secure-noise``: :mod:`dpfedavg.server.releases`); the run's session
-        #: sets it. :meth:`begin_round` writes each round's line before anything of the round leaves the server.
+        #: The write-ahead record of releases (``secure-noise``: ``dpfedavg.server.releases``); the run's session
+        #: sets it. ``begin_round`` writes each round's line before anything of the round leaves the server.
         self.release_log: ReleaseLog | None = None
         self._w: Vector | None = None
         self._round: int | None = None

@@ -5,21 +5,21 @@ With ``secure-noise`` a round's noise and cohort come from the OS CSPRNG, so a r
 cohort, new noise, on the same clients' data. Nobody can make it equal the first attempt, and the first
 attempt's replies and sum were seen by the server, so both are charged.
 
-Before a round's messages leave the server, :meth:`ReleaseLog.write` appends one line to
-``<run dir>/releases.jsonl`` and ``fsync``s it (:func:`dpfedavg.io.atomic.append_bytes`)::
+Before a round's messages leave the server, ``ReleaseLog.write`` appends one line to
+``<run dir>/releases.jsonl`` and ``fsync``s it (``dpfedavg.io.atomic.append_bytes``)::
 
     {"release": 9, "round": 6, "q": 0.4167, "z": 1.23}
 
 ``release`` counts every round started (1, 2, ...), ``round`` is the run's round and ``(q, z)`` the event the
 accountant charges for it (the plan's: every round is charged the nominal event, see
-:mod:`dpfedavg.io.checkpoint`). A resumed run reads the record (:meth:`ReleaseLog.resume`): the releases
+``dpfedavg.io.checkpoint``). A resumed run reads the record (``ReleaseLog.resume``): the releases
 after the checkpoint's are the rounds the crash made it redo, and the accountant is rebuilt with one event per
 line, so the reported epsilon, ``max-epsilon``, ``config.json`` and ``metrics.csv``'s epsilon column cover every
-release. A missing or edited record is one :class:`~dpfedavg.io.checkpoint.CheckpointError`; lines added at
+release. A missing or edited record is one ``dpfedavg.io.checkpoint.CheckpointError``; lines added at
 the end are accepted (they can only raise the reported epsilon).
 
 Seeded mode (``secure-noise = false``) writes no record and charges no redone round: a round's cohort, every
-client's noise and the server's noise derive from ``(seed, stream, round)`` (:mod:`dpfedavg.core.seeding`) and
+client's noise and the server's noise derive from ``(seed, stream, round)`` (``dpfedavg.core.seeding``) and
 the round's input ``w_k`` comes from the checkpoint, so a redone round sends and releases bit for bit what the
 first attempt did (``tests/test_release_log.py`` checks the clients' replies), nothing new.
 """
@@ -73,7 +73,7 @@ class ReleaseLog:
     plan:
         The run's privacy plan: each line's ``(q, z)``.
     records:
-        The lines already there (a resumed run's, checked by :meth:`resume`).
+        The lines already there (a resumed run's, checked by ``resume``).
     """
 
     def __init__(self, path: Path, plan: PrivacyPlan, records: list[ReleaseRecord] | None = None) -> None:

@@ -219,7 +219,7 @@ class RunSession:
     def _releases_on_resume(self, ckpt: Checkpoint, rows_after: int) -> int:
         """The releases to charge on resume: the checkpoint's, plus the rounds this run redoes (``secure-noise``).
 
-        With ``secure-noise`` the write-ahead record (:mod:`dpfedavg.server.releases`) is read and attached to the
+        With ``secure-noise`` the write-ahead record (``dpfedavg.server.releases``) is read and attached to the
         server: each round started after the checkpoint was a fresh release, and is charged. Seeded mode: the
         checkpoint's count (a redone round is bit-identical to its first attempt, it releases nothing new).
         """

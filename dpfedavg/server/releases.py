@@ -20,8 +20,9 @@ the end are accepted (they can only raise the reported epsilon).
 
 Seeded mode (``secure-noise = false``) writes no record and charges no redone round: a round's cohort, every
 client's noise and the server's noise derive from ``(seed, stream, round)`` (``dpfedavg.core.seeding``) and
-the round's input ``w_k`` comes from the checkpoint, so a redone round sends and releases bit for bit what the
-first attempt did (``tests/test_release_log.py`` checks the clients' replies), nothing new.
+the round's input ``w_k`` comes from the checkpoint, so in a redone round every client sends bit for bit what it
+sent in the first attempt (``tests/test_release_log.py`` checks the clients' replies) and the server's release is
+computed from those same replies: nothing new about the clients' data.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from scipy.linalg import solve_triangular, toeplitz
 from scipy.optimize import brentq
-from scipy.stats import norm
+from scipy.stats import chi, norm
 
 from dpfedavg.core.banded_mf import (
     BandedNoiseStream,
@@ -31,7 +31,9 @@ from dpfedavg.core.banded_mf import (
     check_coefficients,
     column_norms_squared,
     default_bands,
+    inverse_coefficients,
     minsep_sensitivity,
+    noise_norm_bounds,
     sqrt_prefix_coefficients,
     toeplitz_matrix,
 )
@@ -302,6 +304,40 @@ def test_noise_stream_resume_is_bit_identical() -> None:
     np.testing.assert_array_equal(rest, straight[7:])
     with pytest.raises(ValueError, match="asked for round 3"):
         resumed.next(3, make_rng(seed, Stream.SERVER_NOISE, 3))
+
+
+@pytest.mark.parametrize("dim", [1, 12, 111, 1000, 100_000])
+def test_noise_norm_bounds_contain_the_chi_quantiles(dim: int) -> None:
+    """The closed-form bounds hold at least as much as scipy's exact chi quantiles at p = 1e-12 on each side."""
+    std, p = 0.7, 1e-12
+    low, high = noise_norm_bounds(std, dim, p)
+    assert 0 <= low <= std * chi.ppf(p, dim) and high >= std * chi.isf(p, dim)
+    assert high <= 1.5 * std * chi.isf(p, dim)  # and not so loose that a x1.5 edit passes at large d
+    if dim >= 1000:
+        assert low >= std * chi.ppf(p, dim) / 1.5
+
+
+def test_the_noise_buffer_law_uses_the_rows_of_c_inverse() -> None:
+    """e_t are the entries of C^{-1} (scipy's triangular solve); honest buffers pass at every round, edits do not."""
+    coefs, dim, sigma = sqrt_prefix_coefficients(4), 40, 0.9
+    c = toeplitz_matrix(coefs, 12)
+    np.testing.assert_allclose(inverse_coefficients(coefs, 12), solve_triangular(c, np.eye(12), lower=True)[:, 0],
+                               rtol=1e-12, atol=1e-15)  # fmt: skip
+    for seed in range(20):
+        stream = BandedNoiseStream(coefs, dim, sigma)
+        for k in range(12):
+            stream.next(k, make_rng(seed, Stream.SERVER_NOISE, k))
+            BandedNoiseStream(coefs, dim, sigma).load_state_dict(_npz_round_trip(stream.state_dict()))
+    state = _npz_round_trip(stream.state_dict())
+    for history in [state["history"] * 1e6, np.full_like(state["history"], 1e300), state["history"] * 0]:
+        with pytest.raises(ValueError, match="noise buffer"):
+            BandedNoiseStream(coefs, dim, sigma).load_state_dict({**state, "history": history})
+    early = BandedNoiseStream(coefs, dim, sigma)
+    early.next(0, make_rng(0, Stream.SERVER_NOISE, 0))  # rows of rounds before 0 must be 0
+    early_state = early.state_dict()
+    early_state["history"][2] = 1e-3
+    with pytest.raises(ValueError, match="there is no round before 0"):
+        BandedNoiseStream(coefs, dim, sigma).load_state_dict(early_state)
 
 
 def test_resuming_with_a_different_strategy_is_refused() -> None:

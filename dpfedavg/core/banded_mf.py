@@ -454,7 +454,7 @@ class BandedNoiseStream:
         A scaled or replaced buffer (``x 1e6``, ``1e300``) would add to the coming rounds noise the accounting does
         not describe (or, scaled down, remove some of it); the bounds refuse it while an honest buffer passes but
         with probability ``2 (b - 1) p``. Below ``d = 4 ln(1/p)`` the lower bound is 0: a buffer scaled down is
-        then refused only if it is exactly 0 where noise was due.
+        then refused only if it is 0 where noise was due (a Gaussian draw is 0 with probability 0).
         """
         inverse = inverse_coefficients(self.coefficients, max(position, 1))
         row_norms = np.sqrt(np.cumsum(inverse**2))  # ||C^{-1}[t, :]|| = sqrt(e_0^2 + ... + e_t^2)
@@ -472,7 +472,7 @@ class BandedNoiseStream:
                 continue
             std = self.noise_std * float(row_norms[t])
             low, high = noise_norm_bounds(std, self.dim)
-            if not low <= norm <= high:
+            if not low <= norm <= high or norm == 0.0:  # a Gaussian draw is 0 with probability 0
                 raise ValueError(
                     f"the checkpoint's noise buffer row {j - 1} (round {t}'s (C^-1 Z)_t, N(0, s^2 I_{self.dim}) with "
                     f"s = {std:.6g}) has norm {norm:.6g}, outside [{low:.6g}, {high:.6g}] (an honest draw is outside "

@@ -420,7 +420,8 @@ class BandedNoiseStream:
         ------
         ValueError
             The checkpoint's coefficients, ``d`` or ``sigma`` differ from this stream's (resuming with a
-            different strategy would not be the same mechanism continued), or its buffer has the wrong shape.
+            different strategy would not be the same mechanism continued), its buffer has the wrong shape, or a
+            buffered vector's norm is outside what its law allows (``_check_buffer_law``).
         """
         saved = tuple(float(c) for c in np.asarray(state["coefficients"], dtype=np.float64).ravel())
         if saved != self.coefficients:

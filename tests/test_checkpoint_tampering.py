@@ -110,6 +110,7 @@ def _refused(cfg: RunConfig, *fragments: str) -> None:
         ("round-set-back-to-1", _set("round", 1)),
         ("accountant-renamed", _set("server.accountant.accountant", "rdp")),
         ("delta-raised", _set("server.accountant.delta", 1e-3)),
+        ("releases-below-the-round", _set("releases", 2)),
     ],
 )
 def test_edited_checkpoint_that_would_lower_epsilon_is_refused(tmp_path: Path, name: str, edit) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from scipy.linalg import solve_triangular, toeplitz
 from scipy.optimize import brentq
-from scipy.stats import norm
+from scipy.stats import chi, norm
 
 from dpfedavg.core.banded_mf import (
     BandedNoiseStream,
@@ -31,7 +31,9 @@ from dpfedavg.core.banded_mf import (
     check_coefficients,
     column_norms_squared,
     default_bands,
+    inverse_coefficients,
     minsep_sensitivity,
+    noise_norm_bounds,
     sqrt_prefix_coefficients,
     toeplitz_matrix,
 )
@@ -304,6 +306,40 @@ def test_noise_stream_resume_is_bit_identical() -> None:
         resumed.next(3, make_rng(seed, Stream.SERVER_NOISE, 3))
 
 
+@pytest.mark.parametrize("dim", [1, 12, 111, 1000, 100_000])
+def test_noise_norm_bounds_contain_the_chi_quantiles(dim: int) -> None:
+    """The closed-form bounds hold at least as much as scipy's exact chi quantiles at p = 1e-12 on each side."""
+    std, p = 0.7, 1e-12
+    low, high = noise_norm_bounds(std, dim, p)
+    assert 0 <= low <= std * chi.ppf(p, dim) and high >= std * chi.isf(p, dim)
+    assert high <= 1.5 * std * chi.isf(p, dim)  # and not so loose that a x1.5 edit passes at large d
+    if dim >= 1000:
+        assert low >= std * chi.ppf(p, dim) / 1.5
+
+
+def test_the_noise_buffer_law_uses_the_rows_of_c_inverse() -> None:
+    """e_t are the entries of C^{-1} (scipy's triangular solve); honest buffers pass at every round, edits do not."""
+    coefs, dim, sigma = sqrt_prefix_coefficients(4), 40, 0.9
+    c = toeplitz_matrix(coefs, 12)
+    np.testing.assert_allclose(inverse_coefficients(coefs, 12), solve_triangular(c, np.eye(12), lower=True)[:, 0],
+                               rtol=1e-12, atol=1e-15)  # fmt: skip
+    for seed in range(20):
+        stream = BandedNoiseStream(coefs, dim, sigma)
+        for k in range(12):
+            stream.next(k, make_rng(seed, Stream.SERVER_NOISE, k))
+            BandedNoiseStream(coefs, dim, sigma).load_state_dict(_npz_round_trip(stream.state_dict()))
+    state = _npz_round_trip(stream.state_dict())
+    for history in [state["history"] * 1e6, np.full_like(state["history"], 1e300), state["history"] * 0]:
+        with pytest.raises(ValueError, match="noise buffer"):
+            BandedNoiseStream(coefs, dim, sigma).load_state_dict({**state, "history": history})
+    early = BandedNoiseStream(coefs, dim, sigma)
+    early.next(0, make_rng(0, Stream.SERVER_NOISE, 0))  # rows of rounds before 0 must be 0
+    early_state = early.state_dict()
+    early_state["history"][2] = 1e-3
+    with pytest.raises(ValueError, match="there is no round before 0"):
+        BandedNoiseStream(coefs, dim, sigma).load_state_dict(early_state)
+
+
 def test_resuming_with_a_different_strategy_is_refused() -> None:
     stream = BandedNoiseStream(sqrt_prefix_coefficients(3), 8, 1.0)
     stream.next(0, np.random.default_rng(0))
@@ -420,7 +456,7 @@ def test_tracker_resume_is_identical() -> None:
 
 def _zeroed(state: dict) -> dict:
     """A participation history edited to 'nobody ever took part', at the same position."""
-    return {**state, "last_round": np.full_like(state["last_round"], -1), "count": np.zeros_like(state["count"])}
+    return {**state, "cohort_ids": state["cohort_ids"][:0], "cohort_sizes": np.zeros_like(state["cohort_sizes"])}
 
 
 @pytest.mark.parametrize("scheme", ["min-separation", "cyclic"])
@@ -438,7 +474,7 @@ def test_edited_participation_history_is_refused_since_it_would_break_the_rule(s
     if scheme == "min-separation":
         with pytest.raises(ParticipationError):
             check_schedule(schedule + [blind.select(8, make_rng(4, Stream.SAMPLING, 8)).tolist()], bands=3)
-    with pytest.raises(ValueError, match="counts add up to 0, the rounds asked"):
+    with pytest.raises(ValueError, match="but the rounds asked"):
         ParticipationTracker(rule).load_state_dict(edited, cohort_sizes=sizes)
     ParticipationTracker(rule).load_state_dict(_npz_round_trip(first.state_dict()), cohort_sizes=sizes)  # genuine
 
@@ -448,9 +484,9 @@ def test_participation_history_checks_catch_each_inconsistency() -> None:
     tracker = ParticipationTracker(rule)
     schedule = [tracker.select(r, available=np.flatnonzero(np.random.default_rng(r).random(12) < 0.6)).tolist()
                 for r in range(7)]  # fmt: skip
-    sizes, state = [len(c) for c in schedule], tracker.state_dict()
-    assert tracker.history_errors(state["last_round"], state["count"], 7, sizes) == []
-    last, count = state["last_round"], state["count"]
+    sizes = [len(c) for c in schedule]
+    assert tracker.history_errors(tracker.last_round, tracker.count, 7, sizes) == []
+    last, count = tracker.last_round.copy(), tracker.count.copy()
     recent = next(i for i in schedule[6] if count[i] <= 2)  # asked in the last round
     moved = last.copy()
     moved[recent] = (count[recent] - 1) * 3  # "last took part rounds earlier": eligible again at once
@@ -468,9 +504,9 @@ def test_participation_history_checks_catch_each_inconsistency() -> None:
     cyclic = ParticipationTracker(ParticipationRule("cyclic", 12, 3, 12))
     for r in range(4):
         cyclic.select(r)
-    st = cyclic.state_dict()
-    st["last_round"][0] = 1  # client 0 is in group 0: rounds 0, 3, ...
-    assert any("cyclic group" in e for e in cyclic.history_errors(st["last_round"], st["count"], 4))
+    last = cyclic.last_round.copy()
+    last[0] = 1  # client 0 is in group 0: rounds 0, 3, ...
+    assert any("cyclic group" in e for e in cyclic.history_errors(last, cyclic.count, 4))
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -486,8 +522,11 @@ def test_participation_history_of_real_runs_passes_its_checks(seed: int) -> None
         for r in range(20):
             available = np.flatnonzero(rng.random(30) < 0.7)
             sizes.append(len(tracker.select(r, make_rng(seed, Stream.SAMPLING, r), available)))
-            st = tracker.state_dict()
-            assert tracker.history_errors(st["last_round"], st["count"], r + 1, sizes) == [], (rule, r)
+            assert tracker.history_errors(tracker.last_round, tracker.count, r + 1, sizes) == [], (rule, r)
+        replayed = ParticipationTracker(rule)  # the counts follow from the recorded cohorts
+        replayed.load_state_dict(_npz_round_trip(tracker.state_dict()), cohort_sizes=sizes)
+        np.testing.assert_array_equal(replayed.count, tracker.count)
+        np.testing.assert_array_equal(replayed.last_round, tracker.last_round)
 
 
 # --------------------------------------------------------------------------------------------------- accounting

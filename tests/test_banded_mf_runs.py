@@ -190,7 +190,7 @@ def test_resume_is_bit_identical_and_refuses_another_strategy(tmp_path: Path) ->
         run_batched(cfg, on_round=crash)
     saved = load_checkpoint(tmp_path / "cut" / "run")
     assert saved.round == 5 and saved.server.mechanism["stream/history"].shape == (3, 12)
-    assert saved.server.mechanism["tracker/count"].sum() == 5 * 3
+    assert saved.server.mechanism["tracker/cohort_sizes"].sum() == 5 * 3
     resumed = run_batched(cfg.replace(resume=True)).directory
     np.testing.assert_array_equal(_trajectory(resumed), _trajectory(full))
     assert _config_json(resumed)["final"]["epsilon"] == _config_json(full)["final"]["epsilon"]

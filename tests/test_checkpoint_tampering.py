@@ -110,6 +110,7 @@ def _refused(cfg: RunConfig, *fragments: str) -> None:
         ("round-set-back-to-1", _set("round", 1)),
         ("accountant-renamed", _set("server.accountant.accountant", "rdp")),
         ("delta-raised", _set("server.accountant.delta", 1e-3)),
+        ("releases-below-the-round", _set("releases", 2)),
     ],
 )
 def test_edited_checkpoint_that_would_lower_epsilon_is_refused(tmp_path: Path, name: str, edit) -> None:
@@ -221,34 +222,109 @@ def _arrays(**changes: Callable[[np.ndarray], np.ndarray]) -> Callable[[dict, di
     return edit
 
 
+def _participation_edit(old: Callable[[dict], None], new: Callable[[dict], None]) -> Callable[[dict, dict], None]:
+    """One attack on the participation history, in whichever form the checkpoint stores it: per-client arrays
+    (``tracker/count``, ``tracker/last_round``: the form before the cohorts were recorded) or the rounds' cohorts."""
+
+    def edit(meta: dict, arrays: dict) -> None:
+        (old if _TRACKER + "count" in arrays else new)(arrays)
+
+    return edit
+
+
+def _emptied_old(arrays: dict) -> None:
+    arrays[_TRACKER + "last_round"] = np.full_like(arrays[_TRACKER + "last_round"], -1)
+    arrays[_TRACKER + "count"] = np.zeros_like(arrays[_TRACKER + "count"])
+
+
+def _emptied_new(arrays: dict) -> None:
+    arrays[_TRACKER + "cohort_ids"] = arrays[_TRACKER + "cohort_ids"][:0]
+    arrays[_TRACKER + "cohort_sizes"] = np.zeros_like(arrays[_TRACKER + "cohort_sizes"])
+
+
+def _forget_first_old(arrays: dict) -> None:  # the first client asked in round 0
+    last, count = arrays[_TRACKER + "last_round"].copy(), arrays[_TRACKER + "count"].copy()
+    i = int(np.flatnonzero(last >= 0)[0]) if count.sum() else 0
+    last[i], count[i] = -1, 0
+    arrays[_TRACKER + "last_round"], arrays[_TRACKER + "count"] = last, count
+
+
+def _forget_first_new(arrays: dict) -> None:
+    sizes = arrays[_TRACKER + "cohort_sizes"].copy()
+    sizes[np.flatnonzero(sizes)[0]] -= 1
+    arrays[_TRACKER + "cohort_ids"], arrays[_TRACKER + "cohort_sizes"] = arrays[_TRACKER + "cohort_ids"][1:], sizes
+
+
+def _counts(arrays: dict, num_clients: int) -> np.ndarray:
+    if _TRACKER + "count" in arrays:
+        return arrays[_TRACKER + "count"].copy()
+    return np.bincount(arrays[_TRACKER + "cohort_ids"], minlength=num_clients)
+
+
+def _count_moved_old(arrays: dict) -> None:
+    """One participation of a client that took part twice moved to one that took part once and can fit two: the
+    first may then take part once more than the rule allows (max-participations + 1 times, or again sooner)."""
+    count, last = arrays[_TRACKER + "count"].copy(), arrays[_TRACKER + "last_round"]
+    a = int(np.flatnonzero(count >= 2)[0])
+    b = int(np.flatnonzero((count == 1) & (last >= _BANDS_OF_MOVED))[0])
+    count[a], count[b] = count[a] - 1, count[b] + 1
+    arrays[_TRACKER + "count"] = count
+
+
+def _count_moved_new(arrays: dict) -> None:
+    """The same counts written beside the cohorts (the checkpoint has no field for them)."""
+    count = _counts(arrays, _MOVED["num-clients"])
+    a, b = int(np.flatnonzero(count >= 2)[0]), int(np.flatnonzero(count == 1)[-1])
+    count[a], count[b] = count[a] - 1, count[b] + 1
+    arrays[_TRACKER + "count"] = count
+
+
+def _extra_participation_new(arrays: dict) -> None:
+    """A participation the rule forbids added to the last cohort: a client asked in the round before (b = 2)."""
+    ids, sizes = arrays[_TRACKER + "cohort_ids"], arrays[_TRACKER + "cohort_sizes"].copy()
+    a = int(ids[-sizes[-1] - 1])  # the last client of the round before the last
+    sizes[-1] += 1
+    arrays[_TRACKER + "cohort_ids"], arrays[_TRACKER + "cohort_sizes"] = np.append(ids, a), sizes
+
+
+#: A cyclic-poisson run (b = 2, p = 0.5) in which, by round 6, some clients took part twice and some once.
+_MOVED = {"num-clients": 8, "clients-per-round": 2.0, "bands": 2, "checkpoint-every": 1}
+_BANDS_OF_MOVED = 2
+
+
 @pytest.mark.parametrize("participation", ["min-separation", "cyclic"])
 @pytest.mark.parametrize(
     ("name", "edit", "fragment"),
     [
         # nobody took part yet: the last b - 1 rounds' clients could be asked again at once (a sensitivity the
         # accounting does not cover, at the same reported epsilon)
-        (
-            "participation-emptied",
-            _arrays(**{_TRACKER + "last_round": lambda a: np.full_like(a, -1), _TRACKER + "count": np.zeros_like}),
-            "participation history",
-        ),
-        (  # client 0 took part in round 0: forgetting it alone is the smallest edit that frees a client
-            "one-client-forgotten",
-            _arrays(
-                **{
-                    _TRACKER + "last_round": lambda a: np.where(np.arange(a.size) == 0, -1, a),
-                    _TRACKER + "count": lambda a: np.where(np.arange(a.size) == 0, 0, a),
-                }
-            ),
-            "participation history",
-        ),  # fmt: skip
+        ("participation-emptied", _participation_edit(_emptied_old, _emptied_new), "participation history"),
+        # the first client asked in round 0 forgotten: the smallest edit that frees a client
+        ("one-client-forgotten", _participation_edit(_forget_first_old, _forget_first_new), "participation history"),
         ("noise-buffer-nan", _arrays(**{_STREAM + "history": lambda a: np.full_like(a, np.nan)}), "noise buffer"),
+        ("noise-buffer-x1e6", _arrays(**{_STREAM + "history": lambda a: a * 1e6}), "noise buffer"),
+        ("noise-buffer-1e300", _arrays(**{_STREAM + "history": lambda a: np.full_like(a, 1e300)}), "noise buffer"),
     ],
 )
 def test_edited_banded_mf_state_is_refused(tmp_path: Path, participation: str, name: str, edit, fragment: str) -> None:
     cfg = _interrupted(tmp_path, participation=participation, **BANDED)
     _edit(tmp_path / "run", edit)
     _refused(cfg, "checkpoint", fragment)
+
+
+@pytest.mark.parametrize(
+    ("name", "edit"),
+    [
+        ("count-moved", _participation_edit(_count_moved_old, _count_moved_new)),
+        ("extra-participation-in-a-cohort", _participation_edit(lambda arrays: None, _extra_participation_new)),
+    ],
+)
+def test_moved_participation_count_is_refused(tmp_path: Path, name: str, edit) -> None:
+    """A count moved from one client to another (that client then takes part k + 1 times): the counts follow
+    from the recorded cohorts, which must obey the rule when replayed; a stored count is refused."""
+    cfg = _interrupted(tmp_path, participation="cyclic-poisson", **{**BANDED, **_MOVED})
+    _edit(tmp_path / "run", edit)
+    _refused(cfg, "checkpoint", "participation history")
 
 
 def test_untouched_banded_mf_checkpoint_resumes(tmp_path: Path) -> None:

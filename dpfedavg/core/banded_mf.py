@@ -48,7 +48,9 @@ __all__ = [
     "column_norms_squared",
     "default_bands",
     "max_column_norm",
+    "inverse_coefficients",
     "minsep_sensitivity",
+    "noise_norm_bounds",
     "sqrt_prefix_coefficients",
     "toeplitz_matrix",
 ]
@@ -57,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 #: Largest ``K`` :func:`brute_force_sensitivity` accepts (``2^K`` patterns at ``b = 1``).
 BRUTE_FORCE_MAX_ROUNDS = 16
+#: ``p`` of ``noise_norm_bounds``: an honest noise vector's norm is outside its bounds with probability at most
+#: ``p`` on each side, so an honest checkpoint's buffer is refused with probability at most ``2 (b - 1) p``.
+NOISE_NORM_FAILURE_PROBABILITY = 1e-12
 
 
 # ------------------------------------------------------------------------------------------ strategy coefficients
@@ -140,6 +145,37 @@ def _warn_if_unstable(coefs: np.ndarray) -> None:
             1.0 / smallest,
             smallest,
         )
+
+
+def inverse_coefficients(coefficients: Sequence[float], length: int) -> np.ndarray:
+    """The first ``length`` entries ``e_0 .. e_{length-1}`` of ``C^{-1}``'s Toeplitz column: ``C^{-1}[i, j] = e_{i-j}``.
+
+    ``C^{-1}`` of a lower-triangular Toeplitz ``C`` is lower-triangular Toeplitz, its entries the power series
+    ``1 / (c_0 + c_1 x + ...)``: ``e_0 = 1 / c_0`` and ``e_n = -(sum_{j=1}^{min(n, b-1)} c_j e_{n-j}) / c_0``.
+    """
+    coefs = np.asarray(check_coefficients(coefficients), dtype=np.float64)
+    inverse = np.zeros(max(0, int(length)))
+    for n in range(inverse.size):
+        tail = sum(coefs[j] * inverse[n - j] for j in range(1, min(n, coefs.size - 1) + 1))
+        inverse[n] = ((1.0 if n == 0 else 0.0) - tail) / coefs[0]
+    return inverse
+
+
+def noise_norm_bounds(std: float, dim: int, p: float = NOISE_NORM_FAILURE_PROBABILITY) -> tuple[float, float]:
+    """``(low, high)`` with ``P(||g|| < low) <= p`` and ``P(||g|| > high) <= p`` for ``g ~ N(0, std^2 I_dim)``.
+
+    ``||g|| / std`` is chi-distributed with ``dim`` degrees of freedom. Laurent & Massart 2000 (Lemma 1) give,
+    for ``x = ln(1/p)``, ``P(chi^2 >= d + 2 sqrt(d x) + 2 x) <= p`` and ``P(chi^2 <= d - 2 sqrt(d x)) <= p``;
+    since ``d + 2 sqrt(d x) + 2 x <= (sqrt(d) + sqrt(2 x))^2``:
+
+    ``high = std (sqrt(d) + sqrt(2 ln(1/p)))``, ``low = std sqrt(max(0, d - 2 sqrt(d ln(1/p))))``
+
+    (the lower bound is 0 below ``d = 4 ln(1/p)``, about 111 at ``p = 1e-12``).
+    """
+    if not 0 < p < 1:
+        raise ValueError(f"p = {p!r}: must lie in (0, 1)")
+    x, d = math.log(1 / p), float(dim)
+    return std * math.sqrt(max(0.0, d - 2 * math.sqrt(d * x))), std * (math.sqrt(d) + math.sqrt(2 * x))
 
 
 def toeplitz_matrix(coefficients: Sequence[float], num_rounds: int) -> np.ndarray:
@@ -384,7 +420,8 @@ class BandedNoiseStream:
         ------
         ValueError
             The checkpoint's coefficients, ``d`` or ``sigma`` differ from this stream's (resuming with a
-            different strategy would not be the same mechanism continued), or its buffer has the wrong shape.
+            different strategy would not be the same mechanism continued), its buffer has the wrong shape, or a
+            buffered vector's norm is outside what its law allows (``_check_buffer_law``).
         """
         saved = tuple(float(c) for c in np.asarray(state["coefficients"], dtype=np.float64).ravel())
         if saved != self.coefficients:
@@ -405,9 +442,44 @@ class BandedNoiseStream:
         position = int(state["position"])
         if position < 0:
             raise ValueError(f"the checkpoint's noise stream position is {position}, must be >= 0")
+        self._check_buffer_law(history, position)
         self.position = position
         for j in range(1, self.bands):
             self._ring[(position - j) % (self.bands - 1)] = history[j - 1]
+
+    def _check_buffer_law(self, history: np.ndarray, position: int) -> None:
+        """Each buffered ``w_t = (C^{-1} Z)_t`` must look like a draw of its law: ``N(0, s_t^2 I_d)`` with
+        ``s_t = sigma ||C^{-1}[t, :]||``, so its norm within ``noise_norm_bounds`` (``p`` =
+        ``NOISE_NORM_FAILURE_PROBABILITY``); rows before round 0 (and every row without noise) exactly 0.
+
+        A scaled or replaced buffer (``x 1e6``, ``1e300``) would add to the coming rounds noise the accounting does
+        not describe (or, scaled down, remove some of it); the bounds refuse it while an honest buffer passes but
+        with probability ``2 (b - 1) p``. Below ``d = 4 ln(1/p)`` the lower bound is 0: a buffer scaled down is
+        then refused only if it is 0 where noise was due (a Gaussian draw is 0 with probability 0).
+        """
+        inverse = inverse_coefficients(self.coefficients, max(position, 1))
+        row_norms = np.sqrt(np.cumsum(inverse**2))  # ||C^{-1}[t, :]|| = sqrt(e_0^2 + ... + e_t^2)
+        for j in range(1, self.bands):
+            t, row = position - j, history[j - 1]
+            scale = float(np.abs(row).max())  # scaled first: a row of 1e300s has a finite norm
+            norm = scale * float(np.linalg.norm(row / scale)) if scale > 0 else 0.0
+            if t < 0 or self.noise_std == 0.0:
+                if norm != 0.0:
+                    raise ValueError(
+                        f"the checkpoint's noise buffer row {j - 1} (round {t}) has norm {norm:.6g}, but "
+                        + ("no noise is drawn in this run" if t >= 0 else "there is no round before 0")
+                        + ": it must be 0"
+                    )
+                continue
+            std = self.noise_std * float(row_norms[t])
+            low, high = noise_norm_bounds(std, self.dim)
+            if not low <= norm <= high or norm == 0.0:  # a Gaussian draw is 0 with probability 0
+                raise ValueError(
+                    f"the checkpoint's noise buffer row {j - 1} (round {t}'s (C^-1 Z)_t, N(0, s^2 I_{self.dim}) with "
+                    f"s = {std:.6g}) has norm {norm:.6g}, outside [{low:.6g}, {high:.6g}] (an honest draw is outside "
+                    f"with probability <= {2 * NOISE_NORM_FAILURE_PROBABILITY:g}): an edited buffer would add noise "
+                    "the accounting does not describe"
+                )
 
     def _history(self) -> np.ndarray:
         """``w_{k-1}, ..., w_{k-b+1}`` (newest first; zeros before round 0) for ``k`` = :attr:`position`."""

@@ -20,7 +20,8 @@ Which clients show up, and when, does not matter. Three schemes (:class:`Partici
     calls it ``PartitionType.INDEPENDENT``).
 
 A :class:`ParticipationTracker` is the server's gate: it selects a round's cohort by the scheme, refuses
-any cohort that breaks the rule, and carries the per-client history in its ``state_dict``.
+any cohort that breaks the rule, and carries the rounds' cohorts in its ``state_dict``: the per-client
+counts and last rounds are derived from them (replayed through the gate on load), never stored.
 :func:`check_schedule` checks a whole recorded schedule, independently of how it was produced.
 """
 
@@ -206,10 +207,15 @@ class ParticipationTracker:
     """
 
     NEVER = -1  #: ``last_round`` of a client that never took part
+    #: The keys of ``state_dict``.
+    STATE_KEYS = ("position", "cohort_ids", "cohort_sizes", "rule")
 
     def __init__(self, rule: ParticipationRule) -> None:
         self.rule = rule
         self.position = 0  #: the next round to select
+        #: Each admitted round's cohort (sorted ids), the record everything else follows from.
+        self.cohorts: list[np.ndarray] = []
+        #: Derived from ``cohorts``: each client's last round (``NEVER``) and number of participations.
         self.last_round = np.full(rule.num_clients, self.NEVER, dtype=np.int64)
         self.count = np.zeros(rule.num_clients, dtype=np.int64)
 
@@ -311,6 +317,7 @@ class ParticipationTracker:
             )
         self.last_round[ids] = round_index
         self.count[ids] += 1
+        self.cohorts.append(ids)
         self.position += 1
 
     def _why(self, client: int, round_index: int) -> str:
@@ -325,14 +332,16 @@ class ParticipationTracker:
 
     # ------------------------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """The per-client history and the position, plus the rule (a JSON string) to check on load.
+        """The rounds' cohorts (ids round after round, and each round's size), the position, and the rule (a JSON
+        string) to check on load. The per-client counts are not stored: they follow from the cohorts.
 
         Flat: numpy arrays, ints and strings only, so ``np.savez`` stores it as it is.
         """
+        ids = np.concatenate(self.cohorts) if self.cohorts else np.zeros(0, dtype=np.int64)
         return {
             "position": self.position,
-            "last_round": self.last_round.copy(),
-            "count": self.count.copy(),
+            "cohort_ids": ids.astype(np.int64),
+            "cohort_sizes": np.asarray([c.size for c in self.cohorts], dtype=np.int64),
             "rule": self._rule_json(),
         }
 
@@ -346,35 +355,54 @@ class ParticipationTracker:
     def load_state_dict(self, state: dict[str, Any], cohort_sizes: Sequence[int] | None = None) -> None:
         """Continue from ``state``; refuse one recorded under another rule or one the rule could not have produced.
 
-        ``cohort_sizes``: the number of clients asked in each round so far (``metrics.csv``'s ``num_sampled``),
-        when known; the history must then account for exactly those participations (:meth:`history_errors`).
+        The recorded cohorts are replayed through the gate (``admit``), round after round: the per-client
+        counts and last rounds are what the replay gives, so no count can be moved from one client to another
+        without editing a cohort, and an edited cohort must itself obey the rule (at most ``k`` participations,
+        ``b`` rounds apart, the client's cyclic group). ``cohort_sizes``: the number of clients asked in each round
+        so far (``metrics.csv``'s ``num_sampled``), when known; the cohorts must have exactly those sizes.
 
         Raises
         ------
         ValueError
-            Another rule, wrong shapes, or a history that breaks the rule or disagrees with ``cohort_sizes``:
-            an edited history could let a client take part more often than the guarantee allows.
+            Another rule, other fields (a stored count), wrong shapes, or cohorts that break the rule or disagree
+            with ``cohort_sizes``: an edited history could let a client take part more often than the guarantee
+            allows.
         """
-        r = self.rule
+        if set(state) != set(self.STATE_KEYS):
+            raise ValueError(
+                f"the checkpoint's participation history has the fields {sorted(state)}, expected "
+                f"{sorted(self.STATE_KEYS)} (the rounds' cohorts; per-client counts follow from them)"
+            )
         mine, saved = self._rule_json(), str(state["rule"])
         if saved != mine:
             raise ValueError(
                 f"the checkpoint's participation rule [scheme, n, b, K, k, p, cap] is {saved}, this run's is {mine}: "
                 f"resume with the same rule"
             )
-        last = np.asarray(state["last_round"], dtype=np.int64)
-        count = np.asarray(state["count"], dtype=np.int64)
-        if last.shape != (r.num_clients,) or count.shape != (r.num_clients,):
-            raise ValueError(f"the checkpoint's participation history is not for {r.num_clients} clients")
+        ids, sizes = np.asarray(state["cohort_ids"]), np.asarray(state["cohort_sizes"])
         position = int(state["position"])
-        errors = self.history_errors(last, count, position, cohort_sizes)
-        if errors:
-            raise ValueError(
-                "the checkpoint's participation history is not one the rule produces: "
-                + "; ".join(errors)
-                + " (an edited history could let a client take part more often than the accounted sensitivity)"
+        problem = None
+        if ids.ndim != 1 or sizes.ndim != 1 or not all(np.issubdtype(a.dtype, np.integer) for a in (ids, sizes)):
+            problem = f"cohorts of shapes {ids.shape}, {sizes.shape} and dtypes {ids.dtype}, {sizes.dtype}"
+        elif position < 0 or sizes.shape != (position,) or np.any(sizes < 0) or int(sizes.sum()) != ids.size:
+            problem = (
+                f"{sizes.size} cohort sizes adding up to {int(sizes.sum())} for {ids.size} ids at round {position}"
             )
-        self.last_round, self.count, self.position = last.copy(), count.copy(), position
+        elif cohort_sizes is not None and [int(v) for v in sizes] != [int(v) for v in cohort_sizes]:
+            problem = f"cohort sizes {sizes.tolist()[:8]}..., but the rounds asked {list(cohort_sizes)[:8]}..."
+        if problem is not None:
+            raise ValueError(f"the checkpoint's participation history is malformed: {problem}")
+        replay = ParticipationTracker(self.rule)
+        try:
+            for k, cohort in enumerate(np.split(ids.astype(np.int64), np.cumsum(sizes)[:-1]) if position else []):
+                replay.admit(k, cohort)
+        except ParticipationError as err:
+            raise ValueError(
+                f"the checkpoint's participation history is not one the rule produces: {err} (an edited history "
+                "could let a client take part more often than the accounted sensitivity)"
+            ) from None
+        self.cohorts, self.position = replay.cohorts, replay.position
+        self.last_round, self.count = replay.last_round, replay.count
 
     def history_errors(
         self, last_round: np.ndarray, count: np.ndarray, position: int, cohort_sizes: Sequence[int] | None = None

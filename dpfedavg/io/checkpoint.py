@@ -104,6 +104,13 @@ class Checkpoint:
     evaluated: dict[int, dict[str, float]]
     elapsed_s: float = 0.0
     trajectory: np.ndarray | None = None
+    #: The releases charged when it was written: ``round``, plus the rounds redone after earlier crashes with
+    #: ``secure-noise`` (``dpfedavg.server.releases``). The accountant's history holds one event per release.
+    releases: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.releases is None:
+            self.releases = self.round
 
 
 def privacy_signature(cfg: RunConfig, plan: PrivacyPlan) -> dict[str, Any]:
@@ -193,6 +200,7 @@ def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
         "privacy": ckpt.privacy,
         "evaluated": ckpt.evaluated,
         "elapsed_s": ckpt.elapsed_s,
+        "releases": ckpt.releases,
     }
     arrays["meta"] = np.array(json.dumps(_encode(meta), default=_json_default))
     with atomic_open(path, durable=True) as fh:
@@ -300,6 +308,8 @@ def load_checkpoint(directory: Path) -> Checkpoint:
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
     rounds = read.integer(read.get(meta, "round", "round"), "round", low=1)
+    # absent in a checkpoint written before redone rounds were charged, when every release was a round
+    releases = read.integer(meta.get("releases", rounds), "releases", low=rounds)
     server_meta = read.mapping(read.get(meta, "server", "server"), "server")
     random_round = server_meta.get("random_round")
     if random_round is not None:
@@ -344,6 +354,7 @@ def load_checkpoint(directory: Path) -> Checkpoint:
         evaluated=evaluated,
         elapsed_s=read.number(read.get(meta, "elapsed_s", "elapsed_s"), "elapsed_s"),
         trajectory=trajectory,
+        releases=releases,
     )
 
 
@@ -364,7 +375,8 @@ def nominal_accountant_state(plan: PrivacyPlan, rounds: int) -> dict[str, Any] |
 def _state_errors(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: int) -> list[str]:
     """Where the checkpoint's server state disagrees with what its round count and the run imply."""
     k, server, problems = ckpt.round, ckpt.server, []
-    expected = nominal_accountant_state(plan, k)
+    releases = ckpt.releases if ckpt.releases is not None else k
+    expected = nominal_accountant_state(plan, releases)
     saved = server.accountant
     if expected is None:
         if saved is not None and saved.get("history"):
@@ -379,9 +391,9 @@ def _state_errors(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: int)
         first = next((i for i, (a, b) in enumerate(zip(got, expected["history"], strict=False)) if a != b), None)
         where = f"event {first} is {got[first]} instead of {expected['history'][first]}" if first is not None else ""
         problems.append(
-            f"'server.accountant.history' has {len(got)} events, but {k} rounds of (q, z) = ({plan.q:.6g}, "
-            f"{plan.noise_multiplier:.6g}) make {k} identical ones{'; ' + where if where else ''} (an edited history "
-            "would lower the reported epsilon)"
+            f"'server.accountant.history' has {len(got)} events, but {releases} releases ('releases'; {k} rounds "
+            f"and {releases - k} redone) of (q, z) = ({plan.q:.6g}, {plan.noise_multiplier:.6g}) make {releases} "
+            f"identical ones{'; ' + where if where else ''} (an edited history would lower the reported epsilon)"
         )
     if set(server.history) != set(range(1, k + 1)):
         problems.append(f"'server.history' holds rounds {sorted(server.history)[:3]}... but 'round' = {k}")
@@ -417,7 +429,8 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: i
 
     Raises one :class:`CheckpointError` naming every differing setting and every field of the server's state
     that disagrees with its round count and the privacy plan: above all the accountant's history, which must be
-    ``round`` copies of the plan's public ``(q, z)`` (an edited history would lower the reported epsilon).
+    ``releases`` copies of the plan's public ``(q, z)`` (``round``, plus the rounds redone after earlier crashes
+    with ``secure-noise``; an edited history would lower the reported epsilon).
     """
     problems: list[str] = []
     saved_privacy = ckpt.privacy

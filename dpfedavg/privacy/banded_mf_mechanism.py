@@ -331,8 +331,9 @@ class BandedMFMechanism:
     def load_state_dict(self, state: dict[str, Any], cohort_sizes: Sequence[int] | None = None) -> None:
         """Continue from :meth:`state_dict`'s output (each part refuses a checkpoint of other settings).
 
-        ``cohort_sizes`` (each completed round's number of clients asked) is checked against the participation
-        history (:meth:`~dpfedavg.core.participation.ParticipationTracker.history_errors`).
+        The participation history is the recorded cohorts, replayed through the rule; ``cohort_sizes`` (each
+        completed round's number of clients asked) must be their sizes (``ParticipationTracker.load_state_dict``).
+        The noise buffer must look like draws of its law (``BandedNoiseStream.load_state_dict``).
         """
 
         def part_of(name: str) -> dict[str, Any]:

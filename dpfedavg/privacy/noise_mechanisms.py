@@ -78,6 +78,9 @@ class NoiseMechanism(Protocol):
 
     name: str
     description: str
+    #: Whether a round released twice (redone after a crash with secure noise: fresh cohort and noise) is
+    #: accounted by charging the round's event once more (``dpfedavg.server.releases``).
+    charges_redone_rounds: bool
 
     def config_errors(self, cfg: Any) -> list[str]: ...
 
@@ -135,6 +138,8 @@ class Independent:
 
     name = "independent"
     description = "Poisson sampling with q = r/n and independent Gaussian noise every round (Alg. 1 / Alg. 2)"
+    #: a redone round is one more Poisson-sampled Gaussian release, independent of the others: one more event
+    charges_redone_rounds = True
 
     def config_errors(self, cfg: Any) -> list[str]:
         """The banded-MF keys keep their defaults (they would change nothing here)."""
@@ -181,6 +186,9 @@ class BandedMF:
         "banded matrix factorization (DP-FTRL): a participation rule the server enforces, x_k + (C^-1 Z)_k added "
         "by the server (Choquette-Choo et al. 2023)"
     )
+    #: a redone round releases row k of C x + Z twice with two draws of Z_k, and its first cohort is not in the
+    #: participation history: the banded analysis covers neither, so a resume that would redo rounds is refused
+    charges_redone_rounds = False
 
     def config_errors(self, cfg: Any) -> list[str]:
         return config_errors(cfg)

@@ -4,10 +4,11 @@
 iterate, per-round statistics) and runs one round in two halves:
 
 * :meth:`DPServer.begin_round`: the rules every round obeys, in one place (the stop before a round
-  that would exceed ``max-epsilon``; the secure-aggregation round with fewer than two sampled clients,
-  whose sum would be that client's update, closed at once without contacting anyone), Poisson
-  sampling (line 3), ``w_{k~}`` by reservoir sampling (line 13), and what the sampled clients must do
-  (:class:`RoundInstructions`);
+  that would exceed ``max-epsilon``; with ``secure-noise``, the round's line of the write-ahead record
+  of releases, on disk before anything of the round leaves the server, ``dpfedavg.server.releases``;
+  the secure-aggregation round with fewer than two sampled clients, whose sum would be that client's
+  update, closed at once without contacting anyone), Poisson sampling (line 3), ``w_{k~}`` by
+  reservoir sampling (line 13), and what the sampled clients must do (``RoundInstructions``);
 * :meth:`DPServer.finish_round`: sum the clients' ``g + zeta`` (in client-id order), add the server's
   share of the noise (all of it for ``server`` placement, the missing replies' share otherwise: the sum
   always carries ``N(0, (zC)^2 I)``, see :mod:`dpfedavg.core.mechanism`), divide by the fixed ``r``
@@ -60,6 +61,7 @@ from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
 from dpfedavg.privacy.params import DpParams
 from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
 from dpfedavg.privacy.secure_aggregation import SecAggRelease, SecAggSettings, check_privacy_terms, describe
+from dpfedavg.server.releases import ReleaseLog
 
 __all__ = ["ClientResult", "DPServer", "PrivacyBudgetExhausted", "RoundInstructions", "RoundStart", "RoundStats"]
 
@@ -160,6 +162,9 @@ class DPServer:
         self.random_iterate: Vector | None = None
         self.random_round: int | None = None
         self.history: dict[int, RoundStats] = {}
+        #: The write-ahead record of releases (``secure-noise``: ``dpfedavg.server.releases``); the run's session
+        #: sets it. ``begin_round`` writes each round's line before anything of the round leaves the server.
+        self.release_log: ReleaseLog | None = None
         self._w: Vector | None = None
         self._round: int | None = None
 
@@ -378,6 +383,8 @@ class DPServer:
             projected = self.accountant.epsilon_after(self.round_event(len(clients), len(clients)))
             if projected > budget:
                 raise PrivacyBudgetExhausted(server_round, self.accountant.epsilon, projected, budget)
+        if self.release_log is not None:  # on disk before the round is sent: a crash cannot hide this release
+            self.release_log.write(server_round)
         self.round_mechanism.admit(k, clients)  # recorded only for a round that runs
         if keep_random_iterate(k, self._rng(Stream.ITERATE, k)):
             self.random_iterate, self.random_round = w.copy(), k

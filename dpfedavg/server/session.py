@@ -38,6 +38,7 @@ from dpfedavg.io.metrics import RoundStats
 from dpfedavg.io.results import RESULT_FILES, RunRecorder, complete_rows, package_versions, read_metrics
 from dpfedavg.privacy.guarantee import released_metric_names
 from dpfedavg.server.dp_server import DPServer
+from dpfedavg.server.releases import RELEASES_FILE, ReleaseLog, charges_redone_rounds
 from dpfedavg.tasks import Task, task_hooks
 
 __all__ = ["RunResult", "RunSession", "check_run_directory", "run_directory"]
@@ -149,13 +150,18 @@ class RunSession:
         columns = RoundStats.columns(self.metric_names)
         #: The checkpoint this run resumes from (``resume=true``), checked before anything is written.
         self.resumed: Checkpoint | None = None
+        #: Releases charged beyond the completed rounds without a write-ahead record (a resumed checkpoint's).
+        self._redone_before = 0
         if cfg.resume:
             self.directory = run_directory(cfg, run_id)
             self.resumed = load_checkpoint(self.directory)
             check_compatible(self.resumed, cfg, server.plan, server.dim)
-            self._check_resumable(self.resumed, columns)
-            # the accountant is rebuilt from the round count and the plan (checked equal to the stored one above)
-            self.resumed.server.accountant = nominal_accountant_state(server.plan, self.resumed.round)
+            rows_after = self._check_resumable(self.resumed, columns)
+            # the accountant is rebuilt from the releases (the round count, plus every round started after a
+            # checkpoint with secure-noise) and the plan; the stored one was checked equal to it above
+            releases = self._releases_on_resume(self.resumed, rows_after)
+            self._redone_before = releases - self.resumed.round
+            self.resumed.server.accountant = nominal_accountant_state(server.plan, releases)
             try:  # the server's own checks of its state (the noise mechanism's history), before any file is touched
                 server.restore(self.resumed.server)
             except (ValueError, TypeError, KeyError) as err:
@@ -173,14 +179,21 @@ class RunSession:
         try:
             self.recorder = RunRecorder(self.directory, columns, keep_rounds_through=keep)
             self.recorder.write_config(self.description)
+            if self.resumed is None and charges_redone_rounds(cfg.secure_noise, server.plan):
+                server.release_log = ReleaseLog.start(self.directory, server.plan)
         except OSError as err:
-            raise self._results_error("the run's first files (metrics.csv, config.json)", err) from None
+            raise self._results_error(
+                f"the run's first files (metrics.csv, config.json, {RELEASES_FILE})", err
+            ) from None
         self._t0 = time.monotonic() - (self.resumed.elapsed_s if self.resumed is not None else 0.0)
         logger.info("Results will be written to %s", self.directory)
         self._log_privacy()
 
-    def _check_resumable(self, ckpt: Checkpoint, columns: tuple[str, ...]) -> None:
-        """metrics.csv must hold the rows of rounds 0..k (the checkpoint's round); a finished run has nothing to do."""
+    def _check_resumable(self, ckpt: Checkpoint, columns: tuple[str, ...]) -> int:
+        """metrics.csv must hold the rows of rounds 0..k (the checkpoint's round); a finished run has nothing to do.
+
+        Returns the number of rows after round k (rounds that ran after the checkpoint, to be redone).
+        """
         path = self.directory / "metrics.csv"
         rows = complete_rows(path) if path.exists() else []
         rounds = [int(float(row[0])) for row in rows[1:]] if rows and tuple(rows[0]) == columns else []
@@ -201,6 +214,38 @@ class RunSession:
                     f"cannot resume from the checkpoint: it is after round {ckpt.round}, num-rounds = "
                     f"{self.cfg.num_rounds} and {config} holds the finished run: nothing to do"
                 )
+        return len(rounds) - (ckpt.round + 1)
+
+    def _releases_on_resume(self, ckpt: Checkpoint, rows_after: int) -> int:
+        """The releases to charge on resume: the checkpoint's, plus the rounds this run redoes (``secure-noise``).
+
+        With ``secure-noise`` the write-ahead record (``dpfedavg.server.releases``) is read and attached to the
+        server: each round started after the checkpoint was a fresh release, and is charged. Seeded mode: the
+        checkpoint's count (a redone round is bit-identical to its first attempt, it releases nothing new).
+        """
+        server = self.server
+        assert ckpt.releases is not None
+        if not charges_redone_rounds(self.cfg.secure_noise, server.plan):
+            return ckpt.releases
+        log = ReleaseLog.resume(self.directory, server.plan, ckpt.round, ckpt.releases, rows_after)
+        redone = log.count - ckpt.releases
+        if redone and not server.mechanism.charges_redone_rounds:
+            raise CheckpointError(
+                f"cannot resume {self.directory}: {redone} round(s) ran after the checkpoint (round {ckpt.round}) "
+                f"with secure-noise, and noise-mechanism = {server.mechanism.name!r} cannot account a round released "
+                "twice; redoing them would release more than the reported epsilon covers. Start a new run (it spends "
+                "a new budget), and use checkpoint-every = 1 with this mechanism"
+            )
+        if redone:
+            logger.warning(
+                "%d round(s) started after the checkpoint of round %d before the run stopped; with secure-noise each "
+                "was a fresh release and is charged: the rounds redone now cost epsilon again (%d releases so far)",
+                redone,
+                ckpt.round,
+                log.count,
+            )
+        server.release_log = log
+        return log.count
 
     def _results_error(self, what: str, err: OSError) -> ResultsError:
         """The one error of a failed write: what is on disk, and how to continue."""
@@ -313,6 +358,7 @@ class RunSession:
             evaluated=self.evaluated,
             elapsed_s=time.monotonic() - self._t0,
             trajectory=np.stack(self.trajectory) if self.trajectory else None,
+            releases=self.releases,
         )
         try:
             save_checkpoint(self.directory, ckpt)
@@ -327,6 +373,12 @@ class RunSession:
         self.last_checkpoint = server_round
         logger.debug("checkpoint written after round %d", server_round)
         return True
+
+    @property
+    def releases(self) -> int:
+        """The releases charged so far: the rounds completed, plus the rounds redone after crashes (secure-noise)."""
+        log = self.server.release_log
+        return log.count if log is not None else len(self.server.history) + self._redone_before
 
     def evaluates_after(self, server_round: int) -> bool:
         """Whether the server evaluates after ``server_round`` (round 0 = the initial model)."""
@@ -386,6 +438,7 @@ class RunSession:
             "delta": self.server.plan.delta,
             "guarantee": self.description["privacy"]["guarantee"]["level"],
             "rounds_completed": completed,
+            "releases": self.releases,
             "stopped_by_budget_before_round": stopped_before_round,
             "random_iterate_round": k_random,
             "stopped_because": failed,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from dpfedavg.deploy.__main__ import main
-from dpfedavg.deploy.app_hash import AppHashError, app_hash, fab_app_hash, folder_app_hash, parse_app_hash
+from dpfedavg.deploy.app_hash import AppHashError, app_hash, build_fab, fab_app_hash, folder_app_hash, parse_app_hash
 from dpfedavg.deploy.approval import UnapprovedAppError, check_fab, install_approval
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +50,12 @@ def _rezip(fab: bytes, *, compression: int, date: tuple[int, ...], reverse: bool
 
 
 def test_app_hash_of_a_folder_equals_that_of_the_fab_flwr_build_makes(app: Path, tmp_path: Path) -> None:
+    # folders Flower's build always leaves out (not walked by app-hash), and one it keeps
+    for name in (".venv/lib/python3.11/site-packages/evil.py", "numpyexample/__pycache__/x.py", "build/b.py"):
+        (app / name).parent.mkdir(parents=True, exist_ok=True)
+        (app / name).write_text("raise SystemExit\n")
+    (app / "numpyexample" / "build").mkdir()
+    (app / "numpyexample" / "build" / "kept.py").write_text("")
     folder = folder_app_hash(app)
     assert len(folder) == 64 and int(folder, 16) >= 0
     assert folder_app_hash(app) == folder  # same folder, same hash
@@ -59,6 +65,7 @@ def test_app_hash_of_a_folder_equals_that_of_the_fab_flwr_build_makes(app: Path,
     assert built.returncode == 0, built.stdout + built.stderr
     (fab,) = tmp_path.glob("*.fab")
     assert app_hash(fab) == folder  # what `flwr build` (and so `flwr run`) sends has the folder's hash
+    assert "numpyexample/build/kept.py" in zipfile.ZipFile(fab).namelist()
     # the hash is of the files, not of the zip's bytes: another zlib, timestamps or entry order change nothing
     other = _rezip(fab.read_bytes(), compression=zipfile.ZIP_STORED, date=(2001, 2, 3, 4, 5, 6), reverse=True)
     assert other != fab.read_bytes() and fab_app_hash(other) == folder
@@ -210,11 +217,9 @@ def test_supernode_started_as_documented_refuses_a_modified_fab(tmp_path: Path) 
     the modified code. That the approved app still runs on SuperNodes started this way is checked by
     tests/test_readme_deploy.py, which starts them with the deploy page's step 5.
     """
-    from flwr.cli.build import build_fab_from_disk
-
     from dpfedavg.deploy.loopback import LoopbackFederation
 
-    fab = build_fab_from_disk(ROOT)  # this repository's app, as `flwr run .` ships it
+    fab = build_fab(ROOT)  # this repository's app, as `flwr run .` ships it
     approved = fab_app_hash(fab)
     modified, markers = tmp_path / "modified", tmp_path / "markers"
     zipfile.ZipFile(io.BytesIO(fab)).extractall(modified)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import re
 import zipfile
 from pathlib import Path
 
-__all__ = ["AppHashError", "app_hash", "fab_app_hash", "folder_app_hash", "parse_app_hash"]
+__all__ = ["AppHashError", "app_hash", "build_fab", "fab_app_hash", "folder_app_hash", "parse_app_hash"]
 
 #: Versioned, so that a later definition can never collide with this one.
 DOMAIN_TAG = b"dpfedavg app hash v1\n"
@@ -80,18 +81,62 @@ def fab_app_hash(fab: bytes) -> str:
     return digest.hexdigest()
 
 
-def folder_app_hash(folder: Path) -> str:
-    """The app hash of an app folder: that of the FAB Flower's ``flwr build`` makes of it."""
-    from flwr.cli.build import build_fab_from_disk
+def _excluded_dirs() -> tuple[frozenset[str], frozenset[str]]:
+    """Folders whose every file Flower's build leaves out: (at the top, anywhere), from its built-in patterns."""
+    from flwr.common.constant import FAB_EXCLUDE_PATTERNS
 
-    folder = Path(folder).expanduser()
+    top: set[str] = set()
+    anywhere: set[str] = set()
+    for pattern in FAB_EXCLUDE_PATTERNS:
+        match = re.fullmatch(r"(\*\*/)?([^*?\[\]/!\\]+)/\*\*", pattern)
+        if match:
+            (anywhere if match[1] else top).add(match[2])
+    return frozenset(top), frozenset(anywhere)
+
+
+def _collect_files(root: Path) -> dict[str, Path]:
+    """Flower's ``flwr.cli.utils.collect_files(root)`` without walking the folders its build always leaves out.
+
+    Same rules otherwise (symbolic links and files outside ``root`` skipped, POSIX paths relative to
+    ``root``), so Flower's build selects the same files from it; a virtual environment in the app
+    folder (tens of thousands of files) is not walked.
+    """
+    top, anywhere = _excluded_dirs()
+    files: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if d not in anywhere and not (here == root and d in top)]
+        for filename in filenames:
+            path = here / filename
+            if path.is_symlink() or not path.resolve().is_relative_to(root):
+                continue
+            files[path.relative_to(root).as_posix()] = path
+    return files
+
+
+def build_fab(folder: Path) -> bytes:
+    """The FAB that ``flwr build`` (and ``flwr run``) makes of an app folder, built by Flower's own code.
+
+    Raises
+    ------
+    AppHashError
+        If the folder has no ``pyproject.toml`` or Flower cannot build it.
+    """
+    from flwr.cli.build import build_fab_from_files
+
+    folder = Path(folder).expanduser().resolve()
     if not (folder / "pyproject.toml").is_file():
         raise AppHashError(f"{folder} is not a Flower app folder (it has no pyproject.toml)")
     try:
-        fab = build_fab_from_disk(folder)
+        fab, _ = build_fab_from_files(_collect_files(folder))
     except ValueError as err:
         raise AppHashError(f"flwr build cannot build {folder}: {err}") from None
-    return fab_app_hash(fab)
+    return fab
+
+
+def folder_app_hash(folder: Path) -> str:
+    """The app hash of an app folder: that of the FAB Flower's ``flwr build`` makes of it."""
+    return fab_app_hash(build_fab(folder))
 
 
 def app_hash(path: Path) -> str:

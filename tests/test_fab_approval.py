@@ -17,6 +17,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,18 +129,27 @@ def test_check_fab_names_both_hashes(app: Path) -> None:
 
 
 def test_supernode_hook_answers_an_unapproved_fab_with_an_error_and_never_stores_it(
-    app: Path, monkeypatch: pytest.MonkeyPatch
+    app: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Flower's message loop, stood in for: it fetches the run's FAB, then stores it; refused FABs stop there."""
+    """Flower's message loop, stood in for: it fetches the run and its FAB, then stores the FAB.
+
+    Refused: other files; the approved files under a FAB hash, app id or version that is not theirs (the
+    ClientApp loads the folder those name); an installed folder of the approved name holding other files.
+    """
+    import hashlib
+
     from flwr.app import Message, RecordDict
     from flwr.cli.build import build_fab_from_disk
+    from flwr.common.config import get_project_dir
     from flwr.common.constant import ErrorCode
     from flwr.supercore.fab import Fab
     from flwr.supernode import start_client_internal as sci
 
     from dpfedavg.flower.testing import ensure_task_identity
 
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr_home"))
     fab_bytes = build_fab_from_disk(app)
+    sha = hashlib.sha256(fab_bytes).hexdigest()
     stored: list[object] = []
     inserted: list[Message] = []
     ensure_task_identity()
@@ -148,7 +158,8 @@ def test_supernode_hook_answers_an_unapproved_fab_with_an_error_and_never_stores
 
     def flower_loop(state, object_store, node_config, receive, get_run, get_fab, pull_object, confirm, trusted):
         received, _ = receive()
-        stored.append(get_fab("h" * 64, received.metadata.run_id))
+        run = get_run(received.metadata.run_id)
+        stored.append(get_fab(run.fab_hash, received.metadata.run_id))
         return received.metadata.run_id
 
     def fake_insert(reply, state, store):
@@ -156,21 +167,39 @@ def test_supernode_hook_answers_an_unapproved_fab_with_an_error_and_never_stores
 
     monkeypatch.setattr(sci, "_pull_and_store_message", flower_loop)
     monkeypatch.setattr(sci, "_insert_message", fake_insert)
-    kwargs = dict(state="S", object_store="O", node_config={}, receive=lambda: (message, None), get_run=None)
-    kwargs.update(pull_object=None, confirm=None, trusted=None)
-
     install_approval([fab_app_hash(fab_bytes)])
-    assert sci._pull_and_store_message(**kwargs, get_fab=lambda h, r: Fab(h, fab_bytes, {})) == run_id
-    assert len(stored) == 1 and inserted == []  # the approved FAB goes on to Flower
 
+    def deliver(content: bytes, *, claimed: str = sha, fab_id: str = "dpfedavg/numpyexample", version: str = "1.0.0"):
+        run = SimpleNamespace(fab_hash=claimed, fab_id=fab_id, fab_version=version)
+        inserted.clear()
+        result = sci._pull_and_store_message(
+            state="S", object_store="O", node_config={}, receive=lambda: (message, None),
+            get_run=lambda r: run, get_fab=lambda h, r: Fab(h, content, {}),
+            pull_object=None, confirm=None, trusted=None,
+        )  # fmt: skip
+        assert result == run_id
+        if not inserted:
+            return None
+        (reply,) = inserted
+        assert reply.has_error() and reply.metadata.reply_to_message_id == message.metadata.message_id
+        assert reply.error.code == ErrorCode.INVALID_FAB
+        return reply.error.reason
+
+    assert deliver(fab_bytes) is None and len(stored) == 1  # the approved FAB goes on to Flower
     modified = _rezip(fab_bytes, compression=zipfile.ZIP_DEFLATED, date=(1980, 1, 1, 0, 0, 0))
     modified = modified.replace(b"pyproject.toml", b"pyproject.tomm")  # not the approved files
-    assert sci._pull_and_store_message(**kwargs, get_fab=lambda h, r: Fab(h, modified, {})) == run_id
-    assert len(stored) == 1  # Flower never got (so never stored nor ran) the modified FAB
-    (reply,) = inserted
-    assert reply.has_error() and reply.metadata.reply_to_message_id == message.metadata.message_id
-    assert reply.error.code == ErrorCode.INVALID_FAB
-    assert "is not approved by this node's operator" in reply.error.reason
+    assert "is not approved by this node's operator" in deliver(modified, claimed=hashlib.sha256(modified).hexdigest())
+    assert "its bytes hash to" in deliver(fab_bytes, claimed="e" * 64)
+    assert "the run names the app 'dpfedavg/other'" in deliver(fab_bytes, fab_id="dpfedavg/other")
+    assert "version '0.9'" in deliver(fab_bytes, version="0.9")
+    assert len(stored) == 1  # Flower never got (so never stored nor ran) any of them
+    # the folder the ClientApp would install into and load from already holds other files
+    folder = get_project_dir("dpfedavg/numpyexample", "1.0.0", sha)
+    shutil.copytree(app, folder)
+    assert deliver(fab_bytes) is None and len(stored) == 2  # the same files (as Flower installs them): fine
+    (folder / "numpyexample" / "client_app.py").write_text("import os\n")
+    assert f"{folder} already holds another app" in deliver(fab_bytes)
+    assert len(stored) == 2
 
 
 def test_supernode_hook_fails_closed_on_an_unknown_flower(monkeypatch: pytest.MonkeyPatch) -> None:

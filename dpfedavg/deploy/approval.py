@@ -172,7 +172,6 @@ def _guard(original: Callable[..., Any], approved: frozenset[str]) -> Callable[.
             sci._insert_message(reply, bound.arguments["state"], bound.arguments["object_store"])
             return message.metadata.run_id
 
-    guarded.__dpfedavg_approved__ = approved  # type: ignore[attr-defined]
     return guarded
 
 

@@ -4,8 +4,9 @@ Every ```` ```bash ```` block of the page is run with ``bash -e`` in page order:
 
 * the one starting ``flower-superlink`` in the background (it ``cd``s to ``~/dpfedavg-server``,
   where the results are written), stopped by PID at the end;
-* the one starting ``flower-supernode`` N times in the background, with ``I=0`` .. ``I=N-1``,
-  each in its own "client" folder, stopped by PID at the end;
+* the one starting the SuperNode (``python -m dpfedavg.deploy supernode``, which runs
+  ``flower-supernode``) N times in the background, with ``I=0`` .. ``I=N-1``, each in its own
+  "client" folder, stopped by PID at the end;
 * every other block in the foreground, in the repository root (``flwr run .``), with a time limit.
 
 What is changed from the text: ``SERVER=...`` is set to ``127.0.0.1``, every host of
@@ -15,12 +16,13 @@ comes first on ``PATH``). All machines are this one with one home folder, so ``s
 runs CMD in the home folder and ``scp`` copies locally, mapping ``HOST:path`` to the home folder
 (a copy onto the file itself only checks that it exists): both are stand-ins on ``PATH``.
 ``HOME`` and ``FLWR_HOME`` point into ``tmp_path``, so the credentials, the SuperLink's database,
-log and results, and the ``flwr`` connection all live there. The test waits on events (the
+log and results, the approved app hash, and the ``flwr`` connection all live there (the
+approval block hashes the repository, the clone every "machine" shares). The test waits on events (the
 SuperLink's port, the SuperNodes' "SuperNode ID" log line), checks that the run really finished
 (``flwr run --stream`` exits 0 even when the ServerApp raises, so it reads ``config.json``'s
 ``final``), that it was private (guarantee ``dp``), that the results came back to "your machine",
-that pasting the idempotent steps twice changes nothing, and that no process it started is left,
-pass or fail.
+that pasting the idempotent steps twice changes nothing, that every SuperNode checked the run's
+FAB against the approved app hash, and that no process it started is left, pass or fail.
 
 The page uses fixed ports (9093 for the SuperLink, 9094 + I for the SuperNodes), so two runs of
 this test cannot share a machine; it fails at once if one is taken.
@@ -215,7 +217,7 @@ def _wait_for_the_run(server_dir: Path, env: dict[str, str], bg: Processes, time
 def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
     blocks = bash_blocks()
     server_blocks = [b for b in blocks if "flower-superlink " in b]
-    client_blocks = [b for b in blocks if "flower-supernode " in b]
+    client_blocks = [b for b in blocks if "dpfedavg.deploy supernode " in b]
     run_blocks = [b for b in blocks if "flwr run " in b]
     idempotent = [b for b in blocks if "dpfedavg.deploy credentials" in b or "tomli_w" in b]
     assert len(server_blocks) == len(client_blocks) == len(run_blocks) == 1, blocks
@@ -280,6 +282,8 @@ def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
                 if block in run_blocks:
                     _wait_for_the_run(server_dir, env, bg)
         listing = _foreground("flwr supernode list remote --format json\n", env, 60, bg).stdout
+        approved = (home / "dpfedavg-creds" / "approved-app-hash").read_text().strip()
+        supernode_logs = [bg.log(f"supernode-{i}") for i in range(num_clients)]
     finally:
         bg.stop()
     assert leftover_pids(bg.known) == []
@@ -305,6 +309,9 @@ def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
     # the SuperNodes' privacy policy (step 5) admits the documented run: no client refused a round
     table = list(csv.DictReader(rows))[1:]
     assert all(r["num_rejected"] == "0" and r["num_received"] == r["num_sampled"] for r in table), table
+    # step 5 approved this clone's app hash; every SuperNode checked the run's FAB against it before running it
+    assert re.fullmatch("[0-9a-f]{64}", approved), approved
+    assert all(f"has the approved app hash {approved}" in log for log in supernode_logs), supernode_logs[0][-3000:]
     # the results came back to "your machine"
     fetched = home / "dpfedavg-results" / run_name
     assert json.loads((fetched / "config.json").read_text())["final"] == final

@@ -6,14 +6,24 @@ SuperNode authentication key pairs; see :mod:`dpfedavg.deploy.credentials`.
 ``python -m dpfedavg.deploy supernode-key PATH`` adds one SuperNode key pair
 (PATH and PATH.pub) to an existing federation: SuperNode authentication checks
 the registered public key, not the CA, so no new CA or certificate is needed.
+
+``python -m dpfedavg.deploy app-hash PATH`` prints the app hash of an app folder
+or a ``.fab`` file (see `dpfedavg.deploy.app_hash`): what a SuperNode's operator
+approves after reviewing the app.
+
+``python -m dpfedavg.deploy supernode --approved-app-hash HASH [...] FLOWER-SUPERNODE-OPTIONS``
+starts ``flower-supernode`` with those options, refusing every run whose FAB
+does not have an approved app hash (see `dpfedavg.deploy.approval`).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
+from dpfedavg.deploy.app_hash import AppHashError, app_hash, parse_app_hash
 from dpfedavg.deploy.credentials import generate_credentials, generate_supernode_key
 
 
@@ -28,7 +38,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace existing credentials in --out")
     k = sub.add_parser("supernode-key", help="one more SuperNode key pair (no new CA needed)")
     k.add_argument("path", help="private key file to write; the public key goes to PATH.pub")
-    args = parser.parse_args(argv)
+    h = sub.add_parser("app-hash", help="the app hash of an app folder or .fab file (what a SuperNode approves)")
+    h.add_argument("path", help="the app folder you reviewed (with pyproject.toml), or a .fab file")
+    s = sub.add_parser(
+        "supernode",
+        allow_abbrev=False,
+        help="flower-supernode that runs only approved apps; other options go to flower-supernode",
+    )
+    s.add_argument(
+        "--approved-app-hash",
+        action="append",
+        required=True,
+        metavar="HASH",
+        help="an app hash this node runs (repeat for several); every other FAB is refused",
+    )
+    args, flower_args = parser.parse_known_args(argv)
+    if args.command == "supernode":
+        return _supernode(args.approved_app_hash, flower_args)
+    if flower_args:
+        parser.error(f"unrecognized arguments: {' '.join(flower_args)}")
+    if args.command == "app-hash":
+        try:
+            print(app_hash(Path(args.path)))
+        except AppHashError as err:
+            print(f"python -m dpfedavg.deploy app-hash: error: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "supernode-key":
         path = Path(args.path)
         if path.exists() or path.with_name(path.name + ".pub").exists():
@@ -49,6 +84,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SuperLink cert/key:  {creds.server_cert}, {creds.server_key}   (SANs: {', '.join(args.hosts)})")
     for i, key in enumerate(creds.supernode_keys):
         print(f"SuperNode {i}: private {key}   public {creds.public_key(i)}")
+    return 0
+
+
+def _supernode(hashes: list[str], flower_args: list[str]) -> int:
+    """Validate the approved hashes and the options, then run the SuperNode (it returns when stopped)."""
+    from dpfedavg.deploy.approval import run_supernode
+
+    if flower_args[:1] == ["--"]:
+        flower_args = flower_args[1:]
+    try:
+        approved = [parse_app_hash(value) for value in hashes]
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        deploy_logger = logging.getLogger("dpfedavg.deploy")
+        deploy_logger.addHandler(handler)
+        deploy_logger.setLevel(logging.INFO)
+        run_supernode(approved, flower_args)
+    except (AppHashError, ValueError, RuntimeError) as err:
+        print(f"python -m dpfedavg.deploy supernode: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -8,7 +8,10 @@ SuperNode's public key registered with ``flwr supernode register``, then
 --node-config "partition-id=I num-partitions=N"`` per client and
 ``flwr run . remote``. It uses its own ``FLWR_HOME`` (holding the ``remote``
 SuperLink connection) and free ports, and stops every process it started by
-PID, including on failure (use it as a context manager).
+PID, including on failure (use it as a context manager). With
+``approved_app_hashes`` the SuperNodes are started as the documentation's
+step 5 does, through ``python -m dpfedavg.deploy supernode --approved-app-hash
+...`` (they refuse every other app; see `dpfedavg.deploy.approval`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -56,12 +60,15 @@ class LoopbackFederation:
         Where credentials, logs, ``FLWR_HOME`` and the SuperLink database go.
     num_supernodes:
         SuperNodes to start (partition ids ``0..N-1``, ``num-partitions = N``).
+    approved_app_hashes:
+        If given, every SuperNode runs only apps with one of these app hashes.
     """
 
-    def __init__(self, workdir: Path, num_supernodes: int) -> None:
+    def __init__(self, workdir: Path, num_supernodes: int, approved_app_hashes: Sequence[str] = ()) -> None:
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.num_supernodes = num_supernodes
+        self.approved_app_hashes = tuple(approved_app_hashes)
         self.home = self.workdir / "flwr_home"
         self.home.mkdir(exist_ok=True)
         #: Flower 1.41 serves the Fleet, Control and Runtime APIs on one HTTPS port.
@@ -145,10 +152,15 @@ class LoopbackFederation:
     def start_supernode(self, partition_id: int, private_key: Path, name: str | None = None) -> subprocess.Popen:
         """One ``flower-supernode`` with TLS, its authentication key and its partition."""
         assert self.creds is not None
+        launcher = [str(BIN / "flower-supernode")]
+        if self.approved_app_hashes:
+            launcher = [sys.executable, "-m", "dpfedavg.deploy", "supernode"]
+            for app_hash in self.approved_app_hashes:
+                launcher += ["--approved-app-hash", app_hash]
         return self._spawn(
             name or f"supernode-{partition_id}",
             [
-                str(BIN / "flower-supernode"),
+                *launcher,
                 "--root-certificates", str(self.creds.ca_cert),
                 "--superlink", f"127.0.0.1:{self.port}",
                 "--auth-supernode-private-key", str(private_key),
@@ -165,11 +177,16 @@ class LoopbackFederation:
         return self.start_supernode(0, key, name="supernode-unregistered")
 
     # -------------------------------------------------------------------- run
-    def run(self, run_config: str, timeout: float = 600.0, on_poll=None) -> subprocess.CompletedProcess:
-        """``flwr run <repo> remote --stream --run-config ...``; ``on_poll(log_text)`` is called every 0.5 s."""
+    def run(
+        self, run_config: str, timeout: float = 600.0, on_poll=None, app: Path = ROOT
+    ) -> subprocess.CompletedProcess:
+        """``flwr run <app> remote --stream --run-config ...``; ``on_poll(log_text)`` is called every 0.5 s.
+
+        ``app`` is the app folder the SuperLink ships to the SuperNodes (default: this repository).
+        """
         self._runs += 1
         log_path = self._log(f"flwr-run-{self._runs}")
-        command = [str(BIN / "flwr"), "run", str(ROOT), CONNECTION, "--stream", "--run-config", run_config]
+        command = [str(BIN / "flwr"), "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
         with log_path.open("w") as log:
             proc = subprocess.Popen(command, env=self.env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + timeout

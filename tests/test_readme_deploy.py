@@ -86,14 +86,23 @@ def bash_blocks() -> list[str]:
     return [b.source for b in blocks]
 
 
-def as_script(block: str, client: int | None = None) -> str:
-    """The block with SERVER, the client hosts (and the client index I) set, ``pip install`` lines skipped."""
+def as_script(block: str, client: int | None = None, server: str = SERVER, clients: list[str] | None = None) -> str:
+    """The block with SERVER, the client hosts (and the client index I) set, ``pip install`` lines skipped.
+
+    ``clients`` are the client machines' addresses, in order (default: every one is ``server``).
+    """
     lines = []
     for line in block.splitlines():
         if "pip install" in line:
             continue  # the package is installed here (and a venv in the repository would be wrong)
-        line = re.sub(r"^SERVER=\S+", f"SERVER={SERVER}", line)
-        line = re.sub(r"^CLIENTS=\((.*)\)", lambda m: "CLIENTS=(" + " ".join(SERVER for _ in m[1].split()) + ")", line)
+        line = re.sub(r"^SERVER=\S+", f"SERVER={server}", line)
+
+        def hosts(m: re.Match) -> str:
+            names = clients or [server] * len(m[1].split())
+            assert len(names) == len(m[1].split()), (names, m[0])
+            return "CLIENTS=(" + " ".join(names) + ")"
+
+        line = re.sub(r"^CLIENTS=\((.*)\)", hosts, line)
         if client is not None:
             line = re.sub(r"^I=\S+", f"I={client}", line)
         lines.append(line)
@@ -119,13 +128,16 @@ class Processes:
         self.known: dict[int, psutil.Process] = {}
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, script: str, cwd: Path) -> subprocess.Popen:
+    def start(
+        self, name: str, script: str, cwd: Path, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+    ) -> subprocess.Popen:
+        """Run ``script`` with ``bash -e`` in the background (``prefix``, e.g. ``ip netns exec NS``, before it)."""
         cwd.mkdir(parents=True, exist_ok=True)
         log = (self.logs / f"{name}.log").open("w")
         proc = subprocess.Popen(
-            ["bash", "-e", "-c", script],
+            [*prefix, "bash", "-e", "-c", script],
             cwd=cwd,
-            env=self.env,
+            env=env or self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -170,10 +182,12 @@ def _listening(port: int) -> bool:
         return False
 
 
-def _foreground(script: str, env: dict[str, str], timeout: float, bg: Processes) -> subprocess.CompletedProcess:
+def _foreground(
+    script: str, env: dict[str, str], timeout: float, bg: Processes, prefix: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """Run a block in the repository root; on timeout its process group is killed."""
     proc = subprocess.Popen(
-        ["bash", "-e", "-c", script],
+        [*prefix, "bash", "-e", "-c", script],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -197,7 +211,9 @@ def _final(server_dir: Path) -> bool:
     return len(configs) == 1 and "final" in json.loads(configs[0].read_text())
 
 
-def _wait_for_the_run(server_dir: Path, env: dict[str, str], bg: Processes, timeout: float = 180.0) -> None:
+def _wait_for_the_run(
+    server_dir: Path, env: dict[str, str], bg: Processes, timeout: float = 180.0, prefix: tuple[str, ...] = ()
+) -> None:
     """Until the run's ``config.json`` has ``final`` or ``flwr ls`` says the run finished.
 
     ``flwr run --stream`` can return before the run ends: seen once on an overloaded machine, where
@@ -205,7 +221,7 @@ def _wait_for_the_run(server_dir: Path, env: dict[str, str], bg: Processes, time
     """
     deadline = time.monotonic() + timeout
     while not _final(server_dir) and time.monotonic() < deadline:
-        listing = _foreground("flwr ls remote --format json\n", env, 60, bg).stdout
+        listing = _foreground("flwr ls remote --format json\n", env, 60, bg, prefix).stdout
         runs = json.loads(listing[listing.index("{") :]).get("runs", [])
         if runs and all(run["status"].startswith("finished") for run in runs):
             return

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("credentials", help="CA, SuperLink certificate and SuperNode keys")
     p.add_argument("--out", required=True, help="output folder (certificates/ and keys/ go inside)")
     p.add_argument("--hosts", nargs="+", required=True, help="host names / IPs the SuperLink is reached at")
-    p.add_argument("--supernodes", type=int, required=True, help="number of SuperNode key pairs")
+    p.add_argument("--supernodes", type=int, help="number of SuperNode key pairs (not with --renew-server-certificate)")
     p.add_argument("--valid-days", type=int, default=365, help="certificate validity (default 365)")
     p.add_argument("--overwrite", action="store_true", help="replace existing credentials in --out")
     p.add_argument(
@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Register it: flwr supernode register {path}.pub <connection>")
         return 0
     out = Path(args.out)
+    if (args.supernodes is None) != args.renew_server_certificate:
+        parser.error("credentials needs --supernodes N, or --renew-server-certificate (which keeps the SuperNode keys)")
     if args.renew_server_certificate:
         try:
             cert = renew_server_certificate(out, args.hosts, valid_days=args.valid_days)

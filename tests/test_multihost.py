@@ -268,6 +268,8 @@ def test_the_guide_runs_across_four_hosts(hosts: Hosts, tmp_path: Path) -> None:
                     name = f"supernode-{i}"
                     bg.wait_for(name, lambda name=name: "SuperNode ID" in bg.log(name), 90, "'SuperNode ID' line")
             elif block in run_blocks:
+                # a SuperExec that could not reach its SuperLink leaves every run pending: fail now, not at a timeout
+                assert "CERTIFICATE_VERIFY_FAILED" not in bg.log("superlink"), bg.log("superlink")[-3000:]
                 outputs["refused"], intruder_code = refusals(block)
                 # the guide's private run; SuperNode 1's machine shuts down (SIGTERM) once round 1 is recorded
                 bg.start("private-run", as_script(block, server=server, clients=clients), ROOT, laptop, on_laptop)

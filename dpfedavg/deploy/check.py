@@ -5,8 +5,8 @@
 1. something accepts TCP connections at HOST:PORT (the SuperLink runs and the port is open);
 2. it speaks TLS with a certificate signed by the federation's CA and valid for HOST (what SuperNodes
    and the ``flwr`` CLI verify);
-3. that certificate is also valid for ``127.0.0.1`` and ``::1``: the SuperLink's built-in SuperExec,
-   which starts every ServerApp, dials its Runtime API there over TLS and exits at once otherwise,
+3. that certificate is also valid for ``127.0.0.1``: the SuperLink's built-in SuperExec, which starts
+   every ServerApp, dials its Runtime API there over TLS (``--host 0.0.0.0``) and exits at once otherwise,
    leaving every run pending (``flwr run --stream`` then waits forever at "Starting logstream");
 4. when the check runs on the SuperLink's own machine, that a ``flower-superexec`` process for PORT
    is alive (a SuperExec that died for another reason leaves runs pending too).
@@ -30,8 +30,9 @@ from dpfedavg.deploy.credentials import missing_server_names
 
 __all__ = ["NotReady", "Readiness", "check_superlink", "parse_address"]
 
-#: The loopback addresses the SuperExec dials (``--host 0.0.0.0`` becomes ``127.0.0.1``, ``::`` becomes ``::1``).
-SUPEREXEC_NAMES = ("127.0.0.1", "::1")
+#: The address the SuperExec of ``flower-superlink --host 0.0.0.0`` (the guide's) dials; ``--host ::`` would dial
+#: ``::1``, which ``python -m dpfedavg.deploy credentials`` also puts in the certificate.
+SUPEREXEC_NAMES = ("127.0.0.1",)
 
 
 class NotReady(Exception):
@@ -119,8 +120,10 @@ def check_superlink(address: str, root_certificates: Path, timeout: float = 10.0
     except (ssl.SSLError, OSError) as err:
         raise NotReady(f"no TLS at {host}:{port} ({err}): was the SuperLink started with --ssl-certfile?") from err
     cert = x509.load_der_x509_certificate(der)
-    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    names = tuple(str(n.value) for n in sans)
+    try:
+        names = tuple(str(n.value) for n in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+    except x509.ExtensionNotFound:
+        names = ()
     missing = [n for n in missing_server_names(cert, []) if n in SUPEREXEC_NAMES]
     if missing:
         raise NotReady(

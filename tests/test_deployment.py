@@ -94,7 +94,7 @@ def test_credentials_are_usable_and_private(tmp_path: Path) -> None:
     server.verify_directly_issued_by(ca)
     sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert "server.example.org" in sans.get_values_for_type(x509.DNSName)
-    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "::1"]
     for i, key in enumerate(creds.supernode_keys):
         assert key.stat().st_mode & 0o777 == 0o600
         private = load_ssh_private_key(key.read_bytes(), password=None)

@@ -88,14 +88,23 @@ def bash_blocks() -> list[str]:
     return [b.source for b in blocks]
 
 
-def as_script(block: str, client: int | None = None) -> str:
-    """The block with SERVER, the client hosts (and the client index I) set, ``pip install`` lines skipped."""
+def as_script(block: str, client: int | None = None, server: str = SERVER, clients: list[str] | None = None) -> str:
+    """The block with SERVER, the client hosts (and the client index I) set, ``pip install`` lines skipped.
+
+    ``clients`` are the client machines' addresses, in order (default: every one is ``server``).
+    """
     lines = []
     for line in block.splitlines():
         if "pip install" in line:
             continue  # the package is installed here (and a venv in the repository would be wrong)
-        line = re.sub(r"^SERVER=\S+", f"SERVER={SERVER}", line)
-        line = re.sub(r"^CLIENTS=\((.*)\)", lambda m: "CLIENTS=(" + " ".join(SERVER for _ in m[1].split()) + ")", line)
+        line = re.sub(r"^SERVER=\S+", f"SERVER={server}", line)
+
+        def hosts(m: re.Match) -> str:
+            names = clients or [server] * len(m[1].split())
+            assert len(names) == len(m[1].split()), (names, m[0])
+            return "CLIENTS=(" + " ".join(names) + ")"
+
+        line = re.sub(r"^CLIENTS=\((.*)\)", hosts, line)
         if client is not None:
             line = re.sub(r"^I=\S+", f"I={client}", line)
         lines.append(line)
@@ -121,13 +130,16 @@ class Processes:
         self.known: dict[int, psutil.Process] = {}
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, script: str, cwd: Path) -> subprocess.Popen:
+    def start(
+        self, name: str, script: str, cwd: Path, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+    ) -> subprocess.Popen:
+        """Run ``script`` with ``bash -e`` in the background (``prefix``, e.g. ``ip netns exec NS``, before it)."""
         cwd.mkdir(parents=True, exist_ok=True)
         log = (self.logs / f"{name}.log").open("w")
         proc = subprocess.Popen(
-            ["bash", "-e", "-c", script],
+            [*prefix, "bash", "-e", "-c", script],
             cwd=cwd,
-            env=self.env,
+            env=env or self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -172,10 +184,12 @@ def _listening(port: int) -> bool:
         return False
 
 
-def _foreground(script: str, env: dict[str, str], timeout: float, bg: Processes) -> subprocess.CompletedProcess:
+def _foreground(
+    script: str, env: dict[str, str], timeout: float, bg: Processes, prefix: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """Run a block in the repository root; on timeout its process group is killed."""
     proc = subprocess.Popen(
-        ["bash", "-e", "-c", script],
+        [*prefix, "bash", "-e", "-c", script],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -199,7 +213,9 @@ def _final(server_dir: Path) -> bool:
     return len(configs) == 1 and "final" in json.loads(configs[0].read_text())
 
 
-def _wait_for_the_run(server_dir: Path, env: dict[str, str], bg: Processes, timeout: float = 180.0) -> None:
+def _wait_for_the_run(
+    server_dir: Path, env: dict[str, str], bg: Processes, timeout: float = 180.0, prefix: tuple[str, ...] = ()
+) -> None:
     """Until the run's ``config.json`` has ``final`` or ``flwr ls`` says the run finished.
 
     ``flwr run --stream`` can return before the run ends: seen once on an overloaded machine, where
@@ -207,7 +223,7 @@ def _wait_for_the_run(server_dir: Path, env: dict[str, str], bg: Processes, time
     """
     deadline = time.monotonic() + timeout
     while not _final(server_dir) and time.monotonic() < deadline:
-        listing = _foreground("flwr ls remote --format json\n", env, 60, bg).stdout
+        listing = _foreground("flwr ls remote --format json\n", env, 60, bg, prefix).stdout
         runs = json.loads(listing[listing.index("{") :]).get("runs", [])
         if runs and all(run["status"].startswith("finished") for run in runs):
             return
@@ -338,3 +354,139 @@ def test_supernode_key_adds_a_client_without_a_new_ca(tmp_path: Path) -> None:
     public = load_ssh_public_key(key.with_name("supernode_2.pub").read_bytes())
     assert private.public_key().public_numbers() == public.public_numbers()
     assert main(["supernode-key", str(key)]) == 2  # never overwrites a key
+
+
+class _TlsServer:
+    """A TLS listener on 127.0.0.1 with the given certificate: handshakes, nothing else (a stand-in SuperLink port)."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        import ssl
+        import threading
+
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(cert, key)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                with self.context.wrap_socket(conn, server_side=True):
+                    pass
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not on Linux)
+        self.sock.close()
+        self.thread.join(timeout=5)
+
+
+def _handshake(port: int, name: str, ca: Path) -> None:
+    """A TLS client verifying the server's certificate for ``name`` against ``ca`` (raises if it does not)."""
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(ca))
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname=name),
+    ):
+        pass
+
+
+def _old_style_credentials(out: Path, hosts: list[str], monkeypatch) -> None:
+    """Credentials as the command made them before the loopback names were always added."""
+    from dpfedavg.deploy import credentials
+
+    with monkeypatch.context() as m:
+        m.setattr(credentials, "LOOPBACK_NAMES", (), raising=False)  # (raising=False: absent before they were added)
+        credentials.generate_credentials(out, hosts, 2)
+
+
+def test_credentials_name_the_loopback_addresses_whatever_the_hosts(tmp_path: Path) -> None:
+    """The SuperExec dials 127.0.0.1 (``--host 0.0.0.0``) or ::1 (``--host ::``): a TLS client checks each name."""
+    import ssl
+
+    from cryptography import x509
+
+    from dpfedavg.deploy.__main__ import main
+
+    assert main(["credentials", "--out", str(tmp_path), "--hosts", "10.231.0.1", "--supernodes", "1"]) == 0
+    certs = tmp_path / "certificates"
+    server = _TlsServer(certs / "server.pem", certs / "server.key")
+    try:
+        for name in ("127.0.0.1", "localhost"):
+            _handshake(server.port, name, certs / "ca.crt")  # raises SSLCertVerificationError without the name
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _handshake(server.port, "10.231.0.2", certs / "ca.crt")  # the check has teeth
+    finally:
+        server.close()
+    sans = x509.load_pem_x509_certificate((certs / "server.pem").read_bytes()).extensions
+    ips = sans.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.IPAddress)
+    assert sorted(str(ip) for ip in ips) == ["10.231.0.1", "127.0.0.1", "::1"]
+
+
+def test_credentials_rerun_on_old_credentials_says_how_to_renew(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Old credentials (the guide's ``--hosts $SERVER localhost``): re-running names the fix; the fix keeps the keys."""
+    import shlex
+
+    from dpfedavg.deploy.__main__ import main
+
+    out = tmp_path / "creds"
+    _old_style_credentials(out, ["10.231.0.1", "localhost"], monkeypatch)
+    kept = {p: p.read_bytes() for p in [*(out / "keys").iterdir(), out / "certificates" / "ca.crt"]}
+    args = ["credentials", "--out", str(out), "--hosts", "10.231.0.1", "--supernodes", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "127.0.0.1" in err and "::1" in err and "SuperExec" in err, err
+    (fix,) = [line for line in err.splitlines() if "--renew-server-certificate" in line]
+    words = shlex.split(fix)
+    assert words[:3] == ["python", "-m", "dpfedavg.deploy"], words
+    assert main(words[3:]) == 0
+    assert {p: p.read_bytes() for p in kept} == kept  # the CA and every SuperNode key are unchanged
+    certs = out / "certificates"
+    server = _TlsServer(certs / "server.pem", certs / "server.key")
+    try:
+        _handshake(server.port, "127.0.0.1", certs / "ca.crt")
+    finally:
+        server.close()
+    capsys.readouterr()
+    assert main(args) == 0  # now they cover everything: pasting step 1 again changes nothing
+    assert "left alone" in capsys.readouterr().out
+
+
+def test_check_names_the_likely_cause(tmp_path: Path, monkeypatch) -> None:
+    """Nothing listening, a certificate without 127.0.0.1 (a dead SuperExec), another CA, no SuperExec process."""
+    from dpfedavg.deploy.check import NotReady, check_superlink
+    from dpfedavg.deploy.credentials import generate_credentials
+
+    old, new, other = tmp_path / "old", tmp_path / "new", tmp_path / "other"
+    _old_style_credentials(old, ["10.231.0.1", "localhost"], monkeypatch)
+    generate_credentials(new, ["10.231.0.1"], 0)
+    generate_credentials(other, ["10.231.0.1"], 0)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with pytest.raises(NotReady, match="nothing answers"):
+        check_superlink(f"127.0.0.1:{closed}", new / "certificates" / "ca.crt", timeout=2)
+    servers = {}
+    try:
+        for name, creds in (("old", old), ("new", new)):
+            servers[name] = _TlsServer(creds / "certificates" / "server.pem", creds / "certificates" / "server.key")
+        with pytest.raises(NotReady, match=r"not valid for 127\.0\.0\.1: its built-in SuperExec"):
+            check_superlink(f"localhost:{servers['old'].port}", old / "certificates" / "ca.crt")
+        with pytest.raises(NotReady, match="does not accept"):
+            check_superlink(f"127.0.0.1:{servers['new'].port}", other / "certificates" / "ca.crt")
+        with pytest.raises(NotReady, match="no flower-superexec process"):
+            check_superlink(f"127.0.0.1:{servers['new'].port}", new / "certificates" / "ca.crt")
+    finally:
+        for server in servers.values():
+            server.close()
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        check_superlink("127.0.0.1", new / "certificates" / "ca.crt")

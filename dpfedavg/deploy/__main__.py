@@ -1,7 +1,11 @@
 """``python -m dpfedavg.deploy credentials --out DIR --hosts HOST [HOST ...] --supernodes N``.
 
-Generates the CA, the SuperLink's TLS certificate for HOSTs (names or IPs) and N
-SuperNode authentication key pairs; see :mod:`dpfedavg.deploy.credentials`.
+Generates the CA, the SuperLink's TLS certificate for HOSTs (names or IPs, and
+always the loopback names its own SuperExec dials) and N SuperNode
+authentication key pairs; see :mod:`dpfedavg.deploy.credentials`. On a folder
+that already holds credentials it changes nothing: it exits 0 if they cover
+HOSTs and N, and otherwise says what is missing (``--renew-server-certificate``
+signs a new SuperLink certificate with the existing CA, keeping the SuperNode keys).
 
 ``python -m dpfedavg.deploy supernode-key PATH`` adds one SuperNode key pair
 (PATH and PATH.pub) to an existing federation: SuperNode authentication checks
@@ -14,6 +18,10 @@ approves after reviewing the app.
 ``python -m dpfedavg.deploy supernode --approved-app-hash HASH [...] FLOWER-SUPERNODE-OPTIONS``
 starts ``flower-supernode`` with those options, refusing every run whose FAB
 does not have an approved app hash (see `dpfedavg.deploy.approval`).
+
+``python -m dpfedavg.deploy check --superlink HOST:PORT --root-certificates CA`` says whether the
+SuperLink is ready for ``flwr run`` (exit 0) or names the likely cause (exit 1); see
+`dpfedavg.deploy.check`.
 """
 
 from __future__ import annotations
@@ -24,7 +32,62 @@ import sys
 from pathlib import Path
 
 from dpfedavg.deploy.app_hash import AppHashError, app_hash, parse_app_hash
-from dpfedavg.deploy.credentials import generate_credentials, generate_supernode_key
+from dpfedavg.deploy.credentials import (
+    LOOPBACK_NAMES,
+    generate_credentials,
+    generate_supernode_key,
+    missing_server_names,
+    renew_server_certificate,
+)
+
+PROG = "python -m dpfedavg.deploy"
+
+
+def _existing(out: Path, hosts: list[str], num_supernodes: int) -> int:
+    """Credentials already in ``out``: 0 if they cover ``hosts`` and the SuperNodes, else 2 and how to fix it."""
+    certs, keys = out / "certificates", out / "keys"
+    missing = missing_server_names(certs / "server.pem", hosts)
+    if missing:
+        why = (
+            " The SuperLink's own SuperExec dials 127.0.0.1 (or ::1) over TLS and exits without them, leaving "
+            "every run pending; older versions of this command left them out."
+            if set(missing) & set(LOOPBACK_NAMES)
+            else " SuperNodes and the flwr CLI verify the name they connect to."
+        )
+        print(
+            f"{PROG}: error: {certs / 'server.pem'} is not valid for {', '.join(missing)}.{why}\n"
+            "Renew the SuperLink certificate with the same CA (the SuperNode keys and ca.crt stay valid):\n"
+            f"  {PROG} credentials --out {out} --hosts {' '.join(hosts)} --renew-server-certificate\n"
+            "then copy server.pem and server.key to the SuperLink again and restart it.",
+            file=sys.stderr,
+        )
+        return 2
+    absent = [i for i in range(num_supernodes) if not (keys / f"supernode_{i}").exists()]
+    if absent:
+        print(
+            f"{PROG}: error: {out} holds credentials without SuperNode keys {absent}; add one with "
+            f"'{PROG} supernode-key {keys}/supernode_I' (no new CA needed), or pass --overwrite to start over",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"{out} already holds credentials for {' '.join(hosts)} and {num_supernodes} SuperNodes: left alone")
+    return 0
+
+
+def _check(address: str, root_certificates: Path, timeout: float) -> int:
+    from dpfedavg.deploy.check import NotReady, check_superlink
+
+    try:
+        ready = check_superlink(address, root_certificates, timeout=timeout)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except NotReady as err:
+        print(f"SuperLink {address} NOT READY: {err}", file=sys.stderr)
+        return 1
+    superexec = f", SuperExec pid {ready.superexec_pid}" if ready.superexec_pid else ""
+    print(f"SuperLink {address} ready: TLS certificate valid for {', '.join(ready.names)}{superexec}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,9 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("credentials", help="CA, SuperLink certificate and SuperNode keys")
     p.add_argument("--out", required=True, help="output folder (certificates/ and keys/ go inside)")
     p.add_argument("--hosts", nargs="+", required=True, help="host names / IPs the SuperLink is reached at")
-    p.add_argument("--supernodes", type=int, required=True, help="number of SuperNode key pairs")
+    p.add_argument("--supernodes", type=int, help="number of SuperNode key pairs (not with --renew-server-certificate)")
     p.add_argument("--valid-days", type=int, default=365, help="certificate validity (default 365)")
     p.add_argument("--overwrite", action="store_true", help="replace existing credentials in --out")
+    p.add_argument(
+        "--renew-server-certificate",
+        action="store_true",
+        help="only sign a new SuperLink certificate for --hosts with the existing CA (SuperNode keys kept)",
+    )
     k = sub.add_parser("supernode-key", help="one more SuperNode key pair (no new CA needed)")
     k.add_argument("path", help="private key file to write; the public key goes to PATH.pub")
     h = sub.add_parser("app-hash", help="the app hash of an app folder or .fab file (what a SuperNode approves)")
@@ -52,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="HASH",
         help="an app hash this node runs (repeat for several); every other FAB is refused",
     )
+    c = sub.add_parser("check", help="is the SuperLink ready for flwr run? (exit 0; 1 with the likely cause)")
+    c.add_argument("--superlink", required=True, help="HOST:PORT as SuperNodes and the flwr CLI reach it")
+    c.add_argument("--root-certificates", required=True, help="the federation's CA certificate (ca.crt)")
+    c.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the connection (default 10)")
     args, flower_args = parser.parse_known_args(argv)
     if args.command == "supernode":
         return _supernode(args.approved_app_hash, flower_args)
@@ -64,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m dpfedavg.deploy app-hash: error: {err}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "check":
+        return _check(args.superlink, Path(args.root_certificates), args.timeout)
     if args.command == "supernode-key":
         path = Path(args.path)
         if path.exists() or path.with_name(path.name + ".pub").exists():
@@ -73,15 +147,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SuperNode key: private {path}   public {path}.pub")
         print(f"Register it: flwr supernode register {path}.pub <connection>")
         return 0
+    out = Path(args.out)
+    if (args.supernodes is None) != args.renew_server_certificate:
+        parser.error("credentials needs --supernodes N, or --renew-server-certificate (which keeps the SuperNode keys)")
+    if args.renew_server_certificate:
+        try:
+            cert = renew_server_certificate(out, args.hosts, valid_days=args.valid_days)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return 2
+        names = ", ".join(dict.fromkeys([*args.hosts, *LOOPBACK_NAMES]))
+        print(f"SuperLink cert/key:  {cert}, {cert.with_name('server.key')}   (SANs: {names})")
+        print("Copy both to the SuperLink and restart it; the SuperNodes keep their ca.crt and keys.")
+        return 0
+    if (out / "certificates" / "ca.crt").exists() and not args.overwrite:
+        return _existing(out, args.hosts, args.supernodes)
     try:
         creds = generate_credentials(
-            Path(args.out), args.hosts, args.supernodes, valid_days=args.valid_days, overwrite=args.overwrite
+            out, args.hosts, args.supernodes, valid_days=args.valid_days, overwrite=args.overwrite
         )
     except (ValueError, FileExistsError) as err:
-        print(f"python -m dpfedavg.deploy: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    names = ", ".join(dict.fromkeys([*args.hosts, *LOOPBACK_NAMES]))
     print(f"CA certificate:      {creds.ca_cert}   (give it to every SuperNode and to the flwr CLI)")
-    print(f"SuperLink cert/key:  {creds.server_cert}, {creds.server_key}   (SANs: {', '.join(args.hosts)})")
+    print(f"SuperLink cert/key:  {creds.server_cert}, {creds.server_key}   (SANs: {names})")
     for i, key in enumerate(creds.supernode_keys):
         print(f"SuperNode {i}: private {key}   public {creds.public_key(i)}")
     return 0

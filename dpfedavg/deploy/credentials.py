@@ -6,13 +6,18 @@ Writes, under one folder:
 * ``certificates/server.pem`` and ``server.key``: the SuperLink's certificate,
   signed by that CA, valid for the given host names and IP addresses (its
   subject alternative names: every address SuperNodes and the ``flwr`` CLI use
-  to reach the SuperLink must be listed);
+  to reach the SuperLink must be listed) and always for the loopback names
+  ``127.0.0.1``, ``localhost`` and ``::1``: the SuperLink's own SuperExec dials
+  its Runtime API there over TLS (``--host 0.0.0.0`` becomes ``127.0.0.1``) and
+  exits if the certificate does not name it;
 * ``keys/supernode_I`` and ``keys/supernode_I.pub`` for I = 0..N-1: one
   elliptic-curve (NIST P-384) key pair per SuperNode in OpenSSH format, the
   format ``flower-supernode --auth-supernode-private-key`` reads and
   ``flwr supernode register`` sends.
 
-Private keys are written with mode 0600. For production, an organisation's
+``renew_server_certificate`` signs a new SuperLink certificate with the
+existing CA, leaving the CA and the SuperNode keys alone (nothing has to be
+copied to the SuperNodes again). Private keys are written with mode 0600. For production, an organisation's
 own PKI and key handling replace this; the generated files are what a small
 federation (or the loopback test) needs.
 """
@@ -31,7 +36,17 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["Credentials", "generate_credentials", "generate_supernode_key"]
+__all__ = [
+    "LOOPBACK_NAMES",
+    "Credentials",
+    "generate_credentials",
+    "generate_supernode_key",
+    "missing_server_names",
+    "renew_server_certificate",
+]
+
+#: Names the SuperLink's own processes use to reach it: always in its certificate.
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -55,14 +70,34 @@ def _write_private(path: Path, data: bytes) -> None:
         fh.write(data)
 
 
+def _general_name(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host.lower())
+
+
 def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
+    """``hosts`` then the loopback names, each once, as the certificate's subject alternative names."""
     names: list[x509.GeneralName] = []
-    for host in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            names.append(x509.DNSName(host))
+    for host in [*hosts, *LOOPBACK_NAMES]:
+        name = _general_name(host)
+        if name not in names:
+            names.append(name)
     return x509.SubjectAlternativeName(names)
+
+
+def missing_server_names(server_cert: Path | x509.Certificate, hosts: list[str] | tuple[str, ...]) -> list[str]:
+    """The names among ``hosts`` and the loopback names that ``server_cert`` (a PEM file or a certificate) lacks."""
+    cert = server_cert
+    if not isinstance(cert, x509.Certificate):
+        cert = x509.load_pem_x509_certificate(Path(server_cert).read_bytes())
+    try:
+        sans = list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+    except x509.ExtensionNotFound:
+        sans = []
+    wanted = dict.fromkeys([*hosts, *LOOPBACK_NAMES])
+    return [host for host in wanted if _general_name(host) not in sans]
 
 
 def generate_supernode_key(path: Path) -> Path:
@@ -132,20 +167,55 @@ def _server_certificate(
     return server_key, server_cert
 
 
+def _check_hosts(hosts: list[str], valid_days: int) -> None:
+    if not hosts:
+        raise ValueError("give at least one host name or IP address for the SuperLink certificate")
+    if valid_days < 1:
+        raise ValueError(f"valid_days must be >= 1, got {valid_days}")
+
+
+def _write_server(certs: Path, server_key: Any, server_cert: x509.Certificate) -> None:
+    pem = serialization.Encoding.PEM
+    (certs / "server.pem").write_bytes(server_cert.public_bytes(pem))
+    _write_private(
+        certs / "server.key",
+        server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
+
+
+def renew_server_certificate(out: Path, hosts: list[str], *, valid_days: int = 365) -> Path:
+    """A new SuperLink key and certificate for ``hosts`` (and the loopback names), signed by the existing CA.
+
+    The CA and the SuperNode keys are left alone, so the SuperNodes (which hold ``ca.crt``) and the
+    registered public keys stay valid: only ``server.pem`` and ``server.key`` go to the SuperLink again.
+    Returns the certificate's path. Raises ``FileNotFoundError`` without ``certificates/ca.key`` in ``out``.
+    """
+    _check_hosts(hosts, valid_days)
+    certs = Path(out) / "certificates"
+    if not (certs / "ca.key").exists() or not (certs / "ca.crt").exists():
+        raise FileNotFoundError(f"{certs / 'ca.key'} or {certs / 'ca.crt'} is missing: no CA to sign a certificate")
+    ca_cert = x509.load_pem_x509_certificate((certs / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), password=None)
+    now = dt.datetime.now(dt.UTC)
+    until = min(now + dt.timedelta(days=valid_days), ca_cert.not_valid_after_utc)
+    server_key, server_cert = _server_certificate(hosts, ca_key, ca_cert.subject, now, until)
+    _write_server(certs, server_key, server_cert)
+    return certs / "server.pem"
+
+
 def generate_credentials(
     out: Path, hosts: list[str], num_supernodes: int, *, valid_days: int = 365, overwrite: bool = False
 ) -> Credentials:
     """Generate a CA, a SuperLink certificate for ``hosts`` and ``num_supernodes`` SuperNode key pairs.
 
+    The certificate is also valid for ``LOOPBACK_NAMES``, whatever ``hosts`` says.
+
     Raises ``ValueError`` for no hosts, ``num_supernodes < 0`` or ``valid_days < 1``, and
     ``FileExistsError`` if ``out`` already holds credentials and ``overwrite`` is false.
     """
-    if not hosts:
-        raise ValueError("give at least one host name or IP address for the SuperLink certificate")
+    _check_hosts(hosts, valid_days)
     if num_supernodes < 0:
         raise ValueError(f"num_supernodes must be >= 0, got {num_supernodes}")
-    if valid_days < 1:
-        raise ValueError(f"valid_days must be >= 1, got {valid_days}")
     out = Path(out)
     certs, keys = out / "certificates", out / "keys"
     if (certs / "ca.crt").exists() and not overwrite:
@@ -160,8 +230,7 @@ def generate_credentials(
     pkcs8 = serialization.PrivateFormat.PKCS8
     (certs / "ca.crt").write_bytes(ca_cert.public_bytes(pem))
     _write_private(certs / "ca.key", ca_key.private_bytes(pem, pkcs8, serialization.NoEncryption()))
-    (certs / "server.pem").write_bytes(server_cert.public_bytes(pem))
-    _write_private(certs / "server.key", server_key.private_bytes(pem, pkcs8, serialization.NoEncryption()))
+    _write_server(certs, server_key, server_cert)
     supernode_keys = tuple(generate_supernode_key(keys / f"supernode_{i}") for i in range(num_supernodes))
     return Credentials(
         root=out,

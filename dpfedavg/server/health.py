@@ -51,15 +51,15 @@ class TrainingStopped(RuntimeError):
 FIXES: tuple[tuple[str, str], ...] = (
     (
         "lacks 'update'",
-        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `@app.train(mods=[dp_mod])`",
+        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `app = ClientApp(mods=[dp_mod])`",
     ),
     (
         "lacks the array 'update'",
-        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `@app.train(mods=[dp_mod])`",
+        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `app = ClientApp(mods=[dp_mod])`",
     ),
     (
         "expected 1 ('update')",
-        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `@app.train(mods=[dp_mod])`",
+        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `app = ClientApp(mods=[dp_mod])`",
     ),
     (
         "refused by this node's policy",
@@ -73,7 +73,7 @@ FIXES: tuple[tuple[str, str], ...] = (
     ),
     (
         "lacks 'arrays'",
-        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `@app.train(mods=[dp_mod])`",
+        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `app = ClientApp(mods=[dp_mod])`",
     ),
     (
         "do not have the model's keys",

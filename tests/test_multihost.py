@@ -185,9 +185,10 @@ def test_the_guide_runs_across_four_hosts(hosts: Hosts, tmp_path: Path) -> None:
     net = hosts
     blocks = bash_blocks()
     server_blocks = [b for b in blocks if "flower-superlink " in b]
-    client_blocks = [b for b in blocks if "flower-supernode " in b]
+    client_blocks = [b for b in blocks if "dpfedavg.deploy supernode " in b]
+    approval_blocks = [b for b in blocks if "dpfedavg.deploy app-hash " in b]
     run_blocks = [b for b in blocks if "flwr run " in b]
-    assert len(server_blocks) == len(client_blocks) == len(run_blocks) == 1, blocks
+    assert len(server_blocks) == len(client_blocks) == len(approval_blocks) == len(run_blocks) == 1, blocks
     num_clients = int(re.search(r"^N=(\d+)", client_blocks[0], flags=re.M).group(1))
     assert num_clients == 2, "the simulated federation has two SuperNode hosts"
     num_rounds = int(re.search(r"num-rounds=(\d+)", run_blocks[0]).group(1))
@@ -259,6 +260,12 @@ def test_the_guide_runs_across_four_hosts(hosts: Hosts, tmp_path: Path) -> None:
                     "superlink", script, tmp_path / "superlink" / "shell", env("superlink"), net.prefix("superlink")
                 )
                 bg.wait_for("superlink", lambda: _listening(net, "superlink", superlink_port), 90, "its port")
+            elif block in approval_blocks:  # each client machine approves the app of its own clone
+                for i in range(num_clients):
+                    role = f"client-{i}"
+                    script = as_script(block, client=i, server=server, clients=clients)
+                    result = _foreground(script, env(role), 120, bg, net.prefix(role))
+                    assert result.returncode == 0, f"{block}\n{result.stdout[-3000:]}"
             elif block in client_blocks:
                 for i in range(num_clients):
                     role = f"client-{i}"
@@ -305,6 +312,11 @@ def test_the_guide_runs_across_four_hosts(hosts: Hosts, tmp_path: Path) -> None:
     # tolerances: 1e-4 below for z as written in metrics.csv, 0.01 above for the PLD accountant's pessimistic grid
     assert exact - 1e-4 <= final["epsilon"] <= exact + 0.01, (final["epsilon"], exact)
     assert final["epsilon"] <= 5.0  # the run config's default target
+
+    # step 5 approved the clone's app hash on each client machine; each SuperNode checked the run's FAB against it
+    for i in range(num_clients):
+        approved = (homes[f"client-{i}"] / "dpfedavg-creds" / "approved-app-hash").read_text().strip()
+        assert f"has the approved app hash {approved}" in bg.log(f"supernode-{i}"), bg.log(f"supernode-{i}")[-3000:]
 
     # the unregistered key was refused by the SuperLink, and the SuperNode said so and exited with 1
     assert intruder_code == 1, bg.log("intruder")[-3000:]

@@ -386,3 +386,43 @@ def test_the_safe_pattern_finishes_a_run_under_the_strict_policy(monkeypatch) ->
     assert [(s.num_received, s.num_rejected, s.num_failed) for s in stats] == [(s.num_sampled, 0, 0) for s in stats]
     assert np.all(np.isfinite(result.arrays["w"].numpy()))
     assert not [m for m in grid.sent if m.metadata.message_type.startswith("evaluate")]
+
+
+# ------------------------------------------------------------------ red team after the merge (issue 36)
+#: Policies with one floor and no secure-noise: each promises that the node never sends an un-noised update.
+FLOOR_ONLY = [{"min-noise-multiplier": 0.5}, {"max-clip": 10.0}]
+
+
+def _update(reply: Message) -> np.ndarray:
+    assert not reply.has_error(), reply.error.reason
+    return reply.content[ARRAYS]["update"].numpy()
+
+
+@pytest.mark.parametrize("floor", FLOOR_ONLY, ids=["min-z", "max-clip"])
+def test_diagnostics_asked_of_a_node_with_only_a_floor_get_no_clean_update(floor: dict) -> None:
+    """``diagnostics = true`` in the run config: a node whose policy states a floor (no secure-noise) must not send
+    the clean update beside the noised one, in both clients; the operator may still allow it explicitly."""
+    cfg = _cfg(diagnostics=True)
+    _assert_refused(_own(cfg, "train", _own_train(cfg), floor), "allow-diagnostics")
+    _assert_refused(_send(user_app("app"), "train", _user_train_message(diagnostics=True), floor), "allow-diagnostics")
+    allowed = _own(cfg, "train", _own_train(cfg), {**floor, "allow-diagnostics": True})
+    assert "diagnostics" in allowed.content  # the operator's explicit choice
+
+
+@pytest.mark.parametrize("floor", FLOOR_ONLY, ids=["min-z", "max-clip"])
+def test_a_node_with_only_a_floor_draws_noise_the_server_cannot_replay(floor: dict) -> None:
+    """Seeded run, a node with a floor but not secure-noise: the noise must not come from the server's seed.
+
+    With the server's seed the server regenerates zeta: two replies to the same seed differ by exactly the
+    difference of the clean updates (here 0), so it reads each clean update. The node's own noise makes the
+    difference of two replies N(0, 2 s^2) per coordinate (checked to 10% over 4000 / 20 coordinates: far from 0).
+    """
+    cfg = _cfg()
+    first, second = (_own(cfg, "train", _own_train(cfg), floor) for _ in range(2))
+    s = 1.0 * 3.0 / np.sqrt(4)  # z C / sqrt(|S_k|)
+    assert np.linalg.norm(_update(first) - _update(second)) > 0.5 * s * np.sqrt(2 * DIM)
+    assert "update-norm" not in first.content["metrics"]  # an un-noised statistic of the node's data
+    replies = [_send(user_app("app"), "train", _user_train_message(**{"server-round": k}), floor) for k in (2, 3)]
+    difference = _update(replies[0]) - _update(replies[1])
+    assert abs(difference.std() / (np.sqrt(2) * 2.0 / np.sqrt(5)) - 1) < 0.1
+    assert "update-norm" not in replies[0].content["metrics"]

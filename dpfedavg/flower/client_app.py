@@ -250,7 +250,7 @@ def train(msg: Message, context: Context) -> Message:
         return refusal(msg, str(err))
     except KeyError as err:
         return refusal(msg, f"refused: the TRAIN message has no model ({err})")
-    secure = node_policy(context).secure_noise or cfg.secure_noise
+    secure = node_policy(context).demands_noise or cfg.secure_noise
     if cfg.clients_per_node > 1:
         return _train_block(msg, context, cfg, ins, w, secure)
     result = client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)

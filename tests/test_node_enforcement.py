@@ -426,3 +426,32 @@ def test_a_node_with_only_a_floor_draws_noise_the_server_cannot_replay(floor: di
     difference = _update(replies[0]) - _update(replies[1])
     assert abs(difference.std() / (np.sqrt(2) * 2.0 / np.sqrt(5)) - 1) < 0.1
     assert "update-norm" not in replies[0].content["metrics"]
+
+
+def _user_train_reporting_accuracy(msg: Message, context) -> Message:
+    """A common train function: it reports a metric of its data at the model it received (with the server's
+    ``lr = 0`` the model does not move): the accuracy of the constant prediction ``argmax(b)``."""
+    b = msg.content[ARRAYS]["b"].numpy()
+    accuracy = float(np.mean(LABELS == int(np.argmax(b))))
+    metrics = MetricRecord({"accuracy": accuracy, "num-examples": len(LABELS)})
+    return Message(RecordDict({ARRAYS: ArrayRecord({"b": Array(b + 0.001)}), "metrics": metrics}), reply_to=msg)
+
+
+def test_train_metrics_histogram_attack_is_refused_under_a_policy() -> None:
+    """The evaluate histogram attack sent as train messages: ten crafted models, the user's train metrics (its
+    accuracy at the received model) would give the node's exact label histogram. Under a policy the privatised
+    reply carries no metric of the user's (num-examples is 1); without one they pass as before."""
+    app = ClientApp(mods=[dp_mod])
+    app.train()(_user_train_reporting_accuracy)
+
+    def attack(node_config: dict | None) -> list[Message]:
+        config = _user_config(lr=0.0)
+        return [_send(app, "train", RecordDict({ARRAYS: ArrayRecord({"b": Array(np.eye(10)[j])}), CONFIG: config}),
+                      node_config) for j in range(10)]  # fmt: skip
+
+    for reply in attack(STRICT):
+        assert not reply.has_error(), reply.error.reason
+        assert dict(reply.content["metrics"]) == {"num-examples": 1}
+    open_node = attack(None)
+    recovered = [round(r.content["metrics"]["accuracy"] * r.content["metrics"]["num-examples"]) for r in open_node]
+    assert recovered == np.bincount(LABELS, minlength=10).tolist()  # what a node without a policy leaks

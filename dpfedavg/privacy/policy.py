@@ -118,7 +118,8 @@ class NodePolicy:
         Accept the ``server`` placement (``allow-server-noise``): central DP, the clean clipped update goes to a
         server trusted to add the noise. Off, a policy that demands noise refuses it.
     max_epsilon_delta:
-        The delta the ledger's composed epsilon is read at (``None``: the smallest delta of the runs it records).
+        The delta the ledger's composed epsilon is read at (``None``: 1e-6, or the smallest delta of the runs it
+        records if smaller; never a delta the server chose above it).
     privacy_ledger:
         The ledger file (``None``: ``dpfedavg.privacy.ledger.ledger_path``'s default in the node's home).
     stated:

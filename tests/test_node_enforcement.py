@@ -455,3 +455,55 @@ def test_train_metrics_histogram_attack_is_refused_under_a_policy() -> None:
     open_node = attack(None)
     recovered = [round(r.content["metrics"]["accuracy"] * r.content["metrics"]["num-examples"]) for r in open_node]
     assert recovered == np.bincount(LABELS, minlength=10).tolist()  # what a node without a policy leaks
+
+
+#: The curvature of the node's data: gradient descent at the server's lr diverges iff lr > 2 / L = 0.54.
+CURVATURE = 3.7
+
+
+def _user_train_gradient_descent(msg: Message, context) -> Message:
+    """1000 steps of gradient descent at the server's ``lr`` on ``L / 2 ||w - 1||^2`` (NaN for lr = 1 > 2 / L)."""
+    w = msg.content[ARRAYS]["w"].numpy().copy()
+    lr = float(msg.content[CONFIG]["lr"])
+    with np.errstate(over="ignore", invalid="ignore"):
+        for _ in range(1000):
+            w = w - lr * CURVATURE * (w - 1.0)
+    return Message(RecordDict({ARRAYS: ArrayRecord({"w": Array(w)})}), reply_to=msg)
+
+
+def test_divergence_at_the_servers_learning_rate_tells_the_server_nothing_under_a_policy() -> None:
+    """The server bisects ``lr`` over rounds: which ``lr`` makes the node's training diverge gives its data's
+    curvature (2 / L = 0.54) to any precision, without noise, while divergence is an error reply. Under a policy
+    both replies are ``g + zeta`` (``g = 0`` where it diverged), in dp_mod and in the own ClientApp."""
+    app = ClientApp(mods=[dp_mod])
+    app.train()(_user_train_gradient_descent)
+    converged, diverged = (_send(app, "train", _user_train_message(lr=lr), STRICT) for lr in (0.5, 1.0))
+    assert np.linalg.norm(_update(converged)) > 0
+    assert abs(_update(diverged).std() / (2.0 / np.sqrt(5)) - 1) < 0.05  # 0 + N(0, (zC)^2 / |S_k|), 4000 draws
+    assert _send(app, "train", _user_train_message(lr=1.0)).has_error()  # no policy: reported, as before
+    cfg = _cfg(**{"local-lr": 1e100})  # the quadratic task diverges at this eta_k
+    assert np.all(np.isfinite(_update(_own(cfg, "train", _own_train(cfg), STRICT))))
+    assert _own(cfg, "train", _own_train(cfg)).has_error()
+
+
+def test_divergence_of_virtual_clients_tells_the_server_nothing_under_a_policy() -> None:
+    """A SuperNode hosting clients 0 and 1 (clients-per-node = 2): under a policy neither diverged client is listed,
+    each sends ``0 + zeta``; without one both are reported as diverged, as before."""
+    from dpfedavg.flower.protocol import CLIENT_IDS, DIVERGED_CLIENT_IDS
+
+    cfg = _cfg(**{"local-lr": 1e100, "clients-per-node": 2})
+
+    def ask(node_config: dict | None) -> Message:
+        grid = InProcessGrid(own_app, cfg.num_nodes, cfg.to_run_config(), node_config=node_config)
+        node = next(n for n, c in grid.contexts.items() if c.node_config["partition-id"] == 0)
+        content = _own_train(cfg)
+        content[CONFIG][CLIENT_IDS] = [0, 1]
+        (reply,) = grid.send_and_receive([Message(content, dst_node_id=node, message_type="train")])
+        assert not reply.has_error(), reply.error.reason
+        return reply
+
+    private = ask(STRICT)
+    assert DIVERGED_CLIENT_IDS not in private.content["metrics"] and len(private.content[ARRAYS]) == 2
+    noise = np.concatenate([a.numpy() for a in private.content[ARRAYS].values()])
+    assert np.all(np.isfinite(noise)) and np.linalg.norm(noise) > 0
+    assert list(ask(None).content["metrics"][DIVERGED_CLIENT_IDS]) == [0, 1]

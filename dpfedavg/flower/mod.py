@@ -216,7 +216,7 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
     if reply.has_error():
         return reply
     try:
-        update = _private_update(layout, received, reply, ins, _client_id(config, msg))
+        update = _private_update(layout, received, reply, ins, _client_id(config, msg), node_policy(context).active)
     except ValueError as err:
         return _error(msg, str(err))
     metrics = {} if node_policy(context).active else _user_metrics(reply)  # un-noised: not under a policy
@@ -264,8 +264,15 @@ def _client_id(config: ConfigRecord, msg: Message) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else int(msg.metadata.dst_node_id)
 
 
-def _private_update(layout: ArrayLayout, received: ArrayRecord, reply: Message, ins: RoundInstructions, client: int):
-    """``g + zeta`` from the user's reply: ``u = w_k - w_new``, bounded and noised (ValueError if impossible)."""
+def _private_update(
+    layout: ArrayLayout, received: ArrayRecord, reply: Message, ins: RoundInstructions, client: int, under_policy: bool
+):
+    """``g + zeta`` from the user's reply: ``u = w_k - w_new``, bounded and noised (ValueError if impossible).
+
+    Under a node policy a ``u`` with NaN/Inf (training that diverged at the server's model and learning rate: a
+    function of the node's data) becomes ``u = 0``, noised as usual, rather than an error reply that would tell the
+    server so without noise.
+    """
     records = reply.content.array_records
     if len(records) != 1:
         raise ValueError(
@@ -277,6 +284,9 @@ def _private_update(layout: ArrayLayout, received: ArrayRecord, reply: Message, 
     except LayoutMismatch as err:
         raise ValueError(f"{err} (return the arrays of the model it received)") from None
     u = layout.flatten(received) - w_new
+    if under_policy and not np.all(np.isfinite(u)):
+        logger.warning("%s: local training diverged; under this node's policy a zero update is sent, noised", _NAME)
+        u = np.zeros_like(u)
     (update,) = private_block_update(
         u[None, :],
         algorithm=ins.algorithm,
@@ -357,7 +367,7 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
     if reply.has_error():
         return reply
     try:
-        update = _private_update(layout, received, reply, ins, _client_id(config, msg))
+        update = _private_update(layout, received, reply, ins, _client_id(config, msg), node_policy(context).active)
     except ValueError as err:
         return _error(msg, str(err))
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([update.noisy]), num_examples=1, metrics={})

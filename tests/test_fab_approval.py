@@ -276,3 +276,21 @@ def test_supernode_started_as_documented_refuses_a_modified_fab(tmp_path: Path) 
     assert mismatch in result.stdout, result.stdout[-3000:]
     rows = list(csv.DictReader((out / "modified" / "metrics.csv").open()))
     assert all(r["num_received"] in ("", "0") for r in rows), rows  # no round used a reply
+
+
+@pytest.mark.parametrize(
+    "option", ["--allow-runtime", "--allow-runtime-dep", "--allow-runtime-dependency-installation"]
+)
+def test_an_abbreviated_refused_option_is_refused_by_the_launcher(
+    option: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """argparse takes any unique prefix of an option: ``--allow-runtime`` is Flower's
+    ``--allow-runtime-dependency-installation``, and must be refused like it, before a SuperNode starts."""
+    from dpfedavg.deploy import approval
+
+    def started(approved: object) -> None:
+        raise RuntimeError("the SuperNode was started")
+
+    monkeypatch.setattr(approval, "install_approval", started)
+    assert main(["supernode", "--approved-app-hash", "a" * 64, option, "--insecure"]) == 2
+    assert "--allow-runtime-dependency-installation is not allowed" in capsys.readouterr().err

@@ -386,3 +386,124 @@ def test_the_safe_pattern_finishes_a_run_under_the_strict_policy(monkeypatch) ->
     assert [(s.num_received, s.num_rejected, s.num_failed) for s in stats] == [(s.num_sampled, 0, 0) for s in stats]
     assert np.all(np.isfinite(result.arrays["w"].numpy()))
     assert not [m for m in grid.sent if m.metadata.message_type.startswith("evaluate")]
+
+
+# ------------------------------------------------------------------ red team after the merge (issue 36)
+#: Policies with one floor and no secure-noise: each promises that the node never sends an un-noised update.
+FLOOR_ONLY = [{"min-noise-multiplier": 0.5}, {"max-clip": 10.0}]
+
+
+def _update(reply: Message) -> np.ndarray:
+    assert not reply.has_error(), reply.error.reason
+    return reply.content[ARRAYS]["update"].numpy()
+
+
+@pytest.mark.parametrize("floor", FLOOR_ONLY, ids=["min-z", "max-clip"])
+def test_diagnostics_asked_of_a_node_with_only_a_floor_get_no_clean_update(floor: dict) -> None:
+    """``diagnostics = true`` in the run config: a node whose policy states a floor (no secure-noise) must not send
+    the clean update beside the noised one, in both clients; the operator may still allow it explicitly."""
+    cfg = _cfg(diagnostics=True)
+    _assert_refused(_own(cfg, "train", _own_train(cfg), floor), "allow-diagnostics")
+    _assert_refused(_send(user_app("app"), "train", _user_train_message(diagnostics=True), floor), "allow-diagnostics")
+    allowed = _own(cfg, "train", _own_train(cfg), {**floor, "allow-diagnostics": True})
+    assert "diagnostics" in allowed.content  # the operator's explicit choice
+
+
+@pytest.mark.parametrize("floor", FLOOR_ONLY, ids=["min-z", "max-clip"])
+def test_a_node_with_only_a_floor_draws_noise_the_server_cannot_replay(floor: dict) -> None:
+    """Seeded run, a node with a floor but not secure-noise: the noise must not come from the server's seed.
+
+    With the server's seed the server regenerates zeta: two replies to the same seed differ by exactly the
+    difference of the clean updates (here 0), so it reads each clean update. The node's own noise makes the
+    difference of two replies N(0, 2 s^2) per coordinate (checked to 10% over 4000 / 20 coordinates: far from 0).
+    """
+    cfg = _cfg()
+    first, second = (_own(cfg, "train", _own_train(cfg), floor) for _ in range(2))
+    s = 1.0 * 3.0 / np.sqrt(4)  # z C / sqrt(|S_k|)
+    assert np.linalg.norm(_update(first) - _update(second)) > 0.5 * s * np.sqrt(2 * DIM)
+    assert "update-norm" not in first.content["metrics"]  # an un-noised statistic of the node's data
+    replies = [_send(user_app("app"), "train", _user_train_message(**{"server-round": k}), floor) for k in (2, 3)]
+    difference = _update(replies[0]) - _update(replies[1])
+    assert abs(difference.std() / (np.sqrt(2) * 2.0 / np.sqrt(5)) - 1) < 0.1
+    assert "update-norm" not in replies[0].content["metrics"]
+
+
+def _user_train_reporting_accuracy(msg: Message, context) -> Message:
+    """A common train function: it reports a metric of its data at the model it received (with the server's
+    ``lr = 0`` the model does not move): the accuracy of the constant prediction ``argmax(b)``."""
+    b = msg.content[ARRAYS]["b"].numpy()
+    accuracy = float(np.mean(LABELS == int(np.argmax(b))))
+    metrics = MetricRecord({"accuracy": accuracy, "num-examples": len(LABELS)})
+    return Message(RecordDict({ARRAYS: ArrayRecord({"b": Array(b + 0.001)}), "metrics": metrics}), reply_to=msg)
+
+
+def test_train_metrics_histogram_attack_is_refused_under_a_policy() -> None:
+    """The evaluate histogram attack sent as train messages: ten crafted models, the user's train metrics (its
+    accuracy at the received model) would give the node's exact label histogram. Under a policy the privatised
+    reply carries no metric of the user's (num-examples is 1); without one they pass as before."""
+    app = ClientApp(mods=[dp_mod])
+    app.train()(_user_train_reporting_accuracy)
+
+    def attack(node_config: dict | None) -> list[Message]:
+        config = _user_config(lr=0.0)
+        return [_send(app, "train", RecordDict({ARRAYS: ArrayRecord({"b": Array(np.eye(10)[j])}), CONFIG: config}),
+                      node_config) for j in range(10)]  # fmt: skip
+
+    for reply in attack(STRICT):
+        assert not reply.has_error(), reply.error.reason
+        assert dict(reply.content["metrics"]) == {"num-examples": 1}
+    open_node = attack(None)
+    recovered = [round(r.content["metrics"]["accuracy"] * r.content["metrics"]["num-examples"]) for r in open_node]
+    assert recovered == np.bincount(LABELS, minlength=10).tolist()  # what a node without a policy leaks
+
+
+#: The curvature of the node's data: gradient descent at the server's lr diverges iff lr > 2 / L = 0.54.
+CURVATURE = 3.7
+
+
+def _user_train_gradient_descent(msg: Message, context) -> Message:
+    """1000 steps of gradient descent at the server's ``lr`` on ``L / 2 ||w - 1||^2`` (NaN for lr = 1 > 2 / L)."""
+    w = msg.content[ARRAYS]["w"].numpy().copy()
+    lr = float(msg.content[CONFIG]["lr"])
+    with np.errstate(over="ignore", invalid="ignore"):
+        for _ in range(1000):
+            w = w - lr * CURVATURE * (w - 1.0)
+    return Message(RecordDict({ARRAYS: ArrayRecord({"w": Array(w)})}), reply_to=msg)
+
+
+def test_divergence_at_the_servers_learning_rate_tells_the_server_nothing_under_a_policy() -> None:
+    """The server bisects ``lr`` over rounds: which ``lr`` makes the node's training diverge gives its data's
+    curvature (2 / L = 0.54) to any precision, without noise, while divergence is an error reply. Under a policy
+    both replies are ``g + zeta`` (``g = 0`` where it diverged), in dp_mod and in the own ClientApp."""
+    app = ClientApp(mods=[dp_mod])
+    app.train()(_user_train_gradient_descent)
+    converged, diverged = (_send(app, "train", _user_train_message(lr=lr), STRICT) for lr in (0.5, 1.0))
+    assert np.linalg.norm(_update(converged)) > 0
+    assert abs(_update(diverged).std() / (2.0 / np.sqrt(5)) - 1) < 0.05  # 0 + N(0, (zC)^2 / |S_k|), 4000 draws
+    assert _send(app, "train", _user_train_message(lr=1.0)).has_error()  # no policy: reported, as before
+    cfg = _cfg(**{"local-lr": 1e100})  # the quadratic task diverges at this eta_k
+    assert np.all(np.isfinite(_update(_own(cfg, "train", _own_train(cfg), STRICT))))
+    assert _own(cfg, "train", _own_train(cfg)).has_error()
+
+
+def test_divergence_of_virtual_clients_tells_the_server_nothing_under_a_policy() -> None:
+    """A SuperNode hosting clients 0 and 1 (clients-per-node = 2): under a policy neither diverged client is listed,
+    each sends ``0 + zeta``; without one both are reported as diverged, as before."""
+    from dpfedavg.flower.protocol import CLIENT_IDS, DIVERGED_CLIENT_IDS
+
+    cfg = _cfg(**{"local-lr": 1e100, "clients-per-node": 2})
+
+    def ask(node_config: dict | None) -> Message:
+        grid = InProcessGrid(own_app, cfg.num_nodes, cfg.to_run_config(), node_config=node_config)
+        node = next(n for n, c in grid.contexts.items() if c.node_config["partition-id"] == 0)
+        content = _own_train(cfg)
+        content[CONFIG][CLIENT_IDS] = [0, 1]
+        (reply,) = grid.send_and_receive([Message(content, dst_node_id=node, message_type="train")])
+        assert not reply.has_error(), reply.error.reason
+        return reply
+
+    private = ask(STRICT)
+    assert DIVERGED_CLIENT_IDS not in private.content["metrics"] and len(private.content[ARRAYS]) == 2
+    noise = np.concatenate([a.numpy() for a in private.content[ARRAYS].values()])
+    assert np.all(np.isfinite(noise)) and np.linalg.norm(noise) > 0
+    assert list(ask(None).content["metrics"][DIVERGED_CLIENT_IDS]) == [0, 1]

@@ -124,13 +124,13 @@ def test_five_runs_against_max_epsilon_8_are_refused_once_the_composed_epsilon_w
     """Each run alone (epsilon 3.85) passes the node's max-epsilon = 8; composed, runs 4 and 5 are refused."""
     cfg = _cfg(EXACT_RUNS)
     path = tmp_path / "ledger.json"
-    node = Node({"max-epsilon": 8.0, "privacy-ledger": str(path)})
+    node = Node({"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(path)})
     answered = [_answered(node.run(cfg, run_id)) for run_id in range(1, 6)]
     assert answered == [True, True, True, False, False]
 
     exact = {runs: gaussian_epsilon(2.5 / math.sqrt(5 * runs), 1e-5) for runs in (1, 3, 4)}
     assert exact[1] < 8 and exact[3] < 8 - 0.5 and exact[4] > 8 + 0.5  # the crossing is unambiguous
-    spent = NodeLedger(path).spent(NodePolicy(max_epsilon=8.0))
+    spent = NodeLedger(path).spent(NodePolicy(max_epsilon=8.0, max_epsilon_delta=1e-5))
     assert spent == pytest.approx(exact[3], rel=2e-3)  # PLD at discretization 1e-3, pessimistic
     refusal = node.send(cfg, 6, 1)
     reason = refusal.error.reason
@@ -151,7 +151,7 @@ def test_a_redone_round_is_charged_one_more_sampled_round(tmp_path) -> None:
     path = tmp_path / "ledger.json"
     node = Node({"privacy-ledger": str(path)})
     assert _answered(node.run(cfg, 1))
-    policy = NodePolicy()
+    policy = NodePolicy(max_epsilon_delta=1e-5)
     before = NodeLedger(path).spent(policy)
     assert _answered([node.send(cfg, 1, 3)])
     after = NodeLedger(path).spent(policy)
@@ -172,13 +172,27 @@ def test_a_redone_round_is_charged_one_more_sampled_round(tmp_path) -> None:
     assert [r.server_round for r in NodeLedger(path).read()] == [1, 2, 3, 4, 5, 3]
 
 
+def test_a_server_declaring_delta_0_1_does_not_choose_the_delta_of_the_nodes_budget(tmp_path) -> None:
+    """Runs at delta = 0.1 (the largest a run config takes): read at 0.1, ten runs compose to 6.81 < 8. A node
+    with max-epsilon = 8 and no max-epsilon-delta reads its budget at 1e-6: two runs 6.40, three 8.11 (exact)."""
+    exact = {runs: gaussian_epsilon(2.5 / math.sqrt(5 * runs), 1e-6) for runs in (2, 3)}
+    assert exact[2] < 8 - 1 and exact[3] > 8 + 0.1 and gaussian_epsilon(2.5 / math.sqrt(50), 0.1) < 8
+    cfg = _cfg({**EXACT_RUNS, "delta": 0.1})
+    node = Node({"max-epsilon": 8.0, "privacy-ledger": str(tmp_path / "ledger.json")})
+    assert [_answered(node.run(cfg, run_id)) for run_id in (1, 2)] == [True, True]
+    refused = node.send(cfg, 3, 1)
+    assert refused.has_error() and "max-epsilon" in refused.error.reason
+    assert _numbers(refused.error.reason)["total"] == pytest.approx(exact[3], rel=2e-3)
+    assert "delta = 1e-06" in refused.error.reason
+
+
 def test_a_redone_round_past_the_budget_is_refused(tmp_path) -> None:
     """q = 1: the run's 5 rounds are exactly a Gaussian of 2.5 / sqrt(5) (3.85), one more round of 2.5 / sqrt(6)
     (4.28): a node with max-epsilon = 4.05 answers the run and refuses the redone round."""
     cfg = _cfg(EXACT_RUNS)
     five, six = (gaussian_epsilon(2.5 / math.sqrt(k), 1e-5) for k in (5, 6))
     assert five < 4.05 - 0.15 and six > 4.05 + 0.15
-    node = Node({"max-epsilon": 4.05, "privacy-ledger": str(tmp_path / "ledger.json")})
+    node = Node({"max-epsilon": 4.05, "max-epsilon-delta": 1e-5, "privacy-ledger": str(tmp_path / "ledger.json")})
     assert _answered(node.run(cfg, 7))
     redone = node.send(cfg, 7, 4)
     assert redone.has_error() and "max-epsilon" in redone.error.reason
@@ -188,7 +202,7 @@ def test_a_redone_round_past_the_budget_is_refused(tmp_path) -> None:
 def test_a_restarted_node_keeps_its_spent_budget(tmp_path) -> None:
     """Three runs, a restart (no process-level state, a new federation), and the fourth run is refused."""
     cfg = _cfg(EXACT_RUNS)
-    node_config = {"max-epsilon": 8.0, "min-noise-multiplier": 1.0}  # the default ledger, in the node's home
+    node_config = {"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "min-noise-multiplier": 1.0}  # the default ledger
     for run_id in (11, 12, 13):
         assert _answered(Node(node_config).run(cfg, run_id))
     _restart()
@@ -200,7 +214,7 @@ def test_a_restarted_node_keeps_its_spent_budget(tmp_path) -> None:
     # a new Python process reads the same spent budget from the file alone
     script = (
         "import sys; from dpfedavg.privacy.ledger import NodeLedger; from dpfedavg.privacy.policy import NodePolicy; "
-        "print(NodeLedger(sys.argv[1]).spent(NodePolicy()))"
+        "print(NodeLedger(sys.argv[1]).spent(NodePolicy(max_epsilon_delta=1e-5)))"
     )
     out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True)
     assert float(out.stdout) == pytest.approx(_numbers(reply.error.reason)["spent"], rel=1e-3)

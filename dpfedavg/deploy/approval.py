@@ -208,11 +208,14 @@ def run_supernode(approved: Iterable[str], flower_args: list[str]) -> None:
     Raises
     ------
     ValueError
-        If ``flower_args`` holds an option listed in `REFUSED_OPTIONS`, or ``approved`` is empty.
+        If ``flower_args`` holds an option listed in `REFUSED_OPTIONS` or a prefix of one (argparse takes any
+        unique prefix of an option), or ``approved`` is empty.
     """
-    for option, why in REFUSED_OPTIONS.items():
-        if option in flower_args:
-            raise ValueError(f"{option} is not allowed with approved apps: {why}")
+    for arg in flower_args:
+        name = arg.split("=", 1)[0]
+        for option, why in REFUSED_OPTIONS.items():
+            if len(name) > 2 and name.startswith("--") and option.startswith(name):  # argparse: any unique prefix
+                raise ValueError(f"{option} is not allowed with approved apps (given as {arg!r}): {why}")
     install_approval(approved)
     from flwr.supernode.cli import flower_supernode
 

@@ -25,8 +25,11 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import GradFn, client_round_update
-from dpfedavg.core.types import RoundInstructions
+from dpfedavg.core import GradFn, LocalTrainingDiverged, client_round_update, private_block_update
+from dpfedavg.core.local import ClientUpdate
+from dpfedavg.core.noise import round_noise_law
+from dpfedavg.core.seeding import noise_rng
+from dpfedavg.core.types import ClientResult, RoundInstructions
 from dpfedavg.flower.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -200,7 +203,7 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
         return refusal(msg, str(err))
 
     def masked_vector(inner: Message, ctxt: Context) -> Message:
-        return _secure_train(inner, cfg, client_id, ins)
+        return _secure_train(inner, cfg, client_id, ins, under_policy=node_policy(context).active)
 
     return secaggplus_mod(msg, context, masked_vector)
 
@@ -213,7 +216,9 @@ def _run_config(context: Context) -> RunConfig:
     return _config(tuple(sorted(context.run_config.items())))
 
 
-def _secure_train(msg: Message, cfg: RunConfig, client_id: int, ins: RoundInstructions) -> Message:
+def _secure_train(
+    msg: Message, cfg: RunConfig, client_id: int, ins: RoundInstructions, *, under_policy: bool
+) -> Message:
     """The masked-vector stage of SecAgg+ (called by ``secaggplus_mod`` only): ``g~ + zeta~`` as a legacy ``FitRes``.
 
     ``ins`` are the round's instructions as ``secure_aggregation_mod`` checked them. The reply is a legacy
@@ -222,7 +227,7 @@ def _secure_train(msg: Message, cfg: RunConfig, client_id: int, ins: RoundInstru
     """
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     (w,) = parameters_to_ndarrays(fitins.parameters)
-    result = client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
+    result = _round_update(w, cfg, client_id, ins, under_policy=under_policy)
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([result.noisy]), num_examples=1, metrics={})
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
@@ -250,10 +255,10 @@ def train(msg: Message, context: Context) -> Message:
         return refusal(msg, str(err))
     except KeyError as err:
         return refusal(msg, f"refused: the TRAIN message has no model ({err})")
-    secure = node_policy(context).secure_noise or cfg.secure_noise
+    secure = node_policy(context).demands_noise or cfg.secure_noise
     if cfg.clients_per_node > 1:
         return _train_block(msg, context, cfg, ins, w, secure)
-    result = client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
+    result = _round_update(w, cfg, client_id, ins, under_policy=node_policy(context).active)
     metrics: dict[str, int | float] = {NUM_EXAMPLES: 1, PARTITION_ID: client_id}
     if not secure:  # un-noised statistics of this client's data: seeded research mode only
         metrics[UPDATE_NORM] = result.update_norm
@@ -261,6 +266,49 @@ def train(msg: Message, context: Context) -> Message:
     if ins.diagnostics:
         content[DIAGNOSTICS] = to_array_record(result.clean, CLEAN_UPDATE_KEY)
     return Message(content, reply_to=msg)
+
+
+def _zero_gradient(w: np.ndarray) -> np.ndarray:
+    return np.zeros_like(w)
+
+
+def _round_update(
+    w: np.ndarray, cfg: RunConfig, client_id: int, ins: RoundInstructions, *, under_policy: bool
+) -> ClientUpdate:
+    """Alg. 1 / Alg. 2 lines 4-10 for this client; under a node policy a diverged local training sends ``0 + zeta``.
+
+    Whether local training diverges at the model and ``eta_k`` the server chose is a function of the node's data
+    (gradient descent on a curvature ``L`` diverges for ``eta > 2 / L``): reported as an error it would leave the
+    node without noise, one bit per round. Under a policy the update is then ``u = 0`` (a bounded update like any
+    other), noised as usual, so the reply has the same form whatever the data; without one ``LocalTrainingDiverged``
+    is raised (the error reply of research runs).
+    """
+    try:
+        return client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
+    except LocalTrainingDiverged:
+        if not under_policy:
+            raise
+        logger.warning("round %d: local training diverged; under this node's policy a zero update is sent, noised",
+                       ins.server_round)  # fmt: skip
+        return client_round_update(w, _zero_gradient, ins, client_id)
+
+
+def _zero_updates(client_ids: list[int], dim: int, ins: RoundInstructions) -> list[ClientResult]:
+    """``0 + zeta`` for each of ``client_ids`` (whose local training diverged), each client's noise its own."""
+    updates = private_block_update(
+        np.zeros((len(client_ids), dim)),
+        algorithm=ins.algorithm,
+        clip=ins.clip,
+        noise_std=ins.noise_std,
+        rngs=[noise_rng(ins.noise_seed, c) for c in client_ids],
+        law=round_noise_law(ins),
+        count_scale=ins.count_scale,
+    )
+    return [
+        ClientResult(c, u.noisy, u.update_norm, u.clean if ins.diagnostics else None)
+        for c, u in zip(client_ids, updates, strict=True)
+        if u is not None
+    ]
 
 
 def hosted_clients(cfg: RunConfig, partition_id: int) -> range:
@@ -297,6 +345,11 @@ def _train_block(
         )
     diverged: list[int] = []
     results = list(client_results(_task(cfg), np.asarray(ids, dtype=np.int64), w, ins, failed=diverged))
+    if diverged and node_policy(context).active:  # not reported under a policy: see _round_update
+        logger.warning("round %d: local training of clients %s diverged; zero updates are sent, noised",
+                       ins.server_round, diverged)  # fmt: skip
+        results = sorted([*results, *_zero_updates(diverged, len(w), ins)], key=lambda r: r.client_id)
+        diverged = []
     arrays = ArrayRecord({block_key(UPDATE_KEY, r.client_id): Array(np.ascontiguousarray(r.noisy)) for r in results})
     metrics: dict[str, int | float | list[int] | list[float]] = {NUM_EXAMPLES: len(results)}
     if results:

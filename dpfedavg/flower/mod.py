@@ -16,7 +16,9 @@ unchanged train function into one sampled client of Alg. 1 / Alg. 2 (Das et al.,
    ``norm``: ``g = C u/||u||``; ``adaptive-clip``: clip to ``C_k`` plus the count coordinate) and adds
    this client's share of the noise for the run's placement (:func:`dpfedavg.core.private_block_update`,
    the pipeline every engine uses), then replies with ``g + zeta`` only. The user's own metrics pass
-   through (they are not covered by the DP guarantee; the server says so once).
+   through (they are not covered by the DP guarantee; the server says so once), except under a node policy:
+   a metric of the node's data at a model the server chose (a loss, an accuracy) is what an evaluate reply
+   leaks, so a node with a policy sends ``num-examples = 1`` and nothing else.
 
 **Units.** The paper's update divides by the local learning rate, ``u = (w_k - w_{k,E}) / eta_k``; a
 generic train function does not expose its learning rate (or it changes within the loop), so here
@@ -148,8 +150,9 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
     -------
     Message
         For a train message ``{"arrays": {"update": g + zeta}, "metrics": the user's metrics + num-examples
-        (+ update-norm in seeded mode)}``; the user's reply for a message it lets through; or an error reply
-        saying what is wrong or which rule refuses it.
+        (+ update-norm in seeded mode)}``, under a node policy with ``{"num-examples": 1}`` as its only metric;
+        the user's reply for a message it lets through; or an error reply saying what is wrong or which rule
+        refuses it.
     """
     if _HANDLING.get():
         return call_next(msg, context)
@@ -213,10 +216,10 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
     if reply.has_error():
         return reply
     try:
-        update = _private_update(layout, received, reply, ins, _client_id(config, msg))
+        update = _private_update(layout, received, reply, ins, _client_id(config, msg), node_policy(context).active)
     except ValueError as err:
         return _error(msg, str(err))
-    metrics = _user_metrics(reply)
+    metrics = {} if node_policy(context).active else _user_metrics(reply)  # un-noised: not under a policy
     metrics.setdefault(NUM_EXAMPLES, 1)
     if ins.noise_seed != SECURE_NOISE_SEED:  # un-noised statistics of this client's data: seeded research mode only
         metrics[UPDATE_NORM] = update.update_norm
@@ -261,8 +264,15 @@ def _client_id(config: ConfigRecord, msg: Message) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else int(msg.metadata.dst_node_id)
 
 
-def _private_update(layout: ArrayLayout, received: ArrayRecord, reply: Message, ins: RoundInstructions, client: int):
-    """``g + zeta`` from the user's reply: ``u = w_k - w_new``, bounded and noised (ValueError if impossible)."""
+def _private_update(
+    layout: ArrayLayout, received: ArrayRecord, reply: Message, ins: RoundInstructions, client: int, under_policy: bool
+):
+    """``g + zeta`` from the user's reply: ``u = w_k - w_new``, bounded and noised (ValueError if impossible).
+
+    Under a node policy a ``u`` with NaN/Inf (training that diverged at the server's model and learning rate: a
+    function of the node's data) becomes ``u = 0``, noised as usual, rather than an error reply that would tell the
+    server so without noise.
+    """
     records = reply.content.array_records
     if len(records) != 1:
         raise ValueError(
@@ -274,6 +284,9 @@ def _private_update(layout: ArrayLayout, received: ArrayRecord, reply: Message, 
     except LayoutMismatch as err:
         raise ValueError(f"{err} (return the arrays of the model it received)") from None
     u = layout.flatten(received) - w_new
+    if under_policy and not np.all(np.isfinite(u)):
+        logger.warning("%s: local training diverged; under this node's policy a zero update is sent, noised", _NAME)
+        u = np.zeros_like(u)
     (update,) = private_block_update(
         u[None, :],
         algorithm=ins.algorithm,
@@ -354,7 +367,7 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
     if reply.has_error():
         return reply
     try:
-        update = _private_update(layout, received, reply, ins, _client_id(config, msg))
+        update = _private_update(layout, received, reply, ins, _client_id(config, msg), node_policy(context).active)
     except ValueError as err:
         return _error(msg, str(err))
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([update.noisy]), num_examples=1, metrics={})

@@ -67,8 +67,8 @@ logger = logging.getLogger(__name__)
 
 #: The ``format`` field of a ledger file.
 LEDGER_FORMAT = "dpfedavg-node-privacy-ledger/1"
-#: The delta of the node's budget when neither ``max-epsilon-delta`` nor any recorded run gives one (``dp_mod`` only):
-#: the run config's default ``delta``.
+#: The largest delta the node's budget is read at without ``max-epsilon-delta`` (``ledger_delta``): the run config's
+#: default ``delta``.
 DEFAULT_DELTA = 1e-6
 #: The accountant that composes the ledger (tight; its PLDs are pessimistic, so a valid upper bound).
 LEDGER_ACCOUNTANT = "pld"
@@ -199,15 +199,16 @@ def _epsilon(events: tuple[tuple[RoundEvent, int], ...], delta: float) -> float:
 
 
 def ledger_delta(policy: NodePolicy, releases: list[Release]) -> float:
-    """The delta the node's epsilon is read at: ``max-epsilon-delta``, else the smallest delta of any recorded run.
+    """The delta the node's epsilon is read at: ``max-epsilon-delta``, else ``DEFAULT_DELTA`` or the smallest delta
+    of any recorded run if that is smaller.
 
-    A node that only ever answers runs of one delta is held at that delta (a single run gets exactly the run's
-    own epsilon); a node without any (``dp_mod`` only) at ``DEFAULT_DELTA``.
+    The run's delta is the server's choice: a server that declares ``delta = 0.1`` must not have the node's budget
+    read at 0.1 (five runs of epsilon 3.85 at delta 1e-5 cost 3.81 together at 0.1), so without
+    ``max-epsilon-delta`` the node never reads it above ``DEFAULT_DELTA``.
     """
     if policy.max_epsilon_delta is not None:
         return policy.max_epsilon_delta
-    deltas = [r.delta for r in releases if r.delta is not None]
-    return min(deltas) if deltas else DEFAULT_DELTA
+    return min([DEFAULT_DELTA, *(r.delta for r in releases if r.delta is not None)])
 
 
 def keeps_ledger(node_config: Mapping[str, Any]) -> bool:

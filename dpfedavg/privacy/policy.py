@@ -16,7 +16,9 @@ A policy that states a floor (``min-noise-multiplier``, ``min-update-noise-multi
 ``max-epsilon``) or ``secure-noise`` means "this node never sends an un-noised update": it refuses
 ``algorithm = none``, ``z = 0``, a ``z`` that is not a finite number and the ``server`` placement (whose
 clients send their clean clipped update), the last unless ``allow-server-noise = true`` says the operator
-trusts the server with central DP (``NodePolicy.demands_noise``, ``check_noise_demand``).
+trusts the server with central DP (``NodePolicy.demands_noise``, ``check_noise_demand``). Such a node also
+draws its noise from the OS CSPRNG as ``secure-noise`` does (noise from the server's seed is noise the server
+can regenerate and subtract) and, unless ``allow-diagnostics = true``, never sends the clean update.
 
 What a client cannot check: which rounds it is sampled in (the server could sample it more often than
 ``q``), ``|S_k|`` itself (bounded only by ``min-update-noise-multiplier``), the model ``w_k`` it is sent, and
@@ -104,7 +106,7 @@ class NodePolicy:
     require_secure_aggregation:
         Answer SecAgg+ rounds only.
     allow_diagnostics:
-        Whether the clean ``g`` may ever leave the node (default: not with ``secure-noise``).
+        Whether the clean ``g`` may ever leave the node (default: not under a policy that demands noise).
     max_epsilon:
         The node's budget: the largest epsilon of a run it takes part in (at the run's delta, over its
         ``num-rounds``, by the run's accountant; the client computes it from ``z``, ``q``, ``K`` and ``delta``
@@ -116,7 +118,8 @@ class NodePolicy:
         Accept the ``server`` placement (``allow-server-noise``): central DP, the clean clipped update goes to a
         server trusted to add the noise. Off, a policy that demands noise refuses it.
     max_epsilon_delta:
-        The delta the ledger's composed epsilon is read at (``None``: the smallest delta of the runs it records).
+        The delta the ledger's composed epsilon is read at (``None``: 1e-6, or the smallest delta of the runs it
+        records if smaller; never a delta the server chose above it).
     privacy_ledger:
         The ledger file (``None``: ``dpfedavg.privacy.ledger.ledger_path``'s default in the node's home).
     stated:
@@ -139,7 +142,9 @@ class NodePolicy:
 
     @property
     def diagnostics_allowed(self) -> bool:
-        return (not self.secure_noise) if self.allow_diagnostics is None else self.allow_diagnostics
+        """Whether the clean update may leave the node: ``allow-diagnostics``, by default not under a policy that
+        demands noise (``demands_noise``: the clean update beside the noised one is an un-noised update)."""
+        return (not self.demands_noise) if self.allow_diagnostics is None else self.allow_diagnostics
 
     @property
     def active(self) -> bool:
@@ -339,7 +344,7 @@ def _check_policy(
             "allowed-algorithms", f"algorithm {ins.algorithm!r} is not one of {', '.join(policy.allowed_algorithms)}"
         )
     if ins.diagnostics and not policy.diagnostics_allowed:
-        why = " (secure-noise = true: the default is false)" if policy.allow_diagnostics is None else ""
+        why = f" ({', '.join(policy.floors)}: the default is false)" if policy.allow_diagnostics is None else ""
         raise refuse(
             "allow-diagnostics", f"the server asks for the clean update (diagnostics), which this node never sends{why}"
         )
@@ -452,8 +457,8 @@ def check_node_policy(
     with adaptive clipping), ``placement`` and ``r`` as the server's train config names them. The server's
     ``noise-std`` is only compared with ``s`` (a different one is refused); ``min-update-noise-multiplier``
     compares ``s`` with the bound. ``max-epsilon`` is held by the node's ledger, which charges each release as an
-    unamplified Gaussian (``dpfedavg.privacy.ledger``). The result carries ``s`` and, with ``secure-noise``, no
-    seed.
+    unamplified Gaussian (``dpfedavg.privacy.ledger``). The result carries ``s`` and, under a policy that demands
+    noise (``secure-noise`` or a floor), no seed.
     """
 
     def refuse(rule: str, detail: str, *, by_policy: bool = False) -> RoundRefused:
@@ -490,7 +495,7 @@ def check_node_policy(
             f"{policy.min_update_noise_multiplier:g} C",
             by_policy=True,
         )
-    seed = SECURE_NOISE_SEED if policy.secure_noise else ins.noise_seed
+    seed = SECURE_NOISE_SEED if policy.demands_noise else ins.noise_seed
     return dataclasses.replace(ins, noise_std=own, noise_seed=seed)
 
 
@@ -502,7 +507,8 @@ def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, s
     its floor and ceiling), ``z`` (the run's, or one whose epsilon, computed here, meets the target), the count
     scale, ``|S_k|``. Then the client's own noise share (:func:`client_noise_std`; the server's ``noise-std``
     must agree with it), the update-noise floor of the policy and, in a SecAgg+ round, the grid. The result
-    carries the client's own ``noise_std`` and, with ``secure-noise`` (the node's or the run's), no seed.
+    carries the client's own ``noise_std`` and, with ``secure-noise`` (the run's, or a node policy that demands
+    noise), no seed.
     """
     _check_policy(policy, cfg, ins, secure_round, cfg.noise_placement)
     _check_run_config(cfg, ins, secure_round)
@@ -533,6 +539,6 @@ def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, s
             )
     elif ins.secagg_step != 0 or ins.secagg_range != 0:
         raise RoundRefused("secure-aggregation", "a secure-aggregation grid in a plain round", policy=False)
-    secure = policy.secure_noise or cfg.secure_noise
+    secure = policy.demands_noise or cfg.secure_noise
     seed = SECURE_NOISE_SEED if secure else ins.noise_seed
     return dataclasses.replace(ins, noise_std=own, noise_seed=seed)

@@ -1,0 +1,47 @@
+"""Finishing a canary-audited run: the empirical epsilons beside the accountant's, in ``config.json``, the last
+log line, ``RunResult.audit``, ``audit.png`` and ``audit.npz`` (:mod:`dpfedavg.privacy.canary`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from dpfedavg.core.types import Vector
+from dpfedavg.io.audit_plot import write_audit_plot, write_audit_scores
+from dpfedavg.privacy.canary import CanaryAudit, CanaryScores
+
+if TYPE_CHECKING:
+    from dpfedavg.server.session import RunResult, RunSession
+
+__all__ = ["finish_audited"]
+
+logger = logging.getLogger(__name__)
+
+
+def finish_audited(
+    session: RunSession, scores: CanaryScores, w_final: Vector, stopped_before_round: int | None
+) -> RunResult:
+    """Audit the run from its canaries' scores, then :meth:`RunSession.finish` with the audit recorded.
+
+    ``config.json`` ``final.audit`` holds the estimates, the accountant's epsilon and how the canaries changed the
+    federation (``n``, the inserted canaries, ``n'``, ``q`` and the expected cohort ``r' = q n'``).
+    """
+    server, cfg = session.server, session.cfg
+    audit = CanaryAudit.of(scores, delta=server.plan.delta)
+    epsilon = server.epsilon
+    session.audit = {
+        **audit.summary(),
+        "epsilon_accountant": epsilon,
+        "num_clients": cfg.num_clients,
+        "federation_clients": server.cfg.num_clients,
+        "q": cfg.sampling_rate,
+        "expected_cohort": server.cfg.clients_per_round,
+        "rounds_observed": scores.rounds,
+    }
+    result = session.finish(w_final, stopped_before_round=stopped_before_round)
+    try:
+        write_audit_scores(result.directory, audit)
+        write_audit_plot(result.directory, audit, epsilon)
+    except Exception as err:  # noqa: BLE001 - a plot must never fail a finished run
+        logger.warning("audit.png / audit.npz not written (%s: %s)", type(err).__name__, err)
+    return result

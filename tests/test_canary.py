@@ -207,39 +207,50 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     return hi
 
 
-def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path):
-    """q = 1, every canary in every round, K rounds: the canary game is K Gaussian releases with shift C/r' and std
+def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monkeypatch):
+    """The command of docs/privacy/auditing-a-run.md, run as written (in-process, from an empty folder).
+
+    q = 1, every canary in every round, K rounds: the canary game is K Gaussian releases with shift C/r' and std
     zC/r', i.e. mu-GDP with mu = sqrt(K)/z (closed form, checked against the PLD accountant's epsilon). The
     final-model estimate's mu is below that plus 3 standard errors (sqrt(1/in + 1/out)); the 95% one-run lower
     bound does not exceed the accountant's epsilon."""
     import json
+    import shlex
 
-    from dpfedavg import run
+    from doc_blocks import ROOT, page_blocks
 
-    cfg = _run_cfg(tmp_path, dim=500, canary_clients=200)
-    result = run(cfg, progress=False)
-    audit = result.audit
-    z = json.loads((result.directory / "config.json").read_text())["privacy"]["noise_multiplier"]
+    from dpfedavg.config import RunConfig
+    from dpfedavg.io.results import read_metrics
+    from dpfedavg.run import main, parse_run_config
+
+    (block,) = [b for b in page_blocks(ROOT / "docs/privacy/auditing-a-run.md") if b.kind == "run-by"]
+    argv = shlex.split(block.source.strip())
+    assert argv[:3] == ["python", "-m", "dpfedavg.run"]
+    monkeypatch.chdir(tmp_path)
+    assert main(argv[3:]) == 0
+    cfg = RunConfig.from_run_config(parse_run_config(argv[argv.index("--run-config") + 1]))
+    directory = tmp_path / "outputs" / "audited"
+    saved = json.loads((directory / "config.json").read_text())
+    audit, epsilon = saved["final"]["audit"], saved["final"]["epsilon"]
+    z = saved["privacy"]["noise_multiplier"]
     mu = math.sqrt(cfg.num_rounds) / z
-    assert gdp_epsilon(mu, cfg.delta) == pytest.approx(result.epsilon, rel=0.02)
-    assert audit["epsilon_accountant"] == pytest.approx(result.epsilon)
+    assert gdp_epsilon(mu, cfg.delta) == pytest.approx(epsilon, rel=0.02)
+    assert audit["epsilon_accountant"] == pytest.approx(epsilon)
     assert audit["federation_clients"] == cfg.num_clients + audit["inserted"] and audit["q"] == 1.0
-    assert audit["epsilon_lower_bound"] <= result.epsilon
+    assert audit["epsilon_lower_bound"] <= epsilon
     se = math.sqrt(1 / audit["inserted"] + 1 / (audit["canaries"] - audit["inserted"]))
     assert audit["epsilon_final"] <= gdp_epsilon(mu + 3 * se, cfg.delta)
-    saved = json.loads((result.directory / "config.json").read_text())["final"]["audit"]
-    assert saved["epsilon_final"] == pytest.approx(audit["epsilon_final"])
-    assert (result.directory / "audit.png").stat().st_size > 0
-    assert np.load(result.directory / "audit.npz")["inserted"].sum() == audit["inserted"]
+    assert (directory / "audit.png").stat().st_size > 0
+    assert np.load(directory / "audit.npz")["inserted"].sum() == audit["inserted"]
     # the canaries are sampled like every client: at q = 1 all n + inserted, every round
-    rows = [r for r in result.history if r["round"] >= 1]
+    rows = [r for r in read_metrics(directory / "metrics.csv") if r["round"] >= 1]
     assert all(r["num_sampled"] == cfg.num_clients + audit["inserted"] for r in rows)
 
 
 def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch):
     """Clients add std zC/|S_k| instead of zC/sqrt(|S_k|): the accountant still reports epsilon = 1; in the same
     run the one-run lower bound (95% confidence) is above 1.5 epsilon and the estimates above 5 epsilon."""
-    from dpfedavg import run
+    from dpfedavg.api import run  # not dpfedavg.run: importing the CLI module dpfedavg.run shadows it
     from dpfedavg.core import mechanism
 
     base = mechanism.PLACEMENTS["client-calibrated"]

@@ -288,7 +288,7 @@ def test_flower_engine_refuses_canaries_before_any_start_up(tmp_path):
     from dpfedavg.config import ConfigError
     from dpfedavg.server.run import prepare_run
 
-    with pytest.raises(ConfigError, match="only the batched engine"):
+    with pytest.raises(ConfigError, match="does not insert canary clients"):
         prepare_run(_run_cfg(tmp_path), engine="flower")
     assert list(tmp_path.iterdir()) == []
 

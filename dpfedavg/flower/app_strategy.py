@@ -142,6 +142,7 @@ _ELSEWHERE = {
         "eval-every",
     ),
     "each SuperNode is one client here (virtual clients need dpfedavg's own apps)": ("clients-per-node",),
+    "canary clients (the run's own privacy audit) are inserted only by dpfedavg's batched engine": ("canary-clients",),
     "banded matrix-factorization noise needs dpfedavg's own apps (their server enforces its participation rule)": (
         "noise-mechanism",
         "bands",

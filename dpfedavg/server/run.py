@@ -91,9 +91,9 @@ def prepare_run(
     """
     if cfg.canary_clients and not inserts_canaries:
         raise ConfigError(
-            f"invalid run config: 'canary-clients' = {cfg.canary_clients} with the {engine!r} engine: only the "
-            "batched engine (python -m dpfedavg.run, dpfedavg.run()) inserts canary clients so far; set "
-            "canary-clients = 0 here"
+            f"invalid run config: 'canary-clients' = {cfg.canary_clients}: this {engine!r} run does not insert "
+            "canary clients; only a single batched run does (python -m dpfedavg.run, dpfedavg.run()), not flwr run "
+            "or a sweep's batch of runs; set canary-clients = 0 here"
         )
     check_output_dir(cfg.output_dir, cfg.run_name)  # a read-only output-dir: one ConfigError, before the calibration
     check_run_directory(cfg)  # a reused run-name: refused before the calibration

@@ -226,7 +226,7 @@ class RunConfig:
     secagg_num_shares: float = option(11.0, "-", "secure aggregation: SecAgg+ neighbours each client shares its keys with: an integer >= 3 (all clients when a round has fewer), or a fraction in (0, 1] of the round's clients (1.0 = every pair, classic SecAgg)", "an integer >= 3 or a fraction in (0, 1]", lambda x: (0 < x <= 1) or (x >= 3 and x == int(x)))  # noqa: E501
     secagg_reconstruction_threshold: float = option(0.67, "-", "secure aggregation: fraction of a client's shares needed to unmask; above 0.5 so the server cannot learn both a client's mask and its pairwise keys; a round whose survivors fall below it is skipped", "a fraction in (0.5, 1]", lambda x: 0.5 < x <= 1)  # noqa: E501
     secagg_timeout: float = option(0.0, "-", "secure aggregation: seconds each of the 4 SecAgg+ stages waits for replies; 0 = round-timeout", "a float >= 0", non_negative)  # noqa: E501
-    canary_clients: int = option(0, "m", "batched engine: audit the run: m canary directions, each inserted with probability 1/2 as a client whose update is C c_j (sampled with the same q = r/n and noised like any client; the federation has n + the inserted ones); the final log line, config.json and RunResult report Andrew et al.'s Gaussian-fit estimates and Steinke et al.'s one-run lower bound beside the accountant's epsilon (docs: privacy/auditing-a-run.md); 0 = off", f"an integer in [0, {MAX_CLIENTS}]", lambda x: 0 <= x <= MAX_CLIENTS, trajectory=True)  # noqa: E501
+    canary_clients: int = option(0, "m", "audit the run (batched engine, flwr run): m canary directions, each inserted with probability 1/2 as a client whose update is C c_j (sampled with the same q = r/n and noised like any client; the federation has n + the inserted ones); the final log line, config.json and RunResult report Andrew et al.'s Gaussian-fit estimates and Steinke et al.'s one-run lower bound beside the accountant's epsilon (docs: privacy/auditing-a-run.md); 0 = off", f"an integer in [0, {MAX_CLIENTS}]", lambda x: 0 <= x <= MAX_CLIENTS, trajectory=True)  # noqa: E501
     eval_every: int = option(1, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1)  # noqa: E501
     max_failed_fraction: float = option(0.5, "-", "flwr run: fail fast instead of training on noise: stop when more than this fraction of the sampled clients' replies were rejected or failed over the last 5 rounds (a round in which all were stops at once; the batched engine's in-process clients never send a reply it could reject)", "a fraction in (0, 1]", lambda x: 0 < x <= 1)  # noqa: E501
     # task-specific keys (ignored by tasks that do not use them)
@@ -384,10 +384,10 @@ class RunConfig:
         errors = []
         if self.secure_aggregation:
             errors.append(
-                f"'canary-clients' = {m} with 'secure-aggregation' = True: the audit's canaries are in-process clients "
-                "of the batched engine, and SecAgg+'s discrete noise and modular sum are a different release (their "
-                "guarantee is the encoding's, privacy/secure-aggregation.md); audit the same run without secure "
-                "aggregation, or set canary-clients = 0"
+                f"'canary-clients' = {m} with 'secure-aggregation' = True: the audit's canaries are clients the "
+                "server computes, not SecAgg+ clients, and SecAgg+'s discrete noise on a modular sum is a different "
+                "release (its guarantee is the encoding's, privacy/secure-aggregation.md); audit the same run "
+                "without secure aggregation, or set canary-clients = 0"
             )
         if self.noise_mechanism != "independent":
             errors.append(

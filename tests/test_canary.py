@@ -142,8 +142,8 @@ def test_one_run_p_value_matches_jax_privacy():
 
 # ---------------------------------------------------------------- canaries and scores
 def test_canary_set_is_seeded_unit_and_inserted_with_probability_half():
-    a = CanarySet.draw(np.random.default_rng(5), 4000, 30)
-    b = CanarySet.draw(np.random.default_rng(5), 4000, 30)
+    a = CanarySet.draw(5, 4000, 30)
+    b = CanarySet.draw(5, 4000, 30)
     np.testing.assert_array_equal(a.directions, b.directions)
     np.testing.assert_allclose(np.linalg.norm(a.directions, axis=1), 1.0, rtol=1e-12)
     assert abs(a.num_inserted - 2000) < 4 * math.sqrt(1000)  # Bin(4000, 1/2): 4 standard deviations
@@ -301,3 +301,34 @@ def test_canaries_leave_q_z_and_epsilon_unchanged(tmp_path):
     assert (fed.num_clients, fed.clients_per_round) == (137, pytest.approx(13.7))
     assert fed.sampling_rate == pytest.approx(cfg.sampling_rate, rel=1e-15)
     assert plan_for(fed).noise_multiplier == pytest.approx(plan_for(cfg).noise_multiplier, rel=1e-9)
+
+
+def test_flower_engine_inserts_the_same_canaries_as_the_batched_engine(tmp_path):
+    """One seed, q < 1, both engines (the real ClientApp and strategy on an in-process grid): the server computes
+    the sampled canaries' g + zeta, the nodes the real clients'; same trajectory, same audit."""
+    import json
+
+    from dpfedavg.config import RunConfig
+    from dpfedavg.engines.batched import run_batched
+    from dpfedavg.flower import server_app
+    from dpfedavg.flower.client_app import app as client_app
+    from dpfedavg.flower.testing import InProcessGrid
+
+    values = {"task": "quadratic", "dim": 60, "num-clients": 12, "clients-per-round": 6.0, "num-rounds": 5,
+              "epsilon": 5.0, "canary-clients": 30, "seed": 4, "output-dir": str(tmp_path), "checkpoint-every": 0,
+              "save-trajectory": True}  # fmt: skip
+    cfg_b = RunConfig.from_run_config({**values, "run-name": "batched"})
+    cfg_f = RunConfig.from_run_config({**values, "run-name": "flower"})
+    out_b = run_batched(cfg_b).directory
+    result_f = server_app.run(InProcessGrid(client_app, cfg_f.num_clients, cfg_f.to_run_config()), cfg_f)
+    np.testing.assert_allclose(
+        np.load(out_b / "trajectory.npy"), np.load(result_f.directory / "trajectory.npy"), rtol=1e-6, atol=1e-7
+    )
+    audit_b = json.loads((out_b / "config.json").read_text())["final"]["audit"]
+    audit_f = result_f.audit
+    assert audit_f["federation_clients"] == audit_b["federation_clients"] > 12
+    for key in ("epsilon_final", "epsilon_all_iterates", "epsilon_lower_bound", "epsilon_accountant"):
+        assert audit_f[key] == pytest.approx(audit_b[key], rel=1e-5, abs=1e-9), key
+    sampled = [r["num_sampled"] for r in result_f.history if r["round"] >= 1]
+    assert sum(sampled) > 5 * 6.0  # canaries were sampled too (q n' per round in expectation)
+    assert (result_f.directory / "audit.png").exists()

@@ -4,7 +4,7 @@ log line, ``RunResult.audit``, ``audit.png`` and ``audit.npz`` (:mod:`dpfedavg.p
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dpfedavg.core.types import Vector
 from dpfedavg.io.audit_plot import write_audit_plot, write_audit_scores
@@ -19,12 +19,13 @@ logger = logging.getLogger(__name__)
 
 
 def finish_audited(
-    session: RunSession, scores: CanaryScores, w_final: Vector, stopped_before_round: int | None
+    session: RunSession, scores: CanaryScores, w_final: Vector, stopped_before_round: int | None, **finish: Any
 ) -> RunResult:
     """Audit the run from its canaries' scores, then :meth:`RunSession.finish` with the audit recorded.
 
     ``config.json`` ``final.audit`` holds the estimates, the accountant's epsilon and how the canaries changed the
-    federation (``n``, the inserted canaries, ``n'``, ``q`` and the expected cohort ``r' = q n'``).
+    federation (``n``, the inserted canaries, ``n'``, ``q`` and the expected cohort ``r' = q n'``). ``finish``: more
+    keywords of :meth:`RunSession.finish` (the Flower engine's ``failed``).
     """
     server, cfg = session.server, session.cfg
     audit = CanaryAudit.of(scores, delta=server.plan.delta)
@@ -38,7 +39,7 @@ def finish_audited(
         "expected_cohort": server.cfg.clients_per_round,
         "rounds_observed": scores.rounds,
     }
-    result = session.finish(w_final, stopped_before_round=stopped_before_round)
+    result = session.finish(w_final, stopped_before_round=stopped_before_round, **finish)
     try:
         write_audit_scores(result.directory, audit)
         write_audit_plot(result.directory, audit, epsilon)

@@ -23,8 +23,8 @@ import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import client_update, noise_rng, private_block_update, round_noise_law
+from dpfedavg.core.canaries import canary_results
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
-from dpfedavg.engines.canaries import canary_results
 from dpfedavg.tasks import Task, task_hooks
 
 if TYPE_CHECKING:  # the server side is imported by run_batched: a ClientApp that computes blocks needs none of it
@@ -187,7 +187,7 @@ class InProcessRunner:
         self, task: Task, client_results_fn=client_results, threads: int = 1, canaries: np.ndarray | None = None
     ) -> None:
         self.task, self.client_results_fn, self.threads = task, client_results_fn, threads
-        #: The inserted canaries' directions: clients ``n ..`` of the server's federation (:mod:`.canaries`).
+        #: The inserted canaries' directions: clients ``n ..`` of the server's federation (``core.canaries``).
         self.canaries = canaries
 
     def run_round(

@@ -37,6 +37,8 @@ import numpy as np
 import scipy.optimize
 import scipy.stats
 
+from dpfedavg.core.canaries import canary_directions, inserted_canaries
+
 __all__ = [
     "CanaryAudit",
     "CanaryScores",
@@ -70,14 +72,11 @@ class CanarySet:
     inserted: np.ndarray
 
     @classmethod
-    def draw(cls, rng: np.random.Generator, count: int, dim: int) -> CanarySet:
-        """``count`` directions in ``R^dim`` and their Bernoulli(1/2) insertion, from ``rng``."""
+    def draw(cls, seed: int, count: int, dim: int) -> CanarySet:
+        """The run's ``count`` canaries in ``R^dim`` from its ``seed`` (:mod:`dpfedavg.core.canaries`)."""
         if count < 0 or dim < 1:
             raise ValueError(f"canaries: count = {count} must be >= 0 and dim = {dim} >= 1")
-        g = rng.standard_normal((count, dim))
-        norms = np.linalg.norm(g, axis=1, keepdims=True)
-        inserted = rng.random(count) < 0.5
-        return cls(g / np.where(norms > 0, norms, 1.0), inserted)
+        return cls(canary_directions(seed, count, dim), inserted_canaries(seed, count))
 
     @property
     def count(self) -> int:

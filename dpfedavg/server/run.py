@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dpfedavg.config import RunConfig
+from dpfedavg.core.canaries import canary_federation_size
 from dpfedavg.core.dp import BOUNDS
-from dpfedavg.core.seeding import Stream, make_rng
 from dpfedavg.core.types import Vector
 from dpfedavg.errors import ConfigError
 from dpfedavg.io.results import check_output_dir
@@ -60,8 +60,8 @@ def canary_federation(cfg: RunConfig, inserted: int) -> RunConfig:
     """
     if inserted == 0:
         return cfg
-    n = cfg.num_clients + inserted
-    return cfg.replace(num_clients=n, clients_per_round=cfg.sampling_rate * n)
+    n, r = canary_federation_size(cfg.num_clients, cfg.clients_per_round, inserted)
+    return cfg.replace(num_clients=n, clients_per_round=r)
 
 
 def prepare_run(
@@ -78,7 +78,7 @@ def prepare_run(
 
     ``task``: a Task, or a factory called with ``cfg``; ``None`` builds the task ``cfg.task`` names. A run
     given a task records its ``name`` as ``cfg.task`` (in ``config.json``, the run's folder name, the checkpoint).
-    ``inserts_canaries``: the engine hosts ``canary-clients`` (the batched engine); the others refuse the key.
+    ``inserts_canaries``: the engine hosts ``canary-clients`` (a single batched or Flower run); the others refuse it.
 
     Raises
     ------
@@ -92,8 +92,8 @@ def prepare_run(
     if cfg.canary_clients and not inserts_canaries:
         raise ConfigError(
             f"invalid run config: 'canary-clients' = {cfg.canary_clients}: this {engine!r} run does not insert "
-            "canary clients; only a single batched run does (python -m dpfedavg.run, dpfedavg.run()), not flwr run "
-            "or a sweep's batch of runs; set canary-clients = 0 here"
+            "canary clients; a single run does (python -m dpfedavg.run, dpfedavg.run(), flwr run with dpfedavg's "
+            "own apps), not a sweep's batch of runs; set canary-clients = 0 here"
         )
     check_output_dir(cfg.output_dir, cfg.run_name)  # a read-only output-dir: one ConfigError, before the calibration
     check_run_directory(cfg)  # a reused run-name: refused before the calibration
@@ -106,7 +106,7 @@ def prepare_run(
     if cfg.canary_clients:  # the task holds the n real clients; the server samples them and the inserted canaries
         from dpfedavg.privacy.canary import CanarySet
 
-        canaries = CanarySet.draw(make_rng(cfg.seed, Stream.CANARY), cfg.canary_clients, built.dim)
+        canaries = CanarySet.draw(cfg.seed, cfg.canary_clients, built.dim)
     server_cfg = canary_federation(cfg, canaries.num_inserted if canaries is not None else 0)
     if server_cfg is not cfg:  # the same z and q; the rounds sample from the n' clients
         plan = dataclasses.replace(plan, params=DpParams.from_config(server_cfg))

@@ -1,4 +1,4 @@
-"""Canary clients in the batched engine: clients whose update is ``C c_j``, through the pipeline every client uses.
+"""Canary clients: clients whose update is ``C c_j``, through the pipeline every client uses.
 
 The server samples the canaries like any client (``q = r / n``, :func:`dpfedavg.server.run.canary_federation`);
 client ``n + i`` is the ``i``-th inserted canary (:class:`dpfedavg.privacy.canary.CanarySet`). Its local
@@ -12,9 +12,33 @@ from __future__ import annotations
 import numpy as np
 
 from dpfedavg.core import noise_rng, private_block_update, round_noise_law
+from dpfedavg.core.seeding import Stream, make_rng
 from dpfedavg.core.types import ClientResult, RoundInstructions
 
-__all__ = ["canary_results"]
+__all__ = ["canary_directions", "canary_federation_size", "canary_results", "inserted_canaries"]
+
+
+def inserted_canaries(seed: int, count: int) -> np.ndarray:
+    """Which of the ``count`` canaries are inserted: each independently with probability 1/2 (bool, ``(count,)``).
+
+    From ``(seed, CANARY, 0)`` alone, so that a SuperNode can check the federation's size from its run config.
+    """
+    return make_rng(seed, Stream.CANARY, 0).random(count) < 0.5
+
+
+def canary_directions(seed: int, count: int, dim: int) -> np.ndarray:
+    """``(count, dim)``: the canaries' unit directions ``c_j``, uniform on the sphere, from ``(seed, CANARY, 1)``."""
+    g = make_rng(seed, Stream.CANARY, 1).standard_normal((count, dim))
+    norms = np.linalg.norm(g, axis=1, keepdims=True)
+    return g / np.where(norms > 0, norms, 1.0)
+
+
+def canary_federation_size(num_clients: int, clients_per_round: float, inserted: int) -> tuple[int, float]:
+    """``(n', r')``: ``n' = n + inserted`` clients, each sampled with the same ``q = r / n``, so ``r' = q n'``."""
+    if inserted == 0:
+        return num_clients, clients_per_round
+    total = num_clients + inserted
+    return total, clients_per_round / num_clients * total
 
 
 def canary_results(

@@ -102,6 +102,13 @@ class DPFedAvg(Strategy):
         Injected for tests: how to wait between polls of the Grid.
     """
 
+    #: ``canary-clients``: the inserted canaries' directions, clients ``n ..`` of the server's federation; the
+    #: server computes their ``g + zeta`` (:mod:`dpfedavg.core.canaries`), no node hosts them. ``None``: no canary
+    #: (always for the strategy on a user's own app, whose constructor does not take them).
+    canaries: np.ndarray | None = None
+    _canary_ids: np.ndarray = np.zeros(0, dtype=np.int64)  # this round's sampled canaries
+    _instructions: RoundInstructions | None = None  # this round's instructions (the canaries follow them too)
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -128,11 +135,7 @@ class DPFedAvg(Strategy):
         self.failed: TrainingStopped | None = None
         self._sampled: dict[int, list[int]] = {}  # node id -> its sampled clients (ascending), this round
         self._closed: dict[int, Vector] = {}  # w_{k+1} of rounds a rule closed in configure_train
-        #: ``canary-clients``: the inserted canaries' directions, clients ``n ..`` of the server's federation; the
-        #: server computes their ``g + zeta`` (:mod:`dpfedavg.core.canaries`), no node hosts them.
         self.canaries = canaries
-        self._canary_ids: np.ndarray = np.zeros(0, dtype=np.int64)  # this round's sampled canaries
-        self._instructions: RoundInstructions | None = None
         #: Wall seconds per round spent in our code (configure, aggregate, evaluate) and waiting on
         #: Flower (``grid.send_and_receive``: delivery, the ClientApps, replies), by round.
         self.timings: dict[int, dict[str, float]] = {}

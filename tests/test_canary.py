@@ -249,16 +249,16 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
 
 def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch):
     """Clients add std zC/|S_k| instead of zC/sqrt(|S_k|): the accountant still reports epsilon = 1; in the same
-    run the one-run lower bound (95% confidence) is above 1.5 epsilon and the estimates above 5 epsilon."""
+    run the one-run lower bound (95% confidence) is above it (by 25%) and both estimates above 5 epsilon."""
     from dpfedavg.api import run  # not dpfedavg.run: importing the CLI module dpfedavg.run shadows it
     from dpfedavg.core import mechanism
 
     base = mechanism.PLACEMENTS["client-calibrated"]
     monkeypatch.setitem(mechanism.PLACEMENTS, "client-calibrated", _StdForVariance(base))
-    result = run(_run_cfg(tmp_path, dim=1000, canary_clients=400), progress=False)
+    result = run(_run_cfg(tmp_path, dim=600, canary_clients=300), progress=False)
     audit = result.audit
     assert result.epsilon <= 1.0
-    assert audit["epsilon_lower_bound"] > 1.5 * result.epsilon
+    assert audit["epsilon_lower_bound"] > 1.25 * result.epsilon  # 1.58 with this seed
     assert min(audit["epsilon_final"], audit["epsilon_all_iterates"]) > 5 * result.epsilon
 
 

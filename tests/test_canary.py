@@ -5,6 +5,7 @@ Steinke et al.'s theorem, and jax-privacy's ``epsilon_one_run`` when it is insta
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 
 import numpy as np
@@ -247,7 +248,7 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
     assert all(r["num_sampled"] == cfg.num_clients + audit["inserted"] for r in rows)
 
 
-def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch):
+def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch, caplog):
     """Clients add std zC/|S_k| instead of zC/sqrt(|S_k|): the accountant still reports epsilon = 1; in the same
     run the one-run lower bound (95% confidence) is above it (by 25%) and both estimates above 5 epsilon."""
     from dpfedavg.api import run  # not dpfedavg.run: importing the CLI module dpfedavg.run shadows it
@@ -255,8 +256,11 @@ def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch):
 
     base = mechanism.PLACEMENTS["client-calibrated"]
     monkeypatch.setitem(mechanism.PLACEMENTS, "client-calibrated", _StdForVariance(base))
-    result = run(_run_cfg(tmp_path, dim=600, canary_clients=300), progress=False)
+    with caplog.at_level(logging.INFO, logger="dpfedavg"):
+        result = run(_run_cfg(tmp_path, dim=600, canary_clients=300, checkpoint_every=5), progress=False)
     audit = result.audit
+    assert "Round 5: canary audit so far: estimated epsilon" in caplog.text  # every checkpoint-every rounds
+    assert "one-run lower bound" in caplog.records[-1].getMessage()  # the run's last line
     assert result.epsilon <= 1.0
     assert audit["epsilon_lower_bound"] > 1.25 * result.epsilon  # 1.58 with this seed
     assert min(audit["epsilon_final"], audit["epsilon_all_iterates"]) > 5 * result.epsilon

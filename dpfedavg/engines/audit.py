@@ -13,7 +13,7 @@ from dpfedavg.privacy.canary import CanaryAudit, CanaryScores
 if TYPE_CHECKING:
     from dpfedavg.server.session import RunResult, RunSession
 
-__all__ = ["finish_audited"]
+__all__ = ["finish_audited", "log_interim_audit"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,3 +46,24 @@ def finish_audited(
     except Exception as err:  # noqa: BLE001 - a plot must never fail a finished run
         logger.warning("audit.png / audit.npz not written (%s: %s)", type(err).__name__, err)
     return result
+
+
+def log_interim_audit(session: RunSession, scores: CanaryScores, server_round: int) -> None:
+    """Every ``checkpoint-every`` rounds (before the last), one log line with the audit of the rounds so far.
+
+    Cheap (the canaries' scores are kept round by round; the estimates are a few root findings); the accountant's
+    epsilon is not recomputed here (the batched engine computes it at the end).
+    """
+    every = session.cfg.checkpoint_every
+    if not every or server_round % every or server_round >= session.cfg.num_rounds:
+        return
+    audit = CanaryAudit.of(scores, delta=session.server.plan.delta)
+    logger.info(
+        "Round %d: canary audit so far: estimated epsilon %.3g (all iterates), %.3g (final model), one-run lower "
+        "bound %.3g at %.0f%% confidence",
+        server_round,
+        audit.epsilon_all_iterates,
+        audit.epsilon_final,
+        audit.epsilon_lower_bound,
+        100 * audit.confidence,
+    )

@@ -159,7 +159,7 @@ def run_batched(
 
     scores = None
     if run.canaries is not None:  # scipy.stats is imported only by runs with canaries
-        from dpfedavg.engines.audit import finish_audited
+        from dpfedavg.engines.audit import finish_audited, log_interim_audit
         from dpfedavg.privacy.canary import CanaryScores
 
         scores = CanaryScores(run.canaries, w)
@@ -168,6 +168,8 @@ def run_batched(
         if scores is not None:
             scores.observe(w_new)
         session.end_round(server_round, w_new)
+        if scores is not None:
+            log_interim_audit(session, scores, server_round)
         if on_round is not None:
             on_round(server_round, w_new)
 

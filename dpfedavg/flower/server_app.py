@@ -47,9 +47,13 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
 
         scores = CanaryScores(canaries, prepared.w)
 
+        from dpfedavg.engines.audit import log_interim_audit
+
         def on_round_end(server_round: int, w: Vector) -> dict[str, float]:
             scores.observe(w)
-            return session.end_round(server_round, w)
+            metrics = session.end_round(server_round, w)
+            log_interim_audit(session, scores, server_round)
+            return metrics
 
     result = strategy.start(
         grid=grid,

@@ -1,5 +1,5 @@
 """Finishing a canary-audited run: the empirical epsilons beside the accountant's, in ``config.json``, the last
-log line, ``RunResult.audit``, ``audit.png`` and ``audit.npz`` (:mod:`dpfedavg.privacy.canary`)."""
+log line, ``RunResult.audit``, ``audit.png`` and ``audit.npz`` (``dpfedavg.privacy.canary``)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ logger = logging.getLogger(__name__)
 def finish_audited(
     session: RunSession, scores: CanaryScores, w_final: Vector, stopped_before_round: int | None, **finish: Any
 ) -> RunResult:
-    """Audit the run from its canaries' scores, then :meth:`RunSession.finish` with the audit recorded.
+    """Audit the run from its canaries' scores, then ``RunSession.finish`` with the audit recorded.
 
     ``config.json`` ``final.audit`` holds the estimates, the accountant's epsilon and how the canaries changed the
     federation (``n``, the inserted canaries, ``n'``, ``q`` and the expected cohort ``r' = q n'``). ``finish``: more
-    keywords of :meth:`RunSession.finish` (the Flower engine's ``failed``).
+    keywords of ``RunSession.finish`` (the Flower engine's ``failed``).
     """
     server, cfg = session.server, session.cfg
     audit = CanaryAudit.of(scores, delta=server.plan.delta)

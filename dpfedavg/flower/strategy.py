@@ -103,7 +103,7 @@ class DPFedAvg(Strategy):
     """
 
     #: ``canary-clients``: the inserted canaries' directions, clients ``n ..`` of the server's federation; the
-    #: server computes their ``g + zeta`` (:mod:`dpfedavg.core.canaries`), no node hosts them. ``None``: no canary
+    #: server computes their ``g + zeta`` (``dpfedavg.core.canaries``), no node hosts them. ``None``: no canary
     #: (always for the strategy on a user's own app, whose constructor does not take them).
     canaries: np.ndarray | None = None
     _canary_ids: np.ndarray = np.zeros(0, dtype=np.int64)  # this round's sampled canaries

@@ -2,7 +2,7 @@
 
 The plot shows, for the all-iterates and the final-model scores, the histograms of the inserted canaries' and
 the null canaries' cosines with the Gaussians fitted to them, and the epsilons: the accountant's, Andrew et al.'s
-estimate, Steinke et al.'s one-run lower bound (:mod:`dpfedavg.privacy.canary`).
+estimate, Steinke et al.'s one-run lower bound (``dpfedavg.privacy.canary``).
 """
 
 from __future__ import annotations

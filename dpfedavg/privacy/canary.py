@@ -14,17 +14,17 @@ After the run, each canary's score is a cosine with the model's movement:
 
 Two numbers come from the scores:
 
-* :func:`gaussian_fit_epsilon` (Andrew et al. §3): fit Gaussians to the inserted canaries' scores and to the
-  null scores; the estimate is the epsilon at ``delta`` of the pair (:func:`epsilon_two_gaussians`), with the
+* ``gaussian_fit_epsilon`` (Andrew et al. §3): fit Gaussians to the inserted canaries' scores and to the
+  null scores; the estimate is the epsilon at ``delta`` of the pair (``epsilon_two_gaussians``), with the
   null's std for both (a shift: mu-GDP). A measurement, not a bound.
-* :func:`one_run_lower_bound` (Steinke et al. Thm 5.2 with ``delta``): guess "inserted" for the ``g`` highest
+* ``one_run_lower_bound`` (Steinke et al. Thm 5.2 with ``delta``): guess "inserted" for the ``g`` highest
   scores; with ``W`` correct guesses, any ``(epsilon, delta)``-DP mechanism has
   ``P[W >= v] <= beta + 2 m delta alpha`` (``beta = P[Bin(g, e^eps / (1 + e^eps)) >= v]``,
   ``alpha = max_{i=1..v} (P[Bin >= v - i] - beta) / i``); the largest epsilon rejected at ``significance``
   is a lower bound on the run's true epsilon with confidence ``1 - significance``. The guess count is taken
   from a fixed grid with a Bonferroni correction, so choosing the best one keeps the confidence.
 
-No Flower import; the engines insert the canaries (:mod:`dpfedavg.engines.canaries`).
+No Flower import; the engines insert the canaries (``dpfedavg.core.canaries``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class CanarySet:
 
     @classmethod
     def draw(cls, seed: int, count: int, dim: int) -> CanarySet:
-        """The run's ``count`` canaries in ``R^dim`` from its ``seed`` (:mod:`dpfedavg.core.canaries`)."""
+        """The run's ``count`` canaries in ``R^dim`` from its ``seed`` (``dpfedavg.core.canaries``)."""
         if count < 0 or dim < 1:
             raise ValueError(f"canaries: count = {count} must be >= 0 and dim = {dim} >= 1")
         return cls(canary_directions(seed, count, dim), inserted_canaries(seed, count))
@@ -103,7 +103,7 @@ def cosines(directions: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 @dataclass
 class CanaryScores:
-    """The running scores of a run's canaries: fed ``w_k`` round after round (:meth:`observe`).
+    """The running scores of a run's canaries: fed ``w_k`` round after round (``observe``).
 
     ``final`` is ``cos(c_j, w_0 - w_K)``; ``all_iterates`` is ``max_k cos(c_j, w_{k-1} - w_k)``.
     """
@@ -212,7 +212,7 @@ def gaussian_fit_epsilon(canary_scores: Sequence[float], null_scores: Sequence[f
     That is mu-GDP with ``mu = (mean_canary - mean_null) / s``: the privacy loss of a Gaussian mechanism is a shift.
     Andrew et al. also fit the canaries' own std; with a few hundred canaries that ratio of stds is uncertain by
     about 10%, and at ``delta = 1e-6`` the tails of two Gaussians of unequal stds turn such an error into epsilons
-    several units too large (:func:`epsilon_two_gaussians` computes that case exactly), so the run's estimate
+    several units too large (``epsilon_two_gaussians`` computes that case exactly), so the run's estimate
     fits the shift only.
     """
     null = GaussianFit.of(null_scores)
@@ -258,7 +258,7 @@ def one_run_lower_bound(
     """Steinke et al.'s lower bound on epsilon from one run, with confidence ``1 - significance``.
 
     The audit ranks the canaries by score and guesses "inserted" for the top ``g``, for each ``g`` in
-    :func:`guess_counts`; each count is tested at ``significance / len(counts)`` (Bonferroni), and the best
+    ``guess_counts``; each count is tested at ``significance / len(counts)`` (Bonferroni), and the best
     rejected epsilon is returned.
     """
     s = np.asarray(scores, dtype=np.float64)

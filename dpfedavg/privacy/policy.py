@@ -265,7 +265,7 @@ def _run_epsilon(z: float, q: float, rounds: int, delta: float, accountant: str)
 def with_canaries(cfg: RunConfig) -> RunConfig:
     """The federation the server samples from: ``n`` plus the inserted canaries (``canary-clients``), same ``q``.
 
-    The canaries inserted follow from the run's ``seed`` (:func:`dpfedavg.core.canaries.inserted_canaries`), so a
+    The canaries inserted follow from the run's ``seed`` (``dpfedavg.core.canaries.inserted_canaries``), so a
     node checks ``|S_k|`` and its noise share against ``n' = n + inserted`` and ``r' = q n'``, not ``n`` and ``r``.
     """
     if not cfg.canary_clients:

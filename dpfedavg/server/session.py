@@ -127,7 +127,7 @@ class RunResult:
     directory: Path
     stopped_by_budget_before_round: int | None = None
     #: ``canary-clients > 0``: the run's empirical epsilons beside the accountant's (``config.json`` ``final.audit``;
-    #: :class:`dpfedavg.privacy.canary.CanaryAudit`); ``None`` otherwise.
+    #: ``dpfedavg.privacy.canary.CanaryAudit``); ``None`` otherwise.
     audit: dict[str, Any] | None = None
 
 

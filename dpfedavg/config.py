@@ -226,6 +226,7 @@ class RunConfig:
     secagg_num_shares: float = option(11.0, "-", "secure aggregation: SecAgg+ neighbours each client shares its keys with: an integer >= 3 (all clients when a round has fewer), or a fraction in (0, 1] of the round's clients (1.0 = every pair, classic SecAgg)", "an integer >= 3 or a fraction in (0, 1]", lambda x: (0 < x <= 1) or (x >= 3 and x == int(x)))  # noqa: E501
     secagg_reconstruction_threshold: float = option(0.67, "-", "secure aggregation: fraction of a client's shares needed to unmask; above 0.5 so the server cannot learn both a client's mask and its pairwise keys; a round whose survivors fall below it is skipped", "a fraction in (0.5, 1]", lambda x: 0.5 < x <= 1)  # noqa: E501
     secagg_timeout: float = option(0.0, "-", "secure aggregation: seconds each of the 4 SecAgg+ stages waits for replies; 0 = round-timeout", "a float >= 0", non_negative)  # noqa: E501
+    canary_clients: int = option(0, "m", "audit the run (batched engine, flwr run): m canary directions, each inserted with probability 1/2 as a client whose update is C c_j (sampled with the same q = r/n and noised like any client; the federation has n + the inserted ones); the final log line, config.json and RunResult report Andrew et al.'s Gaussian-fit estimates and Steinke et al.'s one-run lower bound beside the accountant's epsilon (docs: privacy/auditing-a-run.md); 0 = off", f"an integer in [0, {MAX_CLIENTS}]", lambda x: 0 <= x <= MAX_CLIENTS, trajectory=True)  # noqa: E501
     eval_every: int = option(1, "-", "evaluate on the server every this many rounds (and in the last 5 rounds)", "an integer >= 1", lambda x: x >= 1)  # noqa: E501
     max_failed_fraction: float = option(0.5, "-", "flwr run: fail fast instead of training on noise: stop when more than this fraction of the sampled clients' replies were rejected or failed over the last 5 rounds (a round in which all were stops at once; the batched engine's in-process clients never send a reply it could reject)", "a fraction in (0, 1]", lambda x: 0 < x <= 1)  # noqa: E501
     # task-specific keys (ignored by tasks that do not use them)
@@ -363,6 +364,8 @@ class RunConfig:
                 "'resume' = True needs 'run-name': the interrupted run's folder <output-dir>/<run-name> "
                 "holds the checkpoint (the default name has a timestamp, so give runs you may resume a name)"
             )
+        if self.canary_clients:
+            errors.extend(self._canary_errors())
         if self.secure_aggregation and not mechanism_errors:
             errors.extend(
                 SecAggSettings.from_config(self).config_errors(
@@ -372,6 +375,30 @@ class RunConfig:
                     clients_per_node=self.clients_per_node,
                     diagnostics=self.diagnostics,
                 )
+            )
+        return errors
+
+    def _canary_errors(self) -> list[str]:
+        """Where canary clients cannot give a meaningful audit, the reason."""
+        m = self.canary_clients
+        errors = []
+        if self.secure_aggregation:
+            errors.append(
+                f"'canary-clients' = {m} with 'secure-aggregation' = True: the audit's canaries are clients the "
+                "server computes, not SecAgg+ clients, and SecAgg+'s discrete noise on a modular sum is a different "
+                "release (its guarantee is the encoding's, privacy/secure-aggregation.md); audit the same run "
+                "without secure aggregation, or set canary-clients = 0"
+            )
+        if self.noise_mechanism != "independent":
+            errors.append(
+                f"'canary-clients' = {m} with 'noise-mechanism' = {self.noise_mechanism!r}: canaries join the "
+                "federation by Poisson sampling with q = r/n, which banded-MF's participation rule replaces; allowed: "
+                "noise-mechanism = 'independent', or canary-clients = 0"
+            )
+        if self.resume:
+            errors.append(
+                f"'canary-clients' = {m} with 'resume' = True: the all-iterates audit needs every round's release from "
+                "round 1, which a resumed process did not see; run it whole, or set canary-clients = 0"
             )
         return errors
 

@@ -32,6 +32,7 @@ class Stream(IntEnum):
     ITERATE = 4  #: the random output iterate k~ (Alg. 1 line 13), keyed by round
     SERVER_NOISE = 5  #: noise the server adds (noise-placement = server), keyed by round
     MINIBATCH = 6  #: local mini-batches of torch tasks (local-batch-size > 0), keyed by client and round
+    CANARY = 7  #: the audit's canary directions and which of them are inserted (canary-clients > 0)
 
 
 def make_rng(seed: int, stream: Stream, *keys: int) -> np.random.Generator:

@@ -23,6 +23,7 @@ import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import client_update, noise_rng, private_block_update, round_noise_law
+from dpfedavg.core.canaries import canary_results
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.tasks import Task, task_hooks
 
@@ -147,35 +148,59 @@ def run_batched(
     from dpfedavg.server.loop import run_rounds
     from dpfedavg.server.run import prepare_run
 
-    run = prepare_run(cfg, task=task, plan=plan, run_id=run_id, engine=engine, epsilon_each_round=False)
+    run = prepare_run(
+        cfg, task=task, plan=plan, run_id=run_id, engine=engine, epsilon_each_round=False, inserts_canaries=True
+    )
     if threads is None:  # a torch task's steps use torch's own threads: blocks in parallel only contend (benchmarks)
         threads = 1 if task_hooks(run.task).parallel_steps else (os.cpu_count() or 1)
     session, w, first_round = run.session, run.w, run.first_round
     if on_round is not None and first_round == 1:
         on_round(0, w)
 
+    scores = None
+    if run.canaries is not None:  # scipy.stats is imported only by runs with canaries
+        from dpfedavg.engines.audit import finish_audited, log_interim_audit
+        from dpfedavg.privacy.canary import CanaryScores
+
+        scores = CanaryScores(run.canaries, w)
+
     def record(server_round: int, w_new: Vector) -> None:
+        if scores is not None:
+            scores.observe(w_new)
         session.end_round(server_round, w_new)
+        if scores is not None:
+            log_interim_audit(session, scores, server_round)
         if on_round is not None:
             on_round(server_round, w_new)
 
     rounds = tqdm(range(first_round, cfg.num_rounds + 1), desc=cfg.run_name or "rounds", disable=not progress)
-    runner = InProcessRunner(run.task, client_results_fn, threads)
+    canaries = run.canaries.inserted_directions if run.canaries is not None else None
+    runner = InProcessRunner(run.task, client_results_fn, threads, canaries=canaries)
     result = run_rounds(run.server, runner, w, rounds, on_round_end=record)
-    return session.finish(result.w, stopped_before_round=result.stopped_before_round)
+    if scores is None:
+        return session.finish(result.w, stopped_before_round=result.stopped_before_round)
+    return finish_audited(session, scores, result.w, result.stopped_before_round)
 
 
 class InProcessRunner:
     """The batched engine's :class:`~dpfedavg.server.loop.ClientRunner`: the sampled clients in this process."""
 
-    def __init__(self, task: Task, client_results_fn=client_results, threads: int = 1) -> None:
+    def __init__(
+        self, task: Task, client_results_fn=client_results, threads: int = 1, canaries: np.ndarray | None = None
+    ) -> None:
         self.task, self.client_results_fn, self.threads = task, client_results_fn, threads
+        #: The inserted canaries' directions: clients ``n ..`` of the server's federation (``core.canaries``).
+        self.canaries = canaries
 
     def run_round(
         self, server: DPServer, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions
     ) -> Vector:
         failed: list[int] = []
-        results = list(self.client_results_fn(self.task, clients, w, ins, failed=failed, threads=self.threads))
+        n = self.task.num_clients
+        real = clients[clients < n] if self.canaries is not None else clients
+        results = list(self.client_results_fn(self.task, real, w, ins, failed=failed, threads=self.threads))
+        if self.canaries is not None:  # canary ids follow every real id: the sum stays in client-id order
+            results.extend(canary_results(self.canaries, clients[clients >= n], n, ins))
         w_new = server.finish_round(server_round, results, num_failed=len(failed))
         server.history[server_round].failed_reasons.extend(
             f"client {c}: local training diverged (NaN/Inf)" for c in failed

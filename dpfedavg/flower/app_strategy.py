@@ -142,6 +142,9 @@ _ELSEWHERE = {
         "eval-every",
     ),
     "each SuperNode is one client here (virtual clients need dpfedavg's own apps)": ("clients-per-node",),
+    "canary clients (the run's own privacy audit) need dpfedavg's own apps (their task holds no canary)": (
+        "canary-clients",
+    ),
     "banded matrix-factorization noise needs dpfedavg's own apps (their server enforces its participation rule)": (
         "noise-mechanism",
         "bands",

@@ -9,6 +9,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.core.types import Vector
 from dpfedavg.errors import ResultsError
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.protocol import from_array_record, to_array_record
@@ -34,22 +35,42 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
     :class:`~dpfedavg.server.health.TrainingStopped` (after the results are written) when the run stopped
     because its clients' replies were unusable.
     """
-    prepared = prepare_run(cfg, plan=plan, run_id=run_id, engine="flower")
-    session = prepared.session
-    strategy = DPFedAvg(cfg, server=prepared.server)
+    prepared = prepare_run(cfg, plan=plan, run_id=run_id, engine="flower", inserts_canaries=True)
+    session, canaries = prepared.session, prepared.canaries
+    strategy = DPFedAvg(
+        cfg, server=prepared.server, canaries=canaries.inserted_directions if canaries is not None else None
+    )
     session.description["privacy"]["reply_checks"] = strategy.describe_reply_checks()
+    on_round_end, scores = session.end_round, None
+    if canaries is not None:  # the canary audit (scipy.stats only for such runs)
+        from dpfedavg.privacy.canary import CanaryScores
+
+        scores = CanaryScores(canaries, prepared.w)
+
+        from dpfedavg.engines.audit import log_interim_audit
+
+        def on_round_end(server_round: int, w: Vector) -> dict[str, float]:
+            scores.observe(w)
+            metrics = session.end_round(server_round, w)
+            log_interim_audit(session, scores, server_round)
+            return metrics
+
     result = strategy.start(
         grid=grid,
         initial_arrays=to_array_record(prepared.w),
         first_round=prepared.first_round,
-        on_round_end=session.end_round,
+        on_round_end=on_round_end,
     )
     w_final = from_array_record(result.arrays) if result.arrays is not None else prepared.w
     session.description["timing"] = timing_summary(strategy)
     failed = strategy.failed
-    outcome = session.finish(
-        w_final, stopped_before_round=strategy.stopped_before_round, failed=str(failed) if failed else None
-    )
+    finish = dict(stopped_before_round=strategy.stopped_before_round, failed=str(failed) if failed else None)
+    if scores is not None:
+        from dpfedavg.engines.audit import finish_audited
+
+        outcome = finish_audited(session, scores, w_final, **finish)
+    else:
+        outcome = session.finish(w_final, **finish)
     if failed is not None:
         failed.result = outcome
         raise failed

@@ -30,6 +30,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from dpfedavg.config import RunConfig
+from dpfedavg.core.canaries import canary_results
 from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.flower.federation import Federation
 from dpfedavg.flower.protocol import (
@@ -101,6 +102,13 @@ class DPFedAvg(Strategy):
         Injected for tests: how to wait between polls of the Grid.
     """
 
+    #: ``canary-clients``: the inserted canaries' directions, clients ``n ..`` of the server's federation; the
+    #: server computes their ``g + zeta`` (``dpfedavg.core.canaries``), no node hosts them. ``None``: no canary
+    #: (always for the strategy on a user's own app, whose constructor does not take them).
+    canaries: np.ndarray | None = None
+    _canary_ids: np.ndarray = np.zeros(0, dtype=np.int64)  # this round's sampled canaries
+    _instructions: RoundInstructions | None = None  # this round's instructions (the canaries follow them too)
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -109,6 +117,7 @@ class DPFedAvg(Strategy):
         plan: PrivacyPlan | None = None,
         server: DPServer | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        canaries: np.ndarray | None = None,
     ) -> None:
         if server is None:
             if dim is None:
@@ -126,6 +135,7 @@ class DPFedAvg(Strategy):
         self.failed: TrainingStopped | None = None
         self._sampled: dict[int, list[int]] = {}  # node id -> its sampled clients (ascending), this round
         self._closed: dict[int, Vector] = {}  # w_{k+1} of rounds a rule closed in configure_train
+        self.canaries = canaries
         #: Wall seconds per round spent in our code (configure, aggregate, evaluate) and waiting on
         #: Flower (``grid.send_and_receive``: delivery, the ClientApps, replies), by round.
         self.timings: dict[int, dict[str, float]] = {}
@@ -390,6 +400,10 @@ class DPFedAvg(Strategy):
         Fills ``self._sampled`` (node id -> its sampled clients) with the sampled
         clients whose node is connected; the others are dropouts.
         """
+        if self.canaries is not None:  # the canaries are computed here; the nodes host the n real clients
+            n = self.cfg.num_clients
+            self._canary_ids, clients = clients[clients >= n], clients[clients < n]
+            self._instructions = instructions
         online = set(grid.get_node_ids())
         known = self.federation.partition_of_node
         if online - set(known):
@@ -507,8 +521,13 @@ class DPFedAvg(Strategy):
             block=self.cfg.clients_per_node > 1,
             limits=self.reply_limits(self.history[server_round].num_sampled),
         )
+        results = checked.results
+        if self.canaries is not None and len(self._canary_ids):
+            assert self._instructions is not None
+            canaries = canary_results(self.canaries, self._canary_ids, self.cfg.num_clients, self._instructions)
+            results = sorted([*results, *canaries], key=lambda result: result.client_id)
         w_new = self.server.finish_round(
-            server_round, checked.results, num_failed=checked.num_failed, num_rejected=checked.num_rejected
+            server_round, results, num_failed=checked.num_failed, num_rejected=checked.num_rejected
         )
         # the server counted the dropouts among the sampled clients; the replies nobody asked for are rejected too
         self.history[server_round].num_rejected += checked.num_unexpected

@@ -44,6 +44,7 @@ from typing import Any
 from dpfedavg.config import RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED, local_lr_at
 from dpfedavg.core.adaptive_clip import augmented_bound, auto_count_stddev, count_scale
+from dpfedavg.core.canaries import canary_federation_size, inserted_canaries
 from dpfedavg.core.dp import ALGORITHMS, BOUNDS
 from dpfedavg.core.mechanism import PLACEMENTS
 from dpfedavg.core.types import RoundInstructions
@@ -263,6 +264,20 @@ def _run_epsilon(z: float, q: float, rounds: int, delta: float, accountant: str)
         return epsilon_for(z, q, rounds, delta, accountant)
     except AccountingRangeError:
         return math.inf
+
+
+@lru_cache(maxsize=8)
+def with_canaries(cfg: RunConfig) -> RunConfig:
+    """The federation the server samples from: ``n`` plus the inserted canaries (``canary-clients``), same ``q``.
+
+    The canaries inserted follow from the run's ``seed`` (``dpfedavg.core.canaries.inserted_canaries``), so a
+    node checks ``|S_k|`` and its noise share against ``n' = n + inserted`` and ``r' = q n'``, not ``n`` and ``r``.
+    """
+    if not cfg.canary_clients:
+        return cfg
+    inserted = int(inserted_canaries(cfg.seed, cfg.canary_clients).sum())
+    n, r = canary_federation_size(cfg.num_clients, cfg.clients_per_round, inserted)
+    return cfg.replace(num_clients=n, clients_per_round=r)
 
 
 def client_noise_std(cfg: RunConfig, ins: RoundInstructions) -> tuple[float, float]:
@@ -510,6 +525,7 @@ def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, s
     carries the client's own ``noise_std`` and, with ``secure-noise`` (the run's, or a node policy that demands
     noise), no seed.
     """
+    cfg = with_canaries(cfg)
     _check_policy(policy, cfg, ins, secure_round, cfg.noise_placement)
     _check_run_config(cfg, ins, secure_round)
     bound, own = client_noise_std(cfg, ins)

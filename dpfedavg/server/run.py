@@ -9,12 +9,16 @@ and the batched engine both start here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dpfedavg.config import RunConfig
+from dpfedavg.core.canaries import canary_federation_size
 from dpfedavg.core.dp import BOUNDS
 from dpfedavg.core.types import Vector
+from dpfedavg.errors import ConfigError
 from dpfedavg.io.results import check_output_dir
 from dpfedavg.privacy.params import DpParams
 from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
@@ -22,7 +26,10 @@ from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.session import RunSession, check_run_directory
 from dpfedavg.tasks import Task, build_task, resolve_task
 
-__all__ = ["PreparedRun", "plan_for", "prepare_run"]
+if TYPE_CHECKING:  # scipy.stats is imported only by runs with canaries
+    from dpfedavg.privacy.canary import CanarySet
+
+__all__ = ["PreparedRun", "canary_federation", "plan_for", "prepare_run"]
 
 
 @dataclass
@@ -35,11 +42,26 @@ class PreparedRun:
     session: RunSession
     w: Vector
     first_round: int
+    #: ``canary-clients > 0``: the canaries; the inserted ones are clients ``n .. n + inserted - 1`` of the server.
+    canaries: CanarySet | None = None
 
 
 def plan_for(cfg: RunConfig) -> PrivacyPlan:
     """The privacy plan of ``cfg`` (``z`` calibrated or given, the budget checked)."""
     return plan_privacy(DpParams.from_config(cfg), BOUNDS[cfg.algorithm], cfg.clip_count_stddev)
+
+
+def canary_federation(cfg: RunConfig, inserted: int) -> RunConfig:
+    """The federation the server samples from when ``inserted`` canaries joined the ``n`` clients.
+
+    Every client, canary or not, is still sampled with ``q = r / n``: the population is ``n' = n + inserted`` and
+    the expected cohort (the fixed denominator of Alg. 1 line 12) ``r' = q n'``. The accountant's event
+    ``PoissonSampled(q, Gaussian(z))`` and so ``z`` and epsilon are those of the run without canaries.
+    """
+    if inserted == 0:
+        return cfg
+    n, r = canary_federation_size(cfg.num_clients, cfg.clients_per_round, inserted)
+    return cfg.replace(num_clients=n, clients_per_round=r)
 
 
 def prepare_run(
@@ -50,11 +72,13 @@ def prepare_run(
     run_id: int | str = "local",
     engine: str,
     epsilon_each_round: bool = True,
+    inserts_canaries: bool = False,
 ) -> PreparedRun:
     """Check, plan and open a run of ``cfg`` (see the module docstring); nothing is written before it is valid.
 
     ``task``: a Task, or a factory called with ``cfg``; ``None`` builds the task ``cfg.task`` names. A run
     given a task records its ``name`` as ``cfg.task`` (in ``config.json``, the run's folder name, the checkpoint).
+    ``inserts_canaries``: the engine hosts ``canary-clients`` (a single batched or Flower run); the others refuse it.
 
     Raises
     ------
@@ -65,6 +89,12 @@ def prepare_run(
     dpfedavg.errors.ResultsError
         The run's first files could not be written.
     """
+    if cfg.canary_clients and not inserts_canaries:
+        raise ConfigError(
+            f"invalid run config: 'canary-clients' = {cfg.canary_clients}: this {engine!r} run does not insert "
+            "canary clients; a single run does (python -m dpfedavg.run, dpfedavg.run(), flwr run with dpfedavg's "
+            "own apps), not a sweep's batch of runs; set canary-clients = 0 here"
+        )
     check_output_dir(cfg.output_dir, cfg.run_name)  # a read-only output-dir: one ConfigError, before the calibration
     check_run_directory(cfg)  # a reused run-name: refused before the calibration
     source = task if task is not None else resolve_task(cfg.task)
@@ -72,7 +102,15 @@ def prepare_run(
     built = build_task(cfg, source)
     if task is not None and cfg.task != built.name:
         cfg = cfg.replace(task=built.name)
-    server = DPServer(cfg, built.dim, plan=plan, epsilon_each_round=epsilon_each_round)
+    canaries = None
+    if cfg.canary_clients:  # the task holds the n real clients; the server samples them and the inserted canaries
+        from dpfedavg.privacy.canary import CanarySet
+
+        canaries = CanarySet.draw(cfg.seed, cfg.canary_clients, built.dim)
+    server_cfg = canary_federation(cfg, canaries.num_inserted if canaries is not None else 0)
+    if server_cfg is not cfg:  # the same z and q; the rounds sample from the n' clients
+        plan = dataclasses.replace(plan, params=DpParams.from_config(server_cfg))
+    server = DPServer(server_cfg, built.dim, plan=plan, epsilon_each_round=epsilon_each_round)
     session = RunSession(cfg, built, server, run_id, engine=engine)
     w, first_round = session.begin(built.initial_weights())
-    return PreparedRun(cfg, built, server, session, w, first_round)
+    return PreparedRun(cfg, built, server, session, w, first_round, canaries)

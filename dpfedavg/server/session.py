@@ -126,6 +126,9 @@ class RunResult:
     history: list[dict[str, float]]
     directory: Path
     stopped_by_budget_before_round: int | None = None
+    #: ``canary-clients > 0``: the run's empirical epsilons beside the accountant's (``config.json`` ``final.audit``;
+    #: ``dpfedavg.privacy.canary.CanaryAudit``); ``None`` otherwise.
+    audit: dict[str, Any] | None = None
 
 
 class RunSession:
@@ -143,6 +146,8 @@ class RunSession:
 
     def __init__(self, cfg: RunConfig, task: Task, server: DPServer, run_id: int | str, engine: str) -> None:
         self.cfg, self.task, self.server = cfg, task, server
+        #: The canary audit to record in ``config.json`` ``final.audit`` and the last log line (set before ``finish``).
+        self.audit: dict[str, Any] | None = None
         #: The task metrics this run computes (training-data metrics are withheld with secure-noise).
         self.metric_names = released_metric_names(
             task.metric_names, task_hooks(task).training_data_metrics, cfg.secure_noise
@@ -444,6 +449,8 @@ class RunSession:
             "stopped_because": failed,
             "finished_utc": datetime.now(UTC).isoformat(),
         }
+        if self.audit is not None:
+            final["audit"] = self.audit
         return summary, final
 
     def finish(
@@ -498,11 +505,12 @@ class RunSession:
             level, " [NO privacy guarantee, see config.json]"
         )
         logger.info(
-            "Done after %d rounds: (epsilon, delta) = (%.4g, %g)%s; metrics in %s, model in %s",
+            "Done after %d rounds: (epsilon, delta) = (%.4g, %g)%s%s; metrics in %s, model in %s",
             completed,
             epsilon,
             server.plan.delta,
             label,
+            _audit_text(self.audit),
             self.recorder.metrics_path,
             self.recorder.model_path,
         )
@@ -516,4 +524,20 @@ class RunSession:
             history=read_metrics(self.recorder.metrics_path),
             directory=self.directory,
             stopped_by_budget_before_round=stopped_before_round,
+            audit=self.audit,
         )
+
+
+def _audit_text(audit: dict[str, Any] | None) -> str:
+    """The canary audit's part of the last log line ("" without canaries)."""
+    if audit is None:
+        return ""
+
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3g}"
+
+    return (
+        f"; canary audit ({audit['inserted']} of {audit['canaries']} canaries inserted): estimated epsilon "
+        f"{fmt(audit['epsilon_all_iterates'])} (all iterates), {fmt(audit['epsilon_final'])} (final model), "
+        f"one-run lower bound {fmt(audit['epsilon_lower_bound'])} at {audit['confidence']:.0%} confidence"
+    )

@@ -1,0 +1,69 @@
+"""Finishing a canary-audited run: the empirical epsilons beside the accountant's, in ``config.json``, the last
+log line, ``RunResult.audit``, ``audit.png`` and ``audit.npz`` (``dpfedavg.privacy.canary``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from dpfedavg.core.types import Vector
+from dpfedavg.io.audit_plot import write_audit_plot, write_audit_scores
+from dpfedavg.privacy.canary import CanaryAudit, CanaryScores
+
+if TYPE_CHECKING:
+    from dpfedavg.server.session import RunResult, RunSession
+
+__all__ = ["finish_audited", "log_interim_audit"]
+
+logger = logging.getLogger(__name__)
+
+
+def finish_audited(
+    session: RunSession, scores: CanaryScores, w_final: Vector, stopped_before_round: int | None, **finish: Any
+) -> RunResult:
+    """Audit the run from its canaries' scores, then ``RunSession.finish`` with the audit recorded.
+
+    ``config.json`` ``final.audit`` holds the estimates, the accountant's epsilon and how the canaries changed the
+    federation (``n``, the inserted canaries, ``n'``, ``q`` and the expected cohort ``r' = q n'``). ``finish``: more
+    keywords of ``RunSession.finish`` (the Flower engine's ``failed``).
+    """
+    server, cfg = session.server, session.cfg
+    audit = CanaryAudit.of(scores, delta=server.plan.delta)
+    epsilon = server.epsilon
+    session.audit = {
+        **audit.summary(),
+        "epsilon_accountant": epsilon,
+        "num_clients": cfg.num_clients,
+        "federation_clients": server.cfg.num_clients,
+        "q": cfg.sampling_rate,
+        "expected_cohort": server.cfg.clients_per_round,
+        "rounds_observed": scores.rounds,
+    }
+    result = session.finish(w_final, stopped_before_round=stopped_before_round, **finish)
+    try:
+        write_audit_scores(result.directory, audit)
+        write_audit_plot(result.directory, audit, epsilon)
+    except Exception as err:  # noqa: BLE001 - a plot must never fail a finished run
+        logger.warning("audit.png / audit.npz not written (%s: %s)", type(err).__name__, err)
+    return result
+
+
+def log_interim_audit(session: RunSession, scores: CanaryScores, server_round: int) -> None:
+    """Every ``checkpoint-every`` rounds (before the last), one log line with the audit of the rounds so far.
+
+    Cheap (the canaries' scores are kept round by round; the estimates are a few root findings); the accountant's
+    epsilon is not recomputed here (the batched engine computes it at the end).
+    """
+    every = session.cfg.checkpoint_every
+    if not every or server_round % every or server_round >= session.cfg.num_rounds:
+        return
+    audit = CanaryAudit.of(scores, delta=session.server.plan.delta)
+    logger.info(
+        "Round %d: canary audit so far: estimated epsilon %.3g (all iterates), %.3g (final model), one-run lower "
+        "bound %.3g at %.0f%% confidence",
+        server_round,
+        audit.epsilon_all_iterates,
+        audit.epsilon_final,
+        audit.epsilon_lower_bound,
+        100 * audit.confidence,
+    )

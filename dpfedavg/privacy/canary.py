@@ -1,0 +1,344 @@
+"""Canary clients and two empirical epsilons from one training run (pure numpy / scipy).
+
+A run with ``canary-clients = m`` draws ``m`` fixed random unit directions ``c_1 .. c_m`` in ``R^d``; each
+is inserted into the federation independently with probability 1/2 (Steinke, Nasr, Jagielski 2023,
+"Privacy Auditing with One (1) Training Run", NeurIPS 2023: the randomness their theorem needs). An inserted
+canary is a client whose update is ``C c_j`` every round it is sampled (bounded, sampled and noised like any
+client); the canaries that were not inserted are the null set of Andrew, Kairouz, Oh, Oprea, McMahan,
+Suriyakumar, "One-shot Empirical Privacy Estimation for Federated Learning" (ICLR 2024, arXiv 2302.03098).
+
+After the run, each canary's score is a cosine with the model's movement:
+
+* final model: ``cos(c_j, w_0 - w_K)``;
+* all iterates: ``max_k cos(c_j, w_{k-1} - w_k)`` over the released rounds (the paper's second variant).
+
+Two numbers come from the scores:
+
+* ``gaussian_fit_epsilon`` (Andrew et al. §3): fit Gaussians to the inserted canaries' scores and to the
+  null scores; the estimate is the epsilon at ``delta`` of the pair (``epsilon_two_gaussians``), with the
+  null's std for both (a shift: mu-GDP). A measurement, not a bound.
+* ``one_run_lower_bound`` (Steinke et al. Thm 5.2 with ``delta``): guess "inserted" for the ``g`` highest
+  scores; with ``W`` correct guesses, any ``(epsilon, delta)``-DP mechanism has
+  ``P[W >= v] <= beta + 2 m delta alpha`` (``beta = P[Bin(g, e^eps / (1 + e^eps)) >= v]``,
+  ``alpha = max_{i=1..v} (P[Bin >= v - i] - beta) / i``); the largest epsilon rejected at ``significance``
+  is a lower bound on the run's true epsilon with confidence ``1 - significance``. The guess count is taken
+  from a fixed grid with a Bonferroni correction, so choosing the best one keeps the confidence.
+
+No Flower import; the engines insert the canaries (``dpfedavg.core.canaries``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.optimize
+import scipy.stats
+
+from dpfedavg.core.canaries import canary_directions, inserted_canaries
+
+__all__ = [
+    "CanaryAudit",
+    "CanaryScores",
+    "CanarySet",
+    "GaussianFit",
+    "epsilon_two_gaussians",
+    "gaussian_fit_epsilon",
+    "one_run_lower_bound",
+    "one_run_p_value",
+]
+
+#: Fractions of the canaries the one-run audit may guess "inserted" for (Bonferroni over them).
+GUESS_FRACTIONS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5)
+#: Epsilons above this are reported as this (the bisection's upper end).
+MAX_EPSILON = 100.0
+
+
+@dataclass(frozen=True)
+class CanarySet:
+    """The run's canary directions and which of them are inserted.
+
+    Attributes
+    ----------
+    directions:
+        ``(m, d)``: unit rows ``c_j``, i.i.d. uniform on the sphere.
+    inserted:
+        ``(m,)`` bool: canary ``j`` is a client of the federation (probability 1/2 each, independently).
+    """
+
+    directions: np.ndarray
+    inserted: np.ndarray
+
+    @classmethod
+    def draw(cls, seed: int, count: int, dim: int) -> CanarySet:
+        """The run's ``count`` canaries in ``R^dim`` from its ``seed`` (``dpfedavg.core.canaries``)."""
+        if count < 0 or dim < 1:
+            raise ValueError(f"canaries: count = {count} must be >= 0 and dim = {dim} >= 1")
+        return cls(canary_directions(seed, count, dim), inserted_canaries(seed, count))
+
+    @property
+    def count(self) -> int:
+        """``m``: every canary drawn, inserted or not."""
+        return len(self.inserted)
+
+    @property
+    def inserted_directions(self) -> np.ndarray:
+        """The rows of the inserted canaries, in order: canary client ``n + i`` sends ``C`` times row ``i``."""
+        return self.directions[self.inserted]
+
+    @property
+    def num_inserted(self) -> int:
+        return int(self.inserted.sum())
+
+
+def cosines(directions: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``cos(c_j, v)`` for every row ``c_j`` (unit rows); 0 where ``v`` is 0."""
+    norm = float(np.linalg.norm(v))
+    if norm == 0 or not math.isfinite(norm):
+        return np.zeros(len(directions))
+    return directions @ (np.asarray(v, dtype=np.float64) / norm)
+
+
+@dataclass
+class CanaryScores:
+    """The running scores of a run's canaries: fed ``w_k`` round after round (``observe``).
+
+    ``final`` is ``cos(c_j, w_0 - w_K)``; ``all_iterates`` is ``max_k cos(c_j, w_{k-1} - w_k)``.
+    """
+
+    canaries: CanarySet
+    w0: np.ndarray
+    w_last: np.ndarray = field(init=False)
+    all_iterates: np.ndarray = field(init=False)
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        self.w0 = np.array(self.w0, dtype=np.float64)
+        self.w_last = self.w0.copy()
+        self.all_iterates = np.full(self.canaries.count, -np.inf)
+
+    def observe(self, w_k: np.ndarray) -> None:
+        """Round ``k`` released ``w_k``: update the all-iterates scores with ``w_{k-1} - w_k``."""
+        w_k = np.asarray(w_k, dtype=np.float64)
+        step = cosines(self.canaries.directions, self.w_last - w_k)
+        self.all_iterates = np.maximum(self.all_iterates, step)
+        self.w_last = w_k.copy()
+        self.rounds += 1
+
+    @property
+    def final(self) -> np.ndarray:
+        return cosines(self.canaries.directions, self.w0 - self.w_last)
+
+
+@dataclass(frozen=True)
+class GaussianFit:
+    """A Gaussian fitted to scores: their mean and standard deviation (ddof = 1)."""
+
+    mean: float
+    std: float
+
+    @classmethod
+    def of(cls, scores: Sequence[float]) -> GaussianFit:
+        x = np.asarray(scores, dtype=np.float64)
+        if len(x) < 2:
+            raise ValueError(f"a Gaussian fit needs at least 2 scores, got {len(x)}")
+        return cls(float(x.mean()), float(x.std(ddof=1)))
+
+
+def _hockey_stick(p: GaussianFit, q: GaussianFit, eps: float) -> float:
+    """``sup_S P(S) - e^eps Q(S)`` for ``P = N(p)``, ``Q = N(q)``: the mass where ``log dP/dQ > eps``.
+
+    ``log dP/dQ(x) = a x^2 + b x + c``; the set where it exceeds ``eps`` is an interval or its complement
+    (or a half-line when the stds are equal), whose ``P`` and ``Q`` masses are normal cdfs.
+    """
+    a = 0.5 * (1 / q.std**2 - 1 / p.std**2)
+    b = p.mean / p.std**2 - q.mean / q.std**2
+    c = 0.5 * (q.mean**2 / q.std**2 - p.mean**2 / p.std**2) + math.log(q.std / p.std) - eps
+
+    def mass(g: GaussianFit, lo: float, hi: float) -> float:  # tails by sf / cdf: no 1 - (1 - tiny)
+        if lo > g.mean:
+            return float(scipy.stats.norm.sf(lo, g.mean, g.std) - scipy.stats.norm.sf(hi, g.mean, g.std))
+        return float(scipy.stats.norm.cdf(hi, g.mean, g.std) - scipy.stats.norm.cdf(lo, g.mean, g.std))
+
+    def outside(g: GaussianFit, lo: float, hi: float) -> float:
+        return float(scipy.stats.norm.cdf(lo, g.mean, g.std) + scipy.stats.norm.sf(hi, g.mean, g.std))
+
+    if abs(a) < 1e-12 * max(abs(b), 1e-300):
+        if b == 0:
+            return max(0.0, 1 - math.exp(eps)) if c > 0 else 0.0
+        t = -c / b  # b x + c > 0
+        lo, hi = (t, math.inf) if b > 0 else (-math.inf, t)
+        return max(0.0, mass(p, lo, hi) - math.exp(eps) * mass(q, lo, hi))
+    disc = b * b - 4 * a * c
+    if disc <= 0:
+        if a > 0:  # always above eps
+            return max(0.0, 1 - math.exp(eps))
+        return 0.0
+    half = -0.5 * (b + math.copysign(math.sqrt(disc), b))  # the roots without cancellation
+    r1, r2 = sorted((half / a, c / half if half != 0 else 0.0))
+    if a > 0:  # above eps outside the roots
+        pm, qm = outside(p, r1, r2), outside(q, r1, r2)
+    else:
+        pm, qm = mass(p, r1, r2), mass(q, r1, r2)
+    return max(0.0, pm - math.exp(eps) * qm)
+
+
+def epsilon_two_gaussians(null: GaussianFit, canary: GaussianFit, delta: float) -> float:
+    """The smallest epsilon with ``delta(epsilon) <= delta`` between ``N(null)`` and ``N(canary)``, both ways.
+
+    The exact privacy profile of the pair (Andrew et al. §3 fit the null and the canary scores with Gaussians
+    and report this epsilon); for equal stds it is the mu-GDP epsilon with ``mu = |difference of means| / std``.
+    """
+    if not 0 < delta < 1:
+        raise ValueError(f"delta = {delta} must be in (0, 1)")
+    if null.std <= 0 or canary.std <= 0:
+        return math.inf if null.mean != canary.mean else 0.0
+
+    def excess(eps: float) -> float:
+        return max(_hockey_stick(canary, null, eps), _hockey_stick(null, canary, eps)) - delta
+
+    if excess(0.0) <= 0:
+        return 0.0
+    if excess(MAX_EPSILON) > 0:
+        return MAX_EPSILON
+    return float(scipy.optimize.brentq(excess, 0.0, MAX_EPSILON, xtol=1e-9))
+
+
+def gaussian_fit_epsilon(canary_scores: Sequence[float], null_scores: Sequence[float], delta: float) -> float:
+    """Andrew et al.'s estimate: the epsilon of ``N(mean_null, s^2)`` vs ``N(mean_canary, s^2)``, ``s`` the null's std.
+
+    That is mu-GDP with ``mu = (mean_canary - mean_null) / s``: the privacy loss of a Gaussian mechanism is a shift.
+    Andrew et al. also fit the canaries' own std; with a few hundred canaries that ratio of stds is uncertain by
+    about 10%, and at ``delta = 1e-6`` the tails of two Gaussians of unequal stds turn such an error into epsilons
+    several units too large (``epsilon_two_gaussians`` computes that case exactly), so the run's estimate
+    fits the shift only.
+    """
+    null = GaussianFit.of(null_scores)
+    return epsilon_two_gaussians(null, GaussianFit(GaussianFit.of(canary_scores).mean, null.std), delta)
+
+
+def one_run_p_value(num_canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
+    """Steinke et al. Thm 5.2: ``P[W >= correct]`` is at most this for any ``(epsilon, delta)``-DP mechanism.
+
+    ``num_canaries`` is ``m`` (each inserted with probability 1/2), ``guesses`` the canaries guessed
+    "inserted", ``correct`` how many of them were.
+    """
+    p = 1.0 / (1.0 + math.exp(-epsilon))
+    tail = scipy.stats.binom.sf(correct - np.arange(0, correct + 1) - 1, guesses, p)  # P[Bin >= correct - i]
+    beta = float(tail[0])
+    if delta == 0 or correct == 0:
+        return beta
+    alpha = float(np.max((tail[1:] - beta) / np.arange(1, correct + 1)))
+    return min(1.0, beta + 2 * num_canaries * delta * alpha)
+
+
+def _epsilon_rejected(num_canaries: int, guesses: int, correct: int, significance: float, delta: float) -> float:
+    """The largest epsilon whose ``(epsilon, delta)`` claim the guesses reject at ``significance`` (0 if none)."""
+
+    def gap(eps: float) -> float:
+        return significance - one_run_p_value(num_canaries, guesses, correct, eps, delta)
+
+    if gap(0.0) <= 0:
+        return 0.0
+    if gap(MAX_EPSILON) > 0:
+        return MAX_EPSILON
+    return float(scipy.optimize.brentq(gap, 0.0, MAX_EPSILON, xtol=1e-9))
+
+
+def guess_counts(num_canaries: int) -> list[int]:
+    """The guess counts the one-run audit tries (fixed before the scores are seen)."""
+    return sorted({max(1, round(f * num_canaries)) for f in GUESS_FRACTIONS})
+
+
+def one_run_lower_bound(
+    scores: Sequence[float], inserted: Sequence[bool], delta: float, significance: float = 0.05
+) -> float:
+    """Steinke et al.'s lower bound on epsilon from one run, with confidence ``1 - significance``.
+
+    The audit ranks the canaries by score and guesses "inserted" for the top ``g``, for each ``g`` in
+    ``guess_counts``; each count is tested at ``significance / len(counts)`` (Bonferroni), and the best
+    rejected epsilon is returned.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    truth = np.asarray(inserted, dtype=bool)
+    m = len(s)
+    if m == 0:
+        return 0.0
+    order = np.argsort(-s, kind="stable")
+    counts = guess_counts(m)
+    level = significance / len(counts)
+    best = 0.0
+    for g in counts:
+        correct = int(truth[order[:g]].sum())
+        best = max(best, _epsilon_rejected(m, g, correct, level, delta))
+    return best
+
+
+@dataclass(frozen=True)
+class CanaryAudit:
+    """The run's empirical epsilons (``config.json`` ``final.audit``; ``RunResult.audit``).
+
+    Attributes
+    ----------
+    epsilon_final, epsilon_all_iterates:
+        Andrew et al.'s Gaussian-fit estimate from the final model and from all released iterates (``nan`` with
+        fewer than 2 inserted or 2 null canaries).
+    epsilon_lower_bound:
+        Steinke et al.'s one-run lower bound at ``confidence``: the larger of the bounds from the final-model and
+        the all-iterates scores, each computed at half the significance.
+    """
+
+    canaries: int
+    inserted: int
+    delta: float
+    confidence: float
+    epsilon_final: float
+    epsilon_all_iterates: float
+    epsilon_lower_bound: float
+    final_scores: np.ndarray = field(repr=False)
+    all_iterates_scores: np.ndarray = field(repr=False)
+    inserted_mask: np.ndarray = field(repr=False)
+
+    @classmethod
+    def of(cls, scores: CanaryScores, delta: float, significance: float = 0.05) -> CanaryAudit:
+        """The audit of a finished run's scores at ``delta``."""
+        mask = scores.canaries.inserted
+        final, iterates = scores.final, scores.all_iterates
+        enough = mask.sum() >= 2 and (~mask).sum() >= 2 and scores.rounds > 0
+
+        def fit(x: np.ndarray) -> float:
+            return gaussian_fit_epsilon(x[mask], x[~mask], delta) if enough else math.nan
+
+        bound = 0.0
+        if scores.rounds > 0:  # both scores, each at significance / 2 (Bonferroni): the larger bound keeps the level
+            bound = max(one_run_lower_bound(x, mask, delta, significance / 2) for x in (final, iterates))
+        return cls(
+            canaries=scores.canaries.count,
+            inserted=int(mask.sum()),
+            delta=delta,
+            confidence=1 - significance,
+            epsilon_final=fit(final),
+            epsilon_all_iterates=fit(iterates),
+            epsilon_lower_bound=bound,
+            final_scores=final,
+            all_iterates_scores=iterates,
+            inserted_mask=mask.copy(),
+        )
+
+    def summary(self) -> dict[str, float | int]:
+        """The numbers ``config.json`` records (JSON-safe: ``nan`` becomes ``None`` there)."""
+
+        def number(x: float) -> float | None:
+            return None if math.isnan(x) else x
+
+        return {
+            "canaries": self.canaries,
+            "inserted": self.inserted,
+            "delta": self.delta,
+            "confidence": self.confidence,
+            "epsilon_final": number(self.epsilon_final),
+            "epsilon_all_iterates": number(self.epsilon_all_iterates),
+            "epsilon_lower_bound": self.epsilon_lower_bound,
+        }

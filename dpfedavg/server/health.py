@@ -47,19 +47,24 @@ class TrainingStopped(RuntimeError):
         self.result: object | None = None
 
 
+#: The fix for replies without dpfedavg's update: the ClientApp is not wrapped with dp_mod.
+_WRAP_WITH_DP_MOD = (
+    "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `app = ClientApp(mods=[dp_mod])`"
+)
+
 #: ``(text found in the reason, the fix)``, first match wins.
 FIXES: tuple[tuple[str, str], ...] = (
     (
         "lacks 'update'",
-        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `app = ClientApp(mods=[dp_mod])`",
+        _WRAP_WITH_DP_MOD,
     ),
     (
         "lacks the array 'update'",
-        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `app = ClientApp(mods=[dp_mod])`",
+        _WRAP_WITH_DP_MOD,
     ),
     (
         "expected 1 ('update')",
-        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `app = ClientApp(mods=[dp_mod])`",
+        _WRAP_WITH_DP_MOD,
     ),
     (
         "refused by this node's policy",
@@ -73,7 +78,7 @@ FIXES: tuple[tuple[str, str], ...] = (
     ),
     (
         "lacks 'arrays'",
-        "is the ClientApp's train wrapped with dp_mod? `from dpfedavg import dp_mod`, then `app = ClientApp(mods=[dp_mod])`",
+        _WRAP_WITH_DP_MOD,
     ),
     (
         "do not have the model's keys",

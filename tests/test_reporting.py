@@ -217,7 +217,7 @@ def test_a_missing_data_dir_is_one_line_before_any_download(tmp_path: Path, monk
 
     monkeypatch.setattr(datasets, "_load_flwr_datasets", no_download)
     missing = tmp_path / "no-such-folder"
-    with pytest.raises(ConfigError, match=r"'data-dir' = .*no-such-folder.* does not exist"):
+    with pytest.raises(ConfigError, match=r"'data-dir' = .*no-such-folder.* does not exist.*fashion_mnist"):
         datasets.prepare_dataset("fmnist", data_dir=missing, cache_dir=tmp_path / "cache")
     import importlib
 

@@ -188,13 +188,16 @@ def prepare_dataset(
 
 
 def check_data_dir(data_dir: str | Path, spec: DatasetSpec) -> None:
-    """A ConfigError unless ``data_dir`` is a folder: checked before any download (no hub retries for a typo)."""
+    """A ConfigError unless ``data_dir`` is a folder: checked before any download (no hub retries for a typo).
+
+    The message is one line: the key, the path, and what to download and where (as when the files are missing).
+    """
     path = Path(data_dir).expanduser()
     if not path.is_dir():
         what = "is not a folder" if path.exists() else "does not exist"
         raise ConfigError(
-            f"invalid run config: 'data-dir' = {str(data_dir)!r}: {path.absolute()} {what}; allowed: a folder holding "
-            f'the {spec.name!r} files (as {path / spec.name}/...), or "" to download them'
+            f"invalid run config: 'data-dir' = {str(data_dir)!r}: {path.absolute()} {what} (nothing was downloaded); "
+            + _missing_message(spec, path, [f"data-dir {what}"])
         )
 
 

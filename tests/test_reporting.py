@@ -257,6 +257,8 @@ def test_a_torch_task_says_buffers_are_constants_and_never_sent(tmp_path: Path, 
 
 
 def test_dp_mod_sends_running_statistics_only_noised_and_says_so(caplog) -> None:
+    """BatchNorm's statistics move on the client's data; what leaves is the clipped change plus noise of the
+    client's share s = z C / sqrt(|S_k|), recomputed here from the state_dicts (and with z = 0 for the clean part)."""
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
     from test_app_strategy import _call, _train_message
 
@@ -265,32 +267,37 @@ def test_dp_mod_sends_running_statistics_only_noised_and_says_so(caplog) -> None
 
     caplog.set_level(logging.WARNING, logger="dpfedavg")
     getattr(arrays_module, "_WARNED", set()).clear()
-    model = BatchNormNet()
-    start = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    record = ArrayRecord({k: Array(v) for k, v in start.items()})
-    msg = _train_message(record, algorithm="clip", clip=1.0, noise_multiplier=1.0)
-    local = {}
+    torch.manual_seed(0)
+    start = {k: v.detach().numpy().copy() for k, v in BatchNormNet().state_dict().items()}
 
-    def train(m, context):  # a train step in train mode: BatchNorm's statistics move to the client's data
+    def train(m, context):  # one forward pass in train mode: the running statistics move to the client's data
+        model = BatchNormNet()
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in start.items()})
         model.train()
         model(torch.as_tensor(_data()[0]) * 3.0 + 2.0)
-        local.update({k: v.detach().numpy().copy() for k, v in model.state_dict().items()})
-        out = ArrayRecord({k: Array(v) for k, v in local.items()})
+        out = ArrayRecord({k: Array(v.detach().numpy().copy()) for k, v in model.state_dict().items()})
         return Message(RecordDict({"arrays": out, "metrics": MetricRecord({"num-examples": 80})}), reply_to=m)
 
-    reply = _call(msg, train)
-    arrays = reply.content["arrays"]
-    assert list(arrays.keys()) == [UPDATE_KEY]  # the noised vector only: no state_dict entry travels as it is
-    sent = arrays[UPDATE_KEY].numpy()
-    trained = sorted(k for k, v in start.items() if np.issubdtype(v.dtype, np.floating))
-    assert sent.shape == (sum(start[k].size for k in trained),)  # running_mean/var inside w, num_batches_tracked not
-    offset = 0
-    for key in trained:  # the running statistics' change is noised (z C = 1 per coordinate's share, far from it)
-        size = start[key].size
-        if key.startswith("bn.running"):
-            clean = (start[key] - local[key]).ravel()
-            assert np.max(np.abs(sent[offset : offset + size] - clean)) > 1e-3
-        offset += size
+    def sent(z: float) -> np.ndarray:
+        record = ArrayRecord({k: Array(v) for k, v in start.items()})
+        reply = _call(_train_message(record, algorithm="clip", clip=1.0, noise_multiplier=z), train)
+        assert list(reply.content["arrays"].keys()) == [UPDATE_KEY]  # one noised vector: no state_dict entry as is
+        return reply.content["arrays"][UPDATE_KEY].numpy()
+
+    noisy, clean = sent(1.0), sent(0.0)
+    floats = sorted(k for k, v in start.items() if np.issubdtype(v.dtype, np.floating))
+    model = BatchNormNet()
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in start.items()})
+    model.train()
+    model(torch.as_tensor(_data()[0]) * 3.0 + 2.0)
+    after = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    u = np.concatenate([(start[k] - after[k]).ravel() for k in floats])  # running_mean/var inside, the counter not
+    np.testing.assert_allclose(clean, u * min(1.0, 1.0 / np.linalg.norm(u)), rtol=1e-6)  # clipped to C = 1
+    running = np.concatenate([np.full(start[k].size, k.startswith("bn.running")) for k in floats])
+    assert running.sum() == 6 and np.all(np.abs(u[running]) > 1e-3)  # the statistics did move
+    noise = noisy - clean
+    s = 1.0 * 1.0 / np.sqrt(5)  # z C / sqrt(|S_k|): the client-calibrated share of round 2's 5 sampled clients
+    assert np.all(noise[running] != 0) and 0.5 * s < noise.std() < 1.5 * s, (noise.std(), s)
     notes = [r.getMessage() for r in caplog.records if "buffers" in r.getMessage()]
     assert len(notes) == 1 and "bn.running_mean" in notes[0] and "noised" in notes[0], notes
     assert "bn.num_batches_tracked" in notes[0] and "never sent" in notes[0]

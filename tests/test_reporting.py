@@ -224,6 +224,12 @@ def test_a_missing_data_dir_is_one_line_before_any_download(tmp_path: Path, monk
                      f"output-dir='{tmp_path / 'out'}'"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "'data-dir'" in err[0], err
+    (tmp_path / "empty").mkdir()  # a folder without the files: the download is tried, and its failure is one line too
+    monkeypatch.setattr(datasets, "_load_flwr_datasets", lambda spec: (_ for _ in ()).throw(OSError("offline")))
+    code = cli.main(["--run-config", f"task='fmnist' data-dir='{tmp_path / 'empty'}' cache-dir='{tmp_path / 'cache'}' "
+                     f"output-dir='{tmp_path / 'out'}'"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "OSError: offline" in err[0], err
 
 
 # ------------------------------------------------------------------ buffers

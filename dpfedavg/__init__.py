@@ -4,7 +4,8 @@ Das, Hashemi, Sanghavi, Dhillon, "On the Convergence of Differentially Private F
 Non-Lipschitz Objectives, and with Normalized Client Updates". The public API:
 
 * :class:`RunConfig` (every key, validated) and :class:`ConfigError`;
-* :func:`run` (train with the batched engine) and its :class:`RunResult`;
+* :func:`run` (train with the batched engine) and its :class:`RunResult` (``result.load_into(module)`` puts the
+  model into your ``nn.Module``); ``load_run(path)`` loads a finished run's folder back;
 * :class:`Task` (what a task provides), :class:`TorchTask` and :class:`ArrayClients` (any ``torch.nn.Module``
   with your data);
 * :class:`DPFedAvg` (the Flower strategy: dpfedavg's own apps, or keywords only in *your* ServerApp) with
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 #: Public name -> the module that defines it (imported on first access).
 _LAZY: dict[str, str] = {
     "run": "dpfedavg.api",
+    "load_run": "dpfedavg.api",
     "RunResult": "dpfedavg.server.session",
     "Task": "dpfedavg.tasks.base",
     "TorchTask": "dpfedavg.tasks.torch_task",
@@ -54,11 +56,12 @@ __all__ = [
     "calibrate_noise_multiplier",
     "dp_mod",
     "epsilon_for",
+    "load_run",
     "run",
 ]
 
 if TYPE_CHECKING:
-    from dpfedavg.api import run
+    from dpfedavg.api import load_run, run
     from dpfedavg.flower.app_strategy import DPFedAvg
     from dpfedavg.flower.mod import dp_mod
     from dpfedavg.flower.testing import InProcessGrid

@@ -11,19 +11,31 @@ your own ``nn.Module``) or a factory ``factory(cfg) -> Task``; without it the ta
 is built. The run writes the same files as ``python -m dpfedavg.run`` and ``flwr run``
 (``metrics.csv``, ``config.json``, ``model.npz``, ``metrics.png`` with matplotlib) and gives the same
 trajectory for the same seed.
+
+A finished run's folder loads back with ``load_run(path)``, and its model into your own module with
+``load_into``::
+
+    from dpfedavg import load_run
+    result = load_run("outputs/my-run")        # model.npz, config.json, metrics.csv
+    model = result.load_into(MyNet())          # w_K in MyNet's parameters (the architecture the run trained)
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.server.session import RunResult
 from dpfedavg.tasks.base import Task
 
-__all__ = ["run"]
+__all__ = ["load_run", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,3 +80,49 @@ def run(
     if overrides:
         cfg = cfg.replace(**overrides)
     return run_batched(cfg, task=task, progress=progress, run_id="python")
+
+
+def load_run(path: str | Path) -> RunResult:
+    """A finished run's result from its folder (``model.npz``, ``config.json``, ``metrics.csv``).
+
+    The same ``RunResult`` the run returned: ``weights``, ``random_iterate``, ``epsilon``, ``delta``,
+    ``guarantee``, ``history`` and ``directory``; ``result.load_into(module)`` copies the model into a
+    ``torch.nn.Module`` of the architecture the run trained.
+
+    Raises
+    ------
+    FileNotFoundError
+        When the folder is not a finished run's: it names the missing file (a run is finished once
+        ``config.json`` has its ``final`` summary, written after ``model.npz``).
+    """
+    from dpfedavg.io.results import read_metrics
+
+    directory = Path(path).expanduser()
+    config_path, model_path = directory / "config.json", directory / "model.npz"
+    for needed in (config_path, model_path, directory / "metrics.csv"):
+        if not needed.is_file():
+            raise FileNotFoundError(
+                f"{directory} is not a finished run's folder: {needed.name} is missing (a run writes metrics.csv, "
+                "model.npz and config.json into <output-dir>/<run-name>)"
+            )
+    final = json.loads(config_path.read_text()).get("final")
+    if final is None:
+        raise FileNotFoundError(
+            f"{directory}: config.json has no 'final' summary: the run did not finish (resume it with resume=true)"
+        )
+    with np.load(model_path) as model:
+        weights = np.asarray(model["w_final"], dtype=np.float64)
+        random_iterate = np.asarray(model["w_random_iterate"], dtype=np.float64)
+        random_round = int(model["random_iterate_round"])
+    stopped = final.get("stopped_by_budget_before_round")
+    return RunResult(
+        weights=weights,
+        random_iterate=random_iterate,
+        random_round=random_round,
+        epsilon=float(final.get("epsilon", math.inf)),
+        delta=float(final["delta"]),
+        guarantee=str(final["guarantee"]),
+        history=read_metrics(directory / "metrics.csv"),
+        directory=directory,
+        stopped_by_budget_before_round=None if stopped is None else int(stopped),
+    )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -313,9 +314,7 @@ class RunConfig:
 
     def replace(self, **changes: Any) -> RunConfig:
         """A validated copy with some fields changed (snake_case names; a sentinel string or ``None`` for auto)."""
-        unknown = [name for name in changes if name.replace("_", "-") not in _BY_KEY]
-        if unknown:
-            raise ConfigError("invalid run config: " + "; ".join(_unknown_key(n.replace("_", "-")) for n in unknown))
+        _check_field_names(changes)
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------ combinations
@@ -419,6 +418,32 @@ _BY_KEY: dict[str, Option] = {opt.key: opt for opt in OPTIONS}
 def _unknown_key(key: str) -> str:
     hint = difflib.get_close_matches(key, list(_BY_KEY), n=1)
     return f"unknown key '{key}'" + (f" (did you mean '{hint[0]}'?)" if hint else "")
+
+
+def _unknown_field(name: str) -> str:
+    """``_unknown_key`` for a Python keyword argument: the suggestion in snake_case, as it would be typed."""
+    hint = difflib.get_close_matches(name.replace("_", "-"), list(_BY_KEY), n=1)
+    return f"unknown key {name!r}" + (f" (did you mean {hint[0].replace('-', '_')!r}?)" if hint else "")
+
+
+def _check_field_names(names: Mapping[str, Any]) -> None:
+    """One ConfigError naming every keyword that is not a field (with a "did you mean"), as the CLI does for keys."""
+    unknown = [name for name in names if name.replace("_", "-") not in _BY_KEY or "-" in name]
+    if unknown:
+        raise ConfigError("invalid run config: " + "; ".join(_unknown_field(name) for name in unknown))
+
+
+_dataclass_init = RunConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _checked_init(self: RunConfig, *args: Any, **kwargs: Any) -> None:
+    # RunConfig(num_round=5) would be a bare TypeError from the generated __init__: name the key instead
+    _check_field_names(kwargs)
+    _dataclass_init(self, *args, **kwargs)
+
+
+RunConfig.__init__ = _checked_init  # type: ignore[method-assign]
 
 
 def _coerce(opt: Option, value: Any) -> tuple[Any, str | None]:

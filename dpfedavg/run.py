@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``--run-config``, validate it (one ConfigError, exit 2), run it with the batched engine."""
     from dpfedavg.config import ConfigError, RunConfig
     from dpfedavg.errors import ResultsError
+    from dpfedavg.tasks.errors import DataUnavailableError
 
     parser = argparse.ArgumentParser(prog="python -m dpfedavg.run", description=__doc__.splitlines()[0])
     parser.add_argument("--run-config", action="append", default=[], help="key=value pairs, as for flwr run")
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_dir = run_batched(cfg, progress=args.progress).directory
-    except ConfigError as err:  # found when the task is built (e.g. its data, device or size)
+    except (ConfigError, DataUnavailableError) as err:  # found when the task is built (its data, device or size)
         print(f"error: {err}", file=sys.stderr)
         return 2
     except ResultsError as err:  # a full disk: every file is complete, the message says how to resume

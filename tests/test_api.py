@@ -118,7 +118,7 @@ def test_run_takes_overrides_and_refuses_bad_ones_before_anything_is_written(tmp
     result = run(num_rounds=2, dim=10, output_dir=str(tmp_path), run_name="tiny", progress=False)
     assert [int(r["round"]) for r in result.history] == [0, 1, 2] and result.weights.shape == (10,)
     assert result.guarantee == "seeded" and result.directory == tmp_path / "tiny"
-    with pytest.raises(ConfigError, match="did you mean 'num-rounds'"):
+    with pytest.raises(ConfigError, match="did you mean 'num_rounds'"):
         run(num_round=2, output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="not a Task: it lacks"):
         run(RunConfig(output_dir=str(tmp_path), run_name="bad"), task=lambda cfg: object(), progress=False)

@@ -223,6 +223,7 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_missing_dataset_says_what_to_download_and_where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _offline(monkeypatch)
+    (tmp_path / "empty").mkdir()  # a folder without the files (a data-dir that does not exist: test_reporting.py)
     with pytest.raises(DataUnavailableError) as info:
         prepare_dataset("fmnist", data_dir=tmp_path / "empty", cache_dir=tmp_path / "cache")
     message = str(info.value)

@@ -19,6 +19,7 @@ from dpfedavg.experiments.table1 import TABLE1_COLUMNS, markdown
 from dpfedavg.flower import server_app
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.testing import InProcessGrid
+from dpfedavg.io.results import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +53,8 @@ def test_batched_engine_gives_the_flower_strategy_trajectory(case: str, tmp_path
     final_b = json.loads((out_b / "config.json").read_text())["final"]
     final_f = json.loads((out_f / "config.json").read_text())["final"]
     assert final_b["epsilon"] == pytest.approx(final_f["epsilon"], rel=1e-12)
+    eps_b, eps_f = ([row["epsilon"] for row in read_metrics(out / "metrics.csv")[1:]] for out in (out_b, out_f))
+    assert not np.isnan(eps_b).any() and eps_b == pytest.approx(eps_f, rel=1e-12)  # every round, every engine
     assert np.linalg.norm(traj_f[-1] - traj_f[0]) > 1e-3  # the run moved
 
 

@@ -412,7 +412,7 @@ def test_own_model_tutorial_is_one_module_then_commands() -> None:
     commands = [line for b in blocks if b.is_shell for line in b.source.splitlines() if not line.startswith("#")]
     assert any(c.startswith('flwr run "$DPFEDAVG"') for c in commands)
     assert any(c.startswith("python -m dpfedavg.run") for c in commands)
-    assert any("vector_to_parameters" in b.source for b in blocks if b.is_python), "loading w_final is shown"
+    assert any("load_into" in b.source for b in blocks if b.is_python), "loading w_final into the model is shown"
 
 
 @pytest.mark.slow

@@ -148,9 +148,7 @@ def run_batched(
     from dpfedavg.server.loop import run_rounds
     from dpfedavg.server.run import prepare_run
 
-    run = prepare_run(
-        cfg, task=task, plan=plan, run_id=run_id, engine=engine, epsilon_each_round=False, inserts_canaries=True
-    )
+    run = prepare_run(cfg, task=task, plan=plan, run_id=run_id, engine=engine, inserts_canaries=True)
     if threads is None:  # a torch task's steps use torch's own threads: blocks in parallel only contend (benchmarks)
         threads = 1 if task_hooks(run.task).parallel_steps else (os.cpu_count() or 1)
     session, w, first_round = run.session, run.w, run.first_round

@@ -191,9 +191,7 @@ def _open_runs(cfgs: Sequence[RunConfig]) -> tuple[Task, list[_Run]]:
     for i in order:
         cfg, task = cfgs[i], tasks[i]
         view = _Evaluations(task, shared)
-        prepared = prepare_run(
-            cfg, task=view, plan=plans[i], run_id="batched", engine="batched", epsilon_each_round=False
-        )
+        prepared = prepare_run(cfg, task=view, plan=plans[i], run_id="batched", engine="batched")
         if prepared.first_round != 1:
             raise BatchError(f"run {cfg.run_name!r} resumed from a checkpoint: it cannot join a batch")
         runs.append(_Run(prepared.cfg, prepared.server, prepared.session, view, prepared.w))

@@ -11,11 +11,16 @@ flattens ``initial_arrays`` and rebuilds the user's record from every ``w_k``).
   order on both sides, whatever order a transport keeps), each as float64.
 * **Frozen arrays**: arrays of any other dtype (e.g. BatchNorm's ``num_batches_tracked``, int64) are not
   part of ``w``: the server keeps their initial values for the whole run, and what a client returns for
-  them is ignored (a count of local steps is not an update that can be averaged or noised).
+  them is ignored and never sent (a count of local steps is not an update that can be averaged or noised).
+* **Float buffers** (BatchNorm's ``running_mean`` and ``running_var`` in a ``state_dict``) are floating arrays,
+  so they are trained like weights: a client's change of them on its data is part of its update, clipped
+  and noised with it (it counts against ``C``), and the server averages the noised change. Nothing computed
+  from a client's data leaves it without noise; the layout says so in a warning (``buffer_note``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,7 +29,14 @@ from flwr.app import Array, ArrayRecord
 
 from dpfedavg.core.types import Vector
 
-__all__ = ["ArrayLayout", "LayoutMismatch"]
+__all__ = ["RUNNING_STATISTICS", "ArrayLayout", "LayoutMismatch", "warn_buffers_once"]
+
+logger = logging.getLogger(__name__)
+
+#: The last part of the ``state_dict`` keys of torch's running statistics (BatchNorm, InstanceNorm) and their counter.
+RUNNING_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+#: Layouts whose buffers were already explained in this process (one warning per model).
+_WARNED: set[tuple[str, ...]] = set()
 
 
 class LayoutMismatch(ValueError):
@@ -91,7 +103,28 @@ class ArrayLayout:
         text = f"{len(self.trained)} floating arrays, d = {self.dim} entries"
         if frozen:
             text += "; not trained (kept at their initial values): " + ", ".join(f"{k} ({dtype[k]})" for k in frozen)
-        return text
+        note = self.buffer_note()
+        return text + (f"; {note}" if note else "")
+
+    def buffer_note(self) -> str | None:
+        """What happens to the model's running statistics, in one line (``None`` when it has none)."""
+        floats = [k for k in self.trained if k.rsplit(".", 1)[-1] in RUNNING_STATISTICS]
+        counters = [k for k in self.frozen if k.rsplit(".", 1)[-1] in RUNNING_STATISTICS]
+        if not floats and not counters:
+            return None
+        parts = []
+        if floats:
+            parts.append(
+                f"running statistics {', '.join(floats[:4])}{' ...' if len(floats) > 4 else ''} are floating arrays, "
+                "so each client's change of them is part of its update: clipped and noised with the weights "
+                "(it counts against C) and averaged by the server"
+            )
+        if counters:
+            parts.append(
+                f"{', '.join(counters[:4])}{' ...' if len(counters) > 4 else ''} (not floating) are never sent: the "
+                "server keeps their initial values"
+            )
+        return "; ".join(parts) + " (GroupNorm / LayerNorm keep no statistics of the data)"
 
     # ---------------------------------------------------------------- checks
     def check(self, record: ArrayRecord, *, what: str = "the reply's arrays") -> None:
@@ -159,3 +192,11 @@ class ArrayLayout:
             parts.append(np.asarray(w[offset : offset + size]).astype(dtype[key]).astype(np.float64))
             offset += size
         return np.concatenate(parts)
+
+
+def warn_buffers_once(layout: ArrayLayout) -> None:
+    """Log ``layout.buffer_note()`` as a warning, once per model in this process."""
+    note = layout.buffer_note()
+    if note is not None and layout.keys not in _WARNED:
+        _WARNED.add(layout.keys)
+        logger.warning("the model's buffers: %s", note)

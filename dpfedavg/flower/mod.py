@@ -77,7 +77,7 @@ from dpfedavg.core import SECURE_NOISE_SEED, private_block_update
 from dpfedavg.core.noise import round_noise_law
 from dpfedavg.core.seeding import noise_rng
 from dpfedavg.core.types import RoundInstructions
-from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch
+from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch, warn_buffers_once
 from dpfedavg.flower.client_app import node_policy
 from dpfedavg.flower.protocol import (
     ARRAYS,
@@ -212,6 +212,7 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         return _refused(msg, str(err))
     except ValueError as err:
         return _error(msg, str(err))
+    warn_buffers_once(layout)  # BatchNorm's running statistics: what is sent of them
     reply = call_next(msg, context)
     if reply.has_error():
         return reply

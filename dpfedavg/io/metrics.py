@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-__all__ = ["RoundStats"]
+__all__ = ["MetricsRow", "RoundStats"]
 
 
 @dataclass
@@ -67,3 +67,20 @@ class RoundStats:
 
 #: :class:`RoundStats`'s field names, in order.
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(RoundStats))
+
+
+class MetricsRow(dict):
+    """One row of ``metrics.csv`` (column -> value, NaN where empty): a missing column says which columns there are.
+
+    ``result.history[-1]["test_accuracy"]`` of a run that does not compute accuracy is a ``KeyError`` that names
+    the run's columns and how a task reports accuracy, not the bare key.
+    """
+
+    def __missing__(self, key: object) -> float:
+        hint = ""
+        if key == "test_accuracy":
+            hint = (
+                "; test_accuracy is computed for a task with test data whose model outputs class scores for "
+                "integer labels (TorchTask(..., test=(x, y), classification=True) forces it)"
+            )
+        raise KeyError(f"{key!r} is not a column of this run's metrics.csv (columns: {', '.join(self)}){hint}")

@@ -20,6 +20,7 @@ import numpy as np
 
 from dpfedavg.errors import ConfigError
 from dpfedavg.io.atomic import append_bytes, atomic_write_bytes
+from dpfedavg.io.metrics import MetricsRow
 
 __all__ = [
     "RESULT_FILES",
@@ -82,7 +83,9 @@ def complete_rows(path: Path) -> list[list[str]]:
 def read_metrics(path: Path) -> list[dict[str, float]]:
     """``metrics.csv`` as rows of floats (an empty cell is NaN), in file order (complete rows only)."""
     header, *rows = complete_rows(path) or [[]]
-    return [{k: float(v) if v != "" else math.nan for k, v in zip(header, row, strict=True)} for row in rows]
+    return [
+        MetricsRow((k, float(v) if v != "" else math.nan) for k, v in zip(header, row, strict=True)) for row in rows
+    ]
 
 
 def check_output_dir(output_dir: str, run_name: str = "") -> None:

@@ -107,9 +107,9 @@ class DPServer:
     plan:
         The privacy plan (calibrated ``z``, accountant, budget); computed from ``cfg`` when omitted.
     epsilon_each_round:
-        Compute the epsilon spent after every round (the ``epsilon`` column). The batched engine turns it
-        off for speed: then only the last round's is computed (and :attr:`epsilon` on demand); the
-        composition itself is never skipped.
+        Compute the epsilon spent after every round (the ``epsilon`` column; every engine does). Off, only
+        the last round's is computed (and :attr:`epsilon` on demand); the composition itself is never
+        skipped.
 
     Raises
     ------

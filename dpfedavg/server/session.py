@@ -130,6 +130,19 @@ class RunResult:
     #: ``dpfedavg.privacy.canary.CanaryAudit``); ``None`` otherwise.
     audit: dict[str, Any] | None = None
 
+    def load_into(self, module: Any, *, iterate: str = "final") -> Any:
+        """Copy the run's model into a ``torch.nn.Module`` of the architecture it trained; returns the module.
+
+        ``iterate``: ``"final"`` (``w_K``, ``weights``) or ``"random"`` (``w_{k~}``, Alg. 1 line 13). The flat
+        vector's layout is `TorchTask`'s (see `dpfedavg.tasks.torch_task.load_weights`).
+        """
+        from dpfedavg.tasks.torch_task import load_weights
+
+        choices = {"final": self.weights, "random": self.random_iterate}
+        if iterate not in choices:
+            raise ValueError(f"iterate = {iterate!r}: allowed values are 'final' (w_K) and 'random' (w_k~)")
+        return load_weights(module, choices[iterate])
+
 
 class RunSession:
     """Results and logging of one run.

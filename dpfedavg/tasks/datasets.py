@@ -8,7 +8,8 @@ shares one copy and a client only reads its own rows.
 Sources, in order:
 
 1. the prepared cache;
-2. local files under ``data-dir`` (for offline use): parquet or arrow files
+2. local files under ``data-dir`` (for offline use; a ``data-dir`` that is not a folder is a ConfigError at once,
+   before any download): parquet or arrow files
    (the Hugging Face layout, e.g. ``<data-dir>/fmnist/train-00000-of-00001.parquet``)
    or, for Fashion-MNIST, the original IDX files ``train-images-idx3-ubyte.gz`` etc.;
 3. flwr-datasets' ``FederatedDataset`` with the public dataset name
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpfedavg.errors import ConfigError
 from dpfedavg.io.atomic import atomic_open
 from dpfedavg.tasks.errors import DataUnavailableError
 
@@ -43,6 +45,7 @@ __all__ = [
     "DataUnavailableError",
     "DatasetSpec",
     "PreparedData",
+    "check_data_dir",
     "default_cache_dir",
     "prepare_dataset",
     "read_idx",
@@ -159,6 +162,8 @@ def prepare_dataset(
     meta_path = directory / "meta.json"
     if meta_path.exists():
         return _load(directory, spec.num_classes)
+    if data_dir and spec.name != "digits":
+        check_data_dir(data_dir, spec)
     with locked(cache_root / name / ".lock"):
         if meta_path.exists():  # another process prepared it while we waited
             return _load(directory, spec.num_classes)
@@ -180,6 +185,20 @@ def prepare_dataset(
         }
         meta_path.write_text(json.dumps(meta, indent=2))
     return _load(directory, spec.num_classes)
+
+
+def check_data_dir(data_dir: str | Path, spec: DatasetSpec) -> None:
+    """A ConfigError unless ``data_dir`` is a folder: checked before any download (no hub retries for a typo).
+
+    The message is one line: the key, the path, and what to download and where (as when the files are missing).
+    """
+    path = Path(data_dir).expanduser()
+    if not path.is_dir():
+        what = "is not a folder" if path.exists() else "does not exist"
+        raise ConfigError(
+            f"invalid run config: 'data-dir' = {str(data_dir)!r}: {path.absolute()} {what} (nothing was downloaded); "
+            + _missing_message(spec, path, [f"data-dir {what}"])
+        )
 
 
 def _to_features(

@@ -30,9 +30,11 @@ steps of round ``k`` uses ``min(b, m_i)`` of client ``i``'s examples drawn witho
 from ``make_rng(seed, Stream.MINIBATCH, i, k)``, the same draws in every engine. The update is
 still one client's, so the DP accounting (user-level, on ``||g|| <= C``) does not change.
 
-Models must keep their state in parameters: buffers (e.g. BatchNorm's running statistics) are
-used as constants and not trained (use GroupNorm / LayerNorm). torch is imported lazily: this
-module imports without it, and only a torch task loads it.
+Models must keep their state in parameters: buffers (e.g. BatchNorm's running statistics and its
+``num_batches_tracked`` counter) are constants at their initial values: the module runs in eval mode, no
+client's data changes them, and they are never sent (``w`` holds the trainable parameters only); building
+the task warns when a model has any (use GroupNorm / LayerNorm for a normalization that learns). torch is
+imported lazily: this module imports without it, and only a torch task loads it.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ __all__ = [
     "ShardedClients",
     "TorchTask",
     "linear_softmax_model",
+    "load_weights",
     "minibatch_indices",
     "resolve_device",
 ]
@@ -214,6 +217,38 @@ def linear_softmax_model(num_features: int, num_classes: int) -> Any:
     return LinearSoftmax()
 
 
+def load_weights(module: Any, w: Vector) -> Any:
+    """Copy the flat vector ``w`` into ``module``'s trainable parameters, in place; returns the module.
+
+    ``w`` is laid out as `TorchTask` lays out every run's model (``model.npz``, ``RunResult.weights``): the
+    parameters with ``requires_grad`` in ``named_parameters()`` order, each raveled, 2-D ones named in the module's
+    ``flat_transposed`` transposed. Buffers are left as they are (a run never changes them).
+
+    Raises
+    ------
+    ValueError
+        When ``w``'s length is not the module's number of trainable entries (another architecture).
+    """
+    torch = _torch()
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    flipped = set(getattr(module, "flat_transposed", ()))
+    w = np.asarray(w, dtype=np.float64).reshape(-1)
+    dim = sum(p.numel() for _, p in named)
+    if w.shape[0] != dim:
+        raise ValueError(
+            f"the run's model has {w.shape[0]} weights, {type(module).__name__} has {dim} trainable entries "
+            f"({len(named)} parameters): load it into the architecture the run trained"
+        )
+    offset = 0
+    with torch.no_grad():
+        for name, param in named:
+            shape = tuple(param.shape)[::-1] if name in flipped else tuple(param.shape)
+            chunk = torch.as_tensor(w[offset : offset + param.numel()].reshape(shape))
+            param.copy_(chunk.t() if name in flipped else chunk)
+            offset += param.numel()
+    return module
+
+
 def _numpy(a: Any) -> np.ndarray:
     if hasattr(a, "detach"):  # a torch tensor
         return a.detach().cpu().numpy()
@@ -270,7 +305,9 @@ class TorchTask:
     weight_decay:
         ``lambda``; default ``cfg.weight_decay``.
     classification:
-        Report test accuracy (default: when ``loss = "cross_entropy"``).
+        Report test accuracy. Default: with ``loss = "cross_entropy"``, and with a loss function of yours when the
+        model outputs class scores ``(m, c)`` for integer labels ``(m,)`` (checked on the first test example);
+        ``False`` turns it off, ``True`` forces it (``argmax`` of the outputs against the labels).
     """
 
     #: Computed from the clients' training data: withheld with secure-noise (see Task).
@@ -314,13 +351,41 @@ class TorchTask:
         self._model_source = model
         self._client_tensors = lru_cache(maxsize=4096)(self._load_client)  # a ClientApp serves many clients
         self._lock = threading.Lock()  # functional_call swaps the module's parameters: one call at a time
-        if test is None:
-            self.metric_names: tuple[str, ...] = ("train_loss",)
-        elif self.classification:
-            self.metric_names = ("test_accuracy", "test_loss", "train_loss")
-        else:
-            self.metric_names = ("test_loss", "train_loss")
-        self.headline_metric = self.metric_names[0]
+        self._classification_given = classification is not None
+
+    @cached_property
+    def metric_names(self) -> tuple[str, ...]:
+        """The server's metrics: ``test_accuracy`` (classification), ``test_loss`` (with test data), ``train_loss``.
+
+        With ``classification = None`` and a loss function of the user's, accuracy is reported when the model
+        outputs class scores (shape ``(m, c)``, ``c >= 2``) for integer labels (shape ``(m,)``): decided here, from
+        the first test example, when the server first asks (a ClientApp never loads the test data).
+        """
+        if self._test_source is None:
+            return ("train_loss",)
+        if not self._classification_given and callable(self.loss):
+            self.classification = self._outputs_class_scores()
+            if self.classification:
+                logger.info("task %r: the model outputs class scores for integer labels: test_accuracy is reported "
+                            "(TorchTask(classification=False) turns it off)", self.name)  # fmt: skip
+        if self.classification:
+            return ("test_accuracy", "test_loss", "train_loss")
+        return ("test_loss", "train_loss")
+
+    @property
+    def headline_metric(self) -> str:
+        """The metric ``metrics.png`` plots and the run's last line reports: the first of ``metric_names``."""
+        return self.metric_names[0]
+
+    def _outputs_class_scores(self) -> bool:
+        """Integer labels of shape ``(m,)`` and model outputs of shape ``(m, c)`` with ``c >= 2`` (one forward pass)."""
+        assert self.test_data is not None
+        x_all, y_all = self.test_data
+        if not np.issubdtype(y_all.dtype, np.integer) or y_all.ndim != 1:
+            return False
+        with self._lock, self.torch.no_grad():
+            out = self._forward(self._flat(self.initial_weights()), self._x(x_all[:1]))
+        return out.ndim == 2 and out.shape[1] >= 2
 
     # ------------------------------------------------------------------ model
     @cached_property
@@ -348,6 +413,16 @@ class TorchTask:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(f"task {self.name!r}: the model has no trainable parameters")
+        buffers = [f"{n} ({str(b.dtype).removeprefix('torch.')})" for n, b in self.module.named_buffers()]
+        if buffers:
+            logger.warning(
+                "task %r: the model's buffers %s are constants at their initial values: the clients' data never "
+                "changes them and they are never sent (the model runs in eval mode, e.g. BatchNorm normalizes with "
+                "its initial running statistics); w holds the trainable parameters only. Use GroupNorm / LayerNorm "
+                "for a normalization that learns",
+                self.name,
+                ", ".join(buffers[:6]) + (" ..." if len(buffers) > 6 else ""),
+            )
         flipped = set(getattr(self.module, "flat_transposed", ()))
         bad = sorted(n for n, p in named if n in flipped and p.dim() != 2)
         if bad or not flipped <= {n for n, _ in named}:
@@ -382,6 +457,10 @@ class TorchTask:
             params[name] = chunk.view(shape).t() if layout.is_transposed(i) else chunk.view(shape)
         params.update(self._buffers)
         return params
+
+    def _flat(self, w: Vector) -> Any:
+        """``w`` as a tensor on the task's device, in the working dtype."""
+        return self.torch.as_tensor(np.asarray(w, dtype=np.float64), device=self.device).to(self.dtype)
 
     def _forward(self, flat: Any, x: Any) -> Any:
         return self.torch.func.functional_call(self.module, self._params(flat), (x,))
@@ -638,12 +717,13 @@ class TorchTask:
         """Test accuracy / loss (with test data) and the training objective ``f(w)`` over the clients' data."""
         torch = self.torch
         self.layout  # noqa: B018 - build the module before any torch.func transform
-        flat = torch.as_tensor(np.asarray(w, dtype=np.float64), device=self.device).to(self.dtype)
+        flat = self._flat(w)
+        names = self.metric_names  # decides classification (the first call) outside the lock
         out: dict[str, float] = {}
         with self._lock, torch.no_grad():
             if self.test_data is not None:
                 test_loss, test_acc = self._test_scores(flat)
-                if self.classification:
+                if "test_accuracy" in names:
                     out["test_accuracy"] = test_acc
                 out["test_loss"] = test_loss
             out["train_loss"] = self._train_objective(flat)

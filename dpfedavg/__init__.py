@@ -20,11 +20,15 @@ loads neither Flower nor torch.
 from __future__ import annotations
 
 import importlib
+from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
 from dpfedavg.config import ConfigError, RunConfig
 
-__version__ = "0.1.0"
+try:  # the version lives in one place, pyproject.toml ([project] version, which Flower's app format needs there)
+    __version__ = _metadata.version("dpfedavg")
+except _metadata.PackageNotFoundError:  # imported from a source folder that was never installed
+    __version__ = "0+unknown"
 
 #: Public name -> the module that defines it (imported on first access).
 _LAZY: dict[str, str] = {

@@ -267,7 +267,7 @@ def test_the_performance_numbers_are_the_measurement_logs() -> None:
     log = (DOCS / "development" / "benchmarks.md").read_text()
     assert "<!-- generated: performance scale -->" in (DOCS / "performance.md").read_text()
     for name, m in performance.MEASUREMENTS.items():
-        sections = "".join(_section(log, anchor) for anchor in m.sources)
+        sections = "".join(_section(log, anchor) for _, anchor in m.sources)
         values = [f"{y:g}" for s in m.series for _, y in s.points]
         values += [v for row in m.rows for cell in row for v in re.findall(r"\d+\.\d+x?", cell)]
         assert [v for v in values if v not in sections] == [], name

@@ -36,7 +36,7 @@ class Measurement:
     series: tuple[Series, ...]
     columns: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
-    sources: tuple[str, ...]
+    sources: tuple[tuple[str, str], ...]  # (title, anchor) of the log's sections
     kind: str = "line"  # "line": log-log lines over x; "bar": one horizontal bar per series
     unit: str = ""
 
@@ -56,7 +56,10 @@ SCALE = Measurement(
         ("1000", "200", "0.133 s", "0.337 s", "1.83 s"),
         ("5000", "1000", "**0.35 s**", "**0.86 s**", "9.89 s"),
     ),
-    sources=("scale-three-engines-at-n-100-1000-5000", "flower-simulation-with-virtual-clients"),
+    sources=(
+        ("Scale: three engines", "scale-three-engines-at-n-100-1000-5000"),
+        ("Flower simulation with virtual clients", "flower-simulation-with-virtual-clients"),
+    ),
 )
 
 PFL = Measurement(
@@ -76,7 +79,7 @@ PFL = Measurement(
         ("pfl-research 0.6.0, 2 processes", "0.972", "2.8x slower"),
         ("pfl-research 0.6.0, 1 process", "1.853", "5.3x slower"),
     ),
-    sources=("against-pfl-research-back-to-back",),
+    sources=(("Against pfl-research", "against-pfl-research-back-to-back"),),
 )
 
 FLOWER_DP = Measurement(
@@ -95,7 +98,7 @@ FLOWER_DP = Measurement(
         ("dpfedavg, DP-FedAvg (`clip`, server noise)", "1.392", "0.847 (0.827-0.869)", "0.20"),
         ("dpfedavg, DP-NormFedAvg (`norm`, the example)", "1.392", "**0.909** (0.888-0.931)", "0.26"),
     ),
-    sources=("dp-for-a-flower-app-side-by-side-with-flowers-wrapper",),
+    sources=(("DP for a Flower app", "dp-for-a-flower-app-side-by-side-with-flowers-wrapper"),),
 )
 
 MEASUREMENTS = {"scale": SCALE, "pfl": PFL, "flower-dp": FLOWER_DP}
@@ -122,9 +125,9 @@ def _num(v: float) -> str:
 def _legend(series: tuple[Series, ...], y0: float) -> list[str]:
     parts = []
     for i, s in enumerate(series):
-        y = y0 + 18 * i
+        y = y0 + 20 * i
         parts.append(f'<rect x="{LEFT + 12}" y="{y - 9}" width="14" height="4" fill="{s.color}" stroke="none"/>')
-        parts.append(f'<text x="{LEFT + 32}" y="{y - 3}" font-size="12">{escape(s.label)}</text>')
+        parts.append(f'<text x="{LEFT + 32}" y="{y - 3}" font-size="14">{escape(s.label)}</text>')
     return parts
 
 
@@ -145,15 +148,15 @@ def line_chart(m: Measurement) -> list[str]:
     parts = []
     for t in _ticks(ylo, yhi):
         parts.append(f'<line x1="{LEFT}" x2="{W - RIGHT}" y1="{py(t):.1f}" y2="{py(t):.1f}" stroke-opacity=".15"/>')
-        parts.append(f'<text x="{LEFT - 6}" y="{py(t) + 4:.1f}" text-anchor="end" font-size="12">{_num(t)}</text>')
+        parts.append(f'<text x="{LEFT - 6}" y="{py(t) + 4:.1f}" text-anchor="end" font-size="14">{_num(t)}</text>')
     for x in sorted(set(xs)):
-        parts.append(f'<text x="{px(x):.1f}" y="{H - BOTTOM + 18}" text-anchor="middle" font-size="12">{x:g}</text>')
+        parts.append(f'<text x="{px(x):.1f}" y="{H - BOTTOM + 18}" text-anchor="middle" font-size="14">{x:g}</text>')
     parts.append(
-        f'<text x="{(LEFT + W - RIGHT) / 2}" y="{H - 10}" text-anchor="middle" font-size="13">{escape(m.xlabel)}</text>'
+        f'<text x="{(LEFT + W - RIGHT) / 2}" y="{H - 10}" text-anchor="middle" font-size="15">{escape(m.xlabel)}</text>'
     )
     parts.append(
         f'<text transform="translate(16 {(TOP + H - BOTTOM) / 2}) rotate(-90)" text-anchor="middle" '
-        f'font-size="13">{escape(m.ylabel)} (log scale)</text>'
+        f'font-size="15">{escape(m.ylabel)} (log scale)</text>'
     )
     for s in m.series:
         pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in s.points)
@@ -166,7 +169,7 @@ def line_chart(m: Measurement) -> list[str]:
 def bar_chart(m: Measurement) -> list[str]:
     """One horizontal bar per series, labelled with its value, on a linear axis from 0."""
     top = max(y for s in m.series for _, y in s.points) * 1.15
-    label_w = 250
+    label_w = 270
     height = 40 * len(m.series)
 
     def px(v: float) -> float:
@@ -176,16 +179,16 @@ def bar_chart(m: Measurement) -> list[str]:
     for i, s in enumerate(m.series):
         value = s.points[0][1]
         y = TOP + 40 * i
-        parts.append(f'<text x="{label_w - 8}" y="{y + 19}" text-anchor="end" font-size="12">{escape(s.label)}</text>')
+        parts.append(f'<text x="{label_w - 8}" y="{y + 19}" text-anchor="end" font-size="14">{escape(s.label)}</text>')
         parts.append(
             f'<rect x="{label_w}" y="{y + 5}" width="{px(value) - label_w:.1f}" height="22" fill="{s.color}" '
             'stroke="none"/>'
         )
-        parts.append(f'<text x="{px(value) + 6:.1f}" y="{y + 20}" font-size="12">{_num(value)} {m.unit}</text>')
+        parts.append(f'<text x="{px(value) + 6:.1f}" y="{y + 20}" font-size="14">{_num(value)} {m.unit}</text>')
     parts.append(f'<line x1="{label_w}" x2="{label_w}" y1="{TOP}" y2="{TOP + height}" stroke-opacity=".5"/>')
     parts.append(
         f'<text x="{(label_w + W - RIGHT) / 2}" y="{TOP + height + 24}" text-anchor="middle" '
-        f'font-size="13">{escape(m.xlabel)}</text>'
+        f'font-size="15">{escape(m.xlabel)}</text>'
     )
     return parts
 
@@ -214,5 +217,5 @@ def generate(name: str) -> str:
     if name not in MEASUREMENTS:
         raise ValueError(f"unknown measurement {name!r}; known: {', '.join(MEASUREMENTS)}")
     m = MEASUREMENTS[name]
-    links = ", ".join(f"[{a.replace('-', ' ')}](development/benchmarks.md#{a})" for a in m.sources)
+    links = ", ".join(f"[{title}](development/benchmarks.md#{anchor})" for title, anchor in m.sources)
     return f"{chart(m)}\n\n{table(m)}\n\n*From the measurement log: {links}.*"

@@ -45,12 +45,16 @@ def _cell(text: str) -> str:
 
 
 def options_table() -> str:
-    """The Markdown table of every run_config key, from `dpfedavg.config.OPTIONS`."""
+    """The Markdown table of every run_config key, from `dpfedavg.config.OPTIONS`.
+
+    Three columns, so that it reads at the page's normal width: the key (with the paper's symbol
+    under it), the default, and the meaning followed by the allowed values.
+    """
     from dpfedavg.config import OPTIONS
 
     rows = [
-        "| key | symbol | default | allowed | meaning |",
-        "|---|---|---|---|---|",
+        "| key | default | meaning |",
+        "|---|---|---|",
     ]
     for opt in OPTIONS:
         if opt.choices:
@@ -59,10 +63,10 @@ def options_table() -> str:
             allowed = _cell(opt.allowed)
         else:
             allowed = "`true`, `false`" if opt.kind is bool else opt.kind.__name__
-        symbol = "" if opt.symbol in ("", "-") else opt.symbol
+        symbol = "" if opt.symbol in ("", "-") else f"<br>*{_cell(opt.symbol)}*"
         rows.append(
-            f'| <span id="{opt.key}"></span>`{opt.key}` | {_cell(symbol)} | `{_toml(opt.default)}` | {allowed} '
-            f"| {_cell(opt.help)} |"
+            f'| <span id="{opt.key}"></span>`{opt.key}`{symbol} | `{_toml(opt.default)}` '
+            f"| {_cell(opt.help)}<br>**Allowed:** {allowed} |"
         )
     return "\n".join(rows)
 
@@ -195,10 +199,8 @@ def _default(action: argparse.Action) -> str:
         return "required"
     if action.nargs == 0 or action.default in (None, [], "", argparse.SUPPRESS):
         return ""
-    value = action.default
-    if isinstance(value, list | tuple):
-        value = " ".join(str(v) for v in value)
-    return f"`{value}`"
+    values = action.default if isinstance(action.default, list | tuple) else [action.default]
+    return " ".join(f"`{v}`" for v in values)
 
 
 def cli_reference(program: str, *subcommands: str) -> str:

@@ -103,7 +103,7 @@ FLOWER_DP = Measurement(
 
 MEASUREMENTS = {"scale": SCALE, "pfl": PFL, "flower-dp": FLOWER_DP}
 
-W, H = 640, 340
+W, H = 640, 380
 LEFT, RIGHT, TOP, BOTTOM = 64, 16, 16, 48
 
 
@@ -132,7 +132,8 @@ def _legend(series: tuple[Series, ...], y0: float) -> list[str]:
 
 
 def line_chart(m: Measurement) -> list[str]:
-    """Log-log lines of seconds against clients, one per series, with a legend in the top left."""
+    """Log-log lines of seconds against clients, one per series, under a legend."""
+    top = TOP + 20 * len(m.series) + 10
     xs = [x for s in m.series for x, _ in s.points]
     ys = [y for s in m.series for _, y in s.points]
     x0, x1 = math.log10(min(xs)), math.log10(max(xs))
@@ -143,7 +144,7 @@ def line_chart(m: Measurement) -> list[str]:
         return LEFT + (math.log10(x) - x0) / (x1 - x0) * (W - LEFT - RIGHT - 20) + 10
 
     def py(y: float) -> float:
-        return H - BOTTOM - (math.log10(y) - y0) / (y1 - y0) * (H - TOP - BOTTOM)
+        return H - BOTTOM - (math.log10(y) - y0) / (y1 - y0) * (H - top - BOTTOM)
 
     parts = []
     for t in _ticks(ylo, yhi):
@@ -155,7 +156,7 @@ def line_chart(m: Measurement) -> list[str]:
         f'<text x="{(LEFT + W - RIGHT) / 2}" y="{H - 10}" text-anchor="middle" font-size="15">{escape(m.xlabel)}</text>'
     )
     parts.append(
-        f'<text transform="translate(16 {(TOP + H - BOTTOM) / 2}) rotate(-90)" text-anchor="middle" '
+        f'<text transform="translate(16 {(top + H - BOTTOM) / 2}) rotate(-90)" text-anchor="middle" '
         f'font-size="15">{escape(m.ylabel)} (log scale)</text>'
     )
     for s in m.series:
@@ -163,7 +164,7 @@ def line_chart(m: Measurement) -> list[str]:
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{s.color}" stroke-width="2.5"/>')
         for x, y in s.points:
             parts.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" fill="{s.color}" stroke="none"/>')
-    return parts + _legend(m.series, TOP + 14)
+    return parts + _legend(m.series, TOP + 14)  # above the plot area
 
 
 def bar_chart(m: Measurement) -> list[str]:

@@ -1,7 +1,7 @@
 """``python -m dpfedavg.deploy credentials --out DIR --hosts HOST [HOST ...] --supernodes N``.
 
 Generates the CA, the SuperLink's TLS certificate for HOSTs (names or IPs) and N
-SuperNode authentication key pairs; see :mod:`dpfedavg.deploy.credentials`.
+SuperNode authentication key pairs; see `dpfedavg.deploy.credentials`.
 
 ``python -m dpfedavg.deploy supernode-key PATH`` adds one SuperNode key pair
 (PATH and PATH.pub) to an existing federation: SuperNode authentication checks

@@ -163,6 +163,13 @@ def test_raw_markup_is_found_in_a_page_rendered_from_rst() -> None:
     assert raw_markup("<p>See <code>RunConfig</code>, <code>from_run_config()</code>.</p><pre>```</pre>") == []
 
 
+def test_the_built_site_shows_no_raw_sphinx_roles_or_double_backticks(site: Path) -> None:
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 30
+    found = {page.relative_to(site).as_posix(): markup for page in pages if (markup := raw_markup(page.read_text()))}
+    assert found == {}
+
+
 def test_the_site_has_a_logo_a_repository_link_and_a_dark_mode(site: Path) -> None:
     import tomllib
 

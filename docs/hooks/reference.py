@@ -220,7 +220,7 @@ def cli_reference(program: str, *subcommands: str) -> str:
         flags = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.dest}`"
         meaning = _without_default(formatter._expand_help(action)) if action.help else ""
         lines.append(f"| {flags} | {_argument(action, parser)} | {_default(action)} | {_md(meaning)} |")
-    return "\n".join(lines)
+    return "\n".join([*lines[:4], '<div class="dp-flags" markdown>', "", *lines[4:], "", "</div>"])
 
 
 def every_command() -> list[tuple[str, ...]]:

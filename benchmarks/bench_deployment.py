@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Seconds per round in a real deployment on loopback, and where the time goes.
 
-Starts the loopback federation of :mod:`dpfedavg.deploy.loopback` (a SuperLink
+Starts the loopback federation of `dpfedavg.deploy.loopback` (a SuperLink
 with TLS and SuperNode authentication, N ``flower-supernode`` processes, all on
 127.0.0.1, as the documentation's "Deploy on N machines"), runs the quadratic task
 with q = 1 and reads from the run's results:

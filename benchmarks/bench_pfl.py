@@ -124,7 +124,7 @@ def pfl_worker(clients: int, rounds: int, out: Path) -> None:
 
 
 def run_pfl(python: str, clients: int, rounds: int, workers: int, tmp: Path) -> dict:
-    """Launch :func:`pfl_worker` under ``python`` (``torchrun`` for more than one worker); its round times."""
+    """Launch `pfl_worker()` under ``python`` (``torchrun`` for more than one worker); its round times."""
     out = tmp / f"pfl-{workers}.json"
     worker = [str(Path(__file__).resolve()), "--pfl-worker", "--clients", str(clients), "--rounds", str(rounds),
               "--out", str(out)]  # fmt: skip

@@ -8,7 +8,7 @@ Fashion-MNIST; the cost does not depend on the pixel values):
 * ``fmnist`` logistic regression 784 x 10 (+10), ``backend = numpy``: the exact closed form of
   the E steps (``LogisticTask.client_batch_update_fn``), the reference;
 * the same with ``backend = torch``: the same closed form in torch (``LogisticTask._torch_closed_form``);
-* the same objective through the generic :class:`~dpfedavg.tasks.torch_task.TorchTask` path (``torch.func``
+* the same objective through the generic `TorchTask` path (``torch.func``
   autograd steps, vmapped over each block of clients; what any ``nn.Module`` gets), loaded as
   ``task = "<this file>:generic_logistic"`` (a user's ``module:factory``);
 * the same model as a user writes it, ``nn.Sequential(nn.Linear(784, 10))`` through ``TorchTask``

@@ -3,17 +3,17 @@
 Das, Hashemi, Sanghavi, Dhillon, "On the Convergence of Differentially Private Federated Learning on
 Non-Lipschitz Objectives, and with Normalized Client Updates". The public API:
 
-* :class:`RunConfig` (every key, validated) and :class:`ConfigError`;
-* :func:`run` (train with the batched engine) and its :class:`RunResult` (``result.load_into(module)`` puts the
+* `RunConfig` (every key, validated) and `ConfigError`;
+* `run()` (train with the batched engine) and its `RunResult` (``result.load_into(module)`` puts the
   model into your ``nn.Module``); ``load_run(path)`` loads a finished run's folder back;
-* :class:`Task` (what a task provides), :class:`TorchTask` and :class:`ArrayClients` (any ``torch.nn.Module``
+* `Task` (what a task provides), `TorchTask` and `ArrayClients` (any ``torch.nn.Module``
   with your data);
-* :class:`DPFedAvg` (the Flower strategy: dpfedavg's own apps, or keywords only in *your* ServerApp) with
-  :func:`dp_mod` (the mod for *your* ClientApp's train) and :class:`TrainingStopped` (unusable replies stopped
-  the run), and :class:`InProcessGrid` (a Flower Grid in this process, to test a strategy in isolation);
-* :func:`calibrate_noise_multiplier` and :func:`epsilon_for` (the accountant, for planning).
+* `DPFedAvg` (the Flower strategy: dpfedavg's own apps, or keywords only in *your* ServerApp) with
+  `dp_mod()` (the mod for *your* ClientApp's train) and `TrainingStopped` (unusable replies stopped
+  the run), and `InProcessGrid` (a Flower Grid in this process, to test a strategy in isolation);
+* `calibrate_noise_multiplier()` and `epsilon_for()` (the accountant, for planning).
 
-Names other than :class:`RunConfig` and :class:`ConfigError` are imported on first use, so ``import dpfedavg``
+Names other than `RunConfig` and `ConfigError` are imported on first use, so ``import dpfedavg``
 loads neither Flower nor torch.
 """
 

@@ -6,7 +6,7 @@ From a notebook or a script::
     result = run(RunConfig(algorithm="norm", epsilon=5.0, num_rounds=50), progress=False)
     result.weights, result.random_iterate, result.epsilon, result.history, result.directory
 
-``task=`` takes a :class:`~dpfedavg.tasks.base.Task` (for instance a :class:`~dpfedavg.TorchTask` around
+``task=`` takes a `Task` (for instance a `TorchTask` around
 your own ``nn.Module``) or a factory ``factory(cfg) -> Task``; without it the task ``config.task`` names
 is built. The run writes the same files as ``python -m dpfedavg.run`` and ``flwr run``
 (``metrics.csv``, ``config.json``, ``model.npz``, ``metrics.png`` with matplotlib) and gives the same
@@ -52,7 +52,7 @@ def run(
     Parameters
     ----------
     config:
-        The run's configuration (default: :class:`~dpfedavg.config.RunConfig`'s defaults, the paper's
+        The run's configuration (default: `RunConfig`'s defaults, the paper's
         §4.4 quadratic with DP-NormFedAvg).
     task:
         A Task, or a factory called with the config; ``None`` builds the task ``config.task`` names.

@@ -2,21 +2,21 @@
 
 Flower hands the app a flat ``run_config`` dict with kebab-case keys (the defaults live in
 ``pyproject.toml`` under ``[tool.flwr.app.config]``; ``--run-config`` overrides them);
-:meth:`RunConfig.from_run_config` turns it into a typed :class:`RunConfig`. From Python,
+`RunConfig.from_run_config()` turns it into a typed `RunConfig`. From Python,
 ``RunConfig(algorithm="norm", epsilon=5.0)`` builds one directly. Either way every field is
 checked in ``__post_init__`` (its type, range and allowed values, then the combinations) and a bad
-value raises one :class:`ConfigError` naming every bad key, its value and what is allowed, before
+value raises one `ConfigError` naming every bad key, its value and what is allowed, before
 any expensive start-up.
 
 Each key is declared once, on its field: ``local_steps: int = option(20, "E", "...")`` holds the
 default, the paper's symbol, the help text, the allowed values and whether the key defines the
-trajectory or the privacy guarantee (:class:`Option`, collected in :data:`OPTIONS`). The choices of
+trajectory or the privacy guarantee (`Option`, collected in `OPTIONS`). The choices of
 ``algorithm``, ``noise-placement``, ``noise-mechanism`` and ``accountant`` are the names of their registries
-(:data:`dpfedavg.core.dp.BOUNDS`, :data:`dpfedavg.core.mechanism.PLACEMENTS`,
-:data:`dpfedavg.privacy.noise_mechanisms.NOISE_MECHANISMS`, :data:`dpfedavg.privacy.accountants.ACCOUNTANTS`),
+(`dpfedavg.core.dp.BOUNDS`, `dpfedavg.core.mechanism.PLACEMENTS`,
+`dpfedavg.privacy.noise_mechanisms.NOISE_MECHANISMS`, `dpfedavg.privacy.accountants.ACCOUNTANTS`),
 and the noise mechanism checks its own keys
-(:meth:`~dpfedavg.privacy.noise_mechanisms.NoiseMechanism.config_errors`). Whether ``task`` names a task is
-checked where tasks are built (:func:`dpfedavg.tasks.resolve_task`): this module imports no task and no user code.
+(`config_errors()`). Whether ``task`` names a task is
+checked where tasks are built (`dpfedavg.tasks.resolve_task()`): this module imports no task and no user code.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Option:
-    """One run_config key: its type, paper symbol, help, allowed values and default (see :func:`option`)."""
+    """One run_config key: its type, paper symbol, help, allowed values and default (see `option()`)."""
 
     key: str
     kind: type
@@ -65,10 +65,10 @@ class Option:
     choices: tuple[Any, ...] | None = None
     #: A string accepted instead of a number; it becomes ``None`` in the dataclass.
     sentinel: str | None = None
-    #: Defines the trajectory: a resumed run may not change it (see :mod:`dpfedavg.io.checkpoint`).
+    #: Defines the trajectory: a resumed run may not change it (see `dpfedavg.io.checkpoint`).
     trajectory: bool = False
     #: The privacy guarantee depends on it: a resumed run may not change it, and ``config.json`` records it
-    #: with the guarantee (see :func:`dpfedavg.io.checkpoint.privacy_signature`).
+    #: with the guarantee (see `dpfedavg.io.checkpoint.privacy_signature()`).
     privacy: bool = False
     #: The field's default (``None`` where the sentinel stands for it).
     field_default: Any = None
@@ -97,7 +97,7 @@ def option(
     trajectory: bool = False,
     privacy: bool = False,
 ) -> Any:
-    """A :class:`RunConfig` field declaring its key: the default and everything :class:`Option` holds."""
+    """A `RunConfig` field declaring its key: the default and everything `Option` holds."""
     spec = {
         "symbol": symbol,
         "help": help,
@@ -127,9 +127,9 @@ SERVER_LR_FOLLOWS_LOCAL = "eta"
 NOISE_MULTIPLIER_AUTO = "auto"
 #: ``bands`` / ``max-participations`` value meaning "derive it" (``floor(n / r)`` / ``ceil(K / b)``).
 BANDED_AUTO = "auto"
-#: ``participation`` schemes of banded-MF noise (:class:`dpfedavg.core.participation.Participation`).
+#: ``participation`` schemes of banded-MF noise (`dpfedavg.core.participation.Participation`).
 PARTICIPATION_SCHEMES: tuple[str, ...] = ("cyclic", "min-separation", "cyclic-poisson")
-#: ``clip-count-stddev`` value meaning :func:`dpfedavg.core.adaptive_clip.auto_count_stddev` of the run's ``z``.
+#: ``clip-count-stddev`` value meaning `dpfedavg.core.adaptive_clip.auto_count_stddev()` of the run's ``z``.
 CLIP_COUNT_STDDEV_AUTO = "auto"
 #: ``backend`` of the logistic-regression tasks.
 BACKENDS: tuple[str, ...] = ("numpy", "torch")
@@ -140,7 +140,7 @@ TORCH_DTYPES: tuple[str, ...] = ("float32", "float64")
 
 #: The ranges the code can honour (issue 29): outside them a run would hang, exhaust memory or mean nothing.
 #: K: per-round state (metrics.csv, the checkpoint's per-round statistics) grows with it; the accountants bound
-#: their own memory (:data:`dpfedavg.privacy.accountants.PLD_MIN_SIGMA`).
+#: their own memory (`dpfedavg.privacy.accountants.PLD_MIN_SIGMA`).
 MAX_ROUNDS = 100_000
 #: A target epsilon: calibration terminates in seconds over the whole range (measured on the benchmarks page).
 EPSILON_RANGE = (0.01, 100.0)
@@ -174,8 +174,8 @@ class RunConfig:
     """A validated run configuration (snake_case fields mirror the kebab-case keys).
 
     Build it from Python (``RunConfig(algorithm="norm", epsilon=5.0)``) or from Flower's flat
-    ``run_config`` (:meth:`from_run_config`); :meth:`replace` changes fields. Every construction is
-    validated: a bad value raises one :class:`ConfigError` naming every bad key.
+    ``run_config`` (`from_run_config()`); `replace()` changes fields. Every construction is
+    validated: a bad value raises one `ConfigError` naming every bad key.
     """
 
     task: str = option("quadratic", "-", "objective and data: a registered task or a user's 'module:factory' / '/path/file.py:factory'", "a task name", lambda x: bool(x.strip()), trajectory=True)  # noqa: E501
@@ -402,7 +402,7 @@ class RunConfig:
         return errors
 
 
-#: Every run_config key, in the order of the :class:`RunConfig` fields.
+#: Every run_config key, in the order of the `RunConfig` fields.
 OPTIONS: tuple[Option, ...] = tuple(
     Option(
         key=f.name.replace("_", "-"),

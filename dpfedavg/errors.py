@@ -11,4 +11,4 @@ class ConfigError(ValueError):
 
 class ResultsError(OSError):
     """A run's results could not be written (a full disk, say): the run stops, and the message says what is
-    on disk and how to resume (:mod:`dpfedavg.io.atomic` leaves every file complete)."""
+    on disk and how to resume (`dpfedavg.io.atomic` leaves every file complete)."""

@@ -1,7 +1,7 @@
 """A plain-numpy implementation of Alg. 1 / Alg. 2 on the quadratic task.
 
 Written from the paper and the documented seeding contract
-(:mod:`dpfedavg.core.seeding`) only: it imports nothing from ``dpfedavg`` so
+(`dpfedavg.core.seeding`) only: it imports nothing from ``dpfedavg`` so
 that a bug in the package's core cannot cancel out in a comparison.
 Stream numbers: 0 task data (per client), 1 init, 2 sampling (per round),
 3 noise (per round seed, then per client), 4 random iterate (per round,

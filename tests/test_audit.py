@@ -130,7 +130,7 @@ def test_many_clients_are_sampled_in_bounded_chunks() -> None:
 
 # ---------------------------------------------------------------- the batch agrees with released_sum
 def _reference_sums(setting: AuditSetting, world: int, trials: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """One round per trial through the core's :func:`released_sum` (the engines' add_noise + top-up)."""
+    """One round per trial through the core's `released_sum()` (the engines' add_noise + top-up)."""
     rng = np.random.default_rng(seed)
     placement, n = setting.placement, setting.num_clients
     t, s = np.empty(trials), np.empty(trials)

@@ -1,6 +1,6 @@
 """Runs as a batch dimension (engines/batched_runs.py, core/runs.py): the same results as one run at a time.
 
-The equivalence tests run small grids both ways, one cell at a time with :func:`run_batched` and as
+The equivalence tests run small grids both ways, one cell at a time with `run_batched()` and as
 batches through the sweep, and compare ``synthetic.csv`` / ``table1.csv`` (and every ``metrics.csv``
 column) to 1e-9, for each algorithm, with q < 1, momentum, both noise placements a sweep uses and a
 privacy budget that stops some runs early.

@@ -1,7 +1,7 @@
 """An edited checkpoint cannot lower epsilon or slip bad state into a resumed run (issue 29, part 3).
 
 A run is interrupted after round 6 (checkpoint after round 5), its ``checkpoint.npz`` is edited as an attacker
-(or a bit flip) would, and the resume must either refuse with one :class:`CheckpointError` naming the field,
+(or a bit flip) would, and the resume must either refuse with one `CheckpointError` naming the field,
 or, where the edit is harmless, report exactly the epsilon that the rounds it ran cost (recomputed here
 with a fresh accountant: every round's (q, z) is public).
 """

@@ -1,6 +1,6 @@
 """Configurations bounded before any work (issue 29, part 4).
 
-Each key's range is what the code can honour; a value outside it is one :class:`ConfigError` naming the key,
+Each key's range is what the code can honour; a value outside it is one `ConfigError` naming the key,
 the value and the allowed range, raised when the config is built (or, for combinations only the privacy
 plan can judge, by the plan), never a hang, a MemoryError or a traceback. The ``timeout`` marks below are
 hang detectors (the issue's cases ran for minutes or exhausted memory), not speed targets: the measured

@@ -1,7 +1,7 @@
 """Deployment on loopback: a real SuperLink with TLS and SuperNode authentication, SuperNodes as processes.
 
 Marked ``deployment`` (and ``slow``); run in CI. Every process is started and
-stopped by PID by :class:`dpfedavg.deploy.loopback.LoopbackFederation`, also on failure.
+stopped by PID by `dpfedavg.deploy.loopback.LoopbackFederation`, also on failure.
 """
 
 from __future__ import annotations

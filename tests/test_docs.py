@@ -4,8 +4,13 @@
   (``.ci/run`` runs the second), its links point at files that exist.
 * ``mkdocs build --strict`` builds the site: a dead link or anchor, a missing page or a page left
   out of the navigation fails (checked on a copy with one of each planted).
-* The configuration reference is generated from ``dpfedavg.config.OPTIONS`` and lists every key;
+* The configuration reference is generated from `dpfedavg.config.OPTIONS` and lists every key;
   a page that links a key the package no longer has fails.
+* The built site shows no raw Sphinx roles (class, meth, func... between colons) and no RST double backticks: the
+  docstrings are written for the site's renderer (mkdocstrings, Markdown).
+* The command-line reference has a section for every command of the three programs, its flags in a
+  table read from the program's parser.
+* The Performance page's numbers are the measurement log's.
 * User pages speak to users: no issue numbers, no history, no "this machine" (the benchmarks page
   and the changelog excepted).
 
@@ -88,12 +93,98 @@ def _mkdocs(root: Path, site: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_mkdocs_build_strict(tmp_path: Path) -> None:
-    result = _mkdocs(ROOT, tmp_path / "site")
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built once for this module's tests (`mkdocs build --strict`)."""
+    out = tmp_path_factory.mktemp("built") / "site"
+    result = _mkdocs(ROOT, out)
     assert result.returncode == 0, result.stdout + result.stderr
-    page = (tmp_path / "site" / "reference" / "configuration" / "index.html").read_text()
+    return out
+
+
+def test_mkdocs_build_strict(site: Path) -> None:
+    page = (site / "reference" / "configuration" / "index.html").read_text()
     for opt in OPTIONS:
         assert f'id="{opt.key}"' in page, opt.key
+
+
+class _Text(HTMLParser):
+    """The text of a page as a reader sees it (scripts and the search index left out), `<pre>` apart."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.text: list[str] = []
+        self.pre: list[str] = []
+        self._skip = 0
+        self._in_pre = 0
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self._skip += tag in ("script", "style")
+        self._in_pre += tag == "pre"
+
+    def handle_endtag(self, tag: str) -> None:
+        self._skip -= tag in ("script", "style") and self._skip > 0
+        self._in_pre -= tag == "pre" and self._in_pre > 0
+
+    def handle_data(self, data: str) -> None:
+        if not self._skip:
+            (self.pre if self._in_pre else self.text).append(data)
+
+
+ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|data|attr|exc|obj|const|ref|term):`?")
+DOUBLE = re.compile(r"(?<!`)``(?!`)(?:[^`\n]*(?<!`)``(?!`))?")  # ``x`` (or a lone ``), not a fence
+
+
+def raw_markup(html: str) -> list[str]:
+    """Sphinx roles, RST double backticks (a Markdown fence's three are fine) and `~a.b` cross-reference
+    residue, as a reader of the page would see them."""
+    page = _Text()
+    page.feed(html)
+    text, pre = "".join(page.text), "".join(page.pre)
+    found = [m.group(0) for m in ROLE.finditer(text + pre)]
+    everything = text + pre
+    found += [everything[max(m.start() - 20, 0) : m.end() + 20] for m in re.finditer(DOUBLE, everything)]
+    found += [m.group(0) for m in re.finditer(r"(?<![\w/])~[a-z_]+\.[\w.]+", text)]
+    return found
+
+
+def test_raw_markup_is_found_in_a_page_rendered_from_rst() -> None:
+    tick = "`"  # kept apart so that a script converting roles in the sources leaves this test alone
+    html = (
+        "<p>Raises <code>ConfigError</code>; see :class:<code>~dpfedavg.config.RunConfig</code> and :meth:"
+        + tick
+        + "from_run_config"
+        + tick
+        + ", ``sampling_rate``.</p><pre>```python</pre><script>var a = ':class:'</script>"
+    )
+    found = raw_markup(html)
+    assert found[:2] == [":class:", ":meth:" + tick] and found[3:] == ["~dpfedavg.config.RunConfig"]
+    assert "``sampling_rate``" in found[2]
+    assert raw_markup("<p>See <code>RunConfig</code>, <code>from_run_config()</code>.</p><pre>```</pre>") == []
+
+
+def test_the_built_site_shows_no_raw_sphinx_roles_or_double_backticks(site: Path) -> None:
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 30
+    found = {page.relative_to(site).as_posix(): markup for page in pages if (markup := raw_markup(page.read_text()))}
+    assert found == {}
+
+
+def test_the_site_has_a_logo_a_repository_link_and_a_dark_mode(site: Path) -> None:
+    import tomllib
+
+    import yaml
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python/name:", ""))
+    schemes = {p["scheme"] for p in config["theme"]["palette"]}
+    assert schemes == {"default", "slate"} and all("toggle" in p for p in config["theme"]["palette"])
+    assert (DOCS / config["theme"]["logo"]).read_text().lstrip().startswith("<svg")
+    home = (site / "index.html").read_text()
+    assert f'href="{config["repo_url"]}"' in home and "md-logo" in home and "logo.svg" in home
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("urls", {})
+    for name in ("Repository", "Source", "repository", "source"):
+        if name in urls:  # the site links the repository the package's metadata names
+            assert config["repo_url"].rstrip("/") == urls[name].rstrip("/")
 
 
 def test_mkdocs_strict_fails_on_a_dead_link_a_dead_anchor_and_a_page_left_out(tmp_path: Path) -> None:
@@ -137,6 +228,57 @@ def test_every_key_a_page_names_exists() -> None:
     }
     assert named, "pages link keys to the configuration reference"
     assert [(page, key) for page, key in sorted(named) if key not in keys] == []
+
+
+# ------------------------------------------------------------------ the command-line reference
+def test_every_command_has_a_section_on_the_command_line_page() -> None:
+    hook = _hook()
+    page = (DOCS / "reference" / "cli.md").read_text()
+    commands = hook.every_command()
+    assert ("run_sim.py", "synthetic") in commands and ("dpfedavg.deploy", "supernode") in commands
+    assert [c for c in commands if f"<!-- generated: cli {' '.join(c)} -->" not in page] == []
+    assert "<!-- generated: help" not in page  # no raw --help dumps
+
+
+@pytest.mark.parametrize("command", [("dpfedavg.run",), ("run_sim.py", "table1"), ("dpfedavg.deploy", "supernode")])
+def test_the_flags_table_lists_every_flag_of_the_parser(command: tuple[str, ...]) -> None:
+    hook = _hook()
+    table = hook.cli_reference(*command)
+    flags = [f for a in hook.parser_of(*command)._actions for f in a.option_strings if f not in ("-h", "--help")]
+    assert flags
+    rows = [line for line in table.splitlines() if line.startswith("| `-")]
+    assert len(rows) == len(hook.parser_of(*command)._actions) - 1  # one row per action but --help
+    assert [f for f in flags if f"`{f}`" not in table] == []
+    assert "``" not in table.replace("```", "")
+
+
+def test_a_subcommand_the_program_does_not_have_fails_the_build() -> None:
+    with pytest.raises(ValueError, match="has no subcommand 'no-such'; it has synthetic"):
+        _hook().generate("cli run_sim.py no-such")
+
+
+# ------------------------------------------------------------------ the performance page
+def _section(markdown: str, anchor: str) -> str:
+    """The text of the `##`/`###` section of a page whose heading slug is `anchor`."""
+    from markdown.extensions.toc import slugify
+
+    parts = re.split(r"^###? (.+)$", markdown, flags=re.M)
+    for heading, body in zip(parts[1::2], parts[2::2], strict=True):
+        if slugify(heading, "-") == anchor:
+            return body
+    raise AssertionError(f"no section #{anchor}")
+
+
+def test_the_performance_numbers_are_the_measurement_logs() -> None:
+    performance = _hook()._performance()
+    log = (DOCS / "development" / "benchmarks.md").read_text()
+    assert "<!-- generated: performance scale -->" in (DOCS / "performance.md").read_text()
+    for name, m in performance.MEASUREMENTS.items():
+        sections = "".join(_section(log, anchor) for _, anchor in m.sources)
+        values = [f"{y:g}" for s in m.series for _, y in s.points]
+        values += [v for row in m.rows for cell in row for v in re.findall(r"\d+\.\d+x?", cell)]
+        assert [v for v in values if v not in sections] == [], name
+        assert "<svg" in performance.generate(name)
 
 
 # ------------------------------------------------------------------ user pages speak to users

@@ -1,8 +1,8 @@
 """A malicious or compromised server against the real ClientApp: the SuperNode operator's policy (issue 29, part 1).
 
-Every test drives :data:`dpfedavg.flower.client_app.app` through :class:`~dpfedavg.flower.testing.InProcessGrid`
+Every test drives `dpfedavg.flower.client_app.app` through `InProcessGrid`
 with the node's ``--node-config`` (``partition-id``, ``num-partitions`` and the policy keys of
-:mod:`dpfedavg.privacy.policy`). A TRAIN message is built from the honest server's instructions for the round
+`dpfedavg.privacy.policy`). A TRAIN message is built from the honest server's instructions for the round
 and then tampered with, as a server that lies would.
 """
 

@@ -1,7 +1,7 @@
 """A malicious server against the node's one enforcement point: every message type, its own noise, partial policies.
 
-Both clients are driven through :class:`~dpfedavg.flower.testing.InProcessGrid` as Flower routes messages: dpfedavg's
-own ClientApp (:data:`dpfedavg.flower.client_app.app`) and a small user app built here with :func:`dpfedavg.dp_mod`,
+Both clients are driven through `InProcessGrid` as Flower routes messages: dpfedavg's
+own ClientApp (`dpfedavg.flower.client_app.app`) and a small user app built here with `dpfedavg.dp_mod()`,
 as an app-level mod and per handler. Each test is named by the attack; a refusal is an error reply, and whatever is
 answered is checked against a closed form computed here (the noise std ``z C / sqrt(|S_k|)``, the clipped update).
 """

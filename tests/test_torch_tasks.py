@@ -1,6 +1,6 @@
 """Torch tasks (issue 18): the torch.func adapter, mini-batches, the logistic torch backend, user task modules.
 
-Every equality is against an independent computation: :func:`dpfedavg.core.client_update`
+Every equality is against an independent computation: `dpfedavg.core.client_update()`
 (the step-by-step loop every engine shares) on the task's own single-client gradient, the
 numpy backend's closed form, or a per-client loop. Tolerances: float64 1e-9 (observed ~1e-15),
 float32 1e-5 relative to ``max |u|`` (observed ~1e-7). Runs on the CPU build; on a machine with a

@@ -2,36 +2,37 @@
 
 A page asks for a part with an HTML comment on a line of its own:
 
-* ``<!-- generated: options -->``: the table of every run_config key, from ``dpfedavg.config.OPTIONS``
+* `<!-- generated: options -->`: the table of every run_config key, from `dpfedavg.config.OPTIONS`
   (key, paper symbol, default, allowed values, meaning), so the configuration reference cannot drift;
-* ``<!-- generated: metrics-columns -->``: ``metrics.csv``'s columns, in order (``RoundStats.columns``);
-* ``<!-- generated: help PROGRAM [SUBCOMMAND] -->``: the ``--help`` text of ``run_sim.py``,
-  ``python -m dpfedavg.run`` or ``python -m dpfedavg.deploy`` (argparse's own output);
-* ``<!-- generated: test-files -->``: every ``tests/test_*.py`` with the first line of its docstring;
-* ``<!-- generated: layout -->``: every module of the package with the first line of its docstring.
+* `<!-- generated: metrics-columns -->`: `metrics.csv`'s columns, in order (`RoundStats.columns`);
+* `<!-- generated: cli PROGRAM [SUBCOMMAND] -->`: the usage line and a table of the flags (or of the
+  subcommands) of `run_sim.py`, `python -m dpfedavg.run` or `python -m dpfedavg.deploy`, read from the
+  program's own argparse parser;
+* `<!-- generated: test-files -->`: every `tests/test_*.py` with the first line of its docstring;
+* `<!-- generated: layout -->`: every module of the package with the first line of its docstring;
+* `<!-- generated: performance NAME -->`: a table and a chart of one set of measurements (`performance.py`).
 
 An unknown marker fails the build. The functions are plain so that tests can call them.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
-import contextlib
 import importlib.util
-import io
-import os
 import re
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^<!-- generated: (?P<what>[^>]*?) -->$", re.M)
 
 
 def _toml(value: Any) -> str:
-    """A default as it is written in ``pyproject.toml`` / ``--run-config``."""
+    """A default as it is written in `pyproject.toml` / `--run-config`."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -44,12 +45,16 @@ def _cell(text: str) -> str:
 
 
 def options_table() -> str:
-    """The Markdown table of every run_config key, from ``dpfedavg.config.OPTIONS``."""
+    """The Markdown table of every run_config key, from `dpfedavg.config.OPTIONS`.
+
+    Three columns, so that it reads at the page's normal width: the key (with the paper's symbol
+    under it), the default, and the meaning followed by the allowed values.
+    """
     from dpfedavg.config import OPTIONS
 
     rows = [
-        "| key | symbol | default | allowed | meaning |",
-        "|---|---|---|---|---|",
+        "| key | default | meaning |",
+        "|---|---|---|",
     ]
     for opt in OPTIONS:
         if opt.choices:
@@ -58,16 +63,16 @@ def options_table() -> str:
             allowed = _cell(opt.allowed)
         else:
             allowed = "`true`, `false`" if opt.kind is bool else opt.kind.__name__
-        symbol = "" if opt.symbol in ("", "-") else opt.symbol
+        symbol = "" if opt.symbol in ("", "-") else f"<br>*{_cell(opt.symbol)}*"
         rows.append(
-            f'| <span id="{opt.key}"></span>`{opt.key}` | {_cell(symbol)} | `{_toml(opt.default)}` | {allowed} '
-            f"| {_cell(opt.help)} |"
+            f'| <span id="{opt.key}"></span>`{opt.key}`{symbol} | `{_toml(opt.default)}` '
+            f"| {_cell(opt.help)}<br>**Allowed:** {allowed} |"
         )
     return "\n".join(rows)
 
 
 def metrics_columns() -> str:
-    """``metrics.csv``'s columns for a task with metrics ``<task metrics>``, as one code line."""
+    """`metrics.csv`'s columns for a task with metrics `<task metrics>`, as one code line."""
     from dpfedavg.io.metrics import RoundStats
 
     return "`" + ",".join(RoundStats.columns(("<task metrics>",))) + "`"
@@ -80,28 +85,156 @@ def _load_run_sim() -> Any:
     return module
 
 
-def help_text(program: str, *args: str) -> str:
-    """The ``--help`` output of one of the project's command-line programs (80 columns)."""
+PROGRAMS = ("dpfedavg.run", "run_sim.py", "dpfedavg.deploy")
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing, carrying the parser a program's `main` built."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+def _main_of(program: str) -> Any:
     if program == "run_sim.py":
-        main = _load_run_sim().main
-    elif program == "dpfedavg.run":
+        return _load_run_sim().main
+    if program == "dpfedavg.run":
         from dpfedavg.run import main
-    elif program == "dpfedavg.deploy":
+
+        return main
+    if program == "dpfedavg.deploy":
         from dpfedavg.deploy.__main__ import main
-    else:
-        raise ValueError(f"unknown program {program!r}")
-    out = io.StringIO()
-    old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "80"
-    try:
-        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-            main([*args, "--help"])
-    finally:
-        if old is None:
-            del os.environ["COLUMNS"]
+
+        return main
+    raise ValueError(f"unknown program {program!r}; known: {', '.join(PROGRAMS)}")
+
+
+def parser_of(program: str, *subcommands: str) -> argparse.ArgumentParser:
+    """The argparse parser that `main` of a program builds (its subcommand's, if named), without running it."""
+
+    def stop(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        raise _Parsed(self)
+
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", stop),
+        mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop),
+    ):
+        try:
+            _main_of(program)([])
+        except _Parsed as parsed:
+            parser = parsed.parser
+        else:  # pragma: no cover - every program parses its arguments
+            raise ValueError(f"{program} did not build a parser")
+    for name in subcommands:
+        choices = _subcommands(parser)
+        if name not in choices:
+            raise ValueError(f"{parser.prog} has no subcommand {name!r}; it has {', '.join(choices)}")
+        parser = choices[name]
+    return parser
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _subcommand_help(parser: argparse.ArgumentParser) -> dict[str, str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return {a.dest: a.help or "" for a in action._choices_actions}
+    return {}
+
+
+def _md(text: str) -> str:
+    """argparse help (which may use RST double backticks) as one Markdown table cell; `<` and `>`
+    outside code spans are shown, not read as HTML."""
+    text = re.sub(r"``(.+?)``", r"`\1`", " ".join(text.split()))
+    parts = text.split("`")
+    parts[::2] = [p.replace("<", "&lt;").replace(">", "&gt;") for p in parts[::2]]
+    return _cell("`".join(parts))
+
+
+def _without_default(help_text: str) -> str:
+    """A flag's help without the "(default X)" its default column already shows."""
+    text = re.sub(r"\s*\(default:? [^()]*\)\s*$", "", help_text.strip())
+    return "" if re.fullmatch(r"default:? .*", text) else text
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    """The command with its required arguments; `[options]` stands for the flags in the table."""
+    formatter = parser._get_formatter()
+    words = [parser.prog]
+    optional = False
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            words.append("COMMAND")
+        elif not action.option_strings:
+            words.append(formatter._format_args(action, action.dest.upper()))
+        elif action.required:
+            words.append(f"{action.option_strings[-1]} {formatter._format_args(action, action.dest.upper())}")
         else:
-            os.environ["COLUMNS"] = old
-    return "```text\n" + out.getvalue().rstrip() + "\n```"
+            optional = True
+    return " ".join(words + (["[options]"] if optional else []))
+
+
+def _argument(action: argparse.Action, parser: argparse.ArgumentParser) -> str:
+    if action.nargs == 0:
+        return ""
+    if action.choices is not None:
+        return ", ".join(f"`{c}`" for c in action.choices)
+    formatter = parser._get_formatter()
+    default = action.dest.upper() if action.option_strings else action.dest
+    text = formatter._format_args(action, default)
+    repeat = " (repeatable)" if isinstance(action, argparse._AppendAction) else ""
+    return f"`{text}`{repeat}"
+
+
+def _default(action: argparse.Action) -> str:
+    if action.required or (not action.option_strings and action.nargs not in ("?", "*")):
+        return "required"
+    if action.nargs == 0 or action.default in (None, [], "", argparse.SUPPRESS):
+        return ""
+    values = action.default if isinstance(action.default, list | tuple) else [action.default]
+    return " ".join(f"`{v}`" for v in values)
+
+
+def cli_reference(program: str, *subcommands: str) -> str:
+    """The usage line and a table of one command's flags, or of its subcommands, from its parser."""
+    parser = parser_of(program, *subcommands)
+    lines = ["```text", _usage(parser), "```", ""]
+    subs = _subcommand_help(parser)
+    if subs:
+        lines += ["| command | what it does |", "|---|---|"]
+        lines += [f"| `{name}` | {_md(text)} |" for name, text in subs.items()]
+        return "\n".join(lines)
+    formatter = parser._get_formatter()
+    lines += ["| flag | value | default | meaning |", "|---|---|---|---|"]
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        flags = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.dest}`"
+        meaning = _without_default(formatter._expand_help(action)) if action.help else ""
+        lines.append(f"| {flags} | {_argument(action, parser)} | {_default(action)} | {_md(meaning)} |")
+    return "\n".join([*lines[:4], '<div class="dp-flags" markdown>', "", *lines[4:], "", "</div>"])
+
+
+def every_command() -> list[tuple[str, ...]]:
+    """Every (program, subcommand...) the programs have, in the order they declare them."""
+    out: list[tuple[str, ...]] = []
+
+    def walk(path: tuple[str, ...]) -> None:
+        out.append(path)
+        for name in _subcommands(parser_of(*path)):
+            walk((*path, name))
+
+    for program in PROGRAMS:
+        walk((program,))
+    return out
 
 
 def _first_line(path: Path) -> str:
@@ -130,6 +263,16 @@ def layout() -> str:
     return "\n".join(rows)
 
 
+def _performance() -> Any:
+    """The Performance page's measurements (`performance.py` beside this hook)."""
+    if "docs_performance" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("docs_performance", Path(__file__).with_name("performance.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["docs_performance"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["docs_performance"]
+
+
 def generate(what: str) -> str:
     """The Markdown for one marker."""
     words = shlex.split(what)
@@ -141,8 +284,10 @@ def generate(what: str) -> str:
         return test_files()
     if words == ["layout"]:
         return layout()
-    if words and words[0] == "help":
-        return help_text(*words[1:])
+    if words and words[0] == "cli":
+        return cli_reference(*words[1:])
+    if words and words[0] == "performance":
+        return _performance().generate(*words[1:])
     raise ValueError(f"unknown generated part {what!r}")
 
 

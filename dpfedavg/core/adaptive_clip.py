@@ -30,8 +30,8 @@ multiplier ``z`` and the accountant (``PoissonSampled(q, Gaussian(z))``) is unch
     g_aug = (g, s (b_i - 1/2)),    ||g_aug|| <= C_aug = sqrt(C^2 + s^2 / 4),
 
 and the ``d + 1``-vector goes through the unchanged machinery with ``C_aug`` in place of ``C``: the noise
-placement (:mod:`dpfedavg.core.mechanism`: each client's share, the server's top-up, the central noise), the
-secure-aggregation encoding (:mod:`dpfedavg.core.secagg`: conditional rounding keeps ``||g~_aug|| <= C_aug``)
+placement (`dpfedavg.core.mechanism`: each client's share, the server's top-up, the central noise), the
+secure-aggregation encoding (`dpfedavg.core.secagg`: conditional rounding keeps ``||g~_aug|| <= C_aug``)
 and the fixed denominator. The sum then carries ``N(0, (z C_aug)^2 I_{d+1})`` and ``z C_aug = z_u C``
 exactly, so the update part has std ``z_u C`` and the count, divided by ``s``, std ``sigma_b``. Without noise
 (``z = 0``) the count is exact and ``s = C`` (any positive scale would do).
@@ -96,7 +96,7 @@ def auto_count_stddev(noise_multiplier: float, clients_per_round: float) -> floa
     Andrew et al. 2021 recommend ``sigma_b = r/20``, which is only allowed when ``sigma_b > z/2``
     (``z < r/10``); at the paper's noise levels it is not. The second term always is: it is the
     ``sigma_b`` at which splitting off the count raises the update's noise multiplier by 10%
-    (:func:`count_stddev_for_inflation`). Without noise (``z = 0``) it is ``r/20``.
+    (`count_stddev_for_inflation()`). Without noise (``z = 0``) it is ``r/20``.
     """
     sigma_b = default_count_stddev(clients_per_round)
     if noise_multiplier > 0:
@@ -175,7 +175,7 @@ class AdaptiveClip:
     #: ``C_k`` never leaves ``[clip_floor, clip_ceiling]`` (the ``clip-range-factor`` key: ``C_0 / F``, ``C_0 F``):
     #: the released count ``T_k`` carries Gaussian noise and, without secure aggregation, whatever a client sent
     #: that passed the server's plausibility checks, so the rule alone could drive ``C_k`` to 0 (then ``s = 0``
-    #: and :meth:`split` divides by it) or to infinity.
+    #: and `split()` divides by it) or to infinity.
     clip_floor: float = 0.0
     clip_ceiling: float = math.inf
 

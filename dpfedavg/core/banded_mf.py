@@ -7,23 +7,23 @@ al. 2021, "Practical and private (deep) learning without sampling or shuffling";
 i.i.d. ``N(0, sigma^2 I_d)``, and ``C`` is a ``K x K`` lower-triangular **b-banded Toeplitz** strategy
 matrix, ``C[i, j] = c_{i-j}`` for ``0 <= i - j < b`` and 0 otherwise.
 
-* :func:`sqrt_prefix_coefficients` is the default strategy: ``c_j = binom(2j, j) / 4^j``, the Toeplitz
+* `sqrt_prefix_coefficients()` is the default strategy: ``c_j = binom(2j, j) / 4^j``, the Toeplitz
   square root of the prefix-sum matrix (``C C = A``; Fichtenberger, Henzinger, Upadhyay 2023, "Constant
   matters: fine-grained error bound on differentially private continual observation"), cut to ``b`` bands
   (Choquette-Choo et al. 2023, §4).
-* :class:`BandedNoiseStream` releases ``(C^{-1} Z)_k`` one round at a time by forward substitution,
+* `BandedNoiseStream` releases ``(C^{-1} Z)_k`` one round at a time by forward substitution,
   ``w_k = (z_k - sum_{j=1}^{b-1} c_j w_{k-j}) / c_0`` (Choquette-Choo et al. 2023, Algorithm 9): O(b d)
   time and memory per round, with ``state_dict`` / ``load_state_dict`` for a bit-identical resume.
-* :func:`minsep_sensitivity` is the sensitivity of ``C x`` when one client's participations are at least
+* `minsep_sensitivity()` is the sensitivity of ``C x`` when one client's participations are at least
   ``b`` rounds apart: the columns of a b-banded ``C`` at distance ``>= b`` touch disjoint rows, so
   ``||C (x - x')||_F^2 = sum_t ||C[:, t]||^2 ||g_t||^2`` and the worst case is the sum of the largest
   allowed squared column norms (Choquette-Choo et al. 2023, §3, the b-min-sep participation schema;
   Kalinin & Lampert 2024, arXiv 2405.13763, Theorem 2; jax-privacy's ``toeplitz.minsep_sensitivity_squared``).
-  :func:`brute_force_sensitivity` enumerates every allowed pattern for small ``K`` (it also bounds patterns
+  `brute_force_sensitivity()` enumerates every allowed pattern for small ``K`` (it also bounds patterns
   closer than ``b``, where the closed form is wrong).
 
 Pure numpy; no Flower, no dp-accounting. The privacy accounting is
-:mod:`dpfedavg.privacy.banded_mf_accounting`; the participation rules are :mod:`dpfedavg.core.participation`.
+`dpfedavg.privacy.banded_mf_accounting`; the participation rules are `dpfedavg.core.participation`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Largest ``K`` :func:`brute_force_sensitivity` accepts (``2^K`` patterns at ``b = 1``).
+#: Largest ``K`` `brute_force_sensitivity()` accepts (``2^K`` patterns at ``b = 1``).
 BRUTE_FORCE_MAX_ROUNDS = 16
 #: ``p`` of ``noise_norm_bounds``: an honest noise vector's norm is outside its bounds with probability at most
 #: ``p`` on each side, so an honest checkpoint's buffer is refused with probability at most ``2 (b - 1) p``.
@@ -303,7 +303,7 @@ def brute_force_sensitivity(
     * ``clip^2 sum |X_PP|``, since ``|<g_s, g_t>| <= clip^2``.
 
     Both bounds are maximised over all patterns. With ``min_separation >= b`` every ``X_PP`` is diagonal and
-    the bounds meet (:func:`minsep_sensitivity` must then equal them). With ``min_separation < b`` they
+    the bounds meet (`minsep_sensitivity()` must then equal them). With ``min_separation < b`` they
     show how far the disjoint-columns formula under-estimates.
     """
     coefs = check_coefficients(coefficients, num_rounds)
@@ -346,13 +346,13 @@ class BandedNoiseStream:
     (Choquette-Choo et al. 2023, Algorithm 9; jax-privacy ``toeplitz.inverse_as_streaming_matrix``): O(b d)
     time per round and a buffer of b-1 vectors. Round ``k``'s ``z_k`` is drawn from the generator the caller
     passes for that round (the project derives it from ``(seed, Stream.SERVER_NOISE, k)``), exactly as
-    :func:`dpfedavg.core.dp.gaussian_noise` draws: ``rng.standard_normal(d) * sigma``. With ``b = 1`` and
+    `dpfedavg.core.dp.gaussian_noise()` draws: ``rng.standard_normal(d) * sigma``. With ``b = 1`` and
     ``c_0 = 1`` the stream therefore returns bit for bit the independent server noise of today's mechanism.
 
     Parameters
     ----------
     coefficients:
-        ``c_0 .. c_{b-1}`` (validated by :func:`check_coefficients`).
+        ``c_0 .. c_{b-1}`` (validated by `check_coefficients()`).
     dim:
         ``d``, the length of the released sum.
     noise_std:
@@ -376,7 +376,7 @@ class BandedNoiseStream:
         return len(self.coefficients)
 
     def next(self, round_index: int, rng: np.random.Generator) -> Vector:
-        """``w_k`` for ``k = round_index`` (0-based), which must be the stream's :attr:`position`.
+        """``w_k`` for ``k = round_index`` (0-based), which must be the stream's `position`.
 
         Every round consumes one draw of ``z_k`` (an empty or skipped round too), so rounds stay aligned
         with their generators whatever happened in earlier rounds.
@@ -482,7 +482,7 @@ class BandedNoiseStream:
                 )
 
     def _history(self) -> np.ndarray:
-        """``w_{k-1}, ..., w_{k-b+1}`` (newest first; zeros before round 0) for ``k`` = :attr:`position`."""
+        """``w_{k-1}, ..., w_{k-b+1}`` (newest first; zeros before round 0) for ``k`` = `position`."""
         history = np.zeros((self.bands - 1, self.dim))
         for j in range(1, self.bands):
             history[j - 1] = self._ring[(self.position - j) % (self.bands - 1)]

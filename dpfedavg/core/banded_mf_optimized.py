@@ -4,10 +4,10 @@
 the error of the prefix-sum workload times the single-participation sensitivity over b-banded Toeplitz
 strategies (McKenna 2024, "Scaling up the amplified banded matrix factorization mechanism for
 differentially private ML"; Choquette-Choo et al. 2023, §4). Its coefficients have unit L2 norm; any finite
-ones with ``c_0 != 0`` are valid for :mod:`dpfedavg.core.banded_mf`, whose sensitivity assumes no normalization.
+ones with ``c_0 != 0`` are valid for `dpfedavg.core.banded_mf`, whose sensitivity assumes no normalization.
 
 jax-privacy (with jax, about 400 MB on top of the ``test`` extra) is imported only when these coefficients
-are asked for; without it, :func:`optimized_coefficients` raises one :class:`ImportError` saying how to
+are asked for; without it, `optimized_coefficients()` raises one `ImportError` saying how to
 install it. Results are cached in memory by ``(K, b, workload)``.
 """
 

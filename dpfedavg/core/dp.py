@@ -57,7 +57,7 @@ def normalize(u: Vector, c: float | np.ndarray) -> Vector:
     bound ``||g|| <= C`` that the privacy analysis needs, and it is what
     ``clip`` returns for the zero update, so both algorithms agree on a client
     whose local steps did not move (e.g. it already sits at its optimum). A
-    2-D ``u`` is normalized row by row, and so is a ``(R, B, d)`` block (``c`` as in :func:`clip`).
+    2-D ``u`` is normalized row by row, and so is a ``(R, B, d)`` block (``c`` as in `clip()`).
     """
     _check_scale(c)
     norm = _row_norms(u)
@@ -82,7 +82,7 @@ class SensitivityBound:
         How logs name the algorithm.
     adaptive:
         ``C`` is not fixed: it follows a quantile of the update norms (``adaptive-clip``, Andrew et al. 2021;
-        :mod:`dpfedavg.core.adaptive_clip`). Each client then also reports whether it was clipped, as one
+        `dpfedavg.core.adaptive_clip`). Each client then also reports whether it was clipped, as one
         extra, noised coordinate of its vector, and the server keeps ``C_k`` as state.
     """
 
@@ -113,7 +113,7 @@ ALGORITHMS: tuple[str, ...] = tuple(BOUNDS)
 
 
 def get_bound(algorithm: str) -> SensitivityBound:
-    """The :class:`SensitivityBound` of ``algorithm``; ``ValueError`` naming the allowed ones."""
+    """The `SensitivityBound` of ``algorithm``; ``ValueError`` naming the allowed ones."""
     try:
         return BOUNDS[algorithm]
     except KeyError:
@@ -121,7 +121,7 @@ def get_bound(algorithm: str) -> SensitivityBound:
 
 
 def bound_sensitivity(u: Vector, algorithm: str, c: float) -> Vector:
-    """``g`` for the algorithm (:data:`BOUNDS`): ``clip`` / ``adaptive-clip``, ``norm`` or ``none`` (``g = u``)."""
+    """``g`` for the algorithm (`BOUNDS`): ``clip`` / ``adaptive-clip``, ``norm`` or ``none`` (``g = u``)."""
     return get_bound(algorithm).apply(u, c)
 
 

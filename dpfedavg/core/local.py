@@ -63,7 +63,7 @@ class ClientUpdate:
     noisy:
         ``g + zeta``: the only thing a client sends in normal operation (line 10). With
         ``adaptive-clip`` ``g`` has one more coordinate, ``s (1[||u|| <= C] - 1/2)``
-        (:mod:`dpfedavg.core.adaptive_clip`).
+        (`dpfedavg.core.adaptive_clip`).
     clean:
         ``g`` (clipped / normalized update, no noise). Research diagnostics only.
     update_norm:
@@ -92,7 +92,7 @@ def private_client_update(
 
     ``u`` from ``E`` local steps, ``g = clip(u, C)`` (``clip``), ``g = C u/||u||``
     (``norm``) or ``g = u`` (``none``), then ``g + zeta`` with ``zeta`` of std
-    ``noise_std`` drawn from ``rng`` by the noise ``law`` (:mod:`dpfedavg.core.noise`;
+    ``noise_std`` drawn from ``rng`` by the noise ``law`` (`dpfedavg.core.noise`;
     Gaussian by default, the discrete Gaussian on the round's grid under secure aggregation).
     """
     u = client_update(w, grad_fn, lr, num_steps)
@@ -115,7 +115,7 @@ def private_client_update(
 
 @dataclass(frozen=True)
 class BoundedBlock:
-    """A block of client updates after Alg. 1 / Alg. 2 line 9 (:func:`bound_block`).
+    """A block of client updates after Alg. 1 / Alg. 2 line 9 (`bound_block()`).
 
     Attributes
     ----------
@@ -144,9 +144,9 @@ def bound_block(
     """Alg. 1 / Alg. 2 line 9 for a block of clients: ``g`` row by row, and adaptive clipping's count.
 
     ``u`` holds one client update per row of its last two axes: ``(B, d)``, or ``(R, B, d)`` for ``R``
-    runs at once (the leading run axis of :mod:`dpfedavg.core.runs`). ``clip`` and ``count_scale`` are
+    runs at once (the leading run axis of `dpfedavg.core.runs`). ``clip`` and ``count_scale`` are
     scalars or one value per run (shape ``u.shape[:-2]``). Every engine bounds through this function:
-    :func:`private_block_update` (the ClientApp, the batched engine) and :func:`dpfedavg.core.runs.released_sums`.
+    `private_block_update()` (the ClientApp, the batched engine) and `dpfedavg.core.runs.released_sums()`.
     """
     u = np.asarray(u)
     adaptive = get_bound(algorithm).adaptive
@@ -179,14 +179,14 @@ def private_block_update(
     """Alg. 1 / Alg. 2 lines 9-10 for a block of clients: the one client pipeline of every engine.
 
     ``u`` holds one client update per row (``(B, dim)``); row ``b`` is bounded to ``g``
-    (:func:`bound_block`, row-wise) and noised from ``rngs[b]``
-    by the noise ``law`` (:class:`~dpfedavg.core.noise.NoiseLaw`; ``None`` = Gaussian). A row with
+    (`bound_block()`, row-wise) and noised from ``rngs[b]``
+    by the noise ``law`` (`NoiseLaw`; ``None`` = Gaussian). A row with
     NaN/Inf (local training diverged) gives ``None``: that client sends nothing. The ClientApp calls it
-    with a block of one (:func:`private_client_update`), the batched engine with a block of sampled clients.
+    with a block of one (`private_client_update()`), the batched engine with a block of sampled clients.
 
     With ``adaptive-clip`` (``count_scale = s > 0``) each row of ``g`` gets the extra coordinate
     ``s (1[||u|| <= C] - 1/2)`` before the noise, and the whole ``d + 1``-vector is bounded by
-    ``C_aug = sqrt(C^2 + s^2/4)`` (:mod:`dpfedavg.core.adaptive_clip`, Andrew et al. 2021, Algorithm 1).
+    ``C_aug = sqrt(C^2 + s^2/4)`` (`dpfedavg.core.adaptive_clip`, Andrew et al. 2021, Algorithm 1).
     """
     u = np.atleast_2d(u)
     if len(rngs) != u.shape[0]:
@@ -208,7 +208,7 @@ def private_block_update(
 
 
 def client_round_update(w: Vector, grad_fn: GradFn, ins: RoundInstructions, client_id: int) -> ClientUpdate:
-    """:func:`private_client_update` with the round's instructions, noise from client ``client_id``'s stream."""
+    """`private_client_update()` with the round's instructions, noise from client ``client_id``'s stream."""
     return private_client_update(
         w,
         grad_fn,

@@ -1,24 +1,24 @@
 """Noise placements as objects: each one owns what is added *and* what is accounted.
 
 A round releases ``sum_{i in S_k, included} g_i + noise`` (Alg. 1/2 lines 10-12, before the
-division by ``r``). A :class:`NoisePlacement` says how that noise is split between the sampled
-clients (Alg. 1 line 10) and the server, under which neighbouring relation (:class:`Neighbouring`,
+division by ``r``). A `NoisePlacement` says how that noise is split between the sampled
+clients (Alg. 1 line 10) and the server, under which neighbouring relation (`Neighbouring`,
 the privacy unit) the round is the Poisson-subsampled Gaussian mechanism
 ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` the accountant composes, and which participation
-that needs (:meth:`NoisePlacement.participation_error`).
+that needs (`NoisePlacement.participation_error()`).
 
 The invariant every placement keeps: **the released sum carries exactly ``N(0, (zC)^2 I)``, whoever
 took part.** Clients that were sampled but whose update did not enter the sum (dropouts, failures,
 rejected replies, a secure-aggregation round that could not finish) leave a gap in the noise, which
-the server fills (:meth:`NoisePlacement.server_std`: the *top-up*). The noise a third party sees
+the server fills (`NoisePlacement.server_std()`: the *top-up*). The noise a third party sees
 therefore never depends on how many clients were in the round, and every round is charged the
-nominal ``z`` (:meth:`NoisePlacement.accounted_noise_multiplier`): calibration, the budget and the
+nominal ``z`` (`NoisePlacement.accounted_noise_multiplier()`): calibration, the budget and the
 reported epsilon agree exactly. (Without the top-up the variance of the released noise would grow
 with the number of included clients, and whether a client took part would show in the variance as
 well as in the mean; the auditor's tests keep such a mis-accounted placement to show that they
 catch it.)
 
-Like pfl-research's ``pfl/privacy`` mechanisms, a placement is small and stateless; :data:`PLACEMENTS`
+Like pfl-research's ``pfl/privacy`` mechanisms, a placement is small and stateless; `PLACEMENTS`
 is the registry the config's ``noise-placement`` choices come from.
 """
 
@@ -61,7 +61,7 @@ class NoisePlacement:
         ``"expected"``: each sampled client adds ``(zC)^2 / r`` (Alg. 1 line 10 literally);
         ``"cohort"``: each adds ``(zC)^2 / |S_k|`` (the server sends ``|S_k|``); ``"none"``: clients add nothing.
     full_participation_only:
-        The accounting holds only with ``q = 1`` (:meth:`participation_error`).
+        The accounting holds only with ``q = 1`` (`participation_error()`).
     description:
         One line for ``config.json``.
     """
@@ -111,7 +111,7 @@ class NoisePlacement:
     ) -> float:
         """The std of the Gaussian the server adds to the sum so that it carries ``N(0, (zC)^2 I)``.
 
-        ``num_included`` clients' noisy updates entered the sum, each with :meth:`client_std`; the server
+        ``num_included`` clients' noisy updates entered the sum, each with `client_std()`; the server
         adds the rest of ``(zC)^2``. Zero when ``z = 0``.
         """
         zc = noise_multiplier * clip
@@ -185,8 +185,8 @@ def released_sum(
 ) -> Vector:
     """One round's released sum ``sum_i (g_i + zeta_i) + top-up`` for the included clients' rows ``g``.
 
-    The same two steps the engines run (each client's Gaussian law, :class:`~dpfedavg.core.noise.GaussianLaw`,
-    with :meth:`NoisePlacement.client_std`, then the server's :meth:`NoisePlacement.server_std`), without
+    The same two steps the engines run (each client's Gaussian law, `GaussianLaw`,
+    with `NoisePlacement.client_std()`, then the server's `NoisePlacement.server_std()`), without
     local training: ``g`` (``(m, d)``, ``m <= num_sampled``) are the bounded updates of the clients whose
     replies entered the sum. Used by the privacy auditor and the tests.
     """

@@ -1,24 +1,24 @@
 """Noise laws: what a client adds to its bounded update ``g`` (Alg. 1 line 10) and what the law adds to the guarantee.
 
 A noise law is the third kind of privacy-mechanism object, beside the sensitivity bounds
-(:data:`dpfedavg.core.dp.BOUNDS`: what ``g`` is) and the noise placements
-(:data:`dpfedavg.core.mechanism.PLACEMENTS`: who adds how much). Each law owns, in one place,
+(`dpfedavg.core.dp.BOUNDS`: what ``g`` is) and the noise placements
+(`dpfedavg.core.mechanism.PLACEMENTS`: who adds how much). Each law owns, in one place,
 
-* :meth:`NoiseLaw.add`: ``g -> g + zeta`` with ``zeta`` of the per-client std the placement chose, and
-* :meth:`NoiseLaw.privacy_terms`: how far the released sum is from the Gaussian mechanism
+* `NoiseLaw.add()`: ``g -> g + zeta`` with ``zeta`` of the per-client std the placement chose, and
+* `NoiseLaw.privacy_terms()`: how far the released sum is from the Gaussian mechanism
   ``N(0, (zC)^2 I)`` the accountant charges (``tau``, the clipping probability, the resulting delta).
 
-Two laws ship (:data:`NOISE_LAWS`):
+Two laws ship (`NOISE_LAWS`):
 
 ``gaussian``
     ``zeta ~ N(0, s^2 I)``; the released sum *is* the accountant's Gaussian mechanism, so the terms are zero.
 ``discrete-gaussian``
-    Secure aggregation (:mod:`dpfedavg.core.secagg`): ``g`` rounded to the round's integer grid, discrete Gaussian
+    Secure aggregation (`dpfedavg.core.secagg`): ``g`` rounded to the round's integer grid, discrete Gaussian
     noise on it, coordinates clipped to ``[-c, c]``; its terms come from
-    :func:`dpfedavg.core.secagg.privacy_terms` (Kairouz, Liu, Steinke 2021).
+    `dpfedavg.core.secagg.privacy_terms()` (Kairouz, Liu, Steinke 2021).
 
-A run uses the law :func:`noise_law` names for its config; a client builds the round's law from its
-instructions (:func:`round_noise_law`), so every engine adds noise through the same object.
+A run uses the law `noise_law()` names for its config; a client builds the round's law from its
+instructions (`round_noise_law()`), so every engine adds noise through the same object.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class DiscreteGaussianLaw:
     """Secure aggregation's law: ``g`` on the round's integer ``grid`` plus discrete Gaussian noise on it.
 
     ``grid`` is the round's grid (a client gets step and range in its instructions); the server-side
-    :meth:`privacy_terms` needs none (it derives the worst-case grid at ``|S_k| = n`` itself).
+    `privacy_terms()` needs none (it derives the worst-case grid at ``|S_k| = n`` itself).
     """
 
     grid: SecAggGrid | None = None
@@ -107,7 +107,7 @@ class DiscreteGaussianLaw:
         return privacy_terms(**kwargs)  # type: ignore[arg-type]
 
 
-#: name -> the law (a run's law is chosen by :func:`noise_law`).
+#: name -> the law (a run's law is chosen by `noise_law()`).
 NOISE_LAWS: dict[str, NoiseLaw] = {GaussianLaw.name: GaussianLaw(), DiscreteGaussianLaw.name: DiscreteGaussianLaw()}
 
 

@@ -1,9 +1,9 @@
 """Participation rules for banded matrix-factorization noise: who may take part in round ``k``.
 
-The banded mechanism's guarantee (:func:`dpfedavg.core.banded_mf.minsep_sensitivity`) needs only a rule
+The banded mechanism's guarantee (`dpfedavg.core.banded_mf.minsep_sensitivity()`) needs only a rule
 the server can enforce: a client takes part at most once every ``b`` rounds and at most ``k`` times in
 all (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization", §3: b-min-sep participation).
-Which clients show up, and when, does not matter. Three schemes (:class:`Participation`):
+Which clients show up, and when, does not matter. Three schemes (`Participation`):
 
 ``cyclic``
     The ``n`` clients are split into ``b`` fixed groups, client ``i`` in group ``i mod b``; round ``k``
@@ -19,10 +19,10 @@ Which clients show up, and when, does not matter. Three schemes (:class:`Partici
     id only, so adding or removing one client moves no other (the add/remove-compatible partition; jax-privacy
     calls it ``PartitionType.INDEPENDENT``).
 
-A :class:`ParticipationTracker` is the server's gate: it selects a round's cohort by the scheme, refuses
+A `ParticipationTracker` is the server's gate: it selects a round's cohort by the scheme, refuses
 any cohort that breaks the rule, and carries the rounds' cohorts in its ``state_dict``: the per-client
 counts and last rounds are derived from them (replayed through the gate on load), never stored.
-:func:`check_schedule` checks a whole recorded schedule, independently of how it was produced.
+`check_schedule()` checks a whole recorded schedule, independently of how it was produced.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class ParticipationRule:
     Attributes
     ----------
     scheme:
-        :class:`Participation` (or its string value).
+        `Participation` (or its string value).
     num_clients:
         ``n``.
     bands:
@@ -93,7 +93,7 @@ class ParticipationRule:
     max_cohort:
         ``min-separation`` only: ask at most this many eligible clients per round, those that waited longest
         first. A cap couples clients (a client's presence can take the slot another would have had), so a
-        capped run is private under zero-out adjacency only (:attr:`adjacency`).
+        capped run is private under zero-out adjacency only (`adjacency`).
     """
 
     scheme: Participation
@@ -237,7 +237,7 @@ class ParticipationTracker:
         rng: np.random.Generator | None = None,
         available: Iterable[int] | None = None,
     ) -> np.ndarray:
-        """Round ``k``'s cohort by the scheme, recorded: :meth:`choose`, then :meth:`admit`."""
+        """Round ``k``'s cohort by the scheme, recorded: `choose()`, then `admit()`."""
         chosen = self.choose(round_index, rng, available)
         self.admit(round_index, chosen)
         return chosen
@@ -250,7 +250,7 @@ class ParticipationTracker:
     ) -> np.ndarray:
         """Round ``k``'s cohort by the scheme, not yet recorded; nobody outside the rule is ever returned.
 
-        The server records it with :meth:`admit` once the round is sure to run (not, say, when the privacy
+        The server records it with `admit()` once the round is sure to run (not, say, when the privacy
         budget stops the run before it).
 
         Parameters
@@ -259,7 +259,7 @@ class ParticipationTracker:
             ``k`` (0-based); rounds are selected in order, each once.
         rng:
             ``cyclic-poisson``: the round's sampling generator (``(seed, Stream.SAMPLING, k)``), one uniform per
-            client of the group, exactly as :func:`dpfedavg.core.server.poisson_sample` draws.
+            client of the group, exactly as `dpfedavg.core.server.poisson_sample()` draws.
             ``min-separation`` with a ``max_cohort``: breaks ties between equally rested clients (ids otherwise).
         available:
             The connected clients (a deployment); ``None`` means everyone. The cyclic schemes ask the available
@@ -456,7 +456,7 @@ def check_schedule(
 ) -> dict[int, list[int]]:
     """Check a whole run's schedule (round ``k`` -> the ids asked) against (k, b)-participation.
 
-    Independent of :class:`ParticipationTracker`: it only reads the rounds each client appears in. Returns
+    Independent of `ParticipationTracker`: it only reads the rounds each client appears in. Returns
     ``client -> its rounds`` (sorted).
 
     Raises

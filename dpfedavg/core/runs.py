@@ -5,14 +5,14 @@ A sweep runs many configurations ("runs") of the same federation: different ``C`
 in every round, the sampled clients (Alg. 1 line 3: ``make_rng(seed, SAMPLING, k)``) and every
 client's noise stream (line 10: ``noise_rng(round_noise_seed(seed, k), i)``); only the scale of the noise
 (``z C / sqrt(|S_k|)``, per run) differs. So the standard normal draws of a round are made once for all
-of them (:func:`shared_standard_normals`) and each run's noise is its own std times those draws: the same
-floating-point numbers that :meth:`dpfedavg.core.noise.GaussianLaw.add` adds from the client's own
+of them (`shared_standard_normals()`) and each run's noise is its own std times those draws: the same
+floating-point numbers that `dpfedavg.core.noise.GaussianLaw.add()` adds from the client's own
 generator, one run at a time.
 
-:func:`released_sums` then takes the client updates ``u`` of a ``(R, B, d)`` block (runs x clients),
-bounds them with :func:`dpfedavg.core.local.bound_block` (line 9, the function every engine uses), adds the
+`released_sums()` then takes the client updates ``u`` of a ``(R, B, d)`` block (runs x clients),
+bounds them with `dpfedavg.core.local.bound_block()` (line 9, the function every engine uses), adds the
 noise (line 10) and sums each run's noisy updates over its clients in ascending client id (line 12's sum,
-in the order :meth:`dpfedavg.server.dp_server.DPServer.finish_round` adds them). Pure numpy, no Flower.
+in the order `dpfedavg.server.dp_server.DPServer.finish_round()` adds them). Pure numpy, no Flower.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ __all__ = ["RunSums", "released_sums", "shared_standard_normals"]
 def shared_standard_normals(noise_seed: int, client_ids: np.ndarray, dim: int) -> np.ndarray:
     """Each client's standard normals of a round: row ``b`` is ``noise_rng(noise_seed, id_b).standard_normal(dim)``.
 
-    ``GaussianLaw.add`` with std ``s`` adds exactly ``s * row`` (:func:`dpfedavg.core.dp.gaussian_noise`), so every
+    ``GaussianLaw.add`` with std ``s`` adds exactly ``s * row`` (`dpfedavg.core.dp.gaussian_noise()`), so every
     run that shares ``noise_seed`` (the same ``seed``) noises with these rows scaled by its own std. A longer
     ``dim`` gives the same leading values (the generator fills the vector in order), so the ``d + 1``
     coordinates of an ``adaptive-clip`` run and the ``d`` of a ``clip`` run come from one draw.
@@ -46,7 +46,7 @@ def shared_standard_normals(noise_seed: int, client_ids: np.ndarray, dim: int) -
 
 @dataclass
 class RunSums:
-    """What the server needs from one round of ``R`` runs, accumulated block by block (:func:`released_sums`).
+    """What the server needs from one round of ``R`` runs, accumulated block by block (`released_sums()`).
 
     Attributes
     ----------
@@ -96,11 +96,11 @@ def released_sums(
     """Alg. 1 / Alg. 2 lines 9-10 and line 12's sum for a ``(R, B, d)`` block of ``R`` runs x ``B`` clients.
 
     Row ``(r, b)`` of ``u`` is client ``client_ids[b]``'s update ``u`` in run ``r``. Each run is bounded by
-    its own algorithm and ``C`` (:func:`~dpfedavg.core.local.bound_block`; ``adaptive-clip`` appends the count
+    its own algorithm and ``C`` (`bound_block()`; ``adaptive-clip`` appends the count
     coordinate with its ``s``), noised with its own per-client std times the shared ``normals`` (``(B, D)``
-    from :func:`shared_standard_normals`, ``D`` at least every run's vector length; ``None`` when every std
+    from `shared_standard_normals()`, ``D`` at least every run's vector length; ``None`` when every std
     is 0), and added to ``into`` client by client in the order of ``client_ids`` (ascending), so that a
-    run's sum is the one :meth:`~dpfedavg.server.dp_server.DPServer.finish_round` forms from the same
+    run's sum is the one `finish_round()` forms from the same
     replies. Blocks of clients of one round are passed one after the other with the same ``into``.
     """
     u = np.asarray(u)

@@ -8,34 +8,34 @@ client. This module turns ``g`` into a vector on an integer grid so that the
 integer sum the protocol computes *is* the sum of what the clients meant to
 send, and so that the accountant's guarantee still applies:
 
-1. **Grid** (:class:`SecAggGrid`): step ``Delta = 2^e`` and range
+1. **Grid** (`SecAggGrid`): step ``Delta = 2^e`` and range
    ``c = (Q/2) Delta >= C + k s`` with ``Q = 2^bits`` levels, where ``s`` is
    the client's noise std and ``k`` the ``clip-stds``. Powers of two make
    Flower's quantizer (``(y + c) Q / (2c)``, then stochastic rounding) exact
    on grid points, so the protocol adds no error of its own.
-2. **Rounding before noise** (:func:`conditional_round`): ``g`` is rounded
+2. **Rounding before noise** (`conditional_round()`): ``g`` is rounded
    stochastically (unbiased) to the grid, redrawn until ``||g~|| <= C``
    (Kairouz, Liu, Steinke 2021, "The distributed discrete Gaussian
    mechanism", conditional randomized rounding), so the sensitivity stays
    ``C`` and the accountant is unchanged. Every coordinate moves by less than
    ``Delta``.
-3. **Discrete Gaussian noise** (:func:`discrete_gaussian`) on the grid, with
+3. **Discrete Gaussian noise** (`discrete_gaussian()`) on the grid, with
    the client's noise std (Canonne, Kamath, Steinke 2020, Algorithm 3). The
-   sum of ``N`` such draws is within ``tau`` (:func:`ddg_tau`) of a discrete
+   sum of ``N`` such draws is within ``tau`` (`ddg_tau()`) of a discrete
    Gaussian of the summed variance (Kairouz et al. 2021, Prop. 14), whose
    privacy is that of the continuous Gaussian the accountant uses (Canonne et
    al. 2020, Thm. 4 / Prop. 5) -- ``tau`` is reported and is ``0.0`` in
    floating point at every setting we ship.
-4. **Clipping to ``[-c, c]``** (:func:`encode`): happens only if a noise
+4. **Clipping to ``[-c, c]``** (`encode()`): happens only if a noise
    coordinate exceeds ``k s``; discrete Gaussians are sub-Gaussian, so each
    coordinate clips with probability at most ``2 exp(-k^2/2)``
-   (:meth:`SecAggGrid.clip_probability`). On the event that nothing clips the
+   (`SecAggGrid.clip_probability()`). On the event that nothing clips the
    output is exactly the unclipped mechanism's, so the run's guarantee is
    ``(epsilon, delta + (1 + e^epsilon) p)`` with ``p`` the union bound over
    the run (reported in ``config.json``).
 
 The integer sum of ``N`` clients must stay below ``M``: ``N Q < M``
-(:attr:`SecAggGrid.max_participants`), checked against ``n`` when the run
+(`SecAggGrid.max_participants`), checked against ``n`` when the run
 config is validated.
 """
 
@@ -141,7 +141,7 @@ def conditional_round(g: Vector, step: float, bound: float, rng: np.random.Gener
 
     Stochastic (unbiased) rounding, redrawn until ``||g~|| <= bound``
     (Kairouz et al. 2021, Alg. 1 "conditional randomized rounding"); after
-    :data:`MAX_ROUNDING_TRIES` failed draws, rounding toward zero, which never
+    `MAX_ROUNDING_TRIES` failed draws, rounding toward zero, which never
     increases any coordinate's magnitude. Requires ``||g|| <= bound``.
     """
     if float(np.linalg.norm(g)) > bound * (1 + 1e-12):
@@ -198,7 +198,7 @@ def encode(g: Vector, grid: SecAggGrid, clip: float, noise_std: float, rng: np.r
     """``g`` -> ``g~ + zeta~`` on ``grid``, clipped to ``[-c, c]``; returns it and the number of clipped coordinates.
 
     The replacement of Alg. 1 line 10 under secure aggregation:
-    :func:`conditional_round` (``||g~|| <= C``), then discrete Gaussian noise
+    `conditional_round()` (``||g~|| <= C``), then discrete Gaussian noise
     with std ``noise_std`` on the grid. Every entry is an exact multiple of
     ``grid.step`` in ``[-c, c]``.
     """
@@ -248,7 +248,7 @@ def privacy_terms(
     epsilon: float,
     delta: float,
 ) -> SecAggPrivacyTerms:
-    """The :class:`SecAggPrivacyTerms` of a run; ``std_at_n`` is a client's noise std when all ``n`` are sampled."""
+    """The `SecAggPrivacyTerms` of a run; ``std_at_n`` is a client's noise std when all ``n`` are sampled."""
     if std_at_n <= 0:
         return SecAggPrivacyTerms(0.0, 0.0, 0.0, delta)
     grid = SecAggGrid.for_round(clip, std_at_n, clip_stds, bits, max(modulus_bits, bits + 1))

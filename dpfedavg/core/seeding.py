@@ -67,7 +67,7 @@ def noise_rng(noise_seed: int, client_id: int) -> np.random.Generator:
 
     Seeded mode: ``make_rng(noise_seed, Stream.NOISE, client_id)``, the same on
     every engine. ``noise_seed == SECURE_NOISE_SEED`` (``secure-noise = true``):
-    :func:`secure_rng`.
+    `secure_rng()`.
     """
     if noise_seed == SECURE_NOISE_SEED:
         return secure_rng()

@@ -1,7 +1,7 @@
 """Whether this process does its math on one thread (a Flower app process: parallelism comes from the processes).
 
-:func:`dpfedavg.flower.runtime.setup_app_process` marks a ClientApp / ServerApp process; the torch tasks
-read :func:`single_threaded` to use one CPU thread too. A flag of its own, below every layer that reads it.
+`dpfedavg.flower.runtime.setup_app_process()` marks a ClientApp / ServerApp process; the torch tasks
+read `single_threaded()` to use one CPU thread too. A flag of its own, below every layer that reads it.
 """
 
 from __future__ import annotations
@@ -18,5 +18,5 @@ def mark_single_threaded() -> None:
 
 
 def single_threaded() -> bool:
-    """Whether :func:`mark_single_threaded` ran in this process."""
+    """Whether `mark_single_threaded()` ran in this process."""
     return _single

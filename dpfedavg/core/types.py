@@ -17,7 +17,7 @@ GradFn = Callable[[Vector], Vector]
 #: ``(w_k, eta_k, E) -> u`` of shape ``(B, dim)``: a task's exact closed form of ``client_update`` for B clients.
 BatchUpdateFn = Callable[[Vector, float, int], np.ndarray]
 #: ``(W_k, eta_k, E) -> u`` of shape ``(R, B, dim)``: the same for ``R`` runs at once, ``W_k`` of shape ``(R, dim)``
-#: and ``eta_k`` of shape ``(R,)`` (a task's ``client_runs_update_fn(client_ids)``; see :mod:`dpfedavg.core.runs`).
+#: and ``eta_k`` of shape ``(R,)`` (a task's ``client_runs_update_fn(client_ids)``; see `dpfedavg.core.runs`).
 RunsUpdateFn = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
 
 
@@ -45,7 +45,7 @@ class RoundInstructions:
     #: ``adaptive-clip``: the scale ``s`` of the extra coordinate ``s (1[||u|| <= C] - 1/2)`` (see
     #: ``core.adaptive_clip``); 0 for the other algorithms.
     count_scale: float = 0.0
-    #: The public parameters a client computes its own noise share from (:mod:`dpfedavg.privacy.policy`): the
+    #: The public parameters a client computes its own noise share from (`dpfedavg.privacy.policy`): the
     #: round's noise multiplier ``z`` (0 without DP) and the number of sampled clients ``|S_k|``.
     noise_multiplier: float = 0.0
     cohort_size: int = 0

@@ -2,7 +2,7 @@
 
 Generates the CA, the SuperLink's TLS certificate for HOSTs (names or IPs, and
 always the loopback names its own SuperExec dials) and N SuperNode
-authentication key pairs; see :mod:`dpfedavg.deploy.credentials`. On a folder
+authentication key pairs; see `dpfedavg.deploy.credentials`. On a folder
 that already holds credentials it changes nothing: it exits 0 if they cover
 HOSTs and N, and otherwise says what is missing (``--renew-server-certificate``
 signs a new SuperLink certificate with the existing CA, keeping the SuperNode keys).

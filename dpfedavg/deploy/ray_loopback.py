@@ -6,8 +6,8 @@ Started exactly as on separate machines (the documentation's "Ray cluster" how-t
 ports (no Ray default port is used, so other Ray instances on the machine are
 not disturbed), its own short ``--temp-dir`` (where ``ray start`` also writes
 the address file that ``ray.init()`` without an address would follow, so no
-other user's Ray picks this cluster up) and usage stats off. :meth:`stop`
-stops every process a node started, by PID; :meth:`kill_node` kills one node
+other user's Ray picks this cluster up) and usage stats off. `stop()`
+stops every process a node started, by PID; `kill_node()` kills one node
 (all its processes) at once, to test what a sweep does when a machine dies.
 Used by the tests and ``benchmarks/bench_ray_sweep.py``; needs ``psutil``.
 """
@@ -160,7 +160,7 @@ class LoopbackRayCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def leftover_pids(self) -> list[int]:
-        """PIDs of the cluster's processes that still run (should be empty after :meth:`stop`)."""
+        """PIDs of the cluster's processes that still run (should be empty after `stop()`)."""
         return leftover_pids(self._known)
 
     def __enter__(self) -> LoopbackRayCluster:

@@ -1,11 +1,11 @@
 """Keep freed memory in the process for reuse: numpy's per-round temporaries otherwise cost page faults.
 
-A batch of runs (:mod:`dpfedavg.engines.batched_runs`) allocates and frees the same few megabyte-sized
+A batch of runs (`dpfedavg.engines.batched_runs`) allocates and frees the same few megabyte-sized
 temporaries every round (the block's ``u``, ``g``, the local steps' iterates). glibc's allocator gives such
 blocks back to the kernel as soon as they are freed (``mmap`` above its threshold, or a heap trimmed at
 its top), so the next round touches fresh pages: measured on a Table 1 digits batch, 777k page faults and
-26% of the CPU time in the kernel. :func:`keep_freed_memory` raises glibc's thresholds (``mallopt``), so
-freed blocks are reused; the process then keeps up to :data:`TRIM_THRESHOLD` bytes of freed memory.
+26% of the CPU time in the kernel. `keep_freed_memory()` raises glibc's thresholds (``mallopt``), so
+freed blocks are reused; the process then keeps up to `TRIM_THRESHOLD` bytes of freed memory.
 
 Elsewhere (not glibc) it does nothing and says so: the engine runs the same, with the page faults.
 """

@@ -1,15 +1,15 @@
-"""How a sweep's cells are cut into batches for :mod:`dpfedavg.engines.batched_runs`, within a memory budget.
+"""How a sweep's cells are cut into batches for `dpfedavg.engines.batched_runs`, within a memory budget.
 
-Cells with equal :func:`~dpfedavg.engines.batched_runs.batch_key` form a group; a group is cut into batches
-of consecutive cells (grid order) of at most :data:`MAX_RUNS_PER_BATCH` runs and at most as many as the
-memory budget holds (:func:`batch_bytes`). The cut depends on the grid and the budget only, never on
+Cells with equal `batch_key()` form a group; a group is cut into batches
+of consecutive cells (grid order) of at most `MAX_RUNS_PER_BATCH` runs and at most as many as the
+memory budget holds (`batch_bytes()`). The cut depends on the grid and the budget only, never on
 ``--jobs`` or on where the batches run (local processes or a Ray cluster), so a sweep gives the same
 numbers however it is executed. A cell that cannot join a batch runs alone, and the plan says why.
 
 The budget is ``--max-batch-memory`` (``run_sim.py``; bytes, or a size such as ``512MiB`` / ``2G``), or by
 default half the memory available now, shared by the ``jobs`` batches that run at once
-(:func:`default_budget`). A budget below one run's need is refused with the minimum
-(:class:`BatchMemoryError`).
+(`default_budget()`). A budget below one run's need is refused with the minimum
+(`BatchMemoryError`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def batch_bytes(cfg: RunConfig, dim: int, runs: int, shared_bytes: int = 0) -> i
 
     Per run: its state (``w``, momentum, random iterate and the round's copies), its trajectory
     (``save-trajectory``: ``K + 1`` float32 vectors) and its round history; per block of clients, the
-    engine's :data:`ROW_ARRAYS` float64 rows per (run, client), the block holding at most
+    engine's `ROW_ARRAYS` float64 rows per (run, client), the block holding at most
     ``BLOCK_ELEMENTS`` of them (one client at least); plus the task's data shared by the batch.
     """
     release = dim + 1
@@ -152,7 +152,7 @@ def plan_batches(
 ) -> BatchPlan:
     """Cut ``cells`` (sweep cells or configs) into batches (see the module docstring).
 
-    ``max_memory`` bounds each batch's :func:`batch_bytes` (``None``: no bound). With ``strict = False``
+    ``max_memory`` bounds each batch's `batch_bytes()` (``None``: no bound). With ``strict = False``
     (a default budget rather than the user's) a budget below one run gives batches of one run instead
     of an error.
 

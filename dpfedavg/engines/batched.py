@@ -3,7 +3,7 @@
 The same core functions as the Flower ClientApp (``client_update``,
 ``bound_sensitivity``, the noise law's ``add`` with the per-client generator
 ``noise_rng(noise_seed, client_id)``) applied to a ``(B, dim)`` block of
-clients at a time, and the same server (:class:`~dpfedavg.server.dp_server.DPServer`):
+clients at a time, and the same server (`DPServer`):
 one seed gives the Flower engine's trajectory, noise on or off, without
 Flower's per-message cost. Blocks of clients bound the memory. A task may
 offer an exact closed form of ``client_update`` for a block of clients
@@ -84,7 +84,7 @@ def client_results(
     """Alg. 1 / Alg. 2 lines 4-10 for the sampled ``clients``, in ascending client id, block by block.
 
     A client whose local training diverges (NaN/Inf in ``u``) sends nothing, as
-    the ClientApp does (:class:`~dpfedavg.core.LocalTrainingDiverged`); its id
+    the ClientApp does (`LocalTrainingDiverged`); its id
     is appended to ``failed``. With ``threads > 1`` blocks run concurrently
     (numpy releases the GIL in the products and in the noise draws); every
     client still uses its own noise generator and the results come in the same
@@ -136,7 +136,7 @@ def run_batched(
         the trajectory for Figure 3).
     client_results_fn, engine:
         How the sampled clients' results are computed (default: vectorized
-        :func:`client_results`) and the engine name recorded in ``config.json``;
+        `client_results()`) and the engine name recorded in ``config.json``;
         the scale benchmark passes a one-client-at-a-time loop here.
     threads:
         Threads computing blocks of clients concurrently (default: the CPUs, or 1 for a task whose local
@@ -181,7 +181,7 @@ def run_batched(
 
 
 class InProcessRunner:
-    """The batched engine's :class:`~dpfedavg.server.loop.ClientRunner`: the sampled clients in this process."""
+    """The batched engine's `ClientRunner`: the sampled clients in this process."""
 
     def __init__(
         self, task: Task, client_results_fn=client_results, threads: int = 1, canaries: np.ndarray | None = None

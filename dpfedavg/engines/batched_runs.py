@@ -4,27 +4,27 @@ A sweep's cells differ in ``C``, ``eta``, ``beta``, ``mu``, ``z``, the initializ
 ``norm``, ``adaptive-clip``) or the seed, over the same task data, ``n``, ``r``, ``d``, ``E`` and ``K``. This
 engine runs such a *batch* of runs together, round by round:
 
-* every run keeps its own server (:class:`~dpfedavg.server.dp_server.DPServer`: Poisson sampling, the
+* every run keeps its own server (`DPServer`: Poisson sampling, the
   privacy budget, the random iterate, adaptive clipping's ``C_k``, momentum, the accountant) and its own
-  results (:class:`~dpfedavg.server.session.RunSession`): the files of a run are those :func:`run_batched` writes
+  results (`RunSession`): the files of a run are those `run_batched()` writes
   for it alone, except ``metrics.png`` and the final ``checkpoint.npz`` (a sweep's figures replace the
   first, and a sweep reruns an interrupted cell whole, so the second would never be read);
 * the clients' work is vectorized over runs x clients: the task's ``client_runs_update_fn`` (local steps,
-  Alg. 1 lines 5-9, for ``(R, B)`` runs x clients) and :func:`dpfedavg.core.runs.released_sums` (the bound,
-  the noise and the sum of lines 9-12, through the same :func:`~dpfedavg.core.local.bound_block` as
+  Alg. 1 lines 5-9, for ``(R, B)`` runs x clients) and `dpfedavg.core.runs.released_sums()` (the bound,
+  the noise and the sum of lines 9-12, through the same `bound_block()` as
   every engine);
 * runs with the same seed sample the same clients and share every client's noise stream, so the standard
-  normal draws of a round are made once (:func:`~dpfedavg.core.runs.shared_standard_normals`) and scaled by each
+  normal draws of a round are made once (`shared_standard_normals()`) and scaled by each
   run's own std: a run's noise is, to the last bit, the noise it draws alone;
 * the server evaluates every run due in one call when the task has ``evaluate_runs`` (the quadratic).
 
 So a run gives what it gives alone, up to floating-point rounding in the products (tested to 1e-9 on
 ``synthetic.csv`` and ``table1.csv``; ``tests/test_batched_runs.py``).
 
-A run can join a batch when :func:`unbatchable_reason` says nothing (not ``secure-noise``: its draws
+A run can join a batch when `unbatchable_reason()` says nothing (not ``secure-noise``: its draws
 cannot be shared; not secure aggregation: the encoding is per run; not ``resume``) and its task has
-``client_runs_update_fn``. Runs join the same batch when :func:`batch_key` is equal: every key other than
-:data:`RUN_KEYS` and the task's ``run_axis_keys`` (e.g. the quadratic's ``init``) must match.
+``client_runs_update_fn``. Runs join the same batch when `batch_key()` is equal: every key other than
+`RUN_KEYS` and the task's ``run_axis_keys`` (e.g. the quadratic's ``init``) must match.
 """
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ RUN_KEYS: frozenset[str] = frozenset(
 
 
 class BatchError(ValueError):
-    """The runs given to :func:`run_batch` cannot run as one batch (the message says which key differs)."""
+    """The runs given to `run_batch()` cannot run as one batch (the message says which key differs)."""
 
 
 def unbatchable_reason(cfg: RunConfig) -> str | None:
-    """Why ``cfg`` cannot join a batch (``None``: it can, if its task has a run axis; see :func:`task_reason`)."""
+    """Why ``cfg`` cannot join a batch (``None``: it can, if its task has a run axis; see `task_reason()`)."""
     if cfg.secure_noise:
         return "secure-noise = true: its noise comes from the OS and cannot be shared with other runs"
     if cfg.secure_aggregation:
@@ -90,14 +90,14 @@ def task_reason(task: Task) -> str | None:
 
 
 def batch_key(cfg: RunConfig, task: Task | None = None) -> tuple:
-    """What must be equal for runs to share a batch: every key but :data:`RUN_KEYS` and the task's ``run_axis_keys``."""
+    """What must be equal for runs to share a batch: every key but `RUN_KEYS` and the task's ``run_axis_keys``."""
     free = RUN_KEYS | set(task_hooks(task).run_axis_keys) if task is not None else RUN_KEYS
     values = cfg.to_run_config()
     return tuple(sorted((k, repr(v)) for k, v in values.items() if k not in free))
 
 
 class _Evaluations:
-    """A run's task as its :class:`~dpfedavg.server.session.RunSession` sees it: ``evaluate`` gives the batch's.
+    """A run's task as its `RunSession` sees it: ``evaluate`` gives the batch's.
 
     Everything else is the run's own task. When the batch evaluated no metrics for this round (a task
     without ``evaluate_runs``, or round 0), the batch's shared task evaluates ``w``: the keys a batch's runs may
@@ -144,7 +144,7 @@ def run_batch(
     Parameters
     ----------
     cfgs:
-        Runs with equal :func:`batch_key` and nothing in :func:`unbatchable_reason`.
+        Runs with equal `batch_key()` and nothing in `unbatchable_reason()`.
     progress:
         Show a progress bar over the rounds.
     on_run_done:

@@ -4,7 +4,7 @@ The SuperLink is started here (the same command `flwr run` would use for its
 managed local SuperLink) on free ports, with its own ``FLWR_HOME`` and a short
 ``RAY_TMPDIR``, so it never touches a user's SuperLink (``ray_address``: its
 simulations run on that Ray cluster instead of a local Ray). `flwr run` finds it
-through ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``. :meth:`LocalSuperLink.stop`
+through ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``. `LocalSuperLink.stop()`
 stops every process it started (SuperLink, SuperExec, simulation, Ray) by PID.
 Used by the Flower engine of ``run_sim.py``, the end-to-end tests and the
 benchmarks; needs the source checkout (``flwr run`` builds the app from it)
@@ -202,7 +202,7 @@ class LocalSuperLink:
     def stop(self) -> None:
         """Terminate every process this SuperLink started (by PID), then the SuperLink.
 
-        Also every process carrying this SuperLink's private ``FLWR_HOME`` (:func:`processes_with_home`).
+        Also every process carrying this SuperLink's private ``FLWR_HOME`` (`processes_with_home()`).
         """
         self._remember_descendants()
         self._known.update(processes_with_home(self.home))

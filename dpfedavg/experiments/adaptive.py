@@ -1,7 +1,7 @@
 """The sweeps' adaptive-clip rows: a cell's adaptive twin, and the C_k-beside-the-metric plot.
 
 The adaptive rows use ``clip-count-stddev = "auto"``
-(:func:`dpfedavg.core.adaptive_clip.auto_count_stddev`): Andrew et al. 2021's ``sigma_b = r/20``
+(`dpfedavg.core.adaptive_clip.auto_count_stddev()`): Andrew et al. 2021's ``sigma_b = r/20``
 needs ``z < r/10``, and the paper's settings have far more noise (synthetic: z = 21.9 at r = 100;
 digits: z = 2.7 at r = 20), so the count gets the noise that costs the update 10% more
 (``z_u = 1.1 z``), or ``r/20`` when that is larger.

@@ -7,8 +7,8 @@ and a grid search paid for by composition costs far more than one run.
 Papernot & Steinke 2022 ("Hyperparameter tuning with Renyi differential
 privacy", ICLR 2022) make the selection cheap: run a *random* number ``T`` of
 trials and release only the best one; its accounting (the law of ``T``, the
-end-to-end epsilon, the calibration of ``z``) is :mod:`dpfedavg.privacy.selection`.
-This module plans the trials and runs them; :mod:`.tuning_report` writes the tables.
+end-to-end epsilon, the calibration of ``z``) is `dpfedavg.privacy.selection`.
+This module plans the trials and runs them; `tuning_report` writes the tables.
 
 Protocol (``run_sim.py table1 --private-tuning``), per end-to-end epsilon,
 algorithm and repetition:
@@ -16,7 +16,7 @@ algorithm and repetition:
 1. draw ``T`` from the trial-count distribution (``T = 0`` is possible only
    for Poisson: then nothing is released);
 2. for each trial draw ``(C, eta_0)`` uniformly from the same grid as
-   :func:`dpfedavg.experiments.table1.table1_cells` (random search) and run one
+   `dpfedavg.experiments.table1.table1_cells()` (random search) and run one
    DP-FedAvg / DP-NormFedAvg run with noise multiplier ``z_tuned`` and its own
    ``seed`` (sampling, noise) on the repetition's federation (``data-seed`` =
    repetition: every trial of a repetition trains on the same clients);
@@ -156,7 +156,7 @@ def plan_trials(
 ) -> tuple[list[Trial], dict[float, dict]]:
     """Draw ``T``, the grid points and the seeds, calibrate ``z``; validate every trial's config.
 
-    ``grid_kwargs`` are :func:`~dpfedavg.experiments.table1.table1_cells`'s
+    ``grid_kwargs`` are `table1_cells()`'s
     ``clips``, ``lrs``, ``rounds``, ``data_dir``, ``cache_dir``. Returns the
     trials and, per epsilon, the calibration (``z``, epsilon per trial, ``q``,
     ``K``, ``delta``). Nothing runs; a bad option raises ConfigError.
@@ -276,9 +276,9 @@ def run_private_tuning(
     algorithms: Sequence[str] = TUNED_ALGORITHMS,
     max_batch_memory: int | None = None,
 ) -> dict[str, Path]:
-    """The per-run table (:func:`~dpfedavg.experiments.table1.run_table1`), then the tuning trials; both tables.
+    """The per-run table (`run_table1()`), then the tuning trials; both tables.
 
-    Every trial is a sweep cell under ``<tuning dir>/runs/`` (:func:`tuning_dir`; resumable
+    Every trial is a sweep cell under ``<tuning dir>/runs/`` (`tuning_dir()`; resumable
     like the grid). Outputs: ``table1.csv`` / ``table1.md`` in ``out`` as
     ``run_table1`` writes them; in the tuning dir ``private_tuning.csv`` (every
     trial, the released one marked), ``private_tuning.json`` (the calibration

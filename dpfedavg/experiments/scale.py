@@ -11,9 +11,9 @@ pixels). Three engines run the same rounds:
   `dpfedavg.engines.flower.recommended_clients_per_node`: about 20
   simulated SuperNodes, each computing its sampled clients as a block);
   ``clients_per_node=1`` reproduces one SuperNode per client;
-* ``batched``: :func:`dpfedavg.engines.batched.run_batched`, one process;
+* ``batched``: `dpfedavg.engines.batched.run_batched()`, one process;
 * ``loop``: the floor, a plain single-process loop over the sampled clients
-  calling :func:`dpfedavg.core.private_client_update` one client at a time
+  calling `dpfedavg.core.private_client_update()` one client at a time
   (the ClientApp's math without any framework).
 
 Seconds per round is the median over the measured rounds that have no
@@ -121,7 +121,7 @@ def scale_config(num_clients: int, rounds: int, workdir: Path, q: float = 0.2, *
 class _PeakRss:
     """Samples the summed RSS of ``roots`` and all their descendants in a background thread.
 
-    Also the summed PSS (:attr:`peak_pss`, Linux): RSS counts a page shared by several processes (the
+    Also the summed PSS (`peak_pss`, Linux): RSS counts a page shared by several processes (the
     memory-mapped dataset every ClientApp actor and the ServerApp read, the libraries) once per
     process, PSS divides it among them, so the PSS sum is the memory the process tree really holds.
     """
@@ -185,7 +185,7 @@ def loop_client_results(
 def _prepare_cache(cfg: RunConfig) -> float:
     """Prepare the dataset cache before the engine starts; returns its seconds.
 
-    The cache (the prepared features and the ``n``-client shard split, :attr:`LogisticTask.partition`)
+    The cache (the prepared features and the ``n``-client shard split, `LogisticTask.partition`)
     is built by the first run of a dataset and size and read by every later one, so start-up is
     measured with it prepared; the seconds it took are reported beside (``ScaleResult.prepare_seconds``).
     """
@@ -240,7 +240,7 @@ def measure(
 
     ``overrides``: run_config keys to change (e.g. ``noise-placement``, ``accountant``).
     ``clients_per_node`` (``flower``): virtual clients per simulated SuperNode; ``None`` = the
-    recommended setup (:func:`~dpfedavg.engines.flower.recommended_clients_per_node`), 1 = one
+    recommended setup (`recommended_clients_per_node()`), 1 = one
     SuperNode per client.
     """
     if engine not in ENGINES:

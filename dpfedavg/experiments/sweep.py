@@ -1,6 +1,6 @@
 """Run a grid of configured runs ("cells"): parallel, resumable, deterministic, with a progress bar.
 
-Every cell is one :class:`~dpfedavg.config.RunConfig` whose results go to
+Every cell is one `RunConfig` whose results go to
 ``<out>/runs/<cell key>/``. A cell whose ``config.json`` holds a final summary
 for the same run config is done and is skipped, so a killed sweep continues
 where it stopped and a finished one reruns nothing. Results depend only on
@@ -9,7 +9,7 @@ order and parallelism of execution do not matter.
 
 With the batched engine, cells that differ only in what a run axis can hold (``C``, ``eta``, ``beta``,
 ``mu``, ``z``, the initialization, the algorithm, ...) run together as batches
-(:mod:`dpfedavg.engines.batched_runs`, cut by :func:`dpfedavg.engines.batch_plan.plan_batches` within a
+(`dpfedavg.engines.batched_runs`, cut by `dpfedavg.engines.batch_plan.plan_batches()` within a
 memory budget); a cell that cannot join a batch runs alone, and the sweep logs why. A batch that
 fails is rerun cell by cell, so one bad cell fails alone.
 
@@ -109,7 +109,7 @@ def _run_batched_cell(cfg: RunConfig) -> str:
 
 
 def _run_unit(cfgs: Sequence[RunConfig], batched: bool, progress: bool = False) -> dict[str, str]:
-    """One unit of work: a batch (:func:`~dpfedavg.engines.batched_runs.run_batch`) or cells alone.
+    """One unit of work: a batch (`run_batch()`) or cells alone.
 
     Returns ``run-name -> error`` (``""`` for a cell that finished). A batch that raises is rerun cell
     by cell (logged), so that only a cell that fails alone is reported.
@@ -149,7 +149,7 @@ def check_ray_address(address: str, timeout: float = 5.0) -> str:
     ``address`` is ``host:port`` of the head node's GCS (``ray start --head --port``),
     ``ray://host:port`` (Ray Client) or ``auto`` (``RAY_ADDRESS``, else the cluster
     that ``ray start`` last started on this machine). Returns the address to pass
-    to ``ray.init``; raises :class:`SweepError` with one line saying what is wrong.
+    to ``ray.init``; raises `SweepError` with one line saying what is wrong.
     """
     try:
         import ray  # noqa: F401
@@ -346,10 +346,10 @@ def run_cells(
 ) -> list[Path]:
     """Run the cells that are not done yet; returns every cell's run directory.
 
-    With the batched engine the cells run as batches (:func:`plan_units`; ``max_batch_memory`` bytes
-    each at most). With ``ray_address`` (see :func:`check_ray_address`) each batch runs as a
+    With the batched engine the cells run as batches (`plan_units()`; ``max_batch_memory`` bytes
+    each at most). With ``ray_address`` (see `check_ray_address()`) each batch runs as a
     Ray task on that cluster, one CPU each (``jobs`` is then unused); a task
-    whose node dies is rerun elsewhere up to :data:`RAY_MAX_RETRIES` times.
+    whose node dies is rerun elsewhere up to `RAY_MAX_RETRIES` times.
 
     Raises
     ------

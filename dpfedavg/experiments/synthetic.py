@@ -13,7 +13,7 @@ suboptimality,snr,C_k``), ``figure1.png`` (suboptimality), ``figure2.png`` (SNR)
 and ``summary.md`` (the numbers behind the paper's claims).
 
 The grid also has ``adaptive-clip`` rows (Andrew et al. 2021; not in the paper): ``C`` is the initial
-``C_0``, ``sigma_b`` as :func:`dpfedavg.experiments.adaptive.adaptive_values` chooses it.
+``C_0``, ``sigma_b`` as `dpfedavg.experiments.adaptive.adaptive_values()` chooses it.
 
 Figure 3's projection: the trajectories ``w_k - w*`` of the clip and the norm
 run (seed 0) are projected on ``e1`` = the unit vector from ``w*`` to ``w_0``
@@ -359,7 +359,7 @@ def run_synthetic(
 ) -> dict[str, Path]:
     """Run (or resume) the grid (on a Ray cluster with ``ray_address``), then write the CSV, figures and summary.
 
-    The cells run as batches (:mod:`dpfedavg.engines.batched_runs`) of at most ``max_batch_memory`` bytes.
+    The cells run as batches (`dpfedavg.engines.batched_runs`) of at most ``max_batch_memory`` bytes.
     """
     from dpfedavg.server.run import plan_for
 

@@ -7,10 +7,10 @@ beta_k = eta_k, server momentum 0.8, delta = 1e-5, C in {500, 250, 125, 62.5,
 epsilon, algorithm) the best (C, eta_0) is the one with the highest test
 accuracy averaged over the last 5 rounds and over seeds; FedAvg (no DP) is
 tuned over eta_0. The paper does not state K: it is ``--rounds`` (default
-:data:`DEFAULT_ROUNDS`, see the documentation's Table 1 page for why).
+`DEFAULT_ROUNDS`, see the documentation's Table 1 page for why).
 
 Beyond the paper, the grid has ``adaptive-clip`` rows (Andrew et al. 2021): ``C`` is the initial
-``C_0``, ``sigma_b`` as :func:`dpfedavg.experiments.adaptive.adaptive_values` chooses it. After the
+``C_0``, ``sigma_b`` as `dpfedavg.experiments.adaptive.adaptive_values()` chooses it. After the
 grid, the best setting of each (algorithm, epsilon) is rerun with an evaluation every 10 rounds
 (``<out>/curves``) for ``curves.png``: test accuracy and C_k over the rounds.
 """
@@ -209,7 +209,7 @@ def run_table1(
 ) -> dict[str, Path]:
     """Run (or resume) the grid for ``dataset`` (on a Ray cluster with ``ray_address``); write the CSV and table.
 
-    The cells run as batches (:mod:`dpfedavg.engines.batched_runs`) of at most ``max_batch_memory`` bytes.
+    The cells run as batches (`dpfedavg.engines.batched_runs`) of at most ``max_batch_memory`` bytes.
 
     On a cluster every node prepares the data for itself, from its own ``data_dir``
     and ``cache_dir`` (the same paths on every node; see the Ray cluster how-to).

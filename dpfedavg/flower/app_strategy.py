@@ -1,27 +1,27 @@
 """DPFedAvg in *your* Flower app: your ServerApp, your model's arrays, your ClientApp's train wrapped in ``dp_mod``.
 
-:class:`AppDPFedAvg` is what ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, clients_per_round=10, ...)``
+`AppDPFedAvg` is what ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, clients_per_round=10, ...)``
 (keywords only) and ``DPFedAvg.from_run_config(context.run_config)`` build. It takes the place of Flower's
 ``FedAvg`` in a ServerApp that calls ``strategy.start(grid=..., initial_arrays=ArrayRecord(model.state_dict()),
 num_rounds=..., evaluate_fn=...)``:
 
 * **your arrays**: any ``ArrayRecord`` travels to the clients as it is; the server works on the flat vector
-  of its floating arrays (:class:`~dpfedavg.flower.arrays.ArrayLayout`), and ``Result.arrays`` has the
+  of its floating arrays (`ArrayLayout`), and ``Result.arrays`` has the
   same keys, shapes and dtypes, so ``model.load_state_dict(result.arrays.to_torch_state_dict())`` works.
   Integer arrays (e.g. ``num_batches_tracked``) keep their initial values;
 * **rounds from start()**: ``z`` is calibrated for ``(epsilon, delta)`` over ``num_rounds`` there, because
   the number of rounds is known only then (a ``num_rounds`` given to the constructor too must agree);
 * **one client per SuperNode**: Poisson sampling (Alg. 1 line 3, ``q = r/n``) over the sorted node ids
   connected at the start (or ``num_clients`` of them, waited for), no partition query;
-* **the server math is dpfedavg's**: :class:`~dpfedavg.server.dp_server.DPServer` through the one round loop
-  :func:`~dpfedavg.server.loop.run_rounds` (budget stop, sampling, top-up of missing noise, ``a_k = sum/r``,
-  the accountant), with the clients' pseudo-gradients ``u = w_k - w_new`` (:func:`dpfedavg.flower.mod.dp_mod`)
+* **the server math is dpfedavg's**: `DPServer` through the one round loop
+  `run_rounds()` (budget stop, sampling, top-up of missing noise, ``a_k = sum/r``,
+  the accountant), with the clients' pseudo-gradients ``u = w_k - w_new`` (`dpfedavg.flower.mod.dp_mod()`)
   and a server step ``beta = 1`` by default, so that without noise a round with every client is FedAvg's;
 * **Flower-style logs** per round (sampled, received, rejected, clipped fraction, epsilon spent) and a loud
   warning when the noise is seeded;
-* **fail fast** (:class:`~dpfedavg.server.health.ReplyHealth`): a round whose every sampled reply is unusable
+* **fail fast** (`ReplyHealth`): a round whose every sampled reply is unusable
   (for instance a ClientApp without ``dp_mod``) stops the run with one ERROR naming the commonest reason,
-  its fix and the epsilon the rounds that ran spent (:class:`~dpfedavg.server.health.TrainingStopped`).
+  its fix and the epsilon the rounds that ran spent (`TrainingStopped`).
 
 Configuration coexists with the app's own keys: ``from_run_config`` reads only the keys of the
 ``[tool.flwr.app.config.dpfedavg]`` table (Flower flattens it to ``dpfedavg.<key>``); a misspelled key
@@ -163,7 +163,7 @@ assert set(_VALID) | set(_NOT_HERE) == {opt.key for opt in OPTIONS} | set(STRATE
 
 
 class AppSettings:
-    """The validated keyword settings of :class:`AppDPFedAvg` (kebab-case keys), before ``n`` and ``K`` are known.
+    """The validated keyword settings of `AppDPFedAvg` (kebab-case keys), before ``n`` and ``K`` are known.
 
     Parameters
     ----------
@@ -242,10 +242,10 @@ class DPFedAvg(FlowerDPFedAvg):
 
     * in **your** ServerApp, keywords only: ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, delta=1e-5,
       clients_per_round=10, ...)`` or ``DPFedAvg.from_run_config(context.run_config)`` give an
-      :class:`AppDPFedAvg`, which works on your model's ``ArrayRecord`` with your ClientApp's train wrapped
-      in :func:`dpfedavg.dp_mod`;
+      `AppDPFedAvg`, which works on your model's ``ArrayRecord`` with your ClientApp's train wrapped
+      in `dpfedavg.dp_mod()`;
     * for dpfedavg's own apps: ``DPFedAvg(cfg, dim)`` (or ``server=``), the strategy of
-      :mod:`dpfedavg.flower.strategy` on the flat model ``w``.
+      `dpfedavg.flower.strategy` on the flat model ``w``.
     """
 
     def __new__(cls, cfg: RunConfig | None = None, *args: Any, **kwargs: Any) -> DPFedAvg:  # noqa: D102
@@ -257,7 +257,7 @@ class DPFedAvg(FlowerDPFedAvg):
     def from_run_config(cls, run_config: Mapping[str, Any], prefix: str = "dpfedavg", **overrides: Any) -> AppDPFedAvg:
         """The strategy for your own app from the ``dpfedavg.*`` keys of ``context.run_config``.
 
-        See :meth:`AppDPFedAvg.from_run_config`.
+        See `AppDPFedAvg.from_run_config()`.
         """
         return AppDPFedAvg.from_run_config(run_config, prefix, **overrides)
 
@@ -273,7 +273,7 @@ class AppDPFedAvg(DPFedAvg):
         dpfedavg's keys in snake_case (``algorithm``, ``clip``, ``epsilon``, ``delta``, ``clients_per_round``
         or ``fraction_train``, ``num_clients``, ``noise_multiplier``, ``accountant``, ``max_epsilon``,
         ``noise_placement``, ``seed``, ``secure_noise``, ``server_lr``, ``server_momentum``,
-        ``secure_aggregation``, ...: :data:`APP_KEYS`) and ``max_failed_fraction``. ``clip`` and the sampling
+        ``secure_aggregation``, ...: `APP_KEYS`) and ``max_failed_fraction``. ``clip`` and the sampling
         rate are required; ``server_lr`` defaults to 1.
     """
 
@@ -365,7 +365,7 @@ class AppDPFedAvg(DPFedAvg):
     def _wait_for_population(self, grid: Grid, cfg_timeout: float) -> list[int]:
         """The sorted node ids sampling runs over: ``num_clients`` of them (waited for), or those connected now.
 
-        Without ``num_clients`` the count must be stable for :attr:`settle_seconds` (Flower's simulation registers
+        Without ``num_clients`` the count must be stable for `settle_seconds` (Flower's simulation registers
         its nodes, all at once, just after the ServerApp starts); in a deployment, give ``num_clients``.
         """
         wanted = self.settings.num_clients
@@ -416,7 +416,7 @@ class AppDPFedAvg(DPFedAvg):
 
     # ------------------------------------------------------------------ info
     def summary(self) -> None:
-        """Log the set-up as Flower's strategies do (called by :meth:`start`)."""
+        """Log the set-up as Flower's strategies do (called by `start()`)."""
         cfg, plan, layout = self.cfg, self.plan, self.layout
         assert cfg is not None and layout is not None
         logger.info("\t├── Number of rounds: %d", self._num_rounds)
@@ -469,7 +469,7 @@ class AppDPFedAvg(DPFedAvg):
         """Run ``num_rounds`` rounds of DP-FedAvg / DP-NormFedAvg on ``initial_arrays``; Flower's ``Result``.
 
         Calibrates ``z`` for the run's ``(epsilon, delta)`` over ``num_rounds`` (Flower's default 3 when neither
-        start nor the constructor gives it), then runs :func:`dpfedavg.server.loop.run_rounds`.
+        start nor the constructor gives it), then runs `dpfedavg.server.loop.run_rounds()`.
         ``evaluate_fn(server_round, arrays)`` is called on the user's arrays before round 1 (round 0) and after
         every round. ``train_config`` travels to the clients with the round's instructions. There is no
         client-side evaluation (``evaluate_config`` is not used): per-client evaluation metrics are not private.
@@ -482,7 +482,7 @@ class AppDPFedAvg(DPFedAvg):
         dpfedavg.flower.federation.FederationError
             Not the ``num_clients`` SuperNodes within ``node-wait-timeout``.
         dpfedavg.server.health.TrainingStopped
-            The clients' replies were unusable (see :class:`~dpfedavg.server.health.ReplyHealth`); its ``result``
+            The clients' replies were unusable (see `ReplyHealth`); its ``result``
             holds what the run had, its message the reason, the fix and the epsilon spent.
         """
         route_logs_through_flower()
@@ -693,7 +693,7 @@ class AppDPFedAvg(DPFedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Flower's hook on the user's arrays (after :meth:`start` set the run up; :meth:`start` runs every round)."""
+        """Flower's hook on the user's arrays (after `start()` set the run up; `start()` runs every round)."""
         self._require_setup()
         if self.cfg.secure_aggregation:
             raise RuntimeError("secure-aggregation rounds run through Flower's SecAgg+ workflow: use start()")

@@ -1,10 +1,10 @@
 """A user's model (any ``state_dict`` in an ``ArrayRecord``) as the server's flat vector, and back.
 
-dpfedavg's server works on one flat float64 vector ``w`` (:class:`~dpfedavg.server.dp_server.DPServer`);
+dpfedavg's server works on one flat float64 vector ``w`` (`DPServer`);
 a Flower user's app sends and receives its own ``ArrayRecord``: a PyTorch ``state_dict``, a list of
-numpy arrays, any keys, shapes and dtypes. :class:`ArrayLayout` is the one map between the two, used
-by the client mod (:func:`dpfedavg.flower.mod.dp_mod`, which flattens what its client received and
-what it returns) and by the strategy (:class:`dpfedavg.flower.app_strategy.AppDPFedAvg`, which
+numpy arrays, any keys, shapes and dtypes. `ArrayLayout` is the one map between the two, used
+by the client mod (`dpfedavg.flower.mod.dp_mod()`, which flattens what its client received and
+what it returns) and by the strategy (`dpfedavg.flower.app_strategy.AppDPFedAvg`, which
 flattens ``initial_arrays`` and rebuilds the user's record from every ``w_k``).
 
 * **Trained arrays**: every array with a floating dtype, flattened in **sorted key order** (the same

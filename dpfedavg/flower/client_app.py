@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 
 def node_policy(context: Context) -> NodePolicy:
-    """This SuperNode's policy, from its ``--node-config`` (:mod:`dpfedavg.privacy.policy`); ``PolicyError`` if bad."""
+    """This SuperNode's policy, from its ``--node-config`` (`dpfedavg.privacy.policy`); ``PolicyError`` if bad."""
     return _policy(tuple(sorted(context.node_config.items())))
 
 
@@ -69,7 +69,7 @@ def _policy(items: tuple[tuple[str, object], ...]) -> NodePolicy:
 
 
 def refusal(msg: Message, reason: str) -> Message:
-    """The error reply of a refused round (:data:`~dpfedavg.flower.protocol.REFUSED`): the server counts a rejection."""
+    """The error reply of a refused round (`REFUSED`): the server counts a rejection."""
     logger.warning("refusing a %r message: %s", msg.metadata.message_type, reason)
     return Message(Error(code=REFUSED, reason=reason), reply_to=msg)
 
@@ -106,8 +106,8 @@ def checked_instructions(
     The release is then recorded in the node's privacy ledger (``dpfedavg.privacy.ledger``: write-ahead, refused
     past ``max-epsilon``) under ``message_type``; every round is checked here exactly once.
 
-    Raises :class:`~dpfedavg.privacy.policy.RoundRefused` (a broken rule, or instructions that do not parse)
-    or :class:`~dpfedavg.privacy.policy.PolicyError` (the node's own policy is invalid).
+    Raises `RoundRefused` (a broken rule, or instructions that do not parse)
+    or `PolicyError` (the node's own policy is invalid).
     """
     policy = node_policy(context)
     try:
@@ -151,7 +151,7 @@ def _grad_fn(cfg: RunConfig, client_id: int) -> GradFn:
 
 def _round_grad_fn(cfg: RunConfig, client_id: int, server_round: int) -> GradFn:
     """Client ``i``'s gradient oracle for this round: the task's ``client_round_grad_fn`` when it has one
-    (local steps that depend on the round: the torch tasks' mini-batches), else the cached :func:`_grad_fn`."""
+    (local steps that depend on the round: the torch tasks' mini-batches), else the cached `_grad_fn()`."""
     hooks = task_hooks(_task(cfg))
     if hooks.round_grad is not None:
         return hooks.round_grad(client_id, server_round)
@@ -322,8 +322,8 @@ def _train_block(
 ) -> Message:
     """Virtual clients: Alg. 1 / Alg. 2 lines 4-10 for the sampled clients this node hosts, one update each.
 
-    The block goes through the batched engine's pipeline (:func:`dpfedavg.engines.batched.client_results`:
-    the task's closed form or vectorized gradients, :func:`dpfedavg.core.private_block_update`, each
+    The block goes through the batched engine's pipeline (`dpfedavg.engines.batched.client_results()`:
+    the task's closed form or vectorized gradients, `dpfedavg.core.private_block_update()`, each
     client's noise from its own stream ``noise_rng(noise_seed, client_id)``), so every client's
     ``g + zeta`` is the one it sends from a SuperNode of its own. A client whose local training
     diverges is listed in ``diverged-client-ids`` and sends nothing.

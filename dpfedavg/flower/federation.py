@@ -6,7 +6,7 @@ SuperNode reports its ``partition-id`` p (from its ``--node-config``; Flower's
 simulation numbers its SuperNodes ``0..num-supernodes-1``) and hosts the
 clients ``p m .. p m + m - 1`` with ``m = clients-per-node``: one client, its
 own, in a deployment (``m = 1``: client id = partition id), a block of virtual
-clients in a simulation. :class:`Federation` keeps the maps between partition
+clients in a simulation. `Federation` keeps the maps between partition
 ids and node ids, and groups a round's sampled clients by node.
 """
 

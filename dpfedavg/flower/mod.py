@@ -7,14 +7,14 @@ unchanged train function into one sampled client of Alg. 1 / Alg. 2 (Das et al.,
 
 1. it hands the user's function the message as it arrived: the global model ``w_k`` in the user's
    own ``ArrayRecord`` (any keys, shapes and dtypes) and the round's ``ConfigRecord`` (the user's
-   keys, plus the round's instructions that :class:`~dpfedavg.flower.app_strategy.AppDPFedAvg` adds);
+   keys, plus the round's instructions that `AppDPFedAvg` adds);
 2. it takes the user's reply, checks that its arrays are the model's (same keys and shapes), and
    computes the update as the **pseudo-gradient in the arrays' own units**,
    ``u = w_k - w_new`` over all floating arrays, flattened in sorted key order
-   (:class:`~dpfedavg.flower.arrays.ArrayLayout`; integer arrays are not trained);
+   (`ArrayLayout`; integer arrays are not trained);
 3. it bounds ``u`` as the round's instructions say (``clip``: ``g = u min(1, C/||u||)``;
    ``norm``: ``g = C u/||u||``; ``adaptive-clip``: clip to ``C_k`` plus the count coordinate) and adds
-   this client's share of the noise for the run's placement (:func:`dpfedavg.core.private_block_update`,
+   this client's share of the noise for the run's placement (`dpfedavg.core.private_block_update()`,
    the pipeline every engine uses), then replies with ``g + zeta`` only. The user's own metrics pass
    through (they are not covered by the DP guarantee; the server says so once), except under a node policy:
    a metric of the node's data at a model the server chose (a loss, an accuracy) is what an evaluate reply
@@ -139,7 +139,7 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         ``cohort-size``, ``noise-placement``, ``clients-per-round``, ``noise-std``, ``noise-seed``, ...).
     context:
         The ClientApp's context: its ``node_config`` holds the operator's privacy policy
-        (:mod:`dpfedavg.privacy.policy`; e.g. ``secure-noise = true`` draws the noise from the OS CSPRNG whatever
+        (`dpfedavg.privacy.policy`; e.g. ``secure-noise = true`` draws the noise from the OS CSPRNG whatever
         the server asks and never sends an un-noised update, ``min-noise-multiplier`` refuses rounds with less
         noise). ``max-epsilon`` is the node's budget in its privacy ledger, which charges every release here as an
         unamplified Gaussian(z) (your app's clients have no run config, so no q: ``dpfedavg.privacy.ledger``).
@@ -317,7 +317,7 @@ def _error(msg: Message, reason: str) -> Message:
 
 
 def _refused(msg: Message, reason: str) -> Message:
-    """A round this node's policy refuses (:data:`~dpfedavg.flower.protocol.REFUSED`: the server counts a rejection)."""
+    """A round this node's policy refuses (`REFUSED`: the server counts a rejection)."""
     route_logs_through_flower()
     logger.warning("%s: %s", _NAME, reason)
     return Message(Error(code=REFUSED, reason=f"{_NAME}: {reason}"), reply_to=msg)

@@ -45,7 +45,7 @@ __all__ = [
     "parse_block_reply",
 ]
 
-#: The error code of a ClientApp's reply that refuses a round (:mod:`dpfedavg.privacy.policy`: the node's policy or
+#: The error code of a ClientApp's reply that refuses a round (`dpfedavg.privacy.policy`: the node's policy or
 #: the run config forbids what the server asked); the reason names the rule. The server counts a rejection.
 REFUSED = 4029
 
@@ -81,7 +81,7 @@ DIVERGED_CLIENT_IDS = "diverged-client-ids"
 
 
 def block_key(key: str, client_id: int) -> str:
-    """Client ``client_id``'s array key in a block reply (``key``: :data:`UPDATE_KEY` or :data:`CLEAN_UPDATE_KEY`)."""
+    """Client ``client_id``'s array key in a block reply (``key``: `UPDATE_KEY` or `CLEAN_UPDATE_KEY`)."""
     return f"{key}-{int(client_id)}"
 
 
@@ -205,7 +205,7 @@ def _array(record: ArrayRecord, key: str) -> np.ndarray:
 
 
 def _check_records(content: RecordDict, diagnostics: bool) -> None:
-    """Exactly :data:`ARRAYS` and :data:`METRICS` (and :data:`DIAGNOSTICS` when it is on): nothing else is accepted."""
+    """Exactly `ARRAYS` and `METRICS` (and `DIAGNOSTICS` when it is on): nothing else is accepted."""
     expected = {ARRAYS, METRICS} | ({DIAGNOSTICS} if diagnostics else set())
     extra = sorted(set(content) - expected)
     if DIAGNOSTICS in extra:
@@ -226,9 +226,9 @@ def parse_train_reply(
 ) -> tuple[Vector, float, Vector | None]:
     """A TRAIN reply's ``(g + zeta, ||u|| or NaN, clean g or None)``; ``ValueError`` naming what is malformed.
 
-    Exactly the records :data:`ARRAYS` (an ArrayRecord holding one array, :data:`UPDATE_KEY`, a finite float
-    vector of length ``dim``) and :data:`METRICS` (a MetricRecord; ``update-norm``, sent in seeded mode only,
-    a finite number >= 0). With ``diagnostics`` the clean update :data:`CLEAN_UPDATE_KEY` must be there, of
+    Exactly the records `ARRAYS` (an ArrayRecord holding one array, `UPDATE_KEY`, a finite float
+    vector of length ``dim``) and `METRICS` (a MetricRecord; ``update-norm``, sent in seeded mode only,
+    a finite number >= 0). With ``diagnostics`` the clean update `CLEAN_UPDATE_KEY` must be there, of
     length ``dim`` and norm at most ``clip`` (the bound every update has before noise); without it, a clean
     update is refused. Any other record type in any place, dtype, shape or value is a ``ValueError``.
     """
@@ -253,7 +253,7 @@ def parse_train_reply(
 
 @dataclass
 class BlockReply:
-    """A virtual node's TRAIN reply, client by client (:func:`parse_block_reply`).
+    """A virtual node's TRAIN reply, client by client (`parse_block_reply()`).
 
     Attributes
     ----------
@@ -283,7 +283,7 @@ def parse_block_reply(
 ) -> BlockReply:
     """A virtual node's reply for its sampled ``client_ids``, checked client by client.
 
-    Each client's update must pass the checks of :func:`parse_train_reply` (finite float vector of
+    Each client's update must pass the checks of `parse_train_reply()` (finite float vector of
     length ``dim``; with ``diagnostics`` a clean update of norm at most ``clip``); a client that fails
     them, or that the reply neither answers nor reports as diverged, is rejected alone. ``ValueError``
     when the reply as a whole cannot be read (records of the wrong type or unexpected ones, client lists

@@ -1,17 +1,17 @@
 """A round's TRAIN replies, client by client: what the server sums, and who failed, was rejected or dropped out.
 
-The message-level checks are :mod:`dpfedavg.flower.protocol`'s (:func:`~dpfedavg.flower.protocol.parse_train_reply`
-for a SuperNode that is one client, :func:`~dpfedavg.flower.protocol.parse_block_reply` for a SuperNode
+The message-level checks are `dpfedavg.flower.protocol`'s (`parse_train_reply()`
+for a SuperNode that is one client, `parse_block_reply()` for a SuperNode
 hosting a block of virtual clients); this module turns the replies of one round into per-client
-results and counts for :meth:`dpfedavg.server.dp_server.DPServer.finish_round`:
+results and counts for `dpfedavg.server.dp_server.DPServer.finish_round()`:
 
-* a reply that passes the checks: one :class:`ClientResult` per client;
+* a reply that passes the checks: one `ClientResult` per client;
 * a malformed update (any record type in any place, dtype, shape, NaN/Inf, bytes that do not parse, a list
   where a number belongs), or one no honest client sends (beyond the plausibility bound of
-  :mod:`dpfedavg.privacy.plausibility`): that client is rejected (with the reason); a reply that cannot be
+  `dpfedavg.privacy.plausibility`): that client is rejected (with the reason); a reply that cannot be
   read at all rejects every client of its node; whatever a reply holds, it is never an exception here;
-* a refusal (an error reply with code :data:`~dpfedavg.flower.protocol.REFUSED`: the node's policy or the run
-  config forbids the round, :mod:`dpfedavg.privacy.policy`): every client of the node is rejected, the rule
+* a refusal (an error reply with code `REFUSED`: the node's policy or the run
+  config forbids the round, `dpfedavg.privacy.policy`): every client of the node is rejected, the rule
   in the reason;
 * an error reply: every client of the node failed, or dropped out when Flower reports the node or
   its reply unavailable; a client whose local training diverged failed;
@@ -21,7 +21,7 @@ results and counts for :meth:`dpfedavg.server.dp_server.DPServer.finish_round`:
   and counted apart (``RoundReplies.num_unexpected``), never against a sampled client, so a sampled node
   that did not answer still counts as a dropout.
 
-In every case the server tops up the noise of the updates that did not arrive (:mod:`dpfedavg.core.mechanism`),
+In every case the server tops up the noise of the updates that did not arrive (`dpfedavg.core.mechanism`),
 so the released sum carries the nominal noise whatever a node's failure takes with it.
 """
 

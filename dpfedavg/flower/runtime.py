@@ -1,6 +1,6 @@
 """Process set-up for the Flower apps: logging through Flower, single-threaded BLAS.
 
-Library modules log with ``logging.getLogger(__name__)``; :func:`setup_app_process`
+Library modules log with ``logging.getLogger(__name__)``; `setup_app_process()`
 routes those records through Flower's console handler, so they are printed
 (and streamed by ``flwr run --stream``) next to Flower's own lines.
 
@@ -25,7 +25,7 @@ def route_logs_through_flower(level: int | None = None) -> logging.Logger:
     """Idempotent: attach Flower's console handler to ``dpfedavg`` (its records are printed and streamed).
 
     All that a user's own ServerApp or ClientApp needs (``DPFedAvg`` and ``dp_mod`` call it); unlike
-    :func:`setup_app_process` it leaves the process's BLAS threads alone, and a level the user set on the
+    `setup_app_process()` it leaves the process's BLAS threads alone, and a level the user set on the
     ``dpfedavg`` logger (``level=None``: INFO only if none was set).
     """
     from flwr.supercore.logger import console_handler

@@ -1,13 +1,13 @@
 """One round of aggregation through Flower's SecAgg+ protocol (``secure-aggregation = true``).
 
-Flower 1.41 ships SecAgg+ as :class:`~flwr.server.workflow.SecAggPlusWorkflow`,
+Flower 1.41 ships SecAgg+ as `SecAggPlusWorkflow`,
 written for the legacy ``Strategy`` API (``configure_fit`` /
-``aggregate_fit``, a ``LegacyContext``). :func:`secure_sum` drives its four
+``aggregate_fit``, a ``LegacyContext``). `secure_sum()` drives its four
 stages for the clients our strategy has already Poisson-sampled, through a
 one-round legacy adapter, and returns the *sum* of their encoded
 ``g~_i + zeta~_i`` and how many clients it contains. The cryptography
 (key agreement, Shamir shares, masks) is Flower's; ours is only the
-encoding (:mod:`dpfedavg.core.secagg`) and this glue.
+encoding (`dpfedavg.core.secagg`) and this glue.
 
 What the server holds during a round: the clients' public keys, encrypted
 key shares it forwards, each client's *masked* vector (uniform mod ``M`` to
@@ -55,7 +55,7 @@ class SecureSum:
     """What a SecAgg+ round produced: the sum and the node ids it contains, or why it halted.
 
     ``refused``: node id -> the reason of each node that refused the round (an error reply with code
-    :data:`~dpfedavg.flower.protocol.REFUSED`: its policy or the run config forbids it); those nodes are not
+    `REFUSED`: its policy or the run config forbids it); those nodes are not
     in the sum, and the server counts them as rejected.
     """
 
@@ -189,9 +189,9 @@ def secure_sum(
 ) -> SecureSum:
     """Run SecAgg+ with ``node_ids`` on ``w`` and the round's train config; the sum of their replies.
 
-    ``w`` is the flat model, or a list of arrays (a user's model, :mod:`dpfedavg.flower.app_strategy`).
+    ``w`` is the flat model, or a list of arrays (a user's model, `dpfedavg.flower.app_strategy`).
 
-    Returns a :class:`SecureSum` whose ``total`` is ``None`` when the protocol
+    Returns a `SecureSum` whose ``total`` is ``None`` when the protocol
     halted (fewer than two clients, survivors below the reconstruction
     threshold, or a reply Flower's workflow could not process): the server
     then learned nothing.

@@ -29,10 +29,10 @@ app = ServerApp()
 
 
 def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPlan | None = None) -> RunResult:
-    """Train with the Flower strategy on ``grid`` and write results (:func:`dpfedavg.server.run.prepare_run`).
+    """Train with the Flower strategy on ``grid`` and write results (`dpfedavg.server.run.prepare_run()`).
 
-    Raises :class:`ConfigError` (from the task, the privacy plan or the server) before anything is written, and
-    :class:`~dpfedavg.server.health.TrainingStopped` (after the results are written) when the run stopped
+    Raises `ConfigError` (from the task, the privacy plan or the server) before anything is written, and
+    `TrainingStopped` (after the results are written) when the run stopped
     because its clients' replies were unusable.
     """
     prepared = prepare_run(cfg, plan=plan, run_id=run_id, engine="flower", inserts_canaries=True)
@@ -88,7 +88,7 @@ def timing_summary(strategy: DPFedAvg) -> dict[str, float | None]:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Validate ``run_config``, then :func:`run`. Bad config, federation, a failed write of results: one ERROR line."""
+    """Validate ``run_config``, then `run()`. Bad config, federation, a failed write of results: one ERROR line."""
     setup_app_process()
     try:
         cfg = RunConfig.from_run_config(context.run_config)

@@ -1,6 +1,6 @@
 """DP-FedAvg / DP-NormFedAvg as a Flower (Message API) strategy.
 
-:class:`DPFedAvg` implements Flower's public :class:`~flwr.serverapp.strategy.Strategy`
+`DPFedAvg` implements Flower's public `Strategy`
 hooks. It differs from Flower's ``FedAvg`` where FedAvg is wrong for user-level DP:
 
 * sampling: ``FedAvg`` draws a fixed-size ``random.sample`` of nodes; Alg. 1
@@ -10,10 +10,10 @@ hooks. It differs from Flower's ``FedAvg`` where FedAvg is wrong for user-level 
   received; Alg. 1 line 12 divides the sum by the fixed expected cohort size ``r``.
 
 The server math (sampling, aggregation, momentum, schedules, accounting, the
-random iterate) lives in :class:`~dpfedavg.server.dp_server.DPServer`, shared
+random iterate) lives in `DPServer`, shared
 with the batched engine. Which node hosts which clients is
-:mod:`.federation`'s, the per-client reply checks :mod:`.replies`'
-(message layout: :mod:`dpfedavg.flower.protocol`); this module builds the round's
+`federation`'s, the per-client reply checks `replies`'
+(message layout: `dpfedavg.flower.protocol`); this module builds the round's
 messages (one per node, naming its sampled clients when it hosts several) and
 hands the checked results to the server.
 """
@@ -84,7 +84,7 @@ class DPFedAvg(Strategy):
     """DP-FedAvg (``algorithm='clip'``, Alg. 1), DP-NormFedAvg (``'norm'``, Alg. 2) or FedAvg (``'none'``).
 
     This class runs dpfedavg's own ServerApp and ClientApp (a flat model ``w``). The public
-    :class:`dpfedavg.DPFedAvg` (:mod:`.app_strategy`) is this class, plus its keyword form for *your* app.
+    `dpfedavg.DPFedAvg` (`app_strategy`) is this class, plus its keyword form for *your* app.
 
     Parameters
     ----------
@@ -96,7 +96,7 @@ class DPFedAvg(Strategy):
     plan:
         The privacy plan; calibrated from ``cfg`` when omitted.
     server:
-        The server state to drive (:func:`dpfedavg.server.run.prepare_run` builds it); built from ``cfg``,
+        The server state to drive (`dpfedavg.server.run.prepare_run()` builds it); built from ``cfg``,
         ``dim`` and ``plan`` when omitted.
     sleep:
         Injected for tests: how to wait between polls of the Grid.
@@ -131,7 +131,7 @@ class DPFedAvg(Strategy):
         self.federation = Federation(cfg, sleep)
         #: The round before which the privacy budget stopped the run, if it did.
         self.stopped_before_round: int | None = None
-        #: Why the run stopped when its replies were unusable (fail fast: :mod:`dpfedavg.server.health`), or None.
+        #: Why the run stopped when its replies were unusable (fail fast: `dpfedavg.server.health`), or None.
         self.failed: TrainingStopped | None = None
         self._sampled: dict[int, list[int]] = {}  # node id -> its sampled clients (ascending), this round
         self._closed: dict[int, Vector] = {}  # w_{k+1} of rounds a rule closed in configure_train
@@ -147,7 +147,7 @@ class DPFedAvg(Strategy):
 
     @property
     def false_rejection_p(self) -> float:
-        """``p``, the probability that an honest reply is rejected (:mod:`dpfedavg.privacy.plausibility`)."""
+        """``p``, the probability that an honest reply is rejected (`dpfedavg.privacy.plausibility`)."""
         plan, cfg = self.server.plan, self.cfg
         if not plan.dp:
             return MAX_FALSE_REJECTION
@@ -224,7 +224,7 @@ class DPFedAvg(Strategy):
         """The plausibility bounds of ``clients`` honest clients' (summed) vectors this round; ``None`` without a bound.
 
         ``N C (1 + 1e-5) + sqrt(N) s (sqrt(d) + sqrt(2 ln(1/p)))`` with the round's ``C`` (``C_aug``), each client's
-        noise std ``s`` at ``|S_k| = num_sampled`` and ``d`` the vector's length (:mod:`dpfedavg.privacy.plausibility`).
+        noise std ``s`` at ``|S_k| = num_sampled`` and ``d`` the vector's length (`dpfedavg.privacy.plausibility`).
         """
         server = self.server
         if not server.bound.private:
@@ -257,7 +257,7 @@ class DPFedAvg(Strategy):
     # ------------------------------------------------------------ discovery
     @property
     def node_of_client(self) -> dict[int, int]:
-        """Client id -> Flower node id; filled by :meth:`discover_clients`."""
+        """Client id -> Flower node id; filled by `discover_clients()`."""
         return self.federation.node_of_client
 
     @property
@@ -273,7 +273,7 @@ class DPFedAvg(Strategy):
         return self.federation.discovery_seconds
 
     def discover_clients(self, grid: Grid, timeout: float | None = None) -> dict[int, int]:
-        """Wait for all SuperNodes and learn each one's ``partition-id`` (:meth:`Federation.discover`)."""
+        """Wait for all SuperNodes and learn each one's ``partition-id`` (`Federation.discover()`)."""
         return self.federation.discover(grid, timeout)
 
     # -------------------------------------------------------------- training
@@ -290,19 +290,19 @@ class DPFedAvg(Strategy):
         first_round: int = 1,
         on_round_end: Callable[[int, Vector], object] | None = None,
     ) -> Result:
-        """Discover the clients, then run rounds ``first_round .. K`` through :func:`dpfedavg.server.loop.run_rounds`.
+        """Discover the clients, then run rounds ``first_round .. K`` through `dpfedavg.server.loop.run_rounds()`.
 
         The loop every engine shares (budget stop, sampling, the secure-aggregation rule for fewer than
-        two clients), with :class:`FlowerRunner` reaching the clients: configure_train's messages,
+        two clients), with `FlowerRunner` reaching the clients: configure_train's messages,
         ``grid.send_and_receive`` with the round timeout, aggregate_train; or Flower's SecAgg+ workflow
-        (:mod:`.secure_aggregation`), in which the server gets the sum of the sampled clients' updates,
+        (`secure_aggregation`), in which the server gets the sum of the sampled clients' updates,
         never one of them. No client-side evaluation. ``evaluate_fn(k, arrays)`` (Flower's server-side
         evaluation) and then ``on_round_end(k, w_k)`` (recording: metrics.csv, checkpoint) are called
         after every round (not for round 0: the caller records the initial model); ``first_round > 1``
         continues a resumed run.
 
         If the privacy budget (``max-epsilon``) would be exceeded by the next round, the loop stops
-        before that round and the result holds the last model; :attr:`stopped_before_round` says which
+        before that round and the result holds the last model; `stopped_before_round` says which
         round was not run.
         """
         del evaluate_config  # no client-side evaluation (see configure_evaluate)
@@ -351,12 +351,12 @@ class DPFedAvg(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Open the round (:meth:`DPServer.begin_round`: its rules, the cohort) and build its messages.
+        """Open the round (`DPServer.begin_round()`: its rules, the cohort) and build its messages.
 
         Flower's hook, for driving the strategy round by round (tests, a custom loop);
-        :meth:`start` runs the same opening through :func:`dpfedavg.server.loop.run_rounds`. A round a
+        `start()` runs the same opening through `dpfedavg.server.loop.run_rounds()`. A round a
         rule closed at once (secure aggregation with fewer than two clients) sends nothing, and
-        :meth:`aggregate_train` then returns its model. Secure-aggregation rounds run only in :meth:`start`.
+        `aggregate_train()` then returns its model. Secure-aggregation rounds run only in `start()`.
         """
         if self.cfg.secure_aggregation:
             raise RuntimeError("secure-aggregation rounds run through Flower's SecAgg+ workflow: use start()")
@@ -427,7 +427,7 @@ class DPFedAvg(Strategy):
     def _run_secure_aggregation(
         self, server_round: int, w: Vector, train_config: ConfigRecord, grid: Grid, timeout: float
     ) -> SecureSum:
-        """SecAgg+ over this round's sampled, connected clients (see :mod:`.secure_aggregation`)."""
+        """SecAgg+ over this round's sampled, connected clients (see `secure_aggregation`)."""
         secagg_grid = self.server.secagg_grid(self.history[server_round].num_sampled)
         assert secagg_grid is not None  # secure-aggregation is on
         stage_timeout = self.cfg.secagg_timeout or timeout
@@ -487,7 +487,7 @@ class DPFedAvg(Strategy):
         return []
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """No client-side evaluation (see :meth:`configure_evaluate`)."""
+        """No client-side evaluation (see `configure_evaluate()`)."""
         return None
 
     def aggregate_train(
@@ -495,7 +495,7 @@ class DPFedAvg(Strategy):
         server_round: int,
         replies: Iterable[Message],
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Check the replies client by client (:func:`.replies.collect_replies`), then let the server aggregate.
+        """Check the replies client by client (`replies.collect_replies()`), then let the server aggregate.
 
         The server divides by the fixed r, applies momentum and charges the accountant; every sampled
         client that is neither received, failed nor rejected is a dropout. A reply from a node that was not
@@ -536,17 +536,17 @@ class DPFedAvg(Strategy):
         return w_new
 
     def _round_messages(self, w: Vector, train_config: ConfigRecord) -> list[Message]:
-        """The round's TRAIN messages for the model ``w_k`` (see :meth:`_train_messages`)."""
+        """The round's TRAIN messages for the model ``w_k`` (see `_train_messages()`)."""
         return self._train_messages(to_array_record(w), train_config)
 
 
 class FlowerRunner:
-    """The Flower engine's :class:`~dpfedavg.server.loop.ClientRunner`: the round through Flower's Grid.
+    """The Flower engine's `ClientRunner`: the round through Flower's Grid.
 
     Without secure aggregation: one TRAIN message per node with sampled, connected clients, ``send_and_receive``
-    with the round timeout, then :meth:`DPFedAvg.aggregate_train` (reply checks, per-client results to
+    with the round timeout, then `DPFedAvg.aggregate_train()` (reply checks, per-client results to
     the server). With it: Flower's SecAgg+ workflow, then the server gets the sum. Records the seconds
-    of each phase per round in :attr:`timings`.
+    of each phase per round in `timings`.
     """
 
     PHASES = ("configure_s", "send_and_receive_s", "aggregate_s")

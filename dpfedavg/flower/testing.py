@@ -1,6 +1,6 @@
 """An in-process Flower Grid: run a strategy against real ClientApps without Ray.
 
-:class:`InProcessGrid` implements the part of :class:`flwr.serverapp.Grid`
+`InProcessGrid` implements the part of `flwr.serverapp.Grid`
 that ``Strategy.start`` uses (``get_node_ids`` and ``send_and_receive``) by
 calling a ClientApp (or any ``(Message, Context) -> Message | None``
 callable) directly, one node after the other. Message contents are
@@ -52,7 +52,7 @@ class InProcessGrid(Grid):
     Parameters
     ----------
     client_fn:
-        Usually :data:`dpfedavg.flower.client_app.app`; any ``(Message, Context) -> Message | None``.
+        Usually `dpfedavg.flower.client_app.app`; any ``(Message, Context) -> Message | None``.
     num_nodes:
         Number of SuperNodes; node ``j`` gets ``partition-id`` ``partition_ids[j]``.
     run_config:
@@ -150,7 +150,7 @@ class InProcessGrid(Grid):
         raise NotImplementedError
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Deliver each message now (the client runs at once); its reply waits for :meth:`pull_messages`."""
+        """Deliver each message now (the client runs at once); its reply waits for `pull_messages()`."""
         ids = []
         for msg in messages:
             message_id = uuid.uuid4().hex

@@ -1,15 +1,15 @@
 """File writes that never leave half a file: atomic replacement, and appends that undo themselves on failure.
 
-Every byte the package writes to a run's files goes through :func:`_write_all` (``os.write``), so a full disk
+Every byte the package writes to a run's files goes through `_write_all()` (``os.write``), so a full disk
 (ENOSPC) or any other failure is seen in one place:
 
-* :func:`atomic_open` / :func:`atomic_write_bytes`: the new content goes to a temporary file in the same
+* `atomic_open()` / `atomic_write_bytes()`: the new content goes to a temporary file in the same
   folder, which is renamed over the old file only once it is complete; a failure leaves the old file intact
   and no temporary file behind.
-* :func:`append_bytes`: one record (a ``metrics.csv`` row) is appended; if the write fails part-way the file is
+* `append_bytes()`: one record (a ``metrics.csv`` row) is appended; if the write fails part-way the file is
   truncated back to its previous length, so it always ends with a complete record. A process killed in the
   middle of the write can still leave a partial last line: readers drop a last line without its terminator
-  (:func:`dpfedavg.io.results.read_metrics`).
+  (`dpfedavg.io.results.read_metrics()`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def atomic_open(path: Path, *, durable: bool = False) -> Iterator[BinaryIO]:
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = False) -> None:
-    """Replace ``path`` with ``data`` atomically (see :func:`atomic_open`)."""
+    """Replace ``path`` with ``data`` atomically (see `atomic_open()`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

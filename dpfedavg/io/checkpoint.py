@@ -6,9 +6,9 @@ second model from the same clients' data and spend the privacy budget twice. Eve
 rest of the run depends on:
 
 * ``w_k`` and the round ``k``; the sampling and (seeded) noise streams need nothing more, because
-  every round's generator is derived from ``(seed, stream, round)`` (:mod:`dpfedavg.core.seeding`),
+  every round's generator is derived from ``(seed, stream, round)`` (`dpfedavg.core.seeding`),
   so round ``k+1`` draws the same clients and noise whether or not the run was interrupted;
-* the server's state, :class:`ServerState` (the one definition of it: the server produces and
+* the server's state, `ServerState` (the one definition of it: the server produces and
   consumes it, this module stores it field by field): the momentum buffer, the random iterate
   ``w_{k~}`` (Alg. 1 line 13) and its round, bit-exact (float64), the accountant's state (so epsilon
   continues from where it was, never from 0), the per-round statistics and, with ``adaptive-clip``,
@@ -16,7 +16,7 @@ rest of the run depends on:
 * the server-side evaluations and the trajectory so far.
 
 The file is written to a temporary file in the same folder, flushed to disk and renamed over the
-old one (:func:`dpfedavg.io.atomic.atomic_open`), so a crash or a failed write leaves the previous
+old one (`dpfedavg.io.atomic.atomic_open()`), so a crash or a failed write leaves the previous
 checkpoint intact and readable.
 
 ``resume=true`` refuses a checkpoint whose privacy-relevant settings (the ``Option(privacy=True)``
@@ -73,7 +73,7 @@ class CheckpointError(ConfigError):
 
 @dataclass
 class ServerState:
-    """The server's state after a round (:meth:`dpfedavg.server.DPServer.state` / ``restore``).
+    """The server's state after a round (`dpfedavg.server.DPServer.state()` / ``restore``).
 
     Array fields are stored bit-exact in the ``.npz``, the others in its JSON metadata.
     """
@@ -81,9 +81,9 @@ class ServerState:
     momentum: np.ndarray
     random_iterate: np.ndarray | None
     random_round: int | None
-    #: :meth:`dpfedavg.privacy.accountants.Accountant.state_dict` (``None`` without DP).
+    #: `dpfedavg.privacy.accountants.Accountant.state_dict()` (``None`` without DP).
     accountant: dict[str, Any] | None
-    #: ``metrics.csv``'s training statistics by round (:class:`dpfedavg.io.metrics.RoundStats` as dicts).
+    #: ``metrics.csv``'s training statistics by round (`dpfedavg.io.metrics.RoundStats` as dicts).
     history: dict[int, dict[str, Any]]
     #: ``adaptive-clip``: ``C_{k+1}``, the threshold of the next round.
     adaptive_clip: float | None = None
@@ -166,7 +166,7 @@ def _decode(obj: Any) -> Any:
     return obj
 
 
-#: The ``.npz`` entry of a :class:`ServerState` array field.
+#: The ``.npz`` entry of a `ServerState` array field.
 _SERVER_ARRAY = "server.{}"
 
 
@@ -209,7 +209,7 @@ def save_checkpoint(directory: Path, ckpt: Checkpoint) -> Path:
 
 
 class _Fields:
-    """Reads a checkpoint's fields; every malformed one is a :class:`CheckpointError` naming it."""
+    """Reads a checkpoint's fields; every malformed one is a `CheckpointError` naming it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -285,11 +285,11 @@ class _Fields:
 
 
 def load_checkpoint(directory: Path) -> Checkpoint:
-    """Read ``directory/checkpoint.npz``; one :class:`CheckpointError` if absent, unreadable or malformed.
+    """Read ``directory/checkpoint.npz``; one `CheckpointError` if absent, unreadable or malformed.
 
     Every field is checked for its type and range (the round an integer >= 1, the arrays finite float vectors,
     the per-round statistics the columns of ``metrics.csv``, the accountant's history ``[q, z]`` pairs, ...);
-    the error names the first bad field. Whether the state fits the run is :func:`check_compatible`'s.
+    the error names the first bad field. Whether the state fits the run is `check_compatible()`'s.
     """
     path = Path(directory) / CHECKPOINT_FILE
     if not path.exists():
@@ -362,7 +362,7 @@ def nominal_accountant_state(plan: PrivacyPlan, rounds: int) -> dict[str, Any] |
     """The accountant's state after ``rounds`` rounds of the plan: every round charges ``(q, z)`` (both public).
 
     Every round a run completes is charged the nominal event whoever replied (the server tops up missing noise,
-    :mod:`dpfedavg.core.mechanism`), so the plan and the round count alone determine the accountant.
+    `dpfedavg.core.mechanism`), so the plan and the round count alone determine the accountant.
     """
     if not plan.dp:
         return None
@@ -427,7 +427,7 @@ def _state_errors(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: int)
 def check_compatible(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: int) -> None:
     """Refuse to resume ``ckpt`` under settings that would not continue the same run, or with state they do not imply.
 
-    Raises one :class:`CheckpointError` naming every differing setting and every field of the server's state
+    Raises one `CheckpointError` naming every differing setting and every field of the server's state
     that disagrees with its round count and the privacy plan: above all the accountant's history, which must be
     ``releases`` copies of the plan's public ``(q, z)`` (``round``, plus the rounds redone after earlier crashes
     with ``secure-noise``; an edited history would lower the reported epsilon).

@@ -12,7 +12,7 @@ class RoundStats:
     """Per-round training statistics: the one definition of ``metrics.csv``'s training columns.
 
     The fields from ``num_sampled`` to ``skipped`` are the columns, in this order; the task's metrics
-    are written after :data:`METRICS_AFTER` (see :meth:`columns`).
+    are written after `METRICS_AFTER` (see `columns()`).
     """
 
     round: int
@@ -65,7 +65,7 @@ class RoundStats:
         return {name: getattr(self, name) for name in self.columns()[1:-1]}
 
 
-#: :class:`RoundStats`'s field names, in order.
+#: `RoundStats`'s field names, in order.
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(RoundStats))
 
 

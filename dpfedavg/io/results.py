@@ -122,7 +122,7 @@ class RunRecorder:
     """Writes one run's results under ``directory``.
 
     ``metrics.csv`` gets one row per round, appended as one write that is undone if it fails
-    (:func:`dpfedavg.io.atomic.append_bytes`), so a run that dies or fills the disk leaves the rounds it
+    (`dpfedavg.io.atomic.append_bytes()`), so a run that dies or fills the disk leaves the rounds it
     finished, every row complete; the other files are replaced atomically.
     """
 

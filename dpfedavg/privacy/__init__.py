@@ -2,6 +2,6 @@
 tuning's selection accounting, the guarantee's text and the empirical auditor. No Flower import.
 
 The mechanisms themselves (what is added: the sensitivity bounds, noise placements and noise laws) are in
-:mod:`dpfedavg.core`. Nothing is imported here, so that the config can read the accountants' names
+`dpfedavg.core`. Nothing is imported here, so that the config can read the accountants' names
 without loading dp-accounting.
 """

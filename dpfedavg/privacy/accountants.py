@@ -2,26 +2,26 @@
 
 The privacy unit is one client's whole dataset. In round ``k`` every client is sampled with
 probability ``q = r/n`` and the released sum has sensitivity ``C`` (the bound of
-:mod:`dpfedavg.core.dp`), so one round is ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``
-(:class:`RoundEvent`) and rounds compose. An :class:`Accountant` composes round events
-(:meth:`~Accountant.step`) and reports the epsilon spent for its ``delta``; callers never branch on
-the method's name: they create one with :func:`create_accountant` and ask it.
+`dpfedavg.core.dp`), so one round is ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``
+(`RoundEvent`) and rounds compose. An `Accountant` composes round events
+(`step()`) and reports the epsilon spent for its ``delta``; callers never branch on
+the method's name: they create one with `create_accountant()` and ask it.
 
-Two methods ship (:data:`ACCOUNTANTS`), both over dp-accounting:
+Two methods ship (`ACCOUNTANTS`), both over dp-accounting:
 
 ``pld``
     Privacy loss distributions (tight). Consecutive rounds with the same event are composed as
     one self-composed run, as dp-accounting's ``PLDAccountant`` does for ``SelfComposedDpEvent``;
-    the discretization interval is :data:`PLD_DISCRETIZATION` (pessimistic: a valid upper bound).
+    the discretization interval is `PLD_DISCRETIZATION` (pessimistic: a valid upper bound).
     A PLD's size grows without bound as the noise shrinks: one with a Gaussian of std below
-    :data:`PLD_MIN_SIGMA`, or whose mean privacy loss exceeds :data:`PLD_MAX_MEAN_LOSS`, is refused
-    with :class:`AccountingRangeError` before it is built (issue 29: ``num-rounds = 10^6`` at ``q = 1``
+    `PLD_MIN_SIGMA`, or whose mean privacy loss exceeds `PLD_MAX_MEAN_LOSS`, is refused
+    with `AccountingRangeError` before it is built (issue 29: ``num-rounds = 10^6`` at ``q = 1``
     asked dp-accounting for 7.6 GiB).
 ``rdp``
     Rényi DP over dp-accounting's default orders (looser, fast).
 
 dp-accounting is imported when an accountant is first used, not when this module is imported: the
-config reads :data:`ACCOUNTANTS`'s names, and a ClientApp never accounts.
+config reads `ACCOUNTANTS`'s names, and a ClientApp never accounts.
 """
 
 from __future__ import annotations
@@ -282,10 +282,10 @@ def _mean_loss_bound(event: RoundEvent) -> float:
 
 
 def check_pld_range(event: RoundEvent, count: int) -> None:
-    """:class:`AccountingRangeError` unless ``count`` rounds of ``event`` fit a PLD of bounded size.
+    """`AccountingRangeError` unless ``count`` rounds of ``event`` fit a PLD of bounded size.
 
-    The Gaussian it is built from must have std at least :data:`PLD_MIN_SIGMA` (``z``, or ``z / sqrt(count)`` at
-    ``q = 1``), and the run's mean privacy loss must be at most :data:`PLD_MAX_MEAN_LOSS`.
+    The Gaussian it is built from must have std at least `PLD_MIN_SIGMA` (``z``, or ``z / sqrt(count)`` at
+    ``q = 1``), and the run's mean privacy loss must be at most `PLD_MAX_MEAN_LOSS`.
     """
     assert event.z is not None and event.z > 0
     sigma = event.z / math.sqrt(count) if event.q == 1.0 else event.z
@@ -369,7 +369,7 @@ ACCOUNTANTS: dict[str, type[AccountantBase]] = {cls.name: cls for cls in (PldAcc
 
 
 def create_accountant(name: str, delta: float) -> Accountant:
-    """A fresh accountant of method ``name`` (:data:`ACCOUNTANTS`) for ``delta``."""
+    """A fresh accountant of method ``name`` (`ACCOUNTANTS`) for ``delta``."""
     try:
         cls = ACCOUNTANTS[name]
     except KeyError:

@@ -1,6 +1,6 @@
 """An empirical privacy auditor: a lower bound on epsilon from running the mechanism on neighbours.
 
-The accountant (:mod:`dpfedavg.privacy.accounting`) gives an *upper* bound
+The accountant (`dpfedavg.privacy.accounting`) gives an *upper* bound
 on epsilon, and it is only as right as the model of the mechanism it
 composes. This module checks that model from the other side, the way
 Jagielski, Ullman and Oprea (2020) and Nasr et al. (2021) audit DP training:
@@ -13,7 +13,7 @@ lower bound below it proves nothing about tightness.
 The experiment
 --------------
 * Neighbours follow the placement's stated adjacency
-  (:attr:`~dpfedavg.core.mechanism.NoisePlacement.adjacency`): under
+  (`adjacency`): under
   add/remove the canary is absent from world 0 and present in world 1; under
   zero-out it is present in both and sends ``g = 0`` in world 0 and
   ``g = C e_1`` in world 1 (its noise in both).
@@ -21,10 +21,10 @@ The experiment
   ``e_1``; the other ``n - 1`` clients send ``g = 0`` (the adversary knows
   them, so this loses no generality for the distinguisher).
 * Every round every client (the canary too) is Poisson-sampled with
-  ``q = r / n`` (:func:`dpfedavg.core.server.poisson_sample`), every sampled
+  ``q = r / n`` (`dpfedavg.core.server.poisson_sample()`), every sampled
   client's noisy update enters the sum (no dropouts), each adds
   ``N(0, client_std^2 I)`` and the server adds ``N(0, server_std^2 I)``, the
-  stds coming from the placement object (:func:`released_sums_batch`). The
+  stds coming from the placement object (`released_sums_batch()`). The
   adversary sees the ``K`` released sums (``d``-dimensional).
 
 The statistic
@@ -115,7 +115,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Numbers drawn per chunk of trials (``chunk * K * max(d, n)``): bounds the memory of :func:`released_sums_batch`.
+#: Numbers drawn per chunk of trials (``chunk * K * max(d, n)``): bounds the memory of `released_sums_batch()`.
 _CHUNK_FLOATS = 1 << 22
 
 
@@ -126,8 +126,8 @@ class AuditSetting:
     Attributes
     ----------
     placement:
-        The :class:`~dpfedavg.core.mechanism.NoisePlacement` audited, or the name of one in
-        :data:`~dpfedavg.core.mechanism.PLACEMENTS` (the tests also audit a deliberately mis-accounted one).
+        The `NoisePlacement` audited, or the name of one in
+        `PLACEMENTS` (the tests also audit a deliberately mis-accounted one).
     num_clients:
         ``n``: the larger federation's size, canary included (under add/remove the other has ``n - 1``).
     clients_per_round:
@@ -137,7 +137,7 @@ class AuditSetting:
     noise_multiplier, clip, delta:
         ``z``, ``C`` and the ``delta`` at which epsilon is bounded and reported.
     accountant:
-        A name in :data:`~dpfedavg.privacy.accountants.ACCOUNTANTS`: the accountant behind the reported epsilon.
+        A name in `ACCOUNTANTS`: the accountant behind the reported epsilon.
     """
 
     placement: NoisePlacement
@@ -184,7 +184,7 @@ class AuditSetting:
     def sum_variance(self, num_sampled: int) -> float:
         """Per-coordinate variance of the released sum when ``num_sampled`` clients were sampled (all included).
 
-        Built only from the placement's :meth:`~NoisePlacement.client_std` and :meth:`~NoisePlacement.server_std`.
+        Built only from the placement's `client_std()` and `server_std()`.
         """
         p, z, c, r = self.placement, self.noise_multiplier, self.clip, self.clients_per_round
         client = p.client_std(z, c, r, num_sampled)
@@ -206,11 +206,11 @@ def released_sums_batch(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run the round's release ``trials x K`` times in one world; return ``<y, e_1>`` and ``||y||^2``.
 
-    A vectorized version of :func:`dpfedavg.core.mechanism.released_sum` with every sampled client
+    A vectorized version of `dpfedavg.core.mechanism.released_sum()` with every sampled client
     included and the other clients' ``g = 0``: the sum of independent Gaussians ``N(0, client_std^2 I)``
     (one per sampled client) and ``N(0, server_std^2 I)`` is drawn as one Gaussian with the summed
-    variance (:meth:`AuditSetting.sum_variance`), plus the canary's ``C e_1`` when it is sampled and
-    sends it. Sampling is :func:`~dpfedavg.core.server.poisson_sample` over all ``trials * K * n``
+    variance (`AuditSetting.sum_variance()`), plus the canary's ``C e_1`` when it is sampled and
+    sends it. Sampling is `poisson_sample()` over all ``trials * K * n``
     (trial, round, client) cells at once, which is the same independent ``Bernoulli(q)`` per cell.
     Client 0 is the canary; in world 0 under add/remove it is not in the federation.
 
@@ -367,7 +367,7 @@ def roc_curve(stat0: np.ndarray, stat1: np.ndarray) -> tuple[np.ndarray, np.ndar
 def reported_epsilon(setting: AuditSetting) -> float:
     """What the project's accountant reports for the setting: the placement's own accounting.
 
-    Every round is charged the placement's :meth:`~NoisePlacement.accounted_noise_multiplier` with all
+    Every round is charged the placement's `accounted_noise_multiplier()` with all
     clients of the larger federation sampled and included (``z`` for every placement with the top-up).
     """
     n, r = setting.num_clients, setting.clients_per_round
@@ -379,7 +379,7 @@ def reported_epsilon(setting: AuditSetting) -> float:
 
 @dataclass
 class AuditResult:
-    """The outcome of :func:`run_audit` (:meth:`as_dict` is the CLI's ``--json`` object)."""
+    """The outcome of `run_audit()` (`as_dict()` is the CLI's ``--json`` object)."""
 
     setting: AuditSetting
     trials: int

@@ -1,10 +1,10 @@
 """The empirical auditor for banded-MF noise: a canary in a min-separated pattern, a lower bound on epsilon.
 
-The same experiment as :mod:`dpfedavg.privacy.audit` (Jagielski, Ullman, Oprea 2020; Nasr et al. 2021), for
-the correlated release of :mod:`dpfedavg.privacy.banded_mf_mechanism`: a run of ``K`` rounds releases
+The same experiment as `dpfedavg.privacy.audit` (Jagielski, Ullman, Oprea 2020; Nasr et al. 2021), for
+the correlated release of `dpfedavg.privacy.banded_mf_mechanism`: a run of ``K`` rounds releases
 ``y_k = x_k + (C^{-1} Z)_k``, ``x_k`` the round's sum of bounded updates, the rows of ``Z`` i.i.d.
 ``N(0, sigma^2 I_d)``, the noise drawn by the project's own stream
-(:class:`~dpfedavg.core.banded_mf.BandedNoiseStream`, all trials at once as one long vector: the stream is
+(`BandedNoiseStream`, all trials at once as one long vector: the stream is
 linear, coordinate by coordinate).
 
 * World 0: the canary is absent (add/remove); the other clients send ``g = 0`` (known to the adversary).
@@ -15,12 +15,12 @@ The adversary sees the ``K`` released rows. Multiplying by ``C`` (post-processin
 the exact log-likelihood ratio is ``<(C y)_{:,1}, m> / sigma^2 - ||m||^2 / (2 sigma^2)`` with
 ``m = C x^{(1)}_{:,1}`` the canary's shift, computed here with a dense ``C`` (not the stream's recurrence). By
 Neyman-Pearson it is the most powerful test; the rest of the auditor (threshold chosen on half of the trials,
-Clopper-Pearson bounds on the other half) is :func:`dpfedavg.privacy.audit.epsilon_lower_bound`'s.
+Clopper-Pearson bounds on the other half) is `dpfedavg.privacy.audit.epsilon_lower_bound()`'s.
 
-The reported epsilon is the accountant's (:func:`~dpfedavg.privacy.banded_mf_accounting.banded_mf_epsilon`, the
+The reported epsilon is the accountant's (`banded_mf_epsilon()`, the
 closed-form min-separation sensitivity); ``epsilon_exact`` is the Gaussian DP epsilon of this canary's shift
 ``||m|| / sigma``, computed independently. A canary whose participations are closer than ``b`` rounds breaks the
-closed form's assumption (its columns of ``C`` overlap): :class:`BandedAuditSetting` refuses such a pattern, and
+closed form's assumption (its columns of ``C`` overlap): `BandedAuditSetting` refuses such a pattern, and
 the tests audit one on purpose to show that the auditor catches the under-estimated sensitivity.
 """
 
@@ -110,7 +110,7 @@ class BandedAuditSetting:
         )
 
     def reported_epsilon(self) -> float:
-        """What the project reports for this run (:func:`banded_mf_epsilon`)."""
+        """What the project reports for this run (`banded_mf_epsilon()`)."""
         return banded_mf_epsilon(self.params())
 
     def canary_shift(self) -> np.ndarray:
@@ -139,7 +139,7 @@ def gaussian_dp_epsilon(mu: float, delta: float) -> float:
 
 @dataclass
 class BandedAuditResult:
-    """The outcome of :func:`run_banded_audit` (:meth:`as_dict` is ``run_sim.py audit``'s ``--json``)."""
+    """The outcome of `run_banded_audit()` (`as_dict()` is ``run_sim.py audit``'s ``--json``)."""
 
     setting: BandedAuditSetting
     trials: int

@@ -1,12 +1,12 @@
 """Privacy accounting of banded matrix-factorization noise: the run as one Gaussian, or amplified by cyclic Poisson.
 
-The server releases ``x_k + (C^{-1} Z)_k`` each round (:class:`dpfedavg.core.banded_mf.BandedNoiseStream`),
+The server releases ``x_k + (C^{-1} Z)_k`` each round (`dpfedavg.core.banded_mf.BandedNoiseStream`),
 a post-processing of ``C x + Z`` with ``Z``'s entries i.i.d. ``N(0, sigma^2)``. Two analyses:
 
 **Without amplification** (``cyclic``, ``min-separation``; Choquette-Choo et al. 2023, "(Amplified) Banded
 Matrix Factorization", §3; Denisov et al. 2022 for adaptively chosen inputs): the whole
 run is *one* Gaussian mechanism with L2 sensitivity ``Delta`` =
-:func:`~dpfedavg.core.banded_mf.minsep_sensitivity` (over every allowed participation pattern, in the sum's
+`minsep_sensitivity()` (over every allowed participation pattern, in the sum's
 units), i.e. ``GaussianDpEvent(sigma / Delta)``, which is ``mu``-GDP with ``mu = Delta / sigma`` (Dong, Roth,
 Su 2022, Theorem 2.7) and so ``(epsilon, delta)``-DP exactly when
 ``delta = Phi(-epsilon/mu + mu/2) - e^epsilon Phi(-epsilon/mu - mu/2)`` (ibid., Corollary 2.13).
@@ -19,7 +19,7 @@ each a Poisson-subsampled Gaussian with rate ``p`` and noise multiplier ``sigma 
 
 Epsilon after the first ``k`` rounds is the same analysis of the ``k x k`` leading block of ``C`` (the first
 ``k`` released rows depend only on ``Z_0 .. Z_{k-1}``), so a budget stop works as with independent noise.
-:func:`banded_mf_record` is what ``config.json`` holds under ``privacy.banded_mf``: enough to recompute epsilon
+`banded_mf_record()` is what ``config.json`` holds under ``privacy.banded_mf``: enough to recompute epsilon
 without this code.
 """
 
@@ -66,7 +66,7 @@ class BandedMFParams:
     num_rounds:
         ``K``.
     participation:
-        The scheme (:class:`~dpfedavg.core.participation.Participation`).
+        The scheme (`Participation`).
     max_participations:
         ``k`` in force (``ParticipationRule.participations``).
     clip:
@@ -230,10 +230,10 @@ def calibrate_noise_std(
 ) -> float:
     """The smallest ``sigma`` (to ``rel_tol`` relative) whose whole run spends at most ``epsilon``.
 
-    Bisection (:func:`dpfedavg.privacy.calibration.smallest_noise_multiplier`) on the per-round noise multiplier
+    Bisection (`dpfedavg.privacy.calibration.smallest_noise_multiplier()`) on the per-round noise multiplier
     ``z = sigma / (C_clip ||c||_2)``, the variable today's calibration bisects when ``b = 1`` and ``c_0 = 1``
     (then ``z = sigma / C_clip``, and the same bisection path gives the same ``sigma`` as
-    :func:`dpfedavg.privacy.calibration.calibrate_noise_multiplier` times ``C_clip``). The returned ``sigma``
+    `dpfedavg.privacy.calibration.calibrate_noise_multiplier()` times ``C_clip``). The returned ``sigma``
     always meets the target.
     """
     base = BandedMFParams.from_rule(rule, coefficients, clip=clip, noise_std=1.0, delta=delta, accountant=accountant)
@@ -247,7 +247,7 @@ def calibrate_noise_std(
 
 
 class BandedMFAccountant(AccountantBase):
-    """The accountant of a banded-MF run, behind the :class:`~dpfedavg.privacy.accountants.Accountant` protocol.
+    """The accountant of a banded-MF run, behind the `Accountant` protocol.
 
     Its epsilon after ``k`` rounds is that of the first ``k`` rows of the release (the module docstring), so
     the server composes, peeks (``epsilon_after``, the budget stop) and checkpoints it as any other accountant;
@@ -285,7 +285,7 @@ class BandedMFAccountant(AccountantBase):
         return _cached_epsilon(self.params, rounds)
 
     def state_dict(self) -> dict[str, Any]:
-        """The protocol's state plus the parameters (JSON), which :meth:`load_state_dict` checks."""
+        """The protocol's state plus the parameters (JSON), which `load_state_dict()` checks."""
         return {**super().state_dict(), "params": banded_mf_record(self.params, epsilon=False)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -2,18 +2,18 @@
 
 Three pieces, built in this order before any client is contacted:
 
-* :class:`BandedMFSpec` (narrow and frozen, what the accounting reads): the participation rule
-  (:class:`~dpfedavg.core.participation.ParticipationRule`), the strategy coefficients ``c_0 .. c_{b-1}`` and the
-  fixed denominator of the average. :meth:`BandedMFSpec.from_config` builds it from a run config;
-  :func:`config_errors` lists, in the config's words, every setting it cannot honour.
+* `BandedMFSpec` (narrow and frozen, what the accounting reads): the participation rule
+  (`ParticipationRule`), the strategy coefficients ``c_0 .. c_{b-1}`` and the
+  fixed denominator of the average. `BandedMFSpec.from_config()` builds it from a run config;
+  `config_errors()` lists, in the config's words, every setting it cannot honour.
 * the plan calibrates ``z = sigma / C`` for the target with
-  :func:`~dpfedavg.privacy.banded_mf_accounting.calibrate_noise_std` (in units of the clip, so ``z`` does not
+  `calibrate_noise_std()` (in units of the clip, so ``z`` does not
   depend on ``C``), and the server's accountant is a
-  :class:`~dpfedavg.privacy.banded_mf_accounting.BandedMFAccountant`;
-* :class:`BandedMFMechanism` (the server's state, one per run): ``select`` is round ``k``'s cohort by the rule
-  (:class:`~dpfedavg.core.participation.ParticipationTracker`: nobody outside it is ever returned), and
+  `BandedMFAccountant`;
+* `BandedMFMechanism` (the server's state, one per run): ``select`` is round ``k``'s cohort by the rule
+  (`ParticipationTracker`: nobody outside it is ever returned), and
   ``server_noise`` is the correlated noise ``(C^{-1} Z)_k`` the server adds to the round's sum
-  (:class:`~dpfedavg.core.banded_mf.BandedNoiseStream`), once every round, an empty or skipped round included.
+  (`BandedNoiseStream`), once every round, an empty or skipped round included.
   ``state_dict`` / ``load_state_dict`` carry both into the checkpoint; ``record`` is ``config.json``'s
   ``privacy.banded_mf``.
 
@@ -131,7 +131,7 @@ class BandedMFSpec:
     ) -> BandedMFSpec:
         """The spec of a run; ``ValueError`` naming the setting that cannot hold.
 
-        ``bands = None``: ``floor(n / r)`` in ``[1, K]`` (:func:`~dpfedavg.core.banded_mf.default_bands`), or the
+        ``bands = None``: ``floor(n / r)`` in ``[1, K]`` (`default_bands()`), or the
         number of explicit coefficients. ``cyclic-poisson`` samples each client of the group with ``p = r b / n``.
         """
         parsed = parse_coefficients(coefficients) if isinstance(coefficients, str) else tuple(coefficients)
@@ -165,7 +165,7 @@ class BandedMFSpec:
 
     @classmethod
     def from_config(cls, cfg: Any) -> BandedMFSpec:
-        """The spec of a :class:`~dpfedavg.config.RunConfig` (validated there: see :func:`config_errors`)."""
+        """The spec of a `RunConfig` (validated there: see `config_errors()`)."""
         return cls.build(
             num_clients=cfg.num_clients,
             clients_per_round=cfg.clients_per_round,
@@ -252,12 +252,12 @@ class BandedMFMechanism:
     dim:
         The length of the released sum.
     clip:
-        ``C``, for :meth:`record` (the sensitivity in the sum's units).
+        ``C``, for `record()` (the sensitivity in the sum's units).
     delta, accountant:
-        For :meth:`record`'s epsilon.
+        For `record()`'s epsilon.
     """
 
-    #: ``config.json``'s ``privacy`` key of :meth:`record`.
+    #: ``config.json``'s ``privacy`` key of `record()`.
     record_key = "banded_mf"
     #: The cohort depends on who is connected (``min-separation`` asks the eligible, connected clients).
     selects_from_available = True
@@ -291,11 +291,11 @@ class BandedMFMechanism:
 
     # ------------------------------------------------------------------------------------------- per round
     def select(self, round_index: int, rng: np.random.Generator | None = None, available: Any = None) -> np.ndarray:
-        """Round ``k``'s cohort (0-based ``k``) by the gate's rule (:meth:`ParticipationTracker.choose`)."""
+        """Round ``k``'s cohort (0-based ``k``) by the gate's rule (`ParticipationTracker.choose()`)."""
         return self.tracker.choose(round_index, rng, available)
 
     def admit(self, round_index: int, cohort: np.ndarray) -> None:
-        """Record round ``k``'s cohort in the participation history (:meth:`ParticipationTracker.admit`)."""
+        """Record round ``k``'s cohort in the participation history (`ParticipationTracker.admit()`)."""
         self.tracker.admit(round_index, cohort)
 
     def server_noise(self, round_index: int, rng: np.random.Generator, top_up_std: float = 0.0) -> Vector:
@@ -309,7 +309,7 @@ class BandedMFMechanism:
 
     # --------------------------------------------------------------------------------------- records, state
     def record(self) -> dict[str, Any]:
-        """``config.json``'s ``privacy.banded_mf`` (:func:`~dpfedavg.privacy.banded_mf_accounting.banded_mf_record`)."""
+        """``config.json``'s ``privacy.banded_mf`` (`banded_mf_record()`)."""
         return {
             **banded_mf_record(self.params),
             "strategy": self.spec.strategy,
@@ -329,7 +329,7 @@ class BandedMFMechanism:
         return {f"{name}/{key}": value for name, part in parts.items() for key, value in part.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, Any], cohort_sizes: Sequence[int] | None = None) -> None:
-        """Continue from :meth:`state_dict`'s output (each part refuses a checkpoint of other settings).
+        """Continue from `state_dict()`'s output (each part refuses a checkpoint of other settings).
 
         The participation history is the recorded cohorts, replayed through the rule; ``cohort_sizes`` (each
         completed round's number of clients asked) must be their sizes (``ParticipationTracker.load_state_dict``).

@@ -8,7 +8,7 @@ functions of those numbers and of the accountant's code, so they are computed on
 * in memory, for the rest of the process;
 * on disk, in ``$DPFEDAVG_PRIVACY_CACHE`` (default ``~/.cache/dpfedavg/privacy``), in a JSON file whose name
   holds the dp-accounting version and a hash of the accountants' and the calibration's source
-  (:mod:`dpfedavg.privacy.accountants`, :mod:`dpfedavg.privacy.calibration`): another
+  (`dpfedavg.privacy.accountants`, `dpfedavg.privacy.calibration`): another
   dp-accounting release, or any change to how this package accounts, starts a new file, so a value is
   never reused by code that would compute it differently. ``DPFEDAVG_PRIVACY_CACHE=off`` disables the disk.
 

@@ -1,7 +1,7 @@
 """Epsilon after ``K`` rounds, and the noise multiplier for a target ``(epsilon, delta)``.
 
 Every round carries the nominal noise (the server tops up missing shares, see
-:mod:`dpfedavg.core.mechanism`), so the epsilon after ``k`` rounds is known before a run starts and
+`dpfedavg.core.mechanism`), so the epsilon after ``k`` rounds is known before a run starts and
 ``z`` is found by bisection with the run's own accountant: a run whose rounds all carry the nominal
 noise ends at or below its target.
 """
@@ -47,7 +47,7 @@ def epsilon_for(noise_multiplier: float, q: float, rounds: int, delta: float, ac
 
 #: The largest noise multiplier calibration considers (the ``noise-multiplier`` key's upper end).
 MAX_NOISE_MULTIPLIER = 1e6
-#: Wall seconds one calibration may take before it fails with :class:`CalibrationError` (the slowest calibration
+#: Wall seconds one calibration may take before it fails with `CalibrationError` (the slowest calibration
 #: in the allowed ranges took 13 s on a loaded 2-core machine: see the benchmarks page).
 CALIBRATION_TIME_LIMIT_S = 300.0
 
@@ -67,11 +67,11 @@ def smallest_noise_multiplier(
     """The smallest ``z`` (to ``rel_tol`` relative) with ``epsilon_of(z) <= epsilon``; ``epsilon_of`` decreasing.
 
     Bisection on ``z``: the returned ``z`` always satisfies the target, and ``z * (1 - rel_tol)`` may not.
-    It first checks :data:`MAX_NOISE_MULTIPLIER` (one evaluation: a target no ``z`` reaches fails at once),
+    It first checks `MAX_NOISE_MULTIPLIER` (one evaluation: a target no ``z`` reaches fails at once),
     then doubles from 1 and bisects: at most about 20 + 10 evaluations. A ``z`` the accountant cannot compute in
-    bounded memory (:class:`~dpfedavg.privacy.accountants.AccountingRangeError`: too little noise) counts as
+    bounded memory (`AccountingRangeError`: too little noise) counts as
     missing the target, so the result is always a ``z`` whose epsilon was computed. Raises
-    :class:`CalibrationError` (naming ``what``) when ``epsilon <= 0``, when no ``z`` up to the maximum reaches
+    `CalibrationError` (naming ``what``) when ``epsilon <= 0``, when no ``z`` up to the maximum reaches
     it, or after ``time_limit`` seconds.
     """
     if not epsilon > 0:
@@ -109,10 +109,10 @@ def smallest_noise_multiplier(
 def calibrate_noise_multiplier(
     epsilon: float, delta: float, q: float, rounds: int, accountant: str, rel_tol: float = 1e-3
 ) -> float:
-    """The smallest ``z`` (to ``rel_tol`` relative) with :func:`epsilon_for` ``<= epsilon``, by bisection.
+    """The smallest ``z`` (to ``rel_tol`` relative) with `epsilon_for()` ``<= epsilon``, by bisection.
 
     Computed once per ``(epsilon, delta, q, K, accountant)`` and dp-accounting version, across processes
-    and invocations (:mod:`dpfedavg.privacy.cache`).
+    and invocations (`dpfedavg.privacy.cache`).
     """
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"unknown accountant {accountant!r}; allowed: {', '.join(map(repr, ACCOUNTANTS))}")
@@ -139,10 +139,10 @@ def paper_sigma(
 def privacy_report(params: Any, clip: float) -> dict[str, Any]:
     """Calibrate ``z`` for ``params``' target and compare both accountants and the paper's formula.
 
-    ``params`` is a :class:`~dpfedavg.privacy.params.DpParams` (not imported here: the params import the noise
+    ``params`` is a `DpParams` (not imported here: the params import the noise
     mechanisms, which calibrate with this module).
 
-    ``sigma = z C / r`` is the std of the noise in the average ``a_k`` (:func:`~dpfedavg.core.dp.server_noise_std`).
+    ``sigma = z C / r`` is the std of the noise in the average ``a_k`` (`server_noise_std()`).
     """
     if params.target_epsilon is None:
         raise ValueError("privacy_report needs a target epsilon > 0")

@@ -1,7 +1,7 @@
 """What a run's ``(epsilon, delta)`` protects, against whom, and what it does not cover: the text of the policy.
 
 The run records it in ``config.json`` (``privacy``), logs it at start-up and repeats its level in the
-final line. Three levels (:func:`guarantee`): ``dp`` (noise, ``secure-noise = true``, no
+final line. Three levels (`guarantee()`): ``dp`` (noise, ``secure-noise = true``, no
 diagnostics), ``seeded`` (research mode: whoever knows the seed can regenerate the noise and the
 sampling) and ``none`` (no noise, or diagnostics that send clean updates).
 """
@@ -22,7 +22,7 @@ __all__ = [
     "released_metric_names",
 ]
 
-#: Per-round columns computed from un-noised client data (only in seeded mode; see :func:`guarantee`).
+#: Per-round columns computed from un-noised client data (only in seeded mode; see `guarantee()`).
 NON_PRIVATE_TRAIN_COLUMNS = ("frac_clipped", "mean_update_norm", "snr")
 
 

@@ -1,14 +1,14 @@
 """Noise mechanisms as registry objects: who takes part each round, what noise the release carries, how it is accounted.
 
-A run's ``noise-mechanism`` names one entry of :data:`NOISE_MECHANISMS`; nothing else branches on the name.
+A run's ``noise-mechanism`` names one entry of `NOISE_MECHANISMS`; nothing else branches on the name.
 Each entry says, for a run config,
 
-* what it refuses (:meth:`NoiseMechanism.config_errors`, collected when the config is built);
-* its narrow settings (:meth:`NoiseMechanism.spec`, carried by :class:`~dpfedavg.privacy.params.DpParams`);
-* the noise multiplier for a target and the epsilon after ``k`` rounds (:meth:`NoiseMechanism.calibrate`,
-  :meth:`NoiseMechanism.epsilon`), and the run's accountant (:meth:`NoiseMechanism.new_accountant`), behind the
-  :class:`~dpfedavg.privacy.accountants.Accountant` protocol;
-* the server's per-run state (:meth:`NoiseMechanism.rounds`): ``select`` (round ``k``'s cohort),
+* what it refuses (`NoiseMechanism.config_errors()`, collected when the config is built);
+* its narrow settings (`NoiseMechanism.spec()`, carried by `DpParams`);
+* the noise multiplier for a target and the epsilon after ``k`` rounds (`NoiseMechanism.calibrate()`,
+  `NoiseMechanism.epsilon()`), and the run's accountant (`NoiseMechanism.new_accountant()`), behind the
+  `Accountant` protocol;
+* the server's per-run state (`NoiseMechanism.rounds()`): ``select`` (round ``k``'s cohort),
   ``server_noise`` (what the server adds to the sum), ``denominator`` (the fixed divisor of the average),
   ``state_dict`` for the checkpoint and ``record`` for ``config.json``.
 
@@ -21,7 +21,7 @@ Two ship:
 ``banded-mf``
     Banded matrix-factorization (DP-FTRL) noise without sampling: a participation rule the server enforces
     (``cyclic``, ``min-separation``, ``cyclic-poisson``) and the correlated noise ``(C^{-1} Z)_k`` added by the
-    server (Choquette-Choo et al. 2023; :mod:`dpfedavg.privacy.banded_mf_mechanism`).
+    server (Choquette-Choo et al. 2023; `dpfedavg.privacy.banded_mf_mechanism`).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ __all__ = ["NOISE_MECHANISMS", "BandedMF", "Independent", "IndependentRounds", "
 
 
 class RoundMechanism(Protocol):
-    """The server's per-run state of a noise mechanism (what :class:`~dpfedavg.server.dp_server.DPServer` asks)."""
+    """The server's per-run state of a noise mechanism (what `DPServer` asks)."""
 
-    #: ``config.json``'s ``privacy`` key of :meth:`record` (``None``: nothing to record).
+    #: ``config.json``'s ``privacy`` key of `record()` (``None``: nothing to record).
     record_key: str | None
-    #: Whether :meth:`select` reads who is connected (the engines then pass it).
+    #: Whether `select()` reads who is connected (the engines then pass it).
     selects_from_available: bool
 
     @property
@@ -70,7 +70,7 @@ class RoundMechanism(Protocol):
         """The state the next round depends on (flat: arrays, numbers, strings)."""
 
     def load_state_dict(self, state: dict[str, Any], cohort_sizes: Sequence[int] | None = None) -> None:
-        """Continue from :meth:`state_dict`'s output; ``cohort_sizes``: each completed round's clients asked."""
+        """Continue from `state_dict()`'s output; ``cohort_sizes``: each completed round's clients asked."""
 
 
 class NoiseMechanism(Protocol):

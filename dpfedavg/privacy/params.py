@@ -1,7 +1,7 @@
 """The narrow, frozen parameters the privacy side reads (jax-privacy's ``DpParams`` is the model).
 
-Accounting and calibration never see the 50-field :class:`~dpfedavg.config.RunConfig`: the server
-builds a :class:`DpParams` once (:meth:`DpParams.from_config`) and every privacy function takes it.
+Accounting and calibration never see the 50-field `RunConfig`: the server
+builds a `DpParams` once (`DpParams.from_config()`) and every privacy function takes it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class DpParams:
     delta:
         The ``delta`` of the reported ``(epsilon, delta)``.
     accountant:
-        A name in :data:`dpfedavg.privacy.accountants.ACCOUNTANTS`.
+        A name in `dpfedavg.privacy.accountants.ACCOUNTANTS`.
     target_epsilon:
         Calibrate ``z`` so that the run spends at most this; ``None`` with a given ``noise_multiplier``.
     noise_multiplier:
@@ -38,9 +38,9 @@ class DpParams:
     neighbouring:
         The privacy unit under which the accounted event is exact (the noise placement's).
     mechanism:
-        A name in :data:`dpfedavg.privacy.noise_mechanisms.NOISE_MECHANISMS` (``noise-mechanism``).
+        A name in `dpfedavg.privacy.noise_mechanisms.NOISE_MECHANISMS` (``noise-mechanism``).
     mechanism_spec:
-        The mechanism's own narrow settings (:meth:`~dpfedavg.privacy.noise_mechanisms.NoiseMechanism.spec`;
+        The mechanism's own narrow settings (`spec()`;
         ``banded-mf``: the participation rule and the strategy coefficients; ``independent``: ``None``).
     """
 
@@ -63,7 +63,7 @@ class DpParams:
 
     @classmethod
     def from_config(cls, cfg: Any) -> DpParams:
-        """The parameters of a :class:`~dpfedavg.config.RunConfig` (``0`` means "none" for the epsilons)."""
+        """The parameters of a `RunConfig` (``0`` means "none" for the epsilons)."""
         return cls(
             num_clients=cfg.num_clients,
             clients_per_round=cfg.clients_per_round,

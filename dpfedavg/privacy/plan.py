@@ -19,7 +19,7 @@ __all__ = ["PrivacyPlan", "plan_privacy"]
 
 @dataclass(frozen=True)
 class PrivacyPlan:
-    """The privacy set-up of a run, derived from its :class:`~dpfedavg.privacy.params.DpParams`.
+    """The privacy set-up of a run, derived from its `DpParams`.
 
     Attributes
     ----------
@@ -51,7 +51,7 @@ class PrivacyPlan:
 
     @property
     def mechanism(self) -> str:
-        """The ``noise-mechanism`` (a name in :data:`~dpfedavg.privacy.noise_mechanisms.NOISE_MECHANISMS`)."""
+        """The ``noise-mechanism`` (a name in `NOISE_MECHANISMS`)."""
         return self.params.mechanism if self.params is not None else "independent"
 
     def new_accountant(self) -> Accountant:
@@ -80,7 +80,7 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
 
     ``bound`` is the run's sensitivity bound (no noise without a private one); ``count_stddev`` the
     ``sigma_b`` of an adaptive bound's count, ``None`` for "auto"
-    (:func:`~dpfedavg.core.adaptive_clip.auto_count_stddev` of the run's ``z``).
+    (`auto_count_stddev()` of the run's ``z``).
 
     Raises
     ------

@@ -1,10 +1,10 @@
 """What an honest client's reply can look like: the server's plausibility bounds (issue 29).
 
 Without secure aggregation the server sees each sampled client's ``y = g + zeta`` with ``||g|| <= C`` (``C_aug``
-with adaptive clipping) and ``zeta`` of per-coordinate std ``s`` (the client's share, :mod:`dpfedavg.core.mechanism`).
+with adaptive clipping) and ``zeta`` of per-coordinate std ``s`` (the client's share, `dpfedavg.core.mechanism`).
 A reply no honest client sends except with probability below ``p`` is rejected, and the server's top-up
 replaces its noise share, so the released sum still carries ``N(0, (zC)^2 I)`` and the accounted epsilon is
-unchanged. The bound (:func:`norm_bound`), for ``N`` clients' sum (``N = 1`` for one reply):
+unchanged. The bound (`norm_bound()`), for ``N`` clients' sum (``N = 1`` for one reply):
 
     ||y|| <= N C (1 + 1e-5) + sqrt(N) s (sqrt(d) + sqrt(2 ln(1/p)))
 
@@ -12,15 +12,15 @@ Proof: ``||y|| <= ||sum g|| + ||sum zeta|| <= N C + ||sum zeta||``; ``sum zeta``
 Gaussian, or the discrete Gaussians of secure aggregation, Canonne, Kamath, Steinke 2020, Prop. 25), and for a
 ``sigma``-sub-Gaussian vector ``P(||X||^2 > sigma^2 (d + 2 sqrt(d t) + 2 t)) <= e^-t`` (Hsu, Kakade, Zhang 2012,
 Thm. 1), with ``d + 2 sqrt(d t) + 2 t <= (sqrt(d) + sqrt(2 t))^2``; ``t = ln(1/p)``. The ``1e-5`` absorbs the
-rounding of a float32 clip (:data:`FLOAT_SLACK`). ``tests/test_hostile_replies.py`` checks it against scipy's chi
+rounding of a float32 clip (`FLOAT_SLACK`). ``tests/test_hostile_replies.py`` checks it against scipy's chi
 distribution. Adaptive clipping's count coordinate ``s_b (b - 1/2) + N(0, s^2)`` gets its own two-sided bound
-(:func:`count_bound`): ``|y_last| <= N s_b / 2 + sqrt(N) s sqrt(2 ln(2/p))``.
+(`count_bound()`): ``|y_last| <= N s_b / 2 + sqrt(N) s sqrt(2 ln(2/p))``.
 
 **What the bound costs the guarantee.** A rejected honest reply changes what is released; that happens with
 probability at most ``K n p`` over a run (``K`` rounds, at most ``n`` replies each), so the run is
-``(epsilon, delta + (1 + e^epsilon) K n p)``-DP. :func:`false_rejection_probability` picks
+``(epsilon, delta + (1 + e^epsilon) K n p)``-DP. `false_rejection_probability()` picks
 ``p = min(1e-9, 1e-3 delta / ((1 + e^epsilon) K n))``: the added delta is at most a thousandth of delta (the same
-slack as secure aggregation's clipping, :data:`dpfedavg.privacy.secure_aggregation.MAX_DELTA_SLACK`).
+slack as secure aggregation's clipping, `dpfedavg.privacy.secure_aggregation.MAX_DELTA_SLACK`).
 
 **What one client can still do.** Without secure aggregation: send any vector inside the bound, moving the
 sum by at most ``C + s (sqrt(d) + sqrt(2 ln(1/p)))`` instead of ``C`` (its noise share is its own to misreport).
@@ -105,6 +105,6 @@ class ReplyLimits:
 def reply_limits(
     *, bound: float, noise_std: float, dim: int, p: float, count_scale: float | None = None, clients: int = 1
 ) -> ReplyLimits:
-    """The :class:`ReplyLimits` of ``clients`` honest replies' sum (``dim`` includes adaptive clipping's count)."""
+    """The `ReplyLimits` of ``clients`` honest replies' sum (``dim`` includes adaptive clipping's count)."""
     count = count_bound(count_scale, noise_std, p, clients) if count_scale is not None else None
     return ReplyLimits(norm_bound(bound, noise_std, dim, p, clients), count)

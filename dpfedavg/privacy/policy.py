@@ -1,9 +1,9 @@
 """The SuperNode operator's privacy policy, checked by the client before it trains.
 
 The person who runs a SuperNode agrees to take part under some conditions and states them in the
-node's ``--node-config`` (:data:`POLICY_KEYS`); the ClientApp checks every round's instructions against
-them, and against the run config, *before* it trains (:func:`check_round`). A round that breaks a rule
-is refused with one line naming the rule (:class:`RoundRefused`; the ClientApp sends it as an error reply,
+node's ``--node-config`` (`POLICY_KEYS`); the ClientApp checks every round's instructions against
+them, and against the run config, *before* it trains (`check_round()`). A round that breaks a rule
+is refused with one line naming the rule (`RoundRefused`; the ClientApp sends it as an error reply,
 which the server counts as a rejection). Where the client can compute its own noise share from public
 parameters, it does, and the server's ``noise-std`` is only compared with it:
 
@@ -25,8 +25,8 @@ What a client cannot check: which rounds it is sampled in (the server could samp
 anything the SuperLink's operator does to the run config itself (the policy is the node's; the run config is
 the server's). The privacy pages' trust table says what each party learns with and without a policy.
 
-Pure Python over :class:`~dpfedavg.config.RunConfig` and :class:`~dpfedavg.core.types.RoundInstructions`; no
-Flower import (the ClientApp, :mod:`dpfedavg.flower.client_app`, turns a refusal into an error reply).
+Pure Python over `RunConfig` and `RoundInstructions`; no
+Flower import (the ClientApp, `dpfedavg.flower.client_app`, turns a refusal into an error reply).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class RoundRefused(Exception):
 
 @dataclass(frozen=True)
 class NodePolicy:
-    """What the operator of a SuperNode agreed to (the keys of :data:`POLICY_KEYS`, snake_case).
+    """What the operator of a SuperNode agreed to (the keys of `POLICY_KEYS`, snake_case).
 
     Attributes
     ----------
@@ -166,7 +166,7 @@ class NodePolicy:
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePolicy:
-        """Parse the policy keys of a node config; :class:`PolicyError` naming every bad key, value and the allowed.
+        """Parse the policy keys of a node config; `PolicyError` naming every bad key, value and the allowed.
 
         Unknown keys (other than ``partition-id`` / ``num-partitions``) are errors, with a "did you mean":
         a misspelt rule must not be silently ignored.
@@ -515,12 +515,12 @@ def check_node_policy(
 
 
 def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, secure_round: bool) -> RoundInstructions:
-    """The instructions this client follows in the round, or :class:`RoundRefused` naming the rule it breaks.
+    """The instructions this client follows in the round, or `RoundRefused` naming the rule it breaks.
 
     The node's policy first, then the run config: the SecAgg+ rule (a run configured with secure aggregation
     never answers a plain TRAIN message), the algorithm, diagnostics, ``E``, ``eta_k``, ``C`` (or ``C_k`` within
     its floor and ceiling), ``z`` (the run's, or one whose epsilon, computed here, meets the target), the count
-    scale, ``|S_k|``. Then the client's own noise share (:func:`client_noise_std`; the server's ``noise-std``
+    scale, ``|S_k|``. Then the client's own noise share (`client_noise_std()`; the server's ``noise-std``
     must agree with it), the update-noise floor of the policy and, in a SecAgg+ round, the grid. The result
     carries the client's own ``noise_std`` and, with ``secure-noise`` (the run's, or a node policy that demands
     noise), no seed.

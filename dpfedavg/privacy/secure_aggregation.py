@@ -1,26 +1,26 @@
 """When secure aggregation keeps the reported guarantee: every check of a SecAgg+ run, in one place.
 
 Under secure aggregation the server sees only the sum of the clients' encoded ``g + zeta``
-(:mod:`dpfedavg.core.secagg`: an integer grid, discrete Gaussian noise, coordinates clipped to
+(`dpfedavg.core.secagg`: an integer grid, discrete Gaussian noise, coordinates clipped to
 ``[-c, c]``). Two kinds of settings would void the guarantee, and both are refused here:
 
-* **combinations** (:meth:`SecAggSettings.config_errors`, checked when a
-  :class:`~dpfedavg.config.RunConfig` is built): the clients must add the noise (the placement's
-  :attr:`~dpfedavg.core.mechanism.NoisePlacement.adds_client_noise`), the bound must give
+* **combinations** (`SecAggSettings.config_errors()`, checked when a
+  `RunConfig` is built): the clients must add the noise (the placement's
+  `adds_client_noise`), the bound must give
   ``||g|| <= C`` (the grid's range comes from it), no diagnostics (they send clean updates), one
   client per SuperNode, and ``n Q < M`` so that the integer sum cannot wrap around;
-* **the encoding's privacy terms** (:func:`check_privacy_terms`, checked once ``z`` is calibrated and
+* **the encoding's privacy terms** (`check_privacy_terms()`, checked once ``z`` is calibrated and
   the model's size is known):
 
   - ``tau`` (Kairouz, Liu, Steinke 2021, Prop. 14 / Thm. 1): a sum of ``N`` discrete Gaussians is only
     close to a discrete Gaussian when each has a std of a few grid steps; the concentrated-DP epsilon
     grows from ``1/z`` by up to ``tau sqrt(d)``. Required: ``tau sqrt(d) z <=``
-    :data:`MAX_TAU_SLACK`, at the worst case ``|S_k| = n`` (the smallest per-client std).
+    `MAX_TAU_SLACK`, at the worst case ``|S_k| = n`` (the smallest per-client std).
   - coordinate clipping to ``[-c, c]``: the run is ``(epsilon, delta + (1 + e^epsilon) p)``-DP with
     ``p`` the union bound over ``K n d`` coordinates. Required: ``(1 + e^epsilon) p <=``
-    :data:`MAX_DELTA_SLACK` ``delta``.
+    `MAX_DELTA_SLACK` ``delta``.
 
-No Flower import; the protocol itself is :mod:`dpfedavg.flower.secure_aggregation`.
+No Flower import; the protocol itself is `dpfedavg.flower.secure_aggregation`.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class SecAggSettings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> SecAggSettings:
-        """The settings of a :class:`~dpfedavg.config.RunConfig`."""
+        """The settings of a `RunConfig`."""
         return cls(
             quantization_bits=cfg.secagg_quantization_bits,
             modulus_bits=cfg.secagg_modulus_bits,
@@ -155,7 +155,7 @@ class SecAggRelease:
 def privacy_terms(
     settings: SecAggSettings, release: SecAggRelease, bits: int | None = None, clip_stds: float | None = None
 ) -> SecAggPrivacyTerms:
-    """The run's noise law's privacy terms (:meth:`dpfedavg.core.noise.NoiseLaw.privacy_terms`), or with other
+    """The run's noise law's privacy terms (`dpfedavg.core.noise.NoiseLaw.privacy_terms()`), or with other
     ``bits`` / ``clip_stds``.
 
     With ``adaptive-clip`` the bound ``C_aug`` changes every round, and the grid step (a power of two
@@ -229,7 +229,7 @@ def describe(settings: SecAggSettings, release: SecAggRelease, dp: bool) -> dict
     sampled in every round (``K n d``, each at most ``2 exp(-k^2/2)``); the run's guarantee is then
     ``(epsilon, delta + (1 + e^epsilon) p)``. ``ddg_tau`` is the distance of the summed discrete
     Gaussians from a discrete Gaussian (at ``|S_k| = n``, the worst case). The same terms decide
-    :func:`check_privacy_terms`.
+    `check_privacy_terms()`.
     """
     r = max(1, round(release.clients_per_round))
     std_r = release.placement.client_std(release.noise_multiplier, release.bound, release.clients_per_round, r)

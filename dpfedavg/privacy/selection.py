@@ -14,10 +14,10 @@ best one. If one trial is ``(lambda, eps(lambda))``-RDP for every order ``lambda
 * ``T ~ Poisson(mu)``, their Theorem 6: ``eps'(lambda) = eps(lambda) + mu delta^ + log(mu) / (lambda - 1)``
   with the trial ``(eps^, delta^)``-DP at ``eps^ = log(1 + 1/(lambda - 1))``.
 
-:class:`TrialCount` is the law of ``T``; :class:`SelectionAccountant` composes one trial's rounds and
+`TrialCount` is the law of ``T``; `SelectionAccountant` composes one trial's rounds and
 reports the epsilon of the whole procedure through dp-accounting's ``RepeatAndSelectDpEvent(event, mean,
 shape)`` (``shape = inf`` is Poisson), in its RDP accountant only (its PLD accountant rejects the event).
-The experiment that runs the trials is :mod:`dpfedavg.experiments.private_tuning`.
+The experiment that runs the trials is `dpfedavg.experiments.private_tuning`.
 """
 
 from __future__ import annotations
@@ -175,9 +175,9 @@ def _tnb_gamma(eta: float, mean: float) -> float:
 
 # ------------------------------------------------------------------ accounting
 class SelectionAccountant(AccountantBase):
-    """Epsilon of running ``T`` trials (:class:`TrialCount`) and releasing the best one.
+    """Epsilon of running ``T`` trials (`TrialCount`) and releasing the best one.
 
-    :meth:`step` composes the rounds of *one* trial (as a run's accountant does); :attr:`epsilon` is the
+    `step()` composes the rounds of *one* trial (as a run's accountant does); `epsilon` is the
     RDP epsilon of dp-accounting's ``RepeatAndSelectDpEvent`` over that trial, i.e. of the whole tuning
     procedure whose trials each run those rounds.
     """
@@ -256,7 +256,7 @@ def calibrate_tuning_noise(
 ) -> float:
     """The smallest ``z`` (to ``rel_tol`` relative) whose tuning procedure is ``(epsilon, delta)``-DP end to end.
 
-    Bisection on :func:`tuning_epsilon` (:func:`~dpfedavg.privacy.calibration.smallest_noise_multiplier`):
+    Bisection on `tuning_epsilon()` (`smallest_noise_multiplier()`):
     the returned ``z`` satisfies the target.
     """
     if not epsilon > 0:

@@ -1,6 +1,6 @@
-"""The server side of Alg. 1 / Alg. 2 without Flower: its state and round math (:mod:`.dp_server`), the one
-round loop (:mod:`.loop`), the run's bookkeeping (:mod:`.session`) and its assembly (:mod:`.run`).
+"""The server side of Alg. 1 / Alg. 2 without Flower: its state and round math (`dp_server`), the one
+round loop (`loop`), the run's bookkeeping (`session`) and its assembly (`run`).
 
-The Flower strategy (:mod:`dpfedavg.flower.strategy`) and the batched engine (:mod:`dpfedavg.engines.batched`)
-both drive :class:`~dpfedavg.server.dp_server.DPServer`. No Flower import; nothing is imported here.
+The Flower strategy (`dpfedavg.flower.strategy`) and the batched engine (`dpfedavg.engines.batched`)
+both drive `DPServer`. No Flower import; nothing is imported here.
 """

@@ -1,27 +1,27 @@
 """The server side of Alg. 1 / Alg. 2, independent of Flower.
 
-:class:`DPServer` holds the server state (``w_k``, the momentum buffer, the accountant, the random
+`DPServer` holds the server state (``w_k``, the momentum buffer, the accountant, the random
 iterate, per-round statistics) and runs one round in two halves:
 
-* :meth:`DPServer.begin_round`: the rules every round obeys, in one place (the stop before a round
+* `DPServer.begin_round()`: the rules every round obeys, in one place (the stop before a round
   that would exceed ``max-epsilon``; with ``secure-noise``, the round's line of the write-ahead record
   of releases, on disk before anything of the round leaves the server, ``dpfedavg.server.releases``;
   the secure-aggregation round with fewer than two sampled clients, whose sum would be that client's
   update, closed at once without contacting anyone), Poisson sampling (line 3), ``w_{k~}`` by
   reservoir sampling (line 13), and what the sampled clients must do (``RoundInstructions``);
-* :meth:`DPServer.finish_round`: sum the clients' ``g + zeta`` (in client-id order), add the server's
+* `DPServer.finish_round()`: sum the clients' ``g + zeta`` (in client-id order), add the server's
   share of the noise (all of it for ``server`` placement, the missing replies' share otherwise: the sum
-  always carries ``N(0, (zC)^2 I)``, see :mod:`dpfedavg.core.mechanism`), divide by the fixed ``r``
+  always carries ``N(0, (zC)^2 I)``, see `dpfedavg.core.mechanism`), divide by the fixed ``r``
   (line 12), apply momentum and ``beta_k``, and charge the accountant the round's (nominal) event.
 
-With ``adaptive-clip`` the server also holds ``C_k`` (:class:`~dpfedavg.core.adaptive_clip.AdaptiveClip`):
+With ``adaptive-clip`` the server also holds ``C_k`` (`AdaptiveClip`):
 the clients' vectors have one more coordinate (their noised count of unclipped updates), the noise
 placement sees the augmented bound ``C_aug`` instead of ``C``, and closing a round splits the count off,
 releases ``b_k`` and moves to ``C_{k+1}`` (Andrew et al. 2021).
 
-The privacy side reads narrow parameters the server builds once (:class:`~dpfedavg.privacy.params.DpParams`,
-:class:`~dpfedavg.privacy.secure_aggregation.SecAggSettings`). The Flower strategy
-(:class:`~dpfedavg.flower.strategy.DPFedAvg`) and the batched engine (:mod:`dpfedavg.engines.batched`)
+The privacy side reads narrow parameters the server builds once (`DpParams`,
+`SecAggSettings`). The Flower strategy
+(`DPFedAvg`) and the batched engine (`dpfedavg.engines.batched`)
 both drive this class, so the two engines run the same server math.
 """
 
@@ -80,7 +80,7 @@ class PrivacyBudgetExhausted(Exception):
 
 
 class RoundStart(NamedTuple):
-    """What :meth:`DPServer.begin_round` opened: the sampled clients and their instructions.
+    """What `DPServer.begin_round()` opened: the sampled clients and their instructions.
 
     ``instructions`` is ``None`` when a rule closed the round at once (secure aggregation with fewer than
     two sampled clients); ``w`` is then ``w_{k+1}``, and nobody is contacted.
@@ -108,7 +108,7 @@ class DPServer:
         The privacy plan (calibrated ``z``, accountant, budget); computed from ``cfg`` when omitted.
     epsilon_each_round:
         Compute the epsilon spent after every round (the ``epsilon`` column; every engine does). Off, only
-        the last round's is computed (and :attr:`epsilon` on demand); the composition itself is never
+        the last round's is computed (and `epsilon` on demand); the composition itself is never
         skipped.
 
     Raises
@@ -131,7 +131,7 @@ class DPServer:
         self.epsilon_each_round = epsilon_each_round
         #: The noise placement: what the clients and the server add, and what is accounted.
         self.placement = PLACEMENTS[cfg.noise_placement]
-        #: The noise law: what each client's zeta is, and what it adds to the guarantee (:mod:`dpfedavg.core.noise`).
+        #: The noise law: what each client's zeta is, and what it adds to the guarantee (`dpfedavg.core.noise`).
         self.noise_law = noise_law(cfg.secure_aggregation)
         #: ``adaptive-clip``: ``C_k`` and its update rule (Andrew et al. 2021); ``None`` for a fixed ``C``.
         self.adaptive: AdaptiveClip | None = None
@@ -148,7 +148,7 @@ class DPServer:
         #: Length of what each client sends and the round releases: ``d``, or ``d + 1`` with the count.
         self.release_dim = dim + (1 if self.adaptive is not None else 0)
         #: The noise mechanism (``noise-mechanism``): who takes part each round, what the server adds to the
-        #: sum, the fixed denominator (:mod:`dpfedavg.privacy.noise_mechanisms`).
+        #: sum, the fixed denominator (`dpfedavg.privacy.noise_mechanisms`).
         self.mechanism = NOISE_MECHANISMS[cfg.noise_mechanism]
         self.round_mechanism = self.mechanism.rounds(
             self.plan.params or self.params, self.plan.noise_multiplier, clip=cfg.clip, dim=self.release_dim
@@ -209,7 +209,7 @@ class DPServer:
         """``(per-client std, server top-up std)`` when ``num_included`` of ``num_sampled`` updates entered the sum.
 
         The top-up fills the noise of the missing ones, so the sum always carries ``N(0, (zC)^2 I)``
-        (:mod:`dpfedavg.core.mechanism`).
+        (`dpfedavg.core.mechanism`).
         """
         if not self.plan.dp:
             return 0.0, 0.0
@@ -252,7 +252,7 @@ class DPServer:
         return self.secagg.grid(self.sensitivity, self.noise_stds(num_sampled)[0])
 
     def describe_privacy(self) -> dict[str, Any]:
-        """The privacy set-up for ``config.json`` (:func:`dpfedavg.privacy.guarantee.describe_privacy`)."""
+        """The privacy set-up for ``config.json`` (`dpfedavg.privacy.guarantee.describe_privacy()`)."""
         cfg, plan = self.cfg, self.plan
         adaptive = None
         if self.adaptive is not None:
@@ -288,7 +288,7 @@ class DPServer:
         sampling holds only if nobody can predict ``S_k``: with ``secure-noise`` the draw comes from the OS
         CSPRNG; in seeded mode anyone who knows ``seed`` can replay it. ``banded-mf``: the participation rule's
         cohort among the ``available`` (connected) clients, ``None`` meaning all; nobody outside the rule.
-        Not yet recorded: :meth:`begin_round` admits the cohort once the round is sure to run.
+        Not yet recorded: `begin_round()` admits the cohort once the round is sure to run.
         """
         rng = self._rng(Stream.SAMPLING, server_round - 1)
         return self.round_mechanism.select(server_round - 1, rng, available)
@@ -322,7 +322,7 @@ class DPServer:
 
     # ------------------------------------------------------------ checkpoint
     def state(self) -> ServerState:
-        """What a checkpoint needs from the server after a round (see :mod:`dpfedavg.io.checkpoint`)."""
+        """What a checkpoint needs from the server after a round (see `dpfedavg.io.checkpoint`)."""
         if self._round is not None:
             raise RuntimeError(f"cannot checkpoint in the middle of round {self._round}")
         return ServerState(
@@ -336,7 +336,7 @@ class DPServer:
         )
 
     def restore(self, state: ServerState) -> None:
-        """Load what :meth:`state` returned; the accountant replays every round's event."""
+        """Load what `state()` returned; the accountant replays every round's event."""
         momentum = np.asarray(state.momentum, dtype=np.float64)
         if momentum.shape != (self.dim,):
             raise ValueError(f"momentum has shape {momentum.shape}, expected ({self.dim},)")
@@ -437,7 +437,7 @@ class DPServer:
     def finish_round_sum(
         self, server_round: int, total: Vector, num_received: int, *, num_failed: int = 0, num_rejected: int = 0
     ) -> Vector:
-        """:meth:`finish_round` from the *sum* of ``num_received`` replies (secure aggregation).
+        """`finish_round()` from the *sum* of ``num_received`` replies (secure aggregation).
 
         The server never sees an individual ``g_i + zeta_i``, so there are no
         per-client norms (``mean_update_norm`` and ``frac_clipped`` stay NaN).
@@ -457,11 +457,11 @@ class DPServer:
         *,
         num_failed: int = 0,
     ) -> Vector:
-        """:meth:`finish_round` from the replies' sum, already formed in ascending client id.
+        """`finish_round()` from the replies' sum, already formed in ascending client id.
 
         ``total`` is ``sum_i (g_i + zeta_i)`` over the ``len(norms)`` clients that replied (their
         ``||u_i||`` in ``norms``) and ``clean_total`` the sum of their ``g_i`` (diagnostics). The batched
-        engine over a run axis (:mod:`dpfedavg.engines.batched_runs`) forms them for many runs at once.
+        engine over a run axis (`dpfedavg.engines.batched_runs`) forms them for many runs at once.
         """
         self._check_open(server_round)
         total = np.asarray(total, dtype=np.float64)

@@ -1,10 +1,10 @@
 """Fail fast instead of training on noise: stop a run whose clients' replies are (almost) all unusable.
 
 A round in which no sampled client's update could be summed still releases the server's top-up noise
-(:mod:`dpfedavg.core.mechanism`: the sum always carries ``N(0, (zC)^2 I)``) and is still accounted,
+(`dpfedavg.core.mechanism`: the sum always carries ``N(0, (zC)^2 I)``) and is still accounted,
 so a run whose every reply is rejected, because the ClientApp does not speak dpfedavg's format, for
 instance, moves the model by noise alone and reports an epsilon as if it had trained.
-:class:`ReplyHealth` watches the rounds' counts and stops such a run:
+`ReplyHealth` watches the rounds' counts and stops such a run:
 
 * at once, in a round in which **every** sampled client's reply was rejected or failed (at least one
   client sampled; clients that did not reply at all are dropouts and do not count);
@@ -12,8 +12,8 @@ instance, moves the model by noise alone and reports an epsilon as if it had tra
   the sampled clients' replies were rejected or failed.
 
 The error names the commonest reason and its fix, and what was spent: the rounds that ran stay
-accounted (their releases happened). Flower-free; the one round loop (:func:`dpfedavg.server.loop.run_rounds`,
-every engine) and the strategy for a user's own app (:class:`dpfedavg.flower.app_strategy.AppDPFedAvg`) use it.
+accounted (their releases happened). Flower-free; the one round loop (`dpfedavg.server.loop.run_rounds()`,
+every engine) and the strategy for a user's own app (`dpfedavg.flower.app_strategy.AppDPFedAvg`) use it.
 """
 
 from __future__ import annotations
@@ -100,14 +100,14 @@ FIXES: tuple[tuple[str, str], ...] = (
 
 
 def stopped(who: str, verdict: str, server_round: int, epsilon: float, delta: float, dp: bool) -> TrainingStopped:
-    """The error of a run :class:`ReplyHealth` stopped: why, the fix, and what the rounds that ran spent."""
+    """The error of a run `ReplyHealth` stopped: why, the fix, and what the rounds that ran spent."""
     spent = f"epsilon = {epsilon:.4g} at delta = {delta:g} spent" if dp else "no differential privacy"
     message = f"{who} stopped: {verdict}. Rounds 1-{server_round} ran and are accounted: {spent}."
     return TrainingStopped(message, server_round, epsilon, delta)
 
 
 def fix_for(reason: str) -> str:
-    """The fix for a rejection or failure reason (:data:`FIXES`), or where to look."""
+    """The fix for a rejection or failure reason (`FIXES`), or where to look."""
     for needle, fix in FIXES:
         if needle in reason:
             return fix

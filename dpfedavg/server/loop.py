@@ -1,8 +1,8 @@
 """The one round loop of every engine (Alg. 1 / Alg. 2, lines 2-13), without Flower.
 
-Each round: :meth:`DPServer.begin_round` (the rules every round obeys: the privacy budget, the
+Each round: `DPServer.begin_round()` (the rules every round obeys: the privacy budget, the
 secure-aggregation round with fewer than two clients; Poisson sampling, ``k~``), a
-:class:`ClientRunner` gets the sampled clients' replies to the server and closes the round
+`ClientRunner` gets the sampled clients' replies to the server and closes the round
 (Flower messages, SecAgg+, or a block of clients in-process), then ``on_round_end`` records it
 (evaluation, ``metrics.csv``, checkpoint). A run stops cleanly before a round that would exceed
 ``max-epsilon``.
@@ -34,8 +34,8 @@ class ClientRunner(Protocol):
     ) -> Vector:
         """Have ``clients`` run Alg. 1 lines 4-10 on ``w`` with ``ins``, close the round on ``server``.
 
-        Closing is :meth:`DPServer.finish_round` (per-client replies, ascending client id),
-        :meth:`DPServer.finish_round_sum` (a secure sum) or :meth:`DPServer.skip_round`; returns
+        Closing is `DPServer.finish_round()` (per-client replies, ascending client id),
+        `DPServer.finish_round_sum()` (a secure sum) or `DPServer.skip_round()`; returns
         ``w_{k+1}``.
         """
 
@@ -43,7 +43,7 @@ class ClientRunner(Protocol):
 @dataclass
 class LoopResult:
     """The model after the last round that ran, the round the budget stopped before (if it did), and why the
-    run stopped when its replies were unusable (:class:`~dpfedavg.server.health.ReplyHealth`)."""
+    run stopped when its replies were unusable (`ReplyHealth`)."""
 
     w: Vector
     stopped_before_round: int | None = None
@@ -65,7 +65,7 @@ def run_rounds(
     on them (``server.round_mechanism.selects_from_available``); ``None`` means every client is reachable.
 
     Stops cleanly before a round whose release would exceed ``max-epsilon``
-    (:class:`PrivacyBudgetExhausted`, logged as a WARNING), and after a round whose replies ``health`` finds
+    (`PrivacyBudgetExhausted`, logged as a WARNING), and after a round whose replies ``health`` finds
     unusable (fail fast instead of training on noise: the result's ``failed`` says why, the fix and what
     the rounds that ran spent; they are accounted).
     """

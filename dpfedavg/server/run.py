@@ -1,7 +1,7 @@
 """Assembling a run, once for every engine: the task, the privacy plan, the server, the session.
 
-:func:`prepare_run` is the one validation path after the config: the task's name is checked first
-(cheap), then ``z`` is calibrated and every budget rule checked (:func:`~dpfedavg.privacy.plan.plan_privacy`),
+`prepare_run()` is the one validation path after the config: the task's name is checked first
+(cheap), then ``z`` is calibrated and every budget rule checked (`plan_privacy()`),
 then the task is built, the server checks what needs the model's size (secure aggregation's terms),
 and the session opens the run directory (or the checkpoint of a resumed run). The Flower ServerApp
 and the batched engine both start here.

@@ -1,6 +1,6 @@
 """One run's bookkeeping, shared by every engine: results files, evaluation, logging, summary.
 
-A :class:`RunSession` owns the run directory (``metrics.csv``, ``config.json``,
+A `RunSession` owns the run directory (``metrics.csv``, ``config.json``,
 ``model.npz``), decides when the server evaluates (``eval-every`` and the last
 5 rounds), logs one line per round, and writes the final summary (epsilon
 spent, the paper's last-5-round metric). The Flower ServerApp and the batched
@@ -59,11 +59,11 @@ def _results_in(directory: Path) -> list[str]:
 
 
 def check_run_directory(cfg: RunConfig) -> None:
-    """A named run never overwrites another run's results: :class:`ConfigError` before anything starts.
+    """A named run never overwrites another run's results: `ConfigError` before anything starts.
 
     ``run-name`` names a folder that already holds a run's files (``metrics.csv``, ``config.json``, ...) and
     ``resume`` is false: refused, naming the folder (continue it with ``resume=true``, or pick a new name). A
-    default, timestamped name never collides: :func:`_claim` appends ``-2``, ``-3``, ... instead.
+    default, timestamped name never collides: `_claim()` appends ``-2``, ``-3``, ... instead.
     """
     if not cfg.run_name or cfg.resume:
         return
@@ -99,7 +99,7 @@ def _claim(cfg: RunConfig, run_id: int | str) -> Path:
 
 @dataclass(frozen=True)
 class RunResult:
-    """What a finished run returns (its files are in :attr:`directory`).
+    """What a finished run returns (its files are in `directory`).
 
     Attributes
     ----------
@@ -358,7 +358,7 @@ class RunSession:
         return ckpt.w.copy(), ckpt.round + 1
 
     def end_round(self, server_round: int, w: Vector) -> dict[str, float]:
-        """:meth:`record_round`, then a checkpoint every ``checkpoint-every`` rounds."""
+        """`record_round()`, then a checkpoint every ``checkpoint-every`` rounds."""
         metrics = self.record_round(server_round, w)
         every = self.cfg.checkpoint_every
         if every and server_round % every == 0 and server_round < self.cfg.num_rounds:
@@ -479,11 +479,11 @@ class RunSession:
         there) and ``metrics.png``; the run's result.
 
         ``checkpoint`` / ``plot``: also the final ``checkpoint.npz`` (with ``checkpoint-every``) and ``metrics.png``;
-        a sweep's batch (:mod:`dpfedavg.engines.batched_runs`) writes neither (a cell reruns whole, figures
+        a sweep's batch (`dpfedavg.engines.batched_runs`) writes neither (a cell reruns whole, figures
         come from the sweep). ``failed``: why the run stopped early because its replies were unusable
         (``config.json`` ``final.stopped_because``).
 
-        A failed write of the model, the trajectory or ``config.json`` is one :class:`ResultsError`: the run reads
+        A failed write of the model, the trajectory or ``config.json`` is one `ResultsError`: the run reads
         as unfinished, and ``resume=true`` from the final checkpoint writes them (no round is run again).
         """
         server = self.server

@@ -1,10 +1,10 @@
 """Task registry. Adding a task means adding a module here, nothing in the strategy.
 
-``task`` in the run config is a registered name (:data:`TASKS`) or a task from the user's own code:
+``task`` in the run config is a registered name (`TASKS`) or a task from the user's own code:
 ``"mypackage.mytask:make_task"`` (a module on ``sys.path`` / ``PYTHONPATH``) or
 ``"/path/to/mytask.py:make_task"`` (a file), where ``make_task(cfg) -> Task``
-(the documentation's "Your own model" tutorial). :func:`resolve_task` checks the name (the config does not: it
-imports no task and no user code) and :func:`build_task` builds the task.
+(the documentation's "Your own model" tutorial). `resolve_task()` checks the name (the config does not: it
+imports no task and no user code) and `build_task()` builds the task.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _module_from_file(path: Path) -> object:
 
 
 def load_task_factory(spec: str) -> Callable[[RunConfig], Task]:
-    """The factory named by ``"module:attr"`` or ``"/path/to/file.py:attr"``; one :class:`ConfigError` if it is not one.
+    """The factory named by ``"module:attr"`` or ``"/path/to/file.py:attr"``; one `ConfigError` if it is not one.
 
     The module is imported (once per process): from ``sys.path`` (``PYTHONPATH``) for a dotted name,
     from the file for a path ending in ``.py``. ``attr`` may be dotted (``Class.method``).
@@ -143,7 +143,7 @@ TaskFactory = Callable[[RunConfig], Task]
 
 
 def resolve_task(spec: str) -> TaskFactory:
-    """The factory ``task`` names: a registered task (:data:`TASKS`) or a user's ``module:factory``.
+    """The factory ``task`` names: a registered task (`TASKS`) or a user's ``module:factory``.
 
     Cheap (it imports the user's module, nothing else): call it before any expensive start-up.
 
@@ -166,12 +166,12 @@ def resolve_task(spec: str) -> TaskFactory:
 
 
 def build_task(cfg: RunConfig, task: Task | TaskFactory | None = None) -> Task:
-    """The run's task: ``cfg.task`` built (:func:`resolve_task`), or ``task``: a Task, or a factory called with ``cfg``.
+    """The run's task: ``cfg.task`` built (`resolve_task()`), or ``task``: a Task, or a factory called with ``cfg``.
 
     Raises
     ------
     ConfigError
-        An unknown task, an object that lacks a member of :class:`~dpfedavg.tasks.base.Task`, or a task whose
+        An unknown task, an object that lacks a member of `Task`, or a task whose
         ``num_clients`` differs from ``num-clients``.
     """
     what = f"'task' = {cfg.task!r}" if task is None else f"task={task!r}"

@@ -1,8 +1,8 @@
 """The Task protocol (an objective, its data and its metrics, independent of the strategy) and its optional hooks.
 
-A task has the members of :class:`Task` (:data:`REQUIRED_MEMBERS`, checked when a user's task is
-built) and may have the optional ones :class:`TaskHooks` looks up, once, in one place: the engines
-and the ClientApp ask :func:`task_hooks` for a round's gradients or a block's updates, never the
+A task has the members of `Task` (`REQUIRED_MEMBERS`, checked when a user's task is
+built) and may have the optional ones `TaskHooks` looks up, once, in one place: the engines
+and the ClientApp ask `task_hooks()` for a round's gradients or a block's updates, never the
 task itself.
 """
 
@@ -22,16 +22,16 @@ __all__ = ["OPTIONAL_MEMBERS", "REQUIRED_MEMBERS", "Task", "TaskHooks", "task_ho
 class Task(Protocol):
     """What the strategy and the clients need from a task (the required members).
 
-    A task is built from the validated :class:`~dpfedavg.config.RunConfig` (``factory(cfg)``) and must
+    A task is built from the validated `RunConfig` (``factory(cfg)``) and must
     be deterministic in ``cfg.seed``: the server and every client rebuild the same task independently.
-    Building a task must be cheap; anything heavy belongs in :meth:`client_grad_fn` (one client) or
-    :meth:`evaluate` (server only), computed lazily. The optional members are :class:`TaskHooks`'.
+    Building a task must be cheap; anything heavy belongs in `client_grad_fn()` (one client) or
+    `evaluate()` (server only), computed lazily. The optional members are `TaskHooks`'.
     """
 
     name: str
     num_clients: int
     dim: int
-    #: Names of the server-side metrics returned by :meth:`evaluate` (CSV columns).
+    #: Names of the server-side metrics returned by `evaluate()` (CSV columns).
     metric_names: tuple[str, ...]
     #: The metric the run summary reports, averaged over the last 5 evaluated rounds.
     headline_metric: str
@@ -43,10 +43,10 @@ class Task(Protocol):
         """The full-batch gradient of ``f_i`` for client ``i``; builds only that client's data."""
 
     def evaluate(self, w: Vector) -> dict[str, float]:
-        """Server-side metrics of the global model ``w`` (keys: :attr:`metric_names`)."""
+        """Server-side metrics of the global model ``w`` (keys: `metric_names`)."""
 
 
-#: What a task must have: :class:`Task`'s attributes and methods (checked when a user's task is built).
+#: What a task must have: `Task`'s attributes and methods (checked when a user's task is built).
 REQUIRED_MEMBERS: tuple[str, ...] = (
     *Task.__annotations__,
     *(name for name in vars(Task) if not name.startswith("_") and callable(vars(Task)[name])),
@@ -55,7 +55,7 @@ REQUIRED_MEMBERS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class TaskHooks:
-    """A task's optional members, looked up once (:func:`task_hooks`).
+    """A task's optional members, looked up once (`task_hooks()`).
 
     Attributes
     ----------
@@ -65,18 +65,18 @@ class TaskHooks:
         seeded runs mark them non-private. Default: none.
     batch_grad:
         ``task.client_batch_grad_fn(client_ids) -> GradFn``: gradients of a block of clients, mapping ``W``
-        of shape ``(B, dim)`` to ``(B, dim)``. Default: the stacked :meth:`Task.client_grad_fn`.
+        of shape ``(B, dim)`` to ``(B, dim)``. Default: the stacked `Task.client_grad_fn()`.
     batch_update:
         ``task.client_batch_update_fn(client_ids[, server_round=k]) -> BatchUpdateFn``: the updates ``u`` of a
         block of clients after E local steps, in closed form (or vmapped, the torch tasks); it must equal
-        :func:`dpfedavg.core.client_update` on the task's gradients (tested).
+        `dpfedavg.core.client_update()` on the task's gradients (tested).
     round_grad:
         ``task.client_round_grad_fn(client_id, server_round) -> GradFn``: local steps that depend on the
-        round (the torch tasks' mini-batches); used instead of :meth:`Task.client_grad_fn`, and
+        round (the torch tasks' mini-batches); used instead of `Task.client_grad_fn()`, and
         ``batch_update`` is then called with ``server_round``.
     runs_update:
         ``task.client_runs_update_fn(client_ids, server_round=k) -> RunsUpdateFn``: the local steps of a
-        ``(runs, clients)`` block, for a sweep's batch of runs (:mod:`dpfedavg.engines.batched_runs`).
+        ``(runs, clients)`` block, for a sweep's batch of runs (`dpfedavg.engines.batched_runs`).
     run_axis_keys:
         ``task.run_axis_keys``: run_config keys the runs of one batch may differ in (e.g. ``init``).
     supports_run_axis, run_axis_limitation:
@@ -123,7 +123,7 @@ class TaskHooks:
         return self.batch_update(client_ids)
 
 
-#: The members :class:`TaskHooks` looks up: hook field -> the task's attribute.
+#: The members `TaskHooks` looks up: hook field -> the task's attribute.
 OPTIONAL_MEMBERS: dict[str, str] = {
     "training_data_metrics": "training_data_metrics",
     "batch_grad": "client_batch_grad_fn",

@@ -14,7 +14,7 @@ Sources, in order:
    or, for Fashion-MNIST, the original IDX files ``train-images-idx3-ubyte.gz`` etc.;
 3. flwr-datasets' ``FederatedDataset`` with the public dataset name
    (``zalando-datasets/fashion_mnist``, ``uoft-cs/cifar10``, ``uoft-cs/cifar100``);
-4. otherwise one :class:`DataUnavailableError` saying what to download and where.
+4. otherwise one `DataUnavailableError` saying what to download and where.
 
 ``digits`` is scikit-learn's bundled 8x8 digits (1797 images): it needs no
 download, so a real dataset runs offline and in CI.

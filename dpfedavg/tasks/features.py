@@ -63,7 +63,7 @@ def _torchvision() -> Any | None:
 
 
 def resnet18() -> Any:
-    """An (untrained) ResNet-18: torchvision's when torchvision imports, else :func:`handwritten_resnet18`."""
+    """An (untrained) ResNet-18: torchvision's when torchvision imports, else `handwritten_resnet18()`."""
     _torch()
     torchvision = _torchvision()
     if torchvision is not None:

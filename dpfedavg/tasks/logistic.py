@@ -5,8 +5,8 @@ over client ``i``'s ``m`` examples, ``lambda`` = ``weight-decay`` (paper: 1e-4, 
 PyTorch's ``weight_decay`` on every parameter). The model is the flat vector
 ``w = [vec(W), b]`` of length ``d c + c``, starting at zero. Full-batch gradients.
 
-The data (:mod:`dpfedavg.tasks.datasets`) is memory-mapped; the paper's shard
-split (:mod:`dpfedavg.tasks.partition`) is computed once per
+The data (`dpfedavg.tasks.datasets`) is memory-mapped; the paper's shard
+split (`dpfedavg.tasks.partition`) is computed once per
 ``(num-clients, seed)`` and cached beside it, so a client process reads only
 its own rows. The server evaluates test accuracy and loss and the training
 objective ``f = (1/n) sum_i f_i``.
@@ -71,9 +71,9 @@ class _Client:
 
 
 class ShardSplit:
-    """A prepared dataset (:mod:`dpfedavg.tasks.datasets`) and the paper's shard split of it over ``num-clients``.
+    """A prepared dataset (`dpfedavg.tasks.datasets`) and the paper's shard split of it over ``num-clients``.
 
-    Shared by the logistic-regression tasks and the torch examples (:mod:`dpfedavg.tasks.torch_examples`).
+    Shared by the logistic-regression tasks and the torch examples (`dpfedavg.tasks.torch_examples`).
     """
 
     def __init__(self, cfg: RunConfig, dataset: str) -> None:
@@ -128,7 +128,7 @@ class LogisticTask:
         self.cfg = cfg
         self.num_clients = cfg.num_clients
         self.num_classes = self.spec.num_classes
-        #: Keys that may differ between runs sharing :meth:`client_runs_update_fn`: with a fixed ``data-seed``
+        #: Keys that may differ between runs sharing `client_runs_update_fn()`: with a fixed ``data-seed``
         #: (private tuning's trials) the clients' data does not depend on ``seed``.
         self.run_axis_keys: tuple[str, ...] = ("seed",) if cfg.data_seed >= 0 and cfg.backend == "numpy" else ()
         #: A sweep's batch (engines.batched_runs) needs the same local steps as a run alone: the numpy closed form,
@@ -227,10 +227,10 @@ class LogisticTask:
     def client_batch_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> BatchUpdateFn:
         """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for several clients at once, exactly.
 
-        With ``backend = "torch"``: the same closed form in torch (:meth:`_torch_closed_form`), or with
-        ``local-batch-size > 0`` the vmapped mini-batch steps of :meth:`TorchTask.client_batch_update_fn`.
+        With ``backend = "torch"``: the same closed form in torch (`_torch_closed_form()`), or with
+        ``local-batch-size > 0`` the vmapped mini-batch steps of `TorchTask.client_batch_update_fn()`.
 
-        The closed form of :func:`dpfedavg.core.client_update` on this
+        The closed form of `dpfedavg.core.client_update()` on this
         objective (Alg. 1/2 lines 5-9) that the batched engine uses: a gradient
         step moves ``W`` by ``-eta (X^T P_t + lambda W_t)`` with ``P_t`` the
         ``(m, c)`` residuals ``(softmax - onehot)/m``, so after ``t`` steps
@@ -242,7 +242,7 @@ class LogisticTask:
         the client's ``m x m`` Gram matrix ``G = X X^T``. A step costs
         ``O(m^2 c)`` instead of ``O(m d c)``: ``m = 20 << d = 784`` for FMNIST.
         The same iterates as the step-by-step loop, up to float64 rounding
-        (``tests/test_data.py`` checks it against :func:`client_update`).
+        (``tests/test_data.py`` checks it against `client_update()`).
         """
         if self.cfg.backend == "torch":
             if self.cfg.local_batch_size > 0:  # mini-batches: the generic vmapped steps of TorchTask
@@ -252,14 +252,14 @@ class LogisticTask:
         return lambda w, lr, num_steps: runs_update(np.asarray(w)[None, :], np.array([lr]), num_steps)[0]
 
     def client_runs_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> RunsUpdateFn:
-        """The closed form of :meth:`client_batch_update_fn` for ``R`` runs at once (a sweep's run axis).
+        """The closed form of `client_batch_update_fn()` for ``R`` runs at once (a sweep's run axis).
 
         Maps the runs' ``w_k`` (``(R, dim)``) and ``eta_k`` (``(R,)``) to ``u`` of shape ``(R, B, dim)``. The
         runs share the clients' data and Gram matrices; their iterates are laid out as ``(B, m, c, R)``, the
         run last, so that ``X W_k`` is one matrix product for the whole block, ``G_i A_t`` one per client for
         every run at once, and the softmax's reductions over the ``c`` classes run along whole rows of runs.
-        With ``backend = "torch"`` and mini-batches: :meth:`TorchTask.client_runs_update_fn` (the steps a run alone
-        takes too); the torch closed form has no run axis (:attr:`supports_run_axis`).
+        With ``backend = "torch"`` and mini-batches: `TorchTask.client_runs_update_fn()` (the steps a run alone
+        takes too); the torch closed form has no run axis (`supports_run_axis`).
         """
         if self.cfg.backend != "numpy":
             if not self.supports_run_axis:
@@ -325,8 +325,8 @@ class LogisticTask:
     def _torch_closed_form(self, client_ids: np.ndarray) -> BatchUpdateFn:
         """The closed form above (same recursion on ``A_t``, ``b_t``, ``c_t``) in torch: CPU or GPU, ``torch-dtype``.
 
-        Tested equal to the numpy closed form and to :func:`dpfedavg.core.client_update` on the torch
-        backend's autograd gradient (:meth:`client_grad_fn`).
+        Tested equal to the numpy closed form and to `dpfedavg.core.client_update()` on the torch
+        backend's autograd gradient (`client_grad_fn()`).
         """
         tt = self.torch_task
         torch = tt.torch
@@ -391,7 +391,7 @@ class LogisticTask:
         return self.evaluate_runs(np.asarray(w)[None, :])[0]
 
     def evaluate_runs(self, w: np.ndarray) -> list[dict[str, float]]:
-        """:meth:`evaluate` for each row of ``w`` (``(R, dim)``, one run per row): one pass over the data."""
+        """`evaluate()` for each row of ``w`` (``(R, dim)``, one run per row): one pass over the data."""
         w = np.asarray(w, dtype=np.float64)
         test_loss, test_acc = self._scores(w, self.data.test_x, self.data.test_y)
         rows = np.sort(np.asarray(self.partition).ravel())

@@ -2,7 +2,7 @@
 
 The training set is sorted by label and cut into ``5n`` equal shards; each
 client gets 5 shards chosen uniformly at random without replacement, so at
-most 5 classes. flwr-datasets' :class:`~flwr_datasets.partitioner.ShardPartitioner`
+most 5 classes. flwr-datasets' `ShardPartitioner`
 with ``num_shards_per_partition=5`` does exactly this (a stable sort by label,
 shards of ``floor(N / 5n)`` consecutive examples, a seeded permutation of the
 shards); ``tests/test_data.py`` (``test_shard_split_matches_the_paper``) checks it against a plain numpy version

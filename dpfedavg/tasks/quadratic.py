@@ -63,7 +63,7 @@ class Federation:
     """Every client's ``(A_i, w_i*)`` of one ``(seed, n, d)``, stacked, and what the closed forms reuse.
 
     Built once per process and shared by every task (and every run of a sweep) with the same
-    ``(seed, n, d)`` (:func:`federation`); the ``init`` of a run changes only its ``w_0``.
+    ``(seed, n, d)`` (`federation()`); the ``init`` of a run changes only its ``w_0``.
 
     Each client's span is kept in the eigenbasis of its ``RANK x RANK`` Gram matrix:
     ``A_i^T A_i = V_i diag(lambda_i) V_i^T`` and ``B_i = A_i V_i`` (``d x RANK``, orthogonal columns of norms
@@ -106,7 +106,7 @@ class Federation:
 
     @cached_property
     def optimum(self) -> tuple[Vector, float]:
-        """``(w*, f*)`` (see :attr:`QuadraticTask.optimum`)."""
+        """``(w*, f*)`` (see `QuadraticTask.optimum`)."""
         hessian = np.einsum("ndr,ner->de", self.a, self.a)
         rhs = np.einsum("ndr,ner,ne->d", self.a, self.a, self.w_stars)
         w_opt, *_ = np.linalg.lstsq(hessian, rhs, rcond=None)
@@ -131,7 +131,7 @@ def local_steps_gain(eigenvalues: np.ndarray, lrs: np.ndarray, num_steps: int) -
 
 @lru_cache(maxsize=8)
 def federation(seed: int, num_clients: int, dim: int) -> Federation:
-    """The :class:`Federation` of ``(seed, n, d)``, built once per process."""
+    """The `Federation` of ``(seed, n, d)``, built once per process."""
     return Federation(seed, num_clients, dim)
 
 
@@ -143,7 +143,7 @@ class QuadraticTask:
     headline_metric = "suboptimality"
     #: Computed from every client's private data (A_i, w_i*): withheld with secure-noise (see Task).
     training_data_metrics = ("suboptimality", "dist_to_opt", "objective")
-    #: Keys that may differ between runs sharing :meth:`client_runs_update_fn` (``init`` moves only ``w_0``).
+    #: Keys that may differ between runs sharing `client_runs_update_fn()` (``init`` moves only ``w_0``).
     run_axis_keys = ("init",)
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -154,7 +154,7 @@ class QuadraticTask:
 
     @property
     def batch_shared_bytes(self) -> int:
-        """Memory of the stacked federation a batch of runs shares (:class:`Federation`: ``A`` three times)."""
+        """Memory of the stacked federation a batch of runs shares (`Federation`: ``A`` three times)."""
         return 4 * 8 * self.num_clients * self.dim * RANK
 
     def client(self, client_id: int) -> QuadraticClient:
@@ -182,15 +182,15 @@ class QuadraticTask:
         """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for a block of clients and several runs, exactly.
 
         Alg. 1 / Alg. 2 lines 5-9 in closed form. A step on ``f_i`` moves the iterate by
-        ``-eta Q_i (w - w_i*)`` with ``Q_i = B_i B_i^T`` (:class:`Federation`: ``B_i``'s columns are the
+        ``-eta Q_i (w - w_i*)`` with ``Q_i = B_i B_i^T`` (`Federation`: ``B_i``'s columns are the
         eigenvectors of ``Q_i`` with eigenvalues ``lambda_i``, scaled by ``sqrt(lambda_i)``), so after E steps
 
             ``u = B_i (h_i * B_i^T (w_k - w_i*))``,  ``h_i = (1 - (1 - eta_k lambda_i)^E) / (eta_k lambda_i)``
 
-        (:func:`local_steps_gain`): two products of ``d x RANK`` per client and run instead of ``2 E`` of them.
+        (`local_steps_gain()`): two products of ``d x RANK`` per client and run instead of ``2 E`` of them.
         The returned function maps the runs' ``w_k`` (``(R, d)``) and ``eta_k`` (``(R,)``) to ``u`` of shape
-        ``(R, B, d)`` (one row per run and client); the same as :func:`dpfedavg.core.client_update` on
-        :meth:`client_batch_grad_fn`, up to float64 rounding (tested). ``server_round`` is unused (full batches).
+        ``(R, B, d)`` (one row per run and client); the same as `dpfedavg.core.client_update()` on
+        `client_batch_grad_fn()`, up to float64 rounding (tested). ``server_round`` is unused (full batches).
         """
         fed = federation(self.seed, self.num_clients, self.dim)
         ids = np.asarray(client_ids, dtype=np.int64)
@@ -220,7 +220,7 @@ class QuadraticTask:
         return update
 
     def client_batch_update_fn(self, client_ids: np.ndarray) -> BatchUpdateFn:
-        """:meth:`client_runs_update_fn` for one run: ``(w_k, eta_k, E) -> u`` of shape ``(B, d)``."""
+        """`client_runs_update_fn()` for one run: ``(w_k, eta_k, E) -> u`` of shape ``(B, d)``."""
         runs_update = self.client_runs_update_fn(client_ids)
         return lambda w, lr, num_steps: runs_update(np.asarray(w)[None, :], np.array([lr]), num_steps)[0]
 
@@ -255,7 +255,7 @@ class QuadraticTask:
         return self.evaluate_runs(np.asarray(w)[None, :])[0]
 
     def evaluate_runs(self, w: np.ndarray) -> list[dict[str, float]]:
-        """:meth:`evaluate` for each row of ``w`` (``(R, d)``, one run per row), in one product."""
+        """`evaluate()` for each row of ``w`` (``(R, d)``, one run per row), in one product."""
         fed = federation(self.seed, self.num_clients, self.dim)
         w_opt, f_opt = fed.optimum
         f_w = fed.objective(np.asarray(w, dtype=np.float64))

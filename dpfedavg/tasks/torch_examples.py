@@ -1,4 +1,4 @@
-"""Shipped torch tasks (:class:`~dpfedavg.tasks.torch_task.TorchTask`) on the paper's shard split.
+"""Shipped torch tasks (`TorchTask`) on the paper's shard split.
 
 =================  ==========================================================  =====================
 task               model                                                       data
@@ -10,10 +10,10 @@ task               model                                                       d
 ``mlp-cifar100``   MLP head 512-256-100 (ReLU)                                 CIFAR-100 ResNet-18
 =================  ==========================================================  =====================
 
-The data are those of the logistic-regression tasks (:mod:`dpfedavg.tasks.datasets`: digits is
+The data are those of the logistic-regression tasks (`dpfedavg.tasks.datasets`: digits is
 bundled with scikit-learn, the others come from ``data-dir`` or flwr-datasets; the CIFAR tasks use
-the ImageNet ResNet-18 features of :mod:`dpfedavg.tasks.features`), split over the clients by
-the paper's shard split (:class:`~dpfedavg.tasks.logistic.ShardSplit`: 5 shards of one label
+the ImageNet ResNet-18 features of `dpfedavg.tasks.features`), split over the clients by
+the paper's shard split (`ShardSplit`: 5 shards of one label
 range per client). Loss: cross-entropy plus ``(weight-decay / 2) ||w||^2``; initial weights:
 PyTorch's default initialization under ``torch.manual_seed(seed)``.
 """
@@ -82,7 +82,7 @@ def _on_shards(
     )
 
 
-#: task name -> factory(cfg) -> TorchTask (registered in :data:`dpfedavg.tasks.TASKS`).
+#: task name -> factory(cfg) -> TorchTask (registered in `dpfedavg.tasks.TASKS`).
 EXAMPLES: dict[str, Callable[[RunConfig], TorchTask]] = {
     "mlp-digits": lambda cfg: _on_shards(cfg, "digits", mlp((64, 64, 10))),
     "mlp-fmnist": lambda cfg: _on_shards(cfg, "fmnist", mlp((784, 100, 10))),

@@ -1,4 +1,4 @@
-"""Any ``torch.nn.Module`` as a :class:`~dpfedavg.tasks.base.Task`, vectorized over clients with ``torch.func``.
+"""Any ``torch.nn.Module`` as a `Task`, vectorized over clients with ``torch.func``.
 
 The model is a flat parameter vector ``w`` (the parameters of ``model.named_parameters()``
 in order, each flattened row-major), the protocol's ``w_k``. Client ``i``'s objective is
@@ -9,15 +9,15 @@ over its ``m_i`` examples (``lambda`` = ``weight-decay``, PyTorch's ``weight_dec
 parameter). Alg. 1 / Alg. 2 lines 5-9: ``E`` local gradient steps
 ``w_{k,t+1} = w_{k,t} - eta_k grad f_i(w_{k,t})`` and ``u = (w_k - w_{k,E}) / eta_k``.
 
-* :meth:`TorchTask.client_grad_fn`: one client's full-batch gradient (the ClientApp calls
-  :func:`dpfedavg.core.client_update` on it, in float64 numpy, as for every task);
-* :meth:`TorchTask.client_batch_update_fn`: the ``u`` of a block of clients in one call, for the
+* `TorchTask.client_grad_fn()`: one client's full-batch gradient (the ClientApp calls
+  `dpfedavg.core.client_update()` on it, in float64 numpy, as for every task);
+* `TorchTask.client_batch_update_fn()`: the ``u`` of a block of clients in one call, for the
   batched engine: ``torch.func.grad`` of the loss through ``functional_call``, ``vmap`` over the
   clients (each with its own copy of ``w``), the E steps a loop over that vmapped step. Clients
   with different example counts are padded to the block's largest and masked. The iterates are
   kept in float64 and cast to the working dtype (``torch-dtype``) for each gradient, which is what
   the ClientApp path does, so the two engines agree to the rounding of one gradient;
-* :meth:`TorchTask.evaluate`: server-side test accuracy / loss and the training objective
+* `TorchTask.evaluate()`: server-side test accuracy / loss and the training objective
   ``f = (1/n) sum_i f_i``.
 
 Device: ``device = "auto"`` uses CUDA when torch sees a GPU (in a Ray simulation, the GPU share
@@ -154,7 +154,7 @@ class ShardedClients(ArrayClients):
 
     ``load() -> (x, y, partition)`` is called on first use (building a task stays cheap);
     ``partition`` is ``(n, m)`` (every client has ``m`` examples, e.g. the paper's shard split
-    :func:`dpfedavg.tasks.partition.paper_shard_partition`); ``x`` may be memory-mapped, only the
+    `dpfedavg.tasks.partition.paper_shard_partition()`); ``x`` may be memory-mapped, only the
     rows asked for are read. ``x_shape`` reshapes each example (e.g. ``(1, 28, 28)`` for a CNN).
     """
 
@@ -195,7 +195,7 @@ class ShardedClients(ArrayClients):
 def linear_softmax_model(num_features: int, num_classes: int) -> Any:
     """``x -> x W + b`` with ``W`` of shape ``(d, c)`` and ``b`` of shape ``(c,)``, both zero.
 
-    The parameters flatten to ``[vec(W), b]``, the layout of :class:`~dpfedavg.tasks.logistic.LogisticTask`;
+    The parameters flatten to ``[vec(W), b]``, the layout of `LogisticTask`;
     the module stores ``W^T`` (``flat_transposed``).
     """
     torch = _torch()
@@ -203,7 +203,7 @@ def linear_softmax_model(num_features: int, num_classes: int) -> Any:
     class LinearSoftmax(torch.nn.Module):
         #: The flat vector holds ``vec(W)`` with ``W`` of shape ``(d, c)``; the module keeps ``W^T``, PyTorch's
         #: ``(out, in)`` layout, whose gradient under ``vmap`` is a product of contiguous operands (1.7x faster
-        #: per step than a ``(d, c)`` weight; the benchmarks page). See :attr:`TorchTask.layout`.
+        #: per step than a ``(d, c)`` weight; the benchmarks page). See `TorchTask.layout`.
         flat_transposed = ("weight",)
 
         def __init__(self) -> None:
@@ -289,11 +289,11 @@ class TorchTask:
     model:
         An ``nn.Module`` or a zero-argument factory returning one (called under the seed). ``w`` is its
         trainable parameters raveled in ``named_parameters()`` order; a module may list 2-D parameters in a
-        ``flat_transposed`` attribute, which ``w`` then holds transposed (:attr:`layout`).
+        ``flat_transposed`` attribute, which ``w`` then holds transposed (`layout`).
     clients:
         Per-client examples: a sequence of ``(x_i, y_i)`` (arrays or tensors), a function
         ``i -> (x_i, y_i)`` (called only for the clients a process needs), or an
-        :class:`ArrayClients` / :class:`ShardedClients`.
+        `ArrayClients` / `ShardedClients`.
     loss:
         ``"cross_entropy"`` (integer class targets), ``"mse"``, or a function
         ``loss(outputs, targets) -> per-example losses`` of shape ``(m,)``.
@@ -516,8 +516,8 @@ class TorchTask:
     def client_round_grad_fn(self, client_id: int, server_round: int) -> GradFn:
         """Client ``i``'s gradient oracle in round ``k``: full batch, or the round's mini-batches one per call.
 
-        The engines call this (not :meth:`client_grad_fn`) when a task has it, so that mini-batches
-        follow the round (``local-batch-size``); with full batches it is :meth:`client_grad_fn`.
+        The engines call this (not `client_grad_fn()`) when a task has it, so that mini-batches
+        follow the round (``local-batch-size``); with full batches it is `client_grad_fn()`.
         """
         if self.batch_size <= 0:
             return self.client_grad_fn(client_id)
@@ -545,7 +545,7 @@ class TorchTask:
     def client_batch_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> BatchUpdateFn:
         """``u = (w_k - w_{k,E}) / eta_k`` of E local steps for a block of clients in one call (``(B, dim)``).
 
-        :meth:`client_runs_update_fn` for one run. ``server_round`` picks the round's mini-batches.
+        `client_runs_update_fn()` for one run. ``server_round`` picks the round's mini-batches.
         """
         runs_update = self.client_runs_update_fn(client_ids, server_round)
         return lambda w, lr, num_steps: runs_update(np.asarray(w)[None, :], np.array([lr]), num_steps)[0]
@@ -558,7 +558,7 @@ class TorchTask:
 
     @cached_property
     def _runs_grad(self) -> Callable[..., Any]:
-        """``grad`` of :meth:`_data_objective` over a ``(R, B)`` block: clients inside, runs outside (data shared)."""
+        """``grad`` of `_data_objective()` over a ``(R, B)`` block: clients inside, runs outside (data shared)."""
         func = self.torch.func
         per_client = func.vmap(func.grad(self._data_objective), in_dims=(0, 0, 0, 0))
         return func.vmap(per_client, in_dims=(0, None, None, None))
@@ -571,9 +571,9 @@ class TorchTask:
         the runs), of ``torch.func.grad`` of the data loss; the weight decay's gradient ``lambda w`` is added
         outside autograd. The iterate is kept as its displacement ``w_t - w_k`` from the run's ``w_k``, one
         tensor per parameter (no flattening per step), in ``torch-dtype``: with float64 the steps are
-        :func:`dpfedavg.core.client_update`'s to the rounding of a sum; with float32 ``u`` keeps float32's
+        `dpfedavg.core.client_update()`'s to the rounding of a sum; with float32 ``u`` keeps float32's
         relative precision (the displacement is small next to ``w``; tested within 1e-5 of the float64 loop).
-        Clients are processed :data:`CLIENT_CHUNK_BYTES` of data at a time through all E steps, so that
+        Clients are processed `CLIENT_CHUNK_BYTES` of data at a time through all E steps, so that
         their examples stay in cache. ``server_round`` picks the round's mini-batches.
         """
         torch = self.torch

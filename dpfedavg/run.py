@@ -14,6 +14,7 @@ import logging
 import re
 import sys
 import tomllib
+import types
 from typing import Any
 
 __all__ = ["main", "parse_run_config"]
@@ -74,6 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     print(run_dir)
     return 0
 
+
+class _RunModule(types.ModuleType):
+    """This module, callable as ``dpfedavg.run(...)``: importing it binds ``dpfedavg.run`` to the module (Python
+    binds a submodule in its package), which would hide the Python API's ``run`` function of the same name."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from dpfedavg.api import run
+
+        return run(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _RunModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -155,3 +155,17 @@ def test_the_base_install_runs_the_api_and_the_command_line(tmp_path: Path) -> N
     assert cli.returncode == 0 and "Traceback" not in cli.stderr, cli.stderr[-3000:]
     assert (out / "cli" / "metrics.png").stat().st_size > 1000  # matplotlib is a base dependency: the picture
     _assert_same_metrics(out / "api", out / "cli")
+
+
+def test_dpfedavg_run_is_the_api_function_even_after_the_command_line_module_is_imported(tmp_path: Path) -> None:
+    """``import dpfedavg.run`` (the command line's module) binds ``dpfedavg.run`` to it; calling it still runs."""
+    import importlib
+
+    import dpfedavg
+
+    importlib.import_module("dpfedavg.run")
+    cfg = dpfedavg.RunConfig.from_run_config(
+        {"num-rounds": 2, "num-clients": 4, "clients-per-round": 4.0, "dim": 5, "output-dir": str(tmp_path)}
+    )
+    result = dpfedavg.run(cfg, progress=False)
+    assert result.history[-1]["round"] == 2 and result.directory.parent == tmp_path  # round 0, then rounds 1-2

@@ -129,11 +129,3 @@ def dp_log(caplog):
     yield caplog
     logger.removeHandler(caplog.handler)
 
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The end-to-end tests (marked slow or deployment) first, the rest in their order after them.
-
-    They take seconds to minutes each, mostly waiting on processes, and the quick tests fill the workers around
-    them; scheduled last, one of them would run alone at the end of the suite.
-    """
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") or item.get_closest_marker("deployment") else 1)

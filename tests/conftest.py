@@ -128,4 +128,3 @@ def dp_log(caplog):
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)
-

@@ -23,6 +23,7 @@ from dpfedavg.core.local import (
     local_steps,
     private_block_update,
     private_client_update,
+    round_block_update,
 )
 from dpfedavg.core.noise import NOISE_LAWS, NoiseLaw, noise_law, round_noise_law
 from dpfedavg.core.secagg import SecAggGrid
@@ -68,6 +69,7 @@ __all__ = [
     "normalize",
     "poisson_sample",
     "private_block_update",
+    "round_block_update",
     "private_client_update",
     "round_noise_seed",
     "secure_rng",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dpfedavg.core import noise_rng, private_block_update, round_noise_law
+from dpfedavg.core import round_block_update
 from dpfedavg.core.seeding import Stream, make_rng
 from dpfedavg.core.types import ClientResult, RoundInstructions
 
@@ -61,15 +61,7 @@ def canary_results(
     if len(ids) == 0:
         return []
     u = ins.clip * directions[ids - num_clients]
-    updates = private_block_update(
-        u,
-        algorithm=ins.algorithm,
-        clip=ins.clip,
-        noise_std=ins.noise_std,
-        rngs=[noise_rng(ins.noise_seed, int(cid)) for cid in ids],
-        law=round_noise_law(ins),
-        count_scale=ins.count_scale,
-    )
+    updates = round_block_update(u, ins, ids)
     clean = ins.diagnostics
     return [
         ClientResult(int(cid), upd.noisy, upd.update_norm, upd.clean if clean else None)

@@ -23,6 +23,7 @@ __all__ = [
     "bound_block",
     "private_client_update",
     "private_block_update",
+    "round_block_update",
     "client_round_update",
 ]
 
@@ -218,6 +219,23 @@ def client_round_update(w: Vector, grad_fn: GradFn, ins: RoundInstructions, clie
         clip=ins.clip,
         noise_std=ins.noise_std,
         rng=noise_rng(ins.noise_seed, client_id),
+        law=round_noise_law(ins),
+        count_scale=ins.count_scale,
+    )
+
+
+def round_block_update(u: np.ndarray, ins: RoundInstructions, client_ids: Sequence[int]) -> list[ClientUpdate | None]:
+    """`private_block_update()` of a block of clients as the round's instructions say (Alg. 1 / 2 lines 9-10).
+
+    The bound, noise std, noise law and count scale come from ``ins``; client ``i``'s noise from its own stream
+    ``noise_rng(ins.noise_seed, i)``. Every engine and both ClientApps call this one.
+    """
+    return private_block_update(
+        u,
+        algorithm=ins.algorithm,
+        clip=ins.clip,
+        noise_std=ins.noise_std,
+        rngs=[noise_rng(ins.noise_seed, int(cid)) for cid in client_ids],
         law=round_noise_law(ins),
         count_scale=ins.count_scale,
     )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import client_update, noise_rng, private_block_update, round_noise_law
+from dpfedavg.core import client_update, round_block_update
 from dpfedavg.core.canaries import canary_results
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.tasks import Task, task_hooks
@@ -52,15 +52,7 @@ def _block_results(
         w_block = np.repeat(w[None, :], len(ids), axis=0)
         u = client_update(w_block, hooks.block_grad(task, ids, ins.server_round), ins.local_lr, ins.local_steps)
     # the ClientApp's pipeline, on the block (with secure aggregation: what each client hands to the protocol)
-    updates = private_block_update(
-        u,
-        algorithm=ins.algorithm,
-        clip=ins.clip,
-        noise_std=ins.noise_std,
-        rngs=[noise_rng(ins.noise_seed, int(cid)) for cid in ids],
-        law=round_noise_law(ins),
-        count_scale=ins.count_scale,
-    )
+    updates = round_block_update(u, ins, ids)
     results, failed = [], []
     for client_id, update in zip(ids, updates, strict=True):
         if update is None:

@@ -25,10 +25,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import GradFn, LocalTrainingDiverged, client_round_update, private_block_update
+from dpfedavg.core import GradFn, LocalTrainingDiverged, client_round_update, round_block_update
 from dpfedavg.core.local import ClientUpdate
-from dpfedavg.core.noise import round_noise_law
-from dpfedavg.core.seeding import noise_rng
 from dpfedavg.core.types import ClientResult, RoundInstructions
 from dpfedavg.flower.protocol import (
     ARRAYS,
@@ -295,15 +293,7 @@ def _round_update(
 
 def _zero_updates(client_ids: list[int], dim: int, ins: RoundInstructions) -> list[ClientResult]:
     """``0 + zeta`` for each of ``client_ids`` (whose local training diverged), each client's noise its own."""
-    updates = private_block_update(
-        np.zeros((len(client_ids), dim)),
-        algorithm=ins.algorithm,
-        clip=ins.clip,
-        noise_std=ins.noise_std,
-        rngs=[noise_rng(ins.noise_seed, c) for c in client_ids],
-        law=round_noise_law(ins),
-        count_scale=ins.count_scale,
-    )
+    updates = round_block_update(np.zeros((len(client_ids), dim)), ins, client_ids)
     return [
         ClientResult(c, u.noisy, u.update_norm, u.clean if ins.diagnostics else None)
         for c, u in zip(client_ids, updates, strict=True)

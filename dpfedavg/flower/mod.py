@@ -73,9 +73,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import SECURE_NOISE_SEED, private_block_update
-from dpfedavg.core.noise import round_noise_law
-from dpfedavg.core.seeding import noise_rng
+from dpfedavg.core import SECURE_NOISE_SEED, round_block_update
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch, warn_buffers_once
 from dpfedavg.flower.client_app import node_policy
@@ -288,15 +286,7 @@ def _private_update(
     if under_policy and not np.all(np.isfinite(u)):
         logger.warning("%s: local training diverged; under this node's policy a zero update is sent, noised", _NAME)
         u = np.zeros_like(u)
-    (update,) = private_block_update(
-        u[None, :],
-        algorithm=ins.algorithm,
-        clip=ins.clip,
-        noise_std=ins.noise_std,
-        rngs=[noise_rng(ins.noise_seed, client)],
-        law=round_noise_law(ins),
-        count_scale=ins.count_scale,
-    )
+    (update,) = round_block_update(u[None, :], ins, [client])
     if update is None:
         raise ValueError("local training diverged: the returned arrays have NaN/Inf (nothing is sent)")
     return update

@@ -29,11 +29,16 @@ from pathlib import Path
 import psutil
 
 from dpfedavg.deploy.credentials import Credentials, generate_credentials, generate_supernode_key
-from dpfedavg.engines.local_superlink import free_port, leftover_pids, processes_with_home, stop_processes
+from dpfedavg.engines.local_superlink import (
+    copy_app,
+    free_port,
+    leftover_pids,
+    processes_with_home,
+    stop_processes,
+)
 
 __all__ = ["LoopbackFederation"]
 
-ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CONNECTION = "remote"
 
@@ -178,12 +183,15 @@ class LoopbackFederation:
 
     # -------------------------------------------------------------------- run
     def run(
-        self, run_config: str, timeout: float = 600.0, on_poll=None, app: Path = ROOT
+        self, run_config: str, timeout: float = 600.0, on_poll=None, app: Path | None = None
     ) -> subprocess.CompletedProcess:
         """``flwr run <app> remote --stream --run-config ...``; ``on_poll(log_text)`` is called every 0.5 s.
 
-        ``app`` is the app folder the SuperLink ships to the SuperNodes (default: this repository).
+        ``app`` is the app folder the SuperLink ships to the SuperNodes (default: dpfedavg's own app, copied
+        without the checkout's ``.venv`` by `copy_app()`; the FAB holds the same files).
         """
+        if app is None:
+            app = copy_app(self.workdir / "app")
         self._runs += 1
         log_path = self._log(f"flwr-run-{self._runs}")
         command = [str(BIN / "flwr"), "run", str(app), CONNECTION, "--stream", "--run-config", run_config]

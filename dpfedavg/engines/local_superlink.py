@@ -28,6 +28,27 @@ import psutil  # noqa: I001 - optional dependency of the Flower engine
 #: The app's source directory (the one with pyproject.toml) that `flwr run` builds.
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+#: What the app needs from the checkout: Flower's config and the package (the FAB's `.py` and `.toml` files).
+APP_FILES = ("pyproject.toml", "README.md", "LICENSE")
+
+
+def copy_app(dest: Path) -> Path:
+    """A copy of dpfedavg's own Flower app (``pyproject.toml`` and the ``dpfedavg`` package) in ``dest``.
+
+    `flwr run <folder>` builds the FAB by walking every file under the folder, ``.venv`` included, before
+    it filters them: in a checkout with its virtual environment that walk is about 67,000 files and 6-7 s of
+    CPU per run (27 s on a loaded machine). The copy holds the ~100 files the app is made of, so the FAB built
+    from it has the same code and configuration.
+    """
+    dest = Path(dest)
+    if (dest / "pyproject.toml").exists():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in APP_FILES:
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dest / name)
+    shutil.copytree(ROOT / "dpfedavg", dest / "dpfedavg", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
 
 
 def free_port() -> int:
@@ -171,12 +192,15 @@ class LocalSuperLink:
     ) -> subprocess.CompletedProcess:
         """`flwr run <app> --stream` with the given overrides; returns the finished CLI process.
 
-        ``app``: the Flower app's folder (default: this repository, dpfedavg's own apps).
+        ``app``: the Flower app's folder (default: dpfedavg's own apps, copied once into this SuperLink's
+        work folder by `copy_app()` so that the CLI does not walk the checkout's ``.venv``).
         Refuses to start when this SuperLink is down: the CLI would then start a detached SuperLink of its own.
         """
         if self.process is None or self.process.poll() is not None:
             raise RuntimeError(f"this local SuperLink is not running (see {self.log_path}); start() it first")
-        command = [str(BIN / "flwr"), "run", str(ROOT if app is None else app), "--stream"]
+        if app is None:
+            app = copy_app(self.workdir / "app")
+        command = [str(BIN / "flwr"), "run", str(app), "--stream"]
         if run_config:
             command += ["--run-config", run_config]
         if federation_config:

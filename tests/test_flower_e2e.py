@@ -19,8 +19,9 @@ from dpfedavg.config import RunConfig
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.engines.local_superlink import LocalSuperLink
 
-#: One worker runs this module's tests on one private SuperLink.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("flower-e2e")]
+#: Each xdist worker that runs some of these tests starts its own private SuperLink (4-5 s): the runs spread
+#: over the workers instead of queueing on one (about 8 minutes of them).
+pytestmark = pytest.mark.slow
 
 REQUIRED_COLUMNS = ("round", "num_sampled", "suboptimality", "snr", "dist_to_opt", "frac_clipped", "epsilon")
 SMALL_FED = "num-supernodes=10 client-resources-num-cpus=1"

@@ -141,6 +141,31 @@ def test_one_run_p_value_matches_jax_privacy():
         assert ours == pytest.approx(auditing._one_run_p_value(m, g, v, eps, delta), rel=1e-9)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("jax_privacy") is None, reason="jax-privacy not installed (optional)")
+def test_one_run_lower_bound_matches_jax_privacy_epsilon_one_run():
+    """The run's bound through jax-privacy's public API: `CanaryScoreAuditor.epsilon_one_run` with an explicit
+    threshold at each of our guess counts (the top g scores), each at significance / len(counts); ours is the max.
+    Synthetic scores, a shift of 3 between 60 inserted and 60 null canaries (continuous: no ties)."""
+    from jax_privacy import auditing
+
+    rng = np.random.default_rng(3)
+    inserted = rng.random(120) < 0.5
+    scores = rng.standard_normal(120) + 3.0 * inserted
+    significance, delta = 0.05, 1e-5
+    counts = guess_counts(len(scores))
+    auditor = auditing.CanaryScoreAuditor(scores[inserted], scores[~inserted])
+    top = np.sort(scores)[::-1]
+    theirs = [
+        auditor.epsilon_one_run(
+            significance / len(counts), delta, threshold_strategy=auditing.Explicit(float(top[g - 1]))
+        )
+        for g in counts
+    ]
+    ours = one_run_lower_bound(scores, inserted, delta, significance)
+    assert max(theirs) > 0.5  # the comparison is not between two zeros
+    assert ours == pytest.approx(max(theirs), abs=1e-5)
+
+
 # ---------------------------------------------------------------- canaries and scores
 def test_canary_set_is_seeded_unit_and_inserted_with_probability_half():
     a = CanarySet.draw(5, 4000, 30)

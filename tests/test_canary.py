@@ -336,6 +336,36 @@ def test_canary_clients_key_is_validated(changes, words):
     assert words in str(err.value)
 
 
+class _UntouchableGrid:
+    """A grid that fails the test if the ServerApp asks it anything: the refusal comes before any start-up."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the ServerApp touched the grid ({name}) before refusing the config")
+
+
+def test_secure_aggregation_with_canaries_is_one_error_before_start_up(tmp_path, dpfedavg_log, capsys):
+    """flwr run's ServerApp and python -m dpfedavg.run: one error naming both keys and SecAgg+'s discrete noise as the
+    reason, the grid never touched, nothing written."""
+    from flwr.app import Context, RecordDict
+
+    from dpfedavg.config import RunConfig
+    from dpfedavg.flower import server_app
+    from dpfedavg.run import main
+
+    values = {"secure-aggregation": True, "noise-placement": "client-calibrated", "canary-clients": 10}
+    run_config = RunConfig(output_dir=str(tmp_path)).to_run_config() | values
+    server_app.main(_UntouchableGrid(), Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
+                                                run_config=run_config))  # fmt: skip
+    errors = [r.getMessage() for r in dpfedavg_log if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    reason = "'canary-clients' = 10 with 'secure-aggregation' = True"
+    assert reason in errors[0] and "SecAgg+'s discrete noise" in errors[0]
+    overrides = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in values.items())
+    assert main(["--run-config", f"{overrides} output-dir='{tmp_path}'"]) == 2
+    assert reason in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_flower_engine_refuses_canaries_before_any_start_up(tmp_path):
     from dpfedavg.config import ConfigError
     from dpfedavg.server.run import prepare_run

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -261,8 +262,8 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
 
     q = 1, every canary in every round, K rounds: the canary game is K Gaussian releases with shift C/r' and std
     zC/r', i.e. mu-GDP with mu = sqrt(K)/z (closed form, checked against the PLD accountant's epsilon). The
-    final-model estimate's mu is below that plus 3 standard errors (sqrt(1/in + 1/out)); the 95% one-run lower
-    bound does not exceed the accountant's epsilon."""
+    final-model estimate's mu is below that plus 3 standard errors (sqrt(1/in + 1/out)) and its 95% band holds the
+    accountant's epsilon; the 95% one-run lower bound does not exceed it. The page shows this run's real output."""
     import json
     import shlex
 
@@ -272,11 +273,22 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
     from dpfedavg.io.results import read_metrics
     from dpfedavg.run import main, parse_run_config
 
-    (block,) = [b for b in page_blocks(ROOT / "docs/privacy/auditing-a-run.md") if b.kind == "run-by"]
+    blocks = page_blocks(ROOT / "docs/privacy/auditing-a-run.md")
+    (block,) = [b for b in blocks if b.kind == "run-by"]
     argv = shlex.split(block.source.strip())
     assert argv[:3] == ["python", "-m", "dpfedavg.run"]
     monkeypatch.chdir(tmp_path)
-    assert main(argv[3:]) == 0
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    package_logger = logging.getLogger("dpfedavg")
+    package_logger.addHandler(handler)
+    level, package_logger.level = package_logger.level, logging.INFO
+    try:
+        assert main(argv[3:]) == 0
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(level)
     cfg = RunConfig.from_run_config(parse_run_config(argv[argv.index("--run-config") + 1]))
     directory = tmp_path / "outputs" / "audited"
     saved = json.loads((directory / "config.json").read_text())
@@ -289,8 +301,18 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
     assert audit["epsilon_lower_bound"] <= epsilon
     se = math.sqrt(1 / audit["inserted"] + 1 / (audit["canaries"] - audit["inserted"]))
     assert audit["epsilon_final"] <= gdp_epsilon(mu + 3 * se, cfg.delta)
+    low, high = audit["epsilon_final_band"]
+    assert low <= epsilon <= high
     assert (directory / "audit.png").stat().st_size > 0
     assert np.load(directory / "audit.npz")["inserted"].sum() == audit["inserted"]
+    # the page shows this run's real output: its last line (the run's folder as <path>) and config.json's audit
+    (last_line,) = [b.source.strip() for b in blocks if b.language == "text"]
+    done = [r.getMessage() for r in records if r.getMessage().startswith("Done after")]
+    assert [re.sub(r"\S*outputs/audited", "<path>", m) for m in done] == [last_line]
+    (shown,) = [json.loads("{" + b.source + "}")["audit"] for b in blocks if b.language == "json"]
+    assert shown.keys() == audit.keys()
+    for key, value in audit.items():
+        assert shown[key] == (pytest.approx(value, rel=1e-6) if not isinstance(value, str) else value), key
     # the canaries are sampled like every client: at q = 1 all n + inserted, every round
     rows = [r for r in read_metrics(directory / "metrics.csv") if r["round"] >= 1]
     assert all(r["num_sampled"] == cfg.num_clients + audit["inserted"] for r in rows)

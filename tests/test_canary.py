@@ -4,9 +4,11 @@ Steinke et al.'s theorem, and jax-privacy's ``epsilon_one_run`` when it is insta
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -18,7 +20,9 @@ from dpfedavg.privacy.canary import (
     CanarySet,
     GaussianFit,
     epsilon_two_gaussians,
+    gaussian_fit_band,
     gaussian_fit_epsilon,
+    gaussian_fit_mu,
     guess_counts,
     one_run_lower_bound,
     one_run_p_value,
@@ -67,6 +71,27 @@ def test_gaussian_fit_on_synthetic_cosines_recovers_the_gdp_epsilon():
     exact = epsilon_two_gaussians(GaussianFit(0, 1), GaussianFit(mu, 1), DELTA)
     assert gdp_delta(mu, exact) == pytest.approx(DELTA, rel=1e-6)
     assert eps == pytest.approx(exact, rel=0.05)
+
+
+@pytest.mark.parametrize("canary_std", [1.0, 1.3])
+def test_estimate_band_covers_the_true_mu_95_percent_of_the_time(canary_std):
+    """400 synthetic audits (100 canary, 100 null scores; shift mu = 2 in units of the null's std, a canary std of 1
+    or 1.3): the 95% band of mu covers the true mu in 92% to 98% of them (binomial sd 1.1%); the band in epsilon
+    is mu +- 1.96 se through the mu-GDP closed form (bisection here)."""
+    rng = np.random.default_rng(11)
+    mu, s = 2.0, 0.05
+    covered = 0
+    for _ in range(400):
+        null = rng.normal(0.0, s, 100)
+        canary = rng.normal(mu * s, canary_std * s, 100)
+        est, se = gaussian_fit_mu(canary, null)
+        covered += abs(est - mu) <= 1.96 * se
+    assert 0.92 <= covered / 400 <= 0.98
+    lo, hi = gaussian_fit_band(canary, null, DELTA, 0.95)
+    z = stats.norm.isf(0.025)
+    assert lo == pytest.approx(gdp_epsilon(est - z * se, DELTA), abs=1e-6)
+    assert hi == pytest.approx(gdp_epsilon(est + z * se, DELTA), abs=1e-6)
+    assert lo < gaussian_fit_epsilon(canary, null, DELTA) < hi
 
 
 def test_identical_score_laws_give_epsilon_near_zero():
@@ -141,6 +166,31 @@ def test_one_run_p_value_matches_jax_privacy():
         assert ours == pytest.approx(auditing._one_run_p_value(m, g, v, eps, delta), rel=1e-9)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("jax_privacy") is None, reason="jax-privacy not installed (optional)")
+def test_one_run_lower_bound_matches_jax_privacy_epsilon_one_run():
+    """The run's bound through jax-privacy's public API: `CanaryScoreAuditor.epsilon_one_run` with an explicit
+    threshold at each of our guess counts (the top g scores), each at significance / len(counts); ours is the max.
+    Synthetic scores, a shift of 3 between 60 inserted and 60 null canaries (continuous: no ties)."""
+    from jax_privacy import auditing
+
+    rng = np.random.default_rng(3)
+    inserted = rng.random(120) < 0.5
+    scores = rng.standard_normal(120) + 3.0 * inserted
+    significance, delta = 0.05, 1e-5
+    counts = guess_counts(len(scores))
+    auditor = auditing.CanaryScoreAuditor(scores[inserted], scores[~inserted])
+    top = np.sort(scores)[::-1]
+    theirs = [
+        auditor.epsilon_one_run(
+            significance / len(counts), delta, threshold_strategy=auditing.Explicit(float(top[g - 1]))
+        )
+        for g in counts
+    ]
+    ours = one_run_lower_bound(scores, inserted, delta, significance)
+    assert max(theirs) > 0.5  # the comparison is not between two zeros
+    assert ours == pytest.approx(max(theirs), abs=1e-5)
+
+
 # ---------------------------------------------------------------- canaries and scores
 def test_canary_set_is_seeded_unit_and_inserted_with_probability_half():
     a = CanarySet.draw(5, 4000, 30)
@@ -199,6 +249,23 @@ class _StdForVariance:
         return 0.0
 
 
+@contextlib.contextmanager
+def _package_log():
+    """The ``dpfedavg`` records at INFO and up, from a handler on that logger itself: caplog misses them once a Flower
+    app has run in this process (``setup_app_process`` stops their propagation to the root logger)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    package_logger = logging.getLogger("dpfedavg")
+    package_logger.addHandler(handler)
+    level, package_logger.level = package_logger.level, logging.INFO
+    try:
+        yield records
+    finally:
+        package_logger.removeHandler(handler)
+        package_logger.setLevel(level)
+
+
 def gdp_epsilon(mu: float, delta: float) -> float:
     """The epsilon of mu-GDP at delta, by bisection on the closed form."""
     lo, hi = 0.0, 100.0
@@ -213,8 +280,8 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
 
     q = 1, every canary in every round, K rounds: the canary game is K Gaussian releases with shift C/r' and std
     zC/r', i.e. mu-GDP with mu = sqrt(K)/z (closed form, checked against the PLD accountant's epsilon). The
-    final-model estimate's mu is below that plus 3 standard errors (sqrt(1/in + 1/out)); the 95% one-run lower
-    bound does not exceed the accountant's epsilon."""
+    final-model estimate's mu is below that plus 3 standard errors (sqrt(1/in + 1/out)) and its 95% band holds the
+    accountant's epsilon; the 95% one-run lower bound does not exceed it. The page shows this run's real output."""
     import json
     import shlex
 
@@ -224,11 +291,13 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
     from dpfedavg.io.results import read_metrics
     from dpfedavg.run import main, parse_run_config
 
-    (block,) = [b for b in page_blocks(ROOT / "docs/privacy/auditing-a-run.md") if b.kind == "run-by"]
+    blocks = page_blocks(ROOT / "docs/privacy/auditing-a-run.md")
+    (block,) = [b for b in blocks if b.kind == "run-by"]
     argv = shlex.split(block.source.strip())
     assert argv[:3] == ["python", "-m", "dpfedavg.run"]
     monkeypatch.chdir(tmp_path)
-    assert main(argv[3:]) == 0
+    with _package_log() as records:
+        assert main(argv[3:]) == 0
     cfg = RunConfig.from_run_config(parse_run_config(argv[argv.index("--run-config") + 1]))
     directory = tmp_path / "outputs" / "audited"
     saved = json.loads((directory / "config.json").read_text())
@@ -241,14 +310,24 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
     assert audit["epsilon_lower_bound"] <= epsilon
     se = math.sqrt(1 / audit["inserted"] + 1 / (audit["canaries"] - audit["inserted"]))
     assert audit["epsilon_final"] <= gdp_epsilon(mu + 3 * se, cfg.delta)
+    low, high = audit["epsilon_final_band"]
+    assert low <= epsilon <= high
     assert (directory / "audit.png").stat().st_size > 0
     assert np.load(directory / "audit.npz")["inserted"].sum() == audit["inserted"]
+    # the page shows this run's real output: its last line (the run's folder as <path>) and config.json's audit
+    (last_line,) = [b.source.strip() for b in blocks if b.language == "text"]
+    done = [r.getMessage() for r in records if r.getMessage().startswith("Done after")]
+    assert [re.sub(r"\S*outputs/audited", "<path>", m) for m in done] == [last_line]
+    (shown,) = [json.loads("{" + b.source + "}")["audit"] for b in blocks if b.language == "json"]
+    assert shown.keys() == audit.keys()
+    for key, value in audit.items():
+        assert shown[key] == (pytest.approx(value, rel=1e-6) if not isinstance(value, str) else value), key
     # the canaries are sampled like every client: at q = 1 all n + inserted, every round
     rows = [r for r in read_metrics(directory / "metrics.csv") if r["round"] >= 1]
     assert all(r["num_sampled"] == cfg.num_clients + audit["inserted"] for r in rows)
 
 
-def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch, caplog):
+def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch):
     """Clients add std zC/|S_k| instead of zC/sqrt(|S_k|): the accountant still reports epsilon = 1; in the same
     run the one-run lower bound (95% confidence) is above it (by 25%) and both estimates above 5 epsilon."""
     from dpfedavg.api import run  # not dpfedavg.run: importing the CLI module dpfedavg.run shadows it
@@ -256,11 +335,12 @@ def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch, c
 
     base = mechanism.PLACEMENTS["client-calibrated"]
     monkeypatch.setitem(mechanism.PLACEMENTS, "client-calibrated", _StdForVariance(base))
-    with caplog.at_level(logging.INFO, logger="dpfedavg"):
+    with _package_log() as records:
         result = run(_run_cfg(tmp_path, dim=600, canary_clients=300, checkpoint_every=5), progress=False)
     audit = result.audit
-    assert "Round 5: canary audit so far: estimated epsilon" in caplog.text  # every checkpoint-every rounds
-    assert "one-run lower bound" in caplog.records[-1].getMessage()  # the run's last line
+    messages = [r.getMessage() for r in records]
+    assert any(m.startswith("Round 5: canary audit so far: estimated epsilon") for m in messages)  # checkpoint-every
+    assert "one-run lower bound" in messages[-1]  # the run's last line
     assert result.epsilon <= 1.0
     assert audit["epsilon_lower_bound"] > 1.25 * result.epsilon  # 1.58 with this seed
     assert min(audit["epsilon_final"], audit["epsilon_all_iterates"]) > 5 * result.epsilon
@@ -286,6 +366,36 @@ def test_canary_clients_key_is_validated(changes, words):
     with pytest.raises(ConfigError) as err:
         RunConfig(**changes)
     assert words in str(err.value)
+
+
+class _UntouchableGrid:
+    """A grid that fails the test if the ServerApp asks it anything: the refusal comes before any start-up."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the ServerApp touched the grid ({name}) before refusing the config")
+
+
+def test_secure_aggregation_with_canaries_is_one_error_before_start_up(tmp_path, dpfedavg_log, capsys):
+    """flwr run's ServerApp and python -m dpfedavg.run: one error naming both keys and SecAgg+'s discrete noise as the
+    reason, the grid never touched, nothing written."""
+    from flwr.app import Context, RecordDict
+
+    from dpfedavg.config import RunConfig
+    from dpfedavg.flower import server_app
+    from dpfedavg.run import main
+
+    values = {"secure-aggregation": True, "noise-placement": "client-calibrated", "canary-clients": 10}
+    run_config = RunConfig(output_dir=str(tmp_path)).to_run_config() | values
+    server_app.main(_UntouchableGrid(), Context(run_id=1, node_id=1, node_config={}, state=RecordDict(),
+                                                run_config=run_config))  # fmt: skip
+    errors = [r.getMessage() for r in dpfedavg_log if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    reason = "'canary-clients' = 10 with 'secure-aggregation' = True"
+    assert reason in errors[0] and "SecAgg+'s discrete noise" in errors[0]
+    overrides = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else repr(v)}" for k, v in values.items())
+    assert main(["--run-config", f"{overrides} output-dir='{tmp_path}'"]) == 2
+    assert reason in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_flower_engine_refuses_canaries_before_any_start_up(tmp_path):

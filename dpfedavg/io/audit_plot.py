@@ -43,11 +43,16 @@ def write_audit_plot(directory: Path, audit: CanaryAudit, accountant_epsilon: fl
         return None
     mask = audit.inserted_mask
     panels = [
-        ("all iterates: max_k cos(c_j, w_{k-1} - w_k)", audit.all_iterates_scores, audit.epsilon_all_iterates),
-        ("final model: cos(c_j, w_0 - w_K)", audit.final_scores, audit.epsilon_final),
+        (
+            "all iterates: max_k cos(c_j, w_{k-1} - w_k)",
+            audit.all_iterates_scores,
+            audit.epsilon_all_iterates,
+            audit.all_iterates_band,
+        ),
+        ("final model: cos(c_j, w_0 - w_K)", audit.final_scores, audit.epsilon_final, audit.final_band),
     ]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
-    for ax, (title, scores, estimate) in zip(axes, panels, strict=True):
+    for ax, (title, scores, estimate, band) in zip(axes, panels, strict=True):
         finite = scores[np.isfinite(scores)]
         bins = np.linspace(finite.min(), finite.max(), 30) if finite.size and np.ptp(finite) > 0 else 10
         for label, part, color in (
@@ -65,6 +70,8 @@ def write_audit_plot(directory: Path, audit: CanaryAudit, accountant_epsilon: fl
                     pdf = np.exp(-0.5 * ((x - fit.mean) / fit.std) ** 2) / (fit.std * math.sqrt(2 * math.pi))
                     ax.plot(x, pdf, color=color)
         est = "n/a" if math.isnan(estimate) else f"{estimate:.3g}"
+        if not math.isnan(estimate) and not any(math.isnan(x) for x in band):
+            est += f" [{band[0]:.3g}, {band[1]:.3g}] at {audit.confidence:.0%}"
         ax.set_title(f"{title}\nestimated epsilon {est}", fontsize=9)
         ax.set_xlabel("cosine")
         ax.legend(fontsize=8)

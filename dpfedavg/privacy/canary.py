@@ -45,7 +45,10 @@ __all__ = [
     "CanarySet",
     "GaussianFit",
     "epsilon_two_gaussians",
+    "gaussian_fit_band",
     "gaussian_fit_epsilon",
+    "gaussian_fit_mu",
+    "gdp_epsilon",
     "one_run_lower_bound",
     "one_run_p_value",
 ]
@@ -219,6 +222,43 @@ def gaussian_fit_epsilon(canary_scores: Sequence[float], null_scores: Sequence[f
     return epsilon_two_gaussians(null, GaussianFit(GaussianFit.of(canary_scores).mean, null.std), delta)
 
 
+def gaussian_fit_mu(canary_scores: Sequence[float], null_scores: Sequence[float]) -> tuple[float, float]:
+    """``mu = (mean_canary - mean_null) / s`` (``s`` the null's std, as in ``gaussian_fit_epsilon``) and its standard
+    error.
+
+    The error by the delta method: the two means (``r^2 / n_in + 1 / n_null``, ``r`` the ratio of the stds) and the
+    null's std (``mu^2 / (2 (n_null - 1))``), all in units of ``s``.
+    """
+    canary, null = GaussianFit.of(canary_scores), GaussianFit.of(null_scores)
+    if null.std <= 0:
+        raise ValueError("the null scores are all equal: no Gaussian fit")
+    n_in, n_null = len(canary_scores), len(null_scores)
+    mu = (canary.mean - null.mean) / null.std
+    ratio = canary.std / null.std
+    se = math.sqrt(ratio**2 / n_in + 1 / n_null + mu**2 / (2 * (n_null - 1)))
+    return mu, se
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """The epsilon at ``delta`` of mu-GDP (``N(0, 1)`` against ``N(mu, 1)``); 0 for ``mu <= 0``."""
+    if mu <= 0:
+        return 0.0
+    return epsilon_two_gaussians(GaussianFit(0.0, 1.0), GaussianFit(mu, 1.0), delta)
+
+
+def gaussian_fit_band(
+    canary_scores: Sequence[float], null_scores: Sequence[float], delta: float, confidence: float = 0.95
+) -> tuple[float, float]:
+    """The two-sided ``confidence`` interval of Andrew et al.'s estimate: ``mu +- z se`` (``gaussian_fit_mu``),
+    mapped through the mu-GDP epsilon (increasing in ``mu``). The band of one run's measurement, not of the mechanism.
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence = {confidence} must be in (0, 1)")
+    mu, se = gaussian_fit_mu(canary_scores, null_scores)
+    z = float(scipy.stats.norm.isf((1 - confidence) / 2))
+    return gdp_epsilon(mu - z * se, delta), gdp_epsilon(mu + z * se, delta)
+
+
 def one_run_p_value(num_canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
     """Steinke et al. Thm 5.2: ``P[W >= correct]`` is at most this for any ``(epsilon, delta)``-DP mechanism.
 
@@ -288,6 +328,8 @@ class CanaryAudit:
     epsilon_lower_bound:
         Steinke et al.'s one-run lower bound at ``confidence``: the larger of the bounds from the final-model and
         the all-iterates scores, each computed at half the significance.
+    final_band, all_iterates_band:
+        Each estimate's ``confidence`` interval (``gaussian_fit_band``; ``(nan, nan)`` where there is no estimate).
     """
 
     canaries: int
@@ -297,6 +339,8 @@ class CanaryAudit:
     epsilon_final: float
     epsilon_all_iterates: float
     epsilon_lower_bound: float
+    final_band: tuple[float, float]
+    all_iterates_band: tuple[float, float]
     final_scores: np.ndarray = field(repr=False)
     all_iterates_scores: np.ndarray = field(repr=False)
     inserted_mask: np.ndarray = field(repr=False)
@@ -311,6 +355,11 @@ class CanaryAudit:
         def fit(x: np.ndarray) -> float:
             return gaussian_fit_epsilon(x[mask], x[~mask], delta) if enough else math.nan
 
+        def band(x: np.ndarray) -> tuple[float, float]:
+            if not enough or np.std(x[~mask]) == 0:
+                return (math.nan, math.nan)
+            return gaussian_fit_band(x[mask], x[~mask], delta, 1 - significance)
+
         bound = 0.0
         if scores.rounds > 0:  # both scores, each at significance / 2 (Bonferroni): the larger bound keeps the level
             bound = max(one_run_lower_bound(x, mask, delta, significance / 2) for x in (final, iterates))
@@ -322,12 +371,14 @@ class CanaryAudit:
             epsilon_final=fit(final),
             epsilon_all_iterates=fit(iterates),
             epsilon_lower_bound=bound,
+            final_band=band(final),
+            all_iterates_band=band(iterates),
             final_scores=final,
             all_iterates_scores=iterates,
             inserted_mask=mask.copy(),
         )
 
-    def summary(self) -> dict[str, float | int]:
+    def summary(self) -> dict[str, float | int | list[float | None]]:
         """The numbers ``config.json`` records (JSON-safe: ``nan`` becomes ``None`` there)."""
 
         def number(x: float) -> float | None:
@@ -341,4 +392,6 @@ class CanaryAudit:
             "epsilon_final": number(self.epsilon_final),
             "epsilon_all_iterates": number(self.epsilon_all_iterates),
             "epsilon_lower_bound": self.epsilon_lower_bound,
+            "epsilon_final_band": [number(x) for x in self.final_band],
+            "epsilon_all_iterates_band": [number(x) for x in self.all_iterates_band],
         }

@@ -166,15 +166,14 @@ def test_default_run_smoke(superlink: LocalSuperLink, tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 300
 
 
-@pytest.mark.parametrize("algorithm", ["clip", "none"])
-def test_other_algorithms_run(superlink: LocalSuperLink, tmp_path: Path, algorithm: str) -> None:
-    values = {"algorithm": algorithm, "clip": 50.0, "num-clients": 10, "clients-per-round": 10.0, "num-rounds": 2}
-    result, run_dir = _run(superlink, tmp_path, algorithm, values)
+def test_no_dp_runs_and_says_so(superlink: LocalSuperLink, tmp_path: Path) -> None:
+    """algorithm='none' through flwr run (clip is compared with the batched engine by the SecAgg+ test above)."""
+    values = {"algorithm": "none", "clip": 50.0, "num-clients": 10, "clients-per-round": 10.0, "num-rounds": 2}
+    result, run_dir = _run(superlink, tmp_path, "none", values)
     rows = _rows(run_dir)
     assert len(rows) == 3, result.stdout[-4000:]
     assert all(col in rows[0] for col in REQUIRED_COLUMNS)
-    if algorithm == "none":
-        assert "NO DIFFERENTIAL PRIVACY" in result.stdout
+    assert "NO DIFFERENTIAL PRIVACY" in result.stdout
 
 
 def test_bad_config_is_one_error_line_without_traceback(superlink: LocalSuperLink, tmp_path: Path) -> None:
@@ -200,7 +199,7 @@ def test_wrong_number_of_supernodes_is_a_clear_error(superlink: LocalSuperLink, 
 
 
 def test_digits_task_runs_offline_far_above_chance(superlink: LocalSuperLink, tmp_path: Path) -> None:
-    """A real dataset (scikit-learn's digits) end to end: DP-NormFedAvg at epsilon = 5."""
+    """A real dataset (scikit-learn's digits) end to end: DP-NormFedAvg at epsilon = 5, audited by 50 canaries."""
     values = {
         "task": "digits",
         "algorithm": "norm",
@@ -208,6 +207,7 @@ def test_digits_task_runs_offline_far_above_chance(superlink: LocalSuperLink, tm
         "num-rounds": 30,
         "eval-every": 10,
         "cache-dir": str(tmp_path / "cache"),
+        "canary-clients": 50,
     }
     result, run_dir = _run(superlink, tmp_path, "digits", values, "num-supernodes=100 client-resources-num-cpus=1")
     assert (run_dir / "config.json").exists(), result.stdout[-4000:]
@@ -216,6 +216,12 @@ def test_digits_task_runs_offline_far_above_chance(superlink: LocalSuperLink, tm
     assert "test_accuracy averaged over the last 5 evaluated rounds" in result.stdout
     rows = _rows(run_dir)
     assert rows[15]["test_accuracy"] == "" and rows[10]["test_accuracy"] != ""  # eval-every 10
+    # the run audited itself: the canaries were sampled with the real clients (q = 1: all n + inserted each round)
+    audit = final["audit"]
+    assert audit["federation_clients"] == 100 + audit["inserted"] and audit["rounds_observed"] == 30
+    assert all(int(r["num_sampled"]) == 100 + audit["inserted"] for r in rows[1:])
+    assert audit["epsilon_accountant"] == final["epsilon"] and audit["epsilon_lower_bound"] <= final["epsilon"]
+    assert "one-run lower bound" in result.stdout and (run_dir / "audit.png").stat().st_size > 0
 
 
 def test_banded_mf_noise_through_flwr_run(superlink: LocalSuperLink, tmp_path: Path) -> None:

@@ -84,8 +84,8 @@ def gpu_table(args: argparse.Namespace, tmp: Path) -> None:
     import torch
 
     torch_keys = {"device": args.device, "torch-dtype": args.dtype}
-    models = {"`nn.Linear(784, 10)`": f"{Path(__file__).resolve()}:user_linear", "MLP 784-100-10": "mlp-fmnist",
-              "CNN (`cnn-fmnist`)": "cnn-fmnist"}  # fmt: skip
+    models = {"`nn.Linear(784, 10)`": ("user-linear", f"{Path(__file__).resolve()}:user_linear"),
+              "MLP 784-100-10": ("mlp", "mlp-fmnist"), "CNN (`cnn-fmnist`)": ("cnn", "cnn-fmnist")}  # fmt: skip
     peak, reset = _peak_memory(args.device)
     print(f"torch {torch.__version__}, device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
@@ -93,11 +93,11 @@ def gpu_table(args: argparse.Namespace, tmp: Path) -> None:
     print("| model | n | r | s per round (median) | ms per sampled client | peak memory | wall (s) |")
     print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
-        base = fmnist_workload(tmp, n, args.rounds)
-        for label, task in models.items():
-            if n > 15000 and not label.startswith("`nn"):
+        base = {**fmnist_workload(tmp, n, args.rounds), "output-dir": tempfile.mkdtemp(prefix="out-", dir=tmp)}
+        for label, (slug, task) in models.items():
+            if (n > 15000 and slug != "user-linear") or (args.only and slug not in args.only):
                 continue
-            cfg = RunConfig.from_run_config({**base, **torch_keys, "task": task, "run-name": f"{task}-{n}"[-60:]})
+            cfg = RunConfig.from_run_config({**base, **torch_keys, "task": task, "run-name": f"{slug}-{n}"})
             reset()
             t0 = time.monotonic()
             out = run_batched(cfg).directory
@@ -115,7 +115,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="device of the torch tasks (default cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--only", nargs="*", default=None, help="cells to run (default: all)")
+    parser.add_argument("--only", nargs="*", default=None, help="cells to run (default: all; --gpu-table: "
+                        "user-linear mlp cnn)")  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="generated data and caches (default: a fresh temp dir)")
     parser.add_argument("--gpu-table", action="store_true", help="issue 37's table over --sizes (see above)")
     parser.add_argument("--sizes", nargs="*", type=int, default=[1000, 3000, 15000, 50000], help="n for --gpu-table")
@@ -130,7 +131,7 @@ def main() -> None:
         gpu_table(args, tmp)
         return
     n, k = args.clients, args.rounds
-    base = fmnist_workload(tmp, n, k)  # each cell sets its task
+    base = {**fmnist_workload(tmp, n, k), "output-dir": tempfile.mkdtemp(prefix="out-", dir=tmp)}  # cells set the task
     torch_keys = {"device": args.device, "torch-dtype": args.dtype}
     cells = {
         "numpy": {"task": "fmnist"},

@@ -9,6 +9,11 @@ Flower's per-message cost. Blocks of clients bound the memory. A task may
 offer an exact closed form of ``client_update`` for a block of clients
 (``client_batch_update_fn``; logistic regression computes its local steps in
 the span of each client's data), tested equal to the step-by-step loop.
+
+A torch task runs a round on its device instead (`device_round_sums()`): the local steps leave ``u``
+there and `dpfedavg.core.pipeline.round_block_sum()` bounds, noises and sums it with the same core
+functions, so the host sees ``w_k`` go out and the round's sum (plus one norm and one finite flag per
+client) come back once per round.
 """
 
 from __future__ import annotations

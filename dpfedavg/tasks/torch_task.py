@@ -17,6 +17,9 @@ parameter). Alg. 1 / Alg. 2 lines 5-9: ``E`` local gradient steps
   with different example counts are padded to the block's largest and masked. The iterates are
   kept in float64 and cast to the working dtype (``torch-dtype``) for each gradient, which is what
   the ClientApp path does, so the two engines agree to the rounding of one gradient;
+* `TorchTask.device_block_update()`: the same ``u`` left on the task's device as a float64 tensor; the
+  batched engine bounds, noises and sums it there (`dpfedavg.core.pipeline`, issue 37), so a round
+  copies no block of updates to the host;
 * `TorchTask.evaluate()`: server-side test accuracy / loss and the training objective
   ``f = (1/n) sum_i f_i``.
 

@@ -24,6 +24,7 @@ from dpfedavg.engines.batched import InProcessRunner, client_results, run_batche
 from dpfedavg.tasks.torch_task import TorchTask  # noqa: E402
 
 NUM_CLIENTS = 24
+DIM = 5 * 7 + 7 + 7 * 3 + 3  # the model's parameters
 
 
 def _clients(diverging: int | None = None) -> list:
@@ -65,7 +66,7 @@ CASES = {
 def test_device_round_gives_the_client_by_client_trajectory(case: str, tmp_path: Path, monkeypatch) -> None:
     """Seeded noise, float64: the device pipeline equals the path of every other engine to 1e-12."""
     values, diverging = CASES[case]
-    monkeypatch.setattr(batched, "BLOCK_ELEMENTS", 5 * 80)  # 5 clients per block (d = 80): several blocks a round
+    monkeypatch.setattr(batched, "BLOCK_ELEMENTS", 5 * DIM)  # 5 clients per block: several blocks a round
     device, _ = _trajectory(_cfg(tmp_path, "device", **values), diverging)
     # the same run through client_results (a client_results_fn of the caller's keeps the host path)
     host, _ = _trajectory(_cfg(tmp_path, "host", **values), diverging,
@@ -113,10 +114,10 @@ def test_a_round_copies_no_block_and_no_client_to_the_host(tmp_path: Path, monke
         return w_new
 
     monkeypatch.setattr(InProcessRunner, "run_round", watched)
-    for block_elements in (NUM_CLIENTS * 80, 3 * 80):  # one block a round; blocks of 3 clients
+    for block_elements in (NUM_CLIENTS * DIM, 3 * DIM):  # one block a round; blocks of 3 clients
         monkeypatch.setattr(batched, "BLOCK_ELEMENTS", block_elements)
         _trajectory(_cfg(tmp_path, f"b{block_elements}", **{"clients-per-round": 15.0}), None)
-    one, many = rounds[NUM_CLIENTS * 80], rounds[3 * 80]
+    one, many = rounds[NUM_CLIENTS * DIM], rounds[3 * DIM]
     assert [len(s) for s in one] == [len(s) for s in many]  # no crossing per block or per client
     assert all(len(shape) <= 1 for shapes in one + many for shape in shapes), many  # no (B, d) block, no row
     assert max(len(s) for s in many) <= 8

@@ -56,7 +56,7 @@ def _trajectory(cfg: RunConfig, diverging: int | None, **kw) -> tuple[np.ndarray
 
 
 CASES = {
-    "norm": ({"algorithm": "norm"}, None),
+    "norm-minibatches": ({"algorithm": "norm", "local-batch-size": 2}, None),
     "clip-diverged-diagnostics": ({"algorithm": "clip", "diagnostics": True}, 7),
     "adaptive-clip": ({"algorithm": "adaptive-clip", "clip-count-stddev": 2.0}, None),
 }

@@ -23,8 +23,6 @@ from pathlib import Path
 
 from dpfedavg.config import RunConfig
 from dpfedavg.engines.batched import run_batched
-from dpfedavg.engines.flower import run_flower
-from dpfedavg.engines.local_superlink import LocalSuperLink
 from dpfedavg.experiments.scale import make_fmnist_like
 
 
@@ -61,7 +59,10 @@ def main() -> None:
     wall = time.monotonic() - t0
     s = per_round(out)
     print(f"| batched | {n} | {0.2 * n:g} | {s:.3f} | {1000 * s / (0.2 * n):.2f} | {wall:.1f} |", flush=True)
-    if not args.skip_flower:
+    if not args.skip_flower:  # Flower only here: bench_torch.py imports this module on machines without flwr
+        from dpfedavg.engines.flower import run_flower
+        from dpfedavg.engines.local_superlink import LocalSuperLink
+
         with LocalSuperLink(tmp / "superlink") as link:
             t0 = time.monotonic()
             out = run_flower(RunConfig.from_run_config({**values, "run-name": "flower"}), link, timeout=3600)

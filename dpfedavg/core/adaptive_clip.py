@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpfedavg.core.arrays import as_array_like, astype, namespace
 from dpfedavg.core.types import Vector
 
 __all__ = [
@@ -142,10 +143,13 @@ def augmented_bound(clip: float, scale: float) -> float:
 def count_coordinate(update_norms: np.ndarray, clip: float, scale: float) -> np.ndarray:
     """``s (b_i - 1/2)`` per client, ``b_i = 1[||u_i|| <= C]`` (the client's side of Algorithm 1).
 
-    ``update_norms`` are the ``||u_i||`` before clipping; each client appends its value to its clipped ``g_i``.
+    ``update_norms`` are the ``||u_i||`` before clipping (a numpy array or a tensor, `dpfedavg.core.arrays`);
+    each client appends its value to its clipped ``g_i``.
     """
-    unclipped = (np.asarray(update_norms, dtype=np.float64) <= clip).astype(np.float64)
-    return scale * (unclipped - 0.5)
+    xp = namespace(update_norms)
+    norms = update_norms if xp is not np else np.asarray(update_norms, dtype=np.float64)
+    unclipped = astype(norms <= as_array_like(clip, norms), norms.dtype)
+    return as_array_like(scale, norms) * (unclipped - 0.5)
 
 
 def next_clip(clip: float, unclipped_fraction: float, target_quantile: float, clip_lr: float) -> float:

@@ -1,7 +1,9 @@
 """Sensitivity bounding and Gaussian noise (Alg. 1/2, lines 9-10).
 
-Pure numpy; no Flower import. Every engine (Flower ClientApp, batched engine,
-tests) calls these functions so the math lives in exactly one place.
+No Flower import. Every engine (Flower ClientApp, batched engine,
+tests) calls these functions so the math lives in exactly one place. `clip()`, `normalize()` and
+`bound_sensitivity()` take numpy arrays or torch tensors (`dpfedavg.core.arrays`: numpy computes a numpy
+input, torch a tensor on its own device).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpfedavg.core.arrays import as_array_like, copy, namespace, row_norms
 from dpfedavg.core.types import Vector
 
 __all__ = [
@@ -31,9 +34,9 @@ def _check_scale(c: float | np.ndarray) -> None:
         raise ValueError(f"the clipping threshold / scaling factor C must be > 0, got {c!r}")
 
 
-def _row_norms(u: np.ndarray) -> np.ndarray:
+def _row_norms(u: Vector) -> Vector:
     """``||u||`` of a vector, or of each row of a matrix (kept as a trailing axis of size 1)."""
-    return np.linalg.norm(u, axis=-1, keepdims=True)
+    return row_norms(u, keepdims=True)
 
 
 def clip(u: Vector, c: float | np.ndarray) -> Vector:
@@ -44,8 +47,9 @@ def clip(u: Vector, c: float | np.ndarray) -> Vector:
     (runs x clients) row by row too, with ``c`` a scalar or one ``C`` per run of shape ``(R, 1, 1)``.
     """
     _check_scale(c)
+    xp, c = namespace(u), as_array_like(c, u)
     norm = _row_norms(u)
-    scale = np.where(norm > c, c / np.where(norm > c, norm, 1.0), 1.0)
+    scale = xp.where(norm > c, c / xp.where(norm > c, norm, 1.0), 1.0)
     return u * scale
 
 
@@ -60,8 +64,9 @@ def normalize(u: Vector, c: float | np.ndarray) -> Vector:
     2-D ``u`` is normalized row by row, and so is a ``(R, B, d)`` block (``c`` as in `clip()`).
     """
     _check_scale(c)
+    xp, c = namespace(u), as_array_like(c, u)
     norm = _row_norms(u)
-    scale = np.where(norm > 0, c / np.where(norm > 0, norm, 1.0), 0.0)
+    scale = xp.where(norm > 0, c / xp.where(norm > 0, norm, 1.0), 0.0)
     return u * scale
 
 
@@ -94,7 +99,7 @@ class SensitivityBound:
 
 
 def _identity(u: Vector, c: float) -> Vector:
-    return np.array(u, copy=True)
+    return copy(u)
 
 
 #: The algorithms (``algorithm`` key): adding one is one entry here.

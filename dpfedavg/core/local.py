@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpfedavg.core.adaptive_clip import augmented_bound, count_coordinate
+from dpfedavg.core.arrays import astype, namespace, row_norms
 from dpfedavg.core.dp import bound_sensitivity, get_bound
 from dpfedavg.core.noise import NOISE_LAWS, GaussianLaw, NoiseLaw, round_noise_law
 from dpfedavg.core.seeding import noise_rng
@@ -147,23 +148,26 @@ def bound_block(
     ``u`` holds one client update per row of its last two axes: ``(B, d)``, or ``(R, B, d)`` for ``R``
     runs at once (the leading run axis of `dpfedavg.core.runs`). ``clip`` and ``count_scale`` are
     scalars or one value per run (shape ``u.shape[:-2]``). Every engine bounds through this function:
-    `private_block_update()` (the ClientApp, the batched engine) and `dpfedavg.core.runs.released_sums()`.
+    `private_block_update()` (the ClientApp, the batched engine), `dpfedavg.core.runs.released_sums()` and
+    `dpfedavg.core.pipeline.round_block_sum()`. ``u`` may be a torch tensor: the block is then bounded on its
+    device and every field of the result is a tensor there (`dpfedavg.core.arrays`).
     """
-    u = np.asarray(u)
+    xp = namespace(u)
+    u = np.asarray(u) if xp is np else u
     adaptive = get_bound(algorithm).adaptive
     scale = np.asarray(count_scale, dtype=np.float64)
     if adaptive != bool(np.all(scale > 0)):
         raise ValueError(f"algorithm {algorithm!r} with count_scale = {count_scale!r}: adaptive-clip needs s > 0")
     c = np.asarray(clip, dtype=np.float64)
-    if c.ndim and c.shape != u.shape[:-2]:
+    if c.ndim and c.shape != tuple(u.shape[:-2]):
         raise ValueError(f"one C per run: u has shape {u.shape}, C has shape {c.shape} (expected {u.shape[:-2]})")
-    norms = np.linalg.norm(u, axis=-1)
-    finite = np.all(np.isfinite(u), axis=-1)
+    norms = row_norms(u)
+    finite = xp.all(xp.isfinite(u), axis=-1)
     g = bound_sensitivity(u, algorithm, c[..., None, None] if c.ndim else clip)
     count = None
     if adaptive:
         rows_scale = scale[..., None] if scale.ndim else float(scale)
-        count = count_coordinate(norms, c[..., None] if c.ndim else clip, rows_scale).astype(g.dtype)
+        count = astype(count_coordinate(norms, c[..., None] if c.ndim else clip, rows_scale), g.dtype)
     return BoundedBlock(g=g, count=count, norms=norms, finite=finite)
 
 

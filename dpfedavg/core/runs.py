@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpfedavg.core.local import BoundedBlock, bound_block
-from dpfedavg.core.seeding import SECURE_NOISE_SEED, noise_rng
+from dpfedavg.core.pipeline import client_normals
+from dpfedavg.core.seeding import SECURE_NOISE_SEED
 
 __all__ = ["RunSums", "released_sums", "shared_standard_normals"]
 
@@ -38,10 +39,7 @@ def shared_standard_normals(noise_seed: int, client_ids: np.ndarray, dim: int) -
     """
     if noise_seed == SECURE_NOISE_SEED:
         raise ValueError("secure-noise draws cannot be shared between runs (nobody can replay them)")
-    out = np.empty((len(client_ids), dim))
-    for row, client_id in enumerate(client_ids):
-        out[row] = noise_rng(noise_seed, int(client_id)).standard_normal(dim)
-    return out
+    return client_normals(noise_seed, client_ids, dim)
 
 
 @dataclass

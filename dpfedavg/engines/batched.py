@@ -9,6 +9,11 @@ Flower's per-message cost. Blocks of clients bound the memory. A task may
 offer an exact closed form of ``client_update`` for a block of clients
 (``client_batch_update_fn``; logistic regression computes its local steps in
 the span of each client's data), tested equal to the step-by-step loop.
+
+A torch task runs a round on its device instead (`device_round_sums()`): the local steps leave ``u``
+there and `dpfedavg.core.pipeline.round_block_sum()` bounds, noises and sums it with the same core
+functions, so the host sees ``w_k`` go out and the round's sum (plus one norm and one finite flag per
+client) come back once per round.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import client_update, round_block_update
 from dpfedavg.core.canaries import canary_results
+from dpfedavg.core.pipeline import HostSums, round_block_sum
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.tasks import Task, task_hooks
 
@@ -32,12 +39,15 @@ if TYPE_CHECKING:  # the server side is imported by run_batched: a ClientApp tha
     from dpfedavg.server.dp_server import DPServer
     from dpfedavg.server.session import RunResult
 
-__all__ = ["run_batched", "client_results"]
+__all__ = ["run_batched", "client_results", "device_round_sums"]
 
 logger = logging.getLogger(__name__)
 
 #: Upper bound on the elements of one ``(B, dim)`` block (32 MiB in float64).
 BLOCK_ELEMENTS = 4_000_000
+#: GPU blocks: device bytes a client's block takes per coordinate of ``u`` (its float64 ``u``, ``g``, noise,
+#: ``g + zeta`` and the float32 iterates and gradients of the local steps).
+DEVICE_BYTES_PER_COORDINATE = 64
 
 
 def _block_results(
@@ -78,7 +88,8 @@ def client_results(
     A client whose local training diverges (NaN/Inf in ``u``) sends nothing, as
     the ClientApp does (`LocalTrainingDiverged`); its id
     is appended to ``failed``. With ``threads > 1`` blocks run concurrently
-    (numpy releases the GIL in the products and in the noise draws); every
+    (numpy releases the GIL in the products and in the noise draws), each with
+    ``CPUs // threads`` BLAS threads (threadpoolctl); every
     client still uses its own noise generator and the results come in the same
     order, so the round is bit-identical to ``threads = 1``.
     """
@@ -87,7 +98,10 @@ def client_results(
         block = max(1, min(block, -(-len(clients) // threads)))
     blocks = [clients[start : start + block] for start in range(0, len(clients), block)]
     if threads > 1 and len(blocks) > 1:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
+        # threads x BLAS threads = the CPUs: 2 blocks x 1 BLAS thread on 2 cores took 0.21 s against 0.27 s with
+        # BLAS's own 2 threads each (fmnist closed form, 600 clients; docs/development/benchmarks.md)
+        blas = max(1, (os.cpu_count() or 1) // threads)
+        with threadpool_limits(limits=blas, user_api="blas"), ThreadPoolExecutor(max_workers=threads) as pool:
             outcomes = pool.map(lambda ids: _block_results(task, ids, w, ins), blocks)
             for results, bad in outcomes:
                 if failed is not None:
@@ -99,6 +113,48 @@ def client_results(
         if failed is not None:
             failed.extend(bad)
         yield from results
+
+
+def device_block_size(task: Task, dim: int) -> int:
+    """Clients per block of the device pipeline.
+
+    CPU: `BLOCK_ELEMENTS` of ``u`` (the blocks of `client_results()`). GPU: as many clients as half of the
+    free device memory holds at `DEVICE_BYTES_PER_COORDINATE` bytes per coordinate of a client's ``u``, so
+    that a cohort is one or a few vmapped calls.
+    """
+    device = getattr(task, "device", None)
+    if device is None or getattr(device, "type", "cpu") == "cpu":
+        return max(1, min(512, BLOCK_ELEMENTS // max(dim, 1)))
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, int(0.5 * free) // (DEVICE_BYTES_PER_COORDINATE * max(dim, 1)))
+
+
+def device_round_sums(
+    task: Task, clients: np.ndarray, w: Vector, ins: RoundInstructions, *, keep_clean: bool = False, block: int = 0
+) -> HostSums:
+    """Alg. 1 / Alg. 2 lines 4-12 of the sampled ``clients`` on the task's device; the round's sums on the host.
+
+    Block by block (``block`` clients, default `device_block_size()`): the task's local steps leave ``u`` on
+    the device (``task.device_block_update``), `round_block_sum()` bounds, noises and adds it to the round's
+    sum there. ``w_k`` goes to the device once; the sum, the clients' norms and finite flags come back once
+    (`BlockSums.to_host()`).
+    """
+    import torch
+
+    dim = int(np.asarray(w).shape[-1])
+    block = block or device_block_size(task, dim)
+    w_device = torch.as_tensor(np.asarray(w, dtype=np.float64), device=task.device)
+    sums = None
+    for start in range(0, len(clients), block):
+        ids = clients[start : start + block]
+        u = task.device_block_update(ids, ins.server_round)(w_device, ins.local_lr, ins.local_steps)
+        sums = round_block_sum(u, ins, ids, sums, keep_clean=keep_clean)
+    if sums is None:  # nobody sampled: an empty sum of the release's length
+        release = dim + (1 if ins.count_scale > 0 else 0)
+        return HostSums(np.zeros(release), np.zeros(release) if keep_clean else None, np.zeros(0), np.zeros(0, bool))
+    return sums.to_host()
 
 
 def run_batched(
@@ -173,7 +229,13 @@ def run_batched(
 
 
 class InProcessRunner:
-    """The batched engine's `ClientRunner`: the sampled clients in this process."""
+    """The batched engine's `ClientRunner`: the sampled clients in this process.
+
+    A task with ``device_block_update`` (the torch tasks) runs the round on its device
+    (`device_round_sums()`) unless canaries are inserted, secure aggregation encodes each client's vector, or
+    the caller asked for its own ``client_results_fn``; every other task goes client by client through
+    `client_results()`.
+    """
 
     def __init__(
         self, task: Task, client_results_fn=client_results, threads: int = 1, canaries: np.ndarray | None = None
@@ -182,9 +244,30 @@ class InProcessRunner:
         #: The inserted canaries' directions: clients ``n ..`` of the server's federation (``core.canaries``).
         self.canaries = canaries
 
+    def _on_device(self, ins: RoundInstructions) -> bool:
+        """Whether this round runs through the device pipeline (`device_round_sums()`)."""
+        return (
+            getattr(self.task, "device_block_update", None) is not None
+            and self.client_results_fn is client_results
+            and self.canaries is None
+            and ins.secagg_step <= 0
+        )
+
     def run_round(
         self, server: DPServer, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions
     ) -> Vector:
+        if self._on_device(ins):
+            sums = device_round_sums(self.task, clients, w, ins, keep_clean=ins.diagnostics)
+            ok = sums.finite
+            failed = [int(c) for c in clients[~ok]]
+            for client_id in failed:
+                logger.warning("Round %d: client %d: local training diverged (NaN/Inf)", server_round, client_id)
+            w_new = server.finish_round_block(server_round, sums.noisy, sums.norms[ok], sums.clean,
+                                              num_failed=len(failed))  # fmt: skip
+            server.history[server_round].failed_reasons.extend(
+                f"client {c}: local training diverged (NaN/Inf)" for c in failed
+            )
+            return w_new
         failed: list[int] = []
         n = self.task.num_clients
         real = clients[clients < n] if self.canaries is not None else clients

@@ -17,6 +17,9 @@ parameter). Alg. 1 / Alg. 2 lines 5-9: ``E`` local gradient steps
   with different example counts are padded to the block's largest and masked. The iterates are
   kept in float64 and cast to the working dtype (``torch-dtype``) for each gradient, which is what
   the ClientApp path does, so the two engines agree to the rounding of one gradient;
+* `TorchTask.device_block_update()`: the same ``u`` left on the task's device as a float64 tensor; the
+  batched engine bounds, noises and sums it there (`dpfedavg.core.pipeline`, issue 37), so a round
+  copies no block of updates to the host;
 * `TorchTask.evaluate()`: server-side test accuracy / loss and the training objective
   ``f = (1/n) sum_i f_i``.
 
@@ -563,7 +566,7 @@ class TorchTask:
         per_client = func.vmap(func.grad(self._data_objective), in_dims=(0, 0, 0, 0))
         return func.vmap(per_client, in_dims=(0, None, None, None))
 
-    def client_runs_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> RunsUpdateFn:
+    def _runs_update(self, client_ids: np.ndarray, server_round: int = 0) -> Callable[[Any, np.ndarray, int], Any]:
         """``u`` of E local steps for ``R`` runs x ``B`` clients: ``(W_k (R, dim), eta_k (R,), E) -> (R, B, dim)``.
 
         Alg. 1/2 lines 5-9: ``w_{t+1} = w_t - eta_k (grad L_i(w_t) + lambda w_t)``, ``u = (w_k - w_{k,E}) / eta_k``
@@ -573,8 +576,9 @@ class TorchTask:
         tensor per parameter (no flattening per step), in ``torch-dtype``: with float64 the steps are
         `dpfedavg.core.client_update()`'s to the rounding of a sum; with float32 ``u`` keeps float32's
         relative precision (the displacement is small next to ``w``; tested within 1e-5 of the float64 loop).
-        Clients are processed `CLIENT_CHUNK_BYTES` of data at a time through all E steps, so that
-        their examples stay in cache. ``server_round`` picks the round's mini-batches.
+        On the CPU, clients are processed `CLIENT_CHUNK_BYTES` of data at a time through all E steps, so that
+        their examples stay in cache; on a GPU the whole block is one chunk (one vmapped call per step).
+        ``server_round`` picks the round's mini-batches. The result is a float64 tensor on the task's device.
         """
         torch = self.torch
         layout = self.layout  # builds the module before any torch.func transform
@@ -584,16 +588,20 @@ class TorchTask:
         m_max = x.shape[1]
         full_mask = torch.as_tensor(np.arange(m_max)[None, :] < counts[:, None], device=self.device)
         per_client = max(1, x[0].numel() * x.element_size())
-        chunk = max(1, min(len(ids), CLIENT_CHUNK_BYTES // per_client))
+        chunk = len(ids) if self.device.type != "cpu" else max(1, min(len(ids), CLIENT_CHUNK_BYTES // per_client))
 
-        def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
-            w, lrs = np.atleast_2d(np.asarray(w, dtype=np.float64)), np.asarray(lrs, dtype=np.float64).reshape(-1)
+        def update(w: Any, lrs: np.ndarray, num_steps: int) -> Any:
+            """``(R, B, dim)`` float64 on the task's device; ``w`` a numpy array or a tensor (already there)."""
+            lrs = np.asarray(lrs, dtype=np.float64).reshape(-1)
             if num_steps < 1:
                 raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
             if not np.all(lrs > 0):
                 raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
-            runs = len(w)
-            w0 = torch.as_tensor(w, device=self.device).to(self.dtype)
+            if isinstance(w, np.ndarray | list):
+                w = np.atleast_2d(np.asarray(w, dtype=np.float64))
+            w0 = torch.as_tensor(w, device=self.device)
+            w0 = (w0[None, :] if w0.dim() == 1 else w0).to(self.dtype)
+            runs = w0.shape[0]
             start = {}  # w_k per parameter, (R, 1, ...) in the module's layout
             pieces = torch.split(w0, layout.numels, dim=1)
             for i, (name, piece, shape) in enumerate(zip(layout.names, pieces, layout.flat_shapes(), strict=True)):
@@ -614,9 +622,26 @@ class TorchTask:
                              for i, n in enumerate(layout.names)]  # fmt: skip
                     flat = torch.cat([part.reshape(runs, hi - lo, -1) for part in parts], dim=2)
                     out[:, lo:hi] = flat.to(torch.float64) / -torch.as_tensor(lrs, device=self.device)[:, None, None]
-            return out.cpu().numpy()
+            return out
 
         return update
+
+    def client_runs_update_fn(self, client_ids: np.ndarray, server_round: int = 0) -> RunsUpdateFn:
+        """``u`` of E local steps for ``R`` runs x ``B`` clients: ``(W_k (R, dim), eta_k (R,), E) -> (R, B, dim)``.
+
+        `_runs_update()`'s tensor as a float64 numpy array (the engines that work on the host).
+        """
+        update = self._runs_update(client_ids, server_round)
+        return lambda w, lrs, num_steps: update(w, lrs, num_steps).cpu().numpy()
+
+    def device_block_update(self, client_ids: np.ndarray, server_round: int = 0) -> Callable[[Any, float, int], Any]:
+        """``(w_k, eta_k, E) -> u``, ``(B, dim)`` float64 left on the task's device (the batched engine's pipeline).
+
+        `_runs_update()` for one run; ``w_k`` a numpy vector or a tensor on the device. The engine bounds,
+        noises and sums ``u`` there (`dpfedavg.core.pipeline.round_block_sum()`).
+        """
+        update = self._runs_update(client_ids, server_round)
+        return lambda w, lr, num_steps: update(w, np.array([lr]), num_steps)[0]
 
     def _chunk_steps(
         self,

@@ -1,0 +1,143 @@
+"""One client pipeline on the task's device: the bound, the noise and the sum of a block (Alg. 1/2 lines 9-12).
+
+The batched engine's torch path keeps a round on the task's device: the local steps leave ``u`` there
+(``TorchTask.device_block_update``), and `round_block_sum()` bounds it (line 9, `bound_block()`, the
+function every engine uses), adds each client's noise (line 10) and adds the block into the round's
+running sum (line 12's ``sum_i (g_i + zeta_i)``), all in the array library of ``u``. The host sees
+``w_k`` go out and, once per round, the summed vector plus one norm and one finite flag per client
+(`BlockSums.to_host()`): nothing per block or per client crosses.
+
+The noise is each client's own stream ``noise_rng(noise_seed, i)`` (`client_normals()`): the same
+standard normals `dpfedavg.core.noise.GaussianLaw.add()` draws for that client, so ``g + std * z``
+here is, element for element, what the ClientApp sends. The rows are drawn on the host (numpy's
+generators) and reach the device as one array per block. A numpy ``u`` runs the same code in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dpfedavg.core.arrays import concat, namespace, on_device_of, to_host
+from dpfedavg.core.local import bound_block
+from dpfedavg.core.noise import GaussianLaw, round_noise_law
+from dpfedavg.core.seeding import noise_rng
+from dpfedavg.core.types import RoundInstructions
+
+__all__ = ["NOISE_THREADS", "BlockSums", "HostSums", "client_normals", "round_block_sum"]
+
+#: Threads drawing a block's noise rows (at most the CPUs): the draws are a fifth of a torch round on the CPU.
+NOISE_THREADS = 4
+
+
+def client_normals(noise_seed: int, client_ids: Sequence[int] | np.ndarray, dim: int) -> np.ndarray:
+    """Row ``b``: ``noise_rng(noise_seed, id_b).standard_normal(dim)``, client ``id_b``'s standard normals.
+
+    `dpfedavg.core.dp.gaussian_noise()` with std ``s`` is ``s`` times this row, so ``g + s * row`` is what the
+    client's `GaussianLaw.add()` returns. A longer ``dim`` gives the same leading values. The rows are drawn
+    on up to `NOISE_THREADS` threads (each row from its own generator, so the result does not depend on them).
+    """
+    out = np.empty((len(client_ids), dim))
+
+    def fill(rows: range) -> None:
+        for row in rows:  # in place: the generator writes the row (the values of standard_normal(dim))
+            noise_rng(noise_seed, int(client_ids[row])).standard_normal(dim, out=out[row])
+
+    threads = min(NOISE_THREADS, os.cpu_count() or 1, max(1, len(client_ids) // 16))
+    if threads <= 1:
+        fill(range(len(client_ids)))
+        return out
+    step = -(-len(client_ids) // threads)  # numpy's generators release the GIL while they fill a row
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(fill, [range(lo, min(lo + step, len(client_ids))) for lo in range(0, len(client_ids), step)]))
+    return out
+
+
+@dataclass
+class HostSums:
+    """A round's `BlockSums` on the host: what the server's ``finish_round_block`` takes."""
+
+    noisy: np.ndarray
+    clean: np.ndarray | None
+    norms: np.ndarray
+    finite: np.ndarray
+
+
+@dataclass
+class BlockSums:
+    """A round's running sums over its blocks of clients, in the array library (and on the device) of ``u``.
+
+    Attributes
+    ----------
+    noisy:
+        ``sum_i (g_i + zeta_i)`` over the clients whose ``u`` is finite (length ``d``, or ``d + 1`` with
+        ``adaptive-clip``'s count coordinate).
+    clean:
+        ``sum_i g_i`` over the same clients (``None`` unless asked for: the SNR diagnostic).
+    norms, finite:
+        Per block, ``||u_i||`` and whether client ``i``'s ``u`` had no NaN/Inf (a client whose local training
+        diverged sends nothing), in client order.
+    """
+
+    noisy: Any = None
+    clean: Any = None
+    norms: list[Any] | None = None
+    finite: list[Any] | None = None
+
+    def to_host(self) -> HostSums:
+        """The round's sums as numpy arrays: the one crossing from the device per round."""
+        norms = to_host(concat(self.norms)) if self.norms else np.zeros(0)
+        finite = to_host(concat(self.finite)) if self.finite else np.zeros(0, dtype=bool)
+        clean = None if self.clean is None else to_host(self.clean)
+        return HostSums(noisy=to_host(self.noisy), clean=clean, norms=norms, finite=finite)
+
+
+def round_block_sum(
+    u: Any,
+    ins: RoundInstructions,
+    client_ids: Sequence[int] | np.ndarray,
+    into: BlockSums | None = None,
+    *,
+    keep_clean: bool = False,
+) -> BlockSums:
+    """Alg. 1 / Alg. 2 lines 9-10 for a ``(B, d)`` block of clients, added into the round's sum (line 12).
+
+    Row ``b`` of ``u`` (a numpy array or a tensor on the task's device) is client ``client_ids[b]``'s update.
+    It is bounded as the round's instructions say (`bound_block()`; ``adaptive-clip`` appends its count
+    coordinate), noised with client ``client_ids[b]``'s standard normals (`client_normals()`) times the
+    per-client std ``ins.noise_std``, and, when finite, added to ``into`` (a fresh `BlockSums` when ``None``).
+    Only the Gaussian law runs here: secure aggregation encodes each client's vector on its own.
+    """
+    law = round_noise_law(ins)
+    if not isinstance(law, GaussianLaw):
+        raise ValueError(f"the device pipeline adds Gaussian noise; the round's noise law is {law.name!r}")
+    xp = namespace(u)
+    if len(client_ids) != u.shape[0]:
+        raise ValueError(f"one client id per row: {u.shape[0]} rows, {len(client_ids)} ids")
+    block = bound_block(u, algorithm=ins.algorithm, clip=ins.clip, count_scale=ins.count_scale)
+    g = block.g if block.count is None else concat([block.g, block.count[:, None]], axis=1)
+    if ins.noise_std < 0:
+        raise ValueError(f"noise std must be >= 0, got {ins.noise_std!r}")
+    noisy = g
+    if ins.noise_std > 0:  # std 0 draws nothing (gaussian_noise)
+        normals = client_normals(ins.noise_seed, client_ids, g.shape[1])
+        normals *= ins.noise_std  # zeta_i = std * z_i, as gaussian_noise() forms it
+        noisy = g + on_device_of(normals, g)
+    finite = block.finite
+    if xp is not np or not np.all(finite):  # a tensor's flags stay on the device: mask every block
+        noisy = xp.where(finite[:, None], noisy, 0.0)
+        g = xp.where(finite[:, None], g, 0.0) if keep_clean else g
+    into = into if into is not None else BlockSums(norms=[], finite=[])
+    block_noisy = xp.sum(noisy, axis=0)
+    into.noisy = block_noisy if into.noisy is None else into.noisy + block_noisy
+    if keep_clean:
+        block_clean = xp.sum(g, axis=0)
+        into.clean = block_clean if into.clean is None else into.clean + block_clean
+    into.norms.append(block.norms)
+    into.finite.append(finite)
+    return into

@@ -252,18 +252,32 @@ class _StdForVariance:
 @contextlib.contextmanager
 def _package_log():
     """The ``dpfedavg`` records at INFO and up, from a handler on that logger itself: caplog misses them once a Flower
-    app has run in this process (``setup_app_process`` stops their propagation to the root logger)."""
+    app has run in this process (``setup_app_process`` stops their propagation to the root logger). The level is set
+    with ``setLevel`` (an earlier sweep in the same worker left ``dpfedavg`` at WARNING, and a plain ``.level =``
+    keeps the children's cached WARNING), and the package's loggers are enabled and propagate for the block."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append  # type: ignore[method-assign]
     package_logger = logging.getLogger("dpfedavg")
+    children = [
+        logger
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if name.startswith("dpfedavg.") and isinstance(logger, logging.Logger)
+    ]
+    saved = [(logger, logger.disabled, logger.propagate) for logger in [package_logger, *children]]
+    for logger in children:
+        logger.disabled, logger.propagate = False, True
+    package_logger.disabled = False
     package_logger.addHandler(handler)
-    level, package_logger.level = package_logger.level, logging.INFO
+    level = package_logger.level
+    package_logger.setLevel(logging.INFO)  # setLevel, not .level =: it clears the loggers' isEnabledFor caches
     try:
         yield records
     finally:
         package_logger.removeHandler(handler)
         package_logger.setLevel(level)
+        for logger, disabled, propagate in saved:
+            logger.disabled, logger.propagate = disabled, propagate
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:

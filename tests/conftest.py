@@ -51,6 +51,24 @@ def _flower_task_identity():
 
 
 @pytest.fixture(autouse=True)
+def _package_logger_restored():
+    """The ``dpfedavg`` logger's level, propagation and handlers as they were before the test.
+
+    A test whose code sets them (a sweep's quiet workers run in-process, a Flower app routes the records through
+    Flower's handler) must not decide what a later test on the same xdist worker sees: a level left at WARNING
+    hid the DP statement from the next test's log.
+    """
+    import logging
+
+    logger = logging.getLogger("dpfedavg")
+    saved = (logger.level, logger.propagate, list(logger.handlers), logger.disabled)
+    yield
+    level, logger.propagate, handlers, logger.disabled = saved
+    logger.handlers[:] = handlers
+    logger.setLevel(level)  # setLevel: it also clears the children's cached levels
+
+
+@pytest.fixture(autouse=True)
 def _node_home(tmp_path_factory, monkeypatch):
     """Every test's in-process SuperNodes keep their privacy ledgers in a home of their own (never ~/.flwr)."""
     home: list[Path] = []
@@ -125,6 +143,7 @@ def dpfedavg_log():
 def dp_log(caplog):
     """dpfedavg's log records (in an app its logger writes through Flower's handler and does not propagate)."""
     logger = logging.getLogger("dpfedavg")
+    caplog.set_level(logging.INFO, logger="dpfedavg")  # whatever level an earlier test or app left on it
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)

@@ -50,6 +50,25 @@ def _flower_task_identity():
     yield
 
 
+#: The longest tests (2026-11-26, fresh clone: 70-185 s each, mostly waiting on processes), started first: xdist
+#: hands out the first quarter of the tests round-robin, so each goes to its own worker at once instead of one of
+#: them starting late and ending the suite minutes after the other workers (docs/development/benchmarks.md).
+LONGEST_FIRST = (
+    "tests/test_deployment.py::test_run_survives_a_killed_supernode_and_counts_the_dropout[secure-aggregation]",
+    "tests/test_multihost.py::test_the_guide_runs_across_four_hosts",
+    "tests/test_examples.py::test_the_dp_example_with_flwr_run",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`LONGEST_FIRST` at the front, in that order; every other test keeps its place."""
+    rank = {nodeid: i for i, nodeid in enumerate(LONGEST_FIRST)}
+    first = sorted(
+        (item for item in items if item.nodeid.split("@")[0] in rank), key=lambda i: rank[i.nodeid.split("@")[0]]
+    )
+    items[:] = first + [item for item in items if item.nodeid.split("@")[0] not in rank]
+
+
 @pytest.fixture(autouse=True)
 def _package_logger_restored():
     """The ``dpfedavg`` logger's level, propagation and handlers as they were before the test.

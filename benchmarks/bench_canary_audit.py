@@ -43,7 +43,7 @@ import numpy as np
 
 from dpfedavg import RunConfig, run
 from dpfedavg.core import mechanism
-from dpfedavg.privacy.canary import gaussian_fit_mu, gdp_epsilon
+from dpfedavg.privacy.canary import StdForVariance, gaussian_fit_mu, gdp_epsilon
 
 CANARIES = 200
 REGIMES: dict[str, dict] = {
@@ -53,23 +53,6 @@ REGIMES: dict[str, dict] = {
     "broken, quadratic, q = 1": dict(task="quadratic", dim=2000, num_clients=10, clients_per_round=10.0, num_rounds=10),
 }
 Z95 = 1.959963984540054
-
-
-class StdForVariance:
-    """Test-only broken placement: clients add std ``zC / |S_k|`` (a std where a variance was meant), the server adds
-    nothing (it believes every share present); the accountant still charges ``z`` every round."""
-
-    def __init__(self, base):
-        self._base = base
-
-    def __getattr__(self, name):
-        return getattr(self._base, name)
-
-    def client_std(self, noise_multiplier, clip, clients_per_round, num_sampled):
-        return noise_multiplier * clip / num_sampled if num_sampled else 0.0
-
-    def server_std(self, noise_multiplier, clip, clients_per_round, num_sampled, num_included):
-        return 0.0
 
 
 def pooled(runs: list[dict], key: str, delta: float) -> tuple[float, float, float]:

@@ -19,6 +19,7 @@ from dpfedavg.privacy.canary import (
     CanaryScores,
     CanarySet,
     GaussianFit,
+    StdForVariance,
     epsilon_two_gaussians,
     gaussian_fit_band,
     gaussian_fit_epsilon,
@@ -232,23 +233,6 @@ def _run_cfg(tmp_path, **changes):
     return RunConfig(**{**base, **changes})
 
 
-class _StdForVariance:
-    """A test-only broken placement: each client adds std zC / |S_k| (a std where the variance was meant), and the
-    server, believing every share present, adds nothing; the accountant still charges z every round."""
-
-    def __init__(self, base):
-        self._base = base
-
-    def __getattr__(self, name):
-        return getattr(self._base, name)
-
-    def client_std(self, noise_multiplier, clip, clients_per_round, num_sampled):
-        return noise_multiplier * clip / num_sampled if num_sampled else 0.0
-
-    def server_std(self, noise_multiplier, clip, clients_per_round, num_sampled, num_included):
-        return 0.0
-
-
 @contextlib.contextmanager
 def _package_log():
     """The ``dpfedavg`` records at INFO and up, from a handler on that logger itself: caplog misses them once a Flower
@@ -348,7 +332,7 @@ def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch):
     from dpfedavg.core import mechanism
 
     base = mechanism.PLACEMENTS["client-calibrated"]
-    monkeypatch.setitem(mechanism.PLACEMENTS, "client-calibrated", _StdForVariance(base))
+    monkeypatch.setitem(mechanism.PLACEMENTS, "client-calibrated", StdForVariance(base))
     with _package_log() as records:
         result = run(_run_cfg(tmp_path, dim=600, canary_clients=300, checkpoint_every=5), progress=False)
     audit = result.audit

@@ -264,17 +264,14 @@ class InProcessRunner:
                 logger.warning("Round %d: client %d: local training diverged (NaN/Inf)", server_round, client_id)
             w_new = server.finish_round_block(server_round, sums.noisy, sums.norms[ok], sums.clean,
                                               num_failed=len(failed))  # fmt: skip
-            server.history[server_round].failed_reasons.extend(
-                f"client {c}: local training diverged (NaN/Inf)" for c in failed
-            )
-            return w_new
-        failed: list[int] = []
-        n = self.task.num_clients
-        real = clients[clients < n] if self.canaries is not None else clients
-        results = list(self.client_results_fn(self.task, real, w, ins, failed=failed, threads=self.threads))
-        if self.canaries is not None:  # canary ids follow every real id: the sum stays in client-id order
-            results.extend(canary_results(self.canaries, clients[clients >= n], n, ins))
-        w_new = server.finish_round(server_round, results, num_failed=len(failed))
+        else:
+            failed = []
+            n = self.task.num_clients
+            real = clients[clients < n] if self.canaries is not None else clients
+            results = list(self.client_results_fn(self.task, real, w, ins, failed=failed, threads=self.threads))
+            if self.canaries is not None:  # canary ids follow every real id: the sum stays in client-id order
+                results.extend(canary_results(self.canaries, clients[clients >= n], n, ins))
+            w_new = server.finish_round(server_round, results, num_failed=len(failed))
         server.history[server_round].failed_reasons.extend(
             f"client {c}: local training diverged (NaN/Inf)" for c in failed
         )

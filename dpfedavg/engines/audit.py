@@ -8,14 +8,22 @@ from typing import TYPE_CHECKING, Any
 
 from dpfedavg.core.types import Vector
 from dpfedavg.io.audit_plot import write_audit_plot, write_audit_scores
-from dpfedavg.privacy.canary import CanaryAudit, CanaryScores
+from dpfedavg.privacy.canary import CanaryAudit, CanaryScores, CanarySet
 
 if TYPE_CHECKING:
     from dpfedavg.server.session import RunResult, RunSession
 
-__all__ = ["finish_audited", "log_interim_audit"]
+__all__ = ["canary_scores", "finish_audited", "log_interim_audit"]
 
 logger = logging.getLogger(__name__)
+
+
+def canary_scores(session: RunSession, canaries: CanarySet, w0: Vector) -> CanaryScores:
+    """The run's running canary scores, their all-iterates likelihood ratio at the run's ``q`` and the noise
+    multiplier of the updates (``z``; with ``adaptive-clip`` the update's ``z_u``, the count's share taken out)."""
+    server = session.server
+    z = server.adaptive.update_noise_multiplier if server.adaptive is not None else server.noise_multiplier
+    return CanaryScores(canaries, w0, sampling_rate=session.cfg.sampling_rate, noise_multiplier=z)
 
 
 def finish_audited(
@@ -58,12 +66,6 @@ def log_interim_audit(session: RunSession, scores: CanaryScores, server_round: i
     if not every or server_round % every or server_round >= session.cfg.num_rounds:
         return
     audit = CanaryAudit.of(scores, delta=session.server.plan.delta)
-    logger.info(
-        "Round %d: canary audit so far: estimated epsilon %.3g (all iterates), %.3g (final model), one-run lower "
-        "bound %.3g at %.0f%% confidence",
-        server_round,
-        audit.epsilon_all_iterates,
-        audit.epsilon_final,
-        audit.epsilon_lower_bound,
-        100 * audit.confidence,
-    )
+    from dpfedavg.server.session import audit_text
+
+    logger.info("Round %d: canary audit so far: %s", server_round, audit_text(audit.summary()))

@@ -205,10 +205,9 @@ def run_batched(
 
     scores = None
     if run.canaries is not None:  # scipy.stats is imported only by runs with canaries
-        from dpfedavg.engines.audit import finish_audited, log_interim_audit
-        from dpfedavg.privacy.canary import CanaryScores
+        from dpfedavg.engines.audit import canary_scores, finish_audited, log_interim_audit
 
-        scores = CanaryScores(run.canaries, w)
+        scores = canary_scores(session, run.canaries, w)
 
     def record(server_round: int, w_new: Vector) -> None:
         if scores is not None:

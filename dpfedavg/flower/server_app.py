@@ -43,11 +43,9 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
     session.description["privacy"]["reply_checks"] = strategy.describe_reply_checks()
     on_round_end, scores = session.end_round, None
     if canaries is not None:  # the canary audit (scipy.stats only for such runs)
-        from dpfedavg.privacy.canary import CanaryScores
+        from dpfedavg.engines.audit import canary_scores, log_interim_audit
 
-        scores = CanaryScores(canaries, prepared.w)
-
-        from dpfedavg.engines.audit import log_interim_audit
+        scores = canary_scores(session, canaries, prepared.w)
 
         def on_round_end(server_round: int, w: Vector) -> dict[str, float]:
             scores.observe(w)

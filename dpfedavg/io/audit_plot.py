@@ -1,8 +1,9 @@
 """``audit.png`` and ``audit.npz``: a canary-audited run's scores (``canary-clients > 0``).
 
-The plot shows, for the all-iterates and the final-model scores, the histograms of the inserted canaries' and
-the null canaries' cosines with the Gaussians fitted to them, and the epsilons: the accountant's, Andrew et al.'s
-estimate, Steinke et al.'s one-run lower bound (``dpfedavg.privacy.canary``).
+The plot shows, for each of the three scores (the all-iterates likelihood ratio, the final model's cosine, the largest
+one-round cosine), the histograms of the inserted canaries' and the null canaries' scores with the Gaussians fitted
+to them, and the epsilons: the accountant's, Andrew et al.'s estimate, Steinke et al.'s one-run lower bound
+(``dpfedavg.privacy.canary``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,16 @@ logger = logging.getLogger(__name__)
 
 
 def write_audit_scores(directory: Path, audit: CanaryAudit) -> Path:
-    """``audit.npz``: ``final``, ``all_iterates`` (each canary's score) and ``inserted`` (bool), for re-analysis."""
+    """``audit.npz``: ``final``, ``all_iterates``, ``max_cosine`` (each canary's scores) and ``inserted`` (bool), for
+    re-analysis."""
     buf = io.BytesIO()
-    np.savez(buf, final=audit.final_scores, all_iterates=audit.all_iterates_scores, inserted=audit.inserted_mask)
+    np.savez(
+        buf,
+        final=audit.final_scores,
+        all_iterates=audit.all_iterates_scores,
+        max_cosine=audit.max_cosine_scores,
+        inserted=audit.inserted_mask,
+    )
     path = Path(directory) / "audit.npz"
     atomic_write_bytes(path, buf.getvalue())
     return path
@@ -44,15 +52,23 @@ def write_audit_plot(directory: Path, audit: CanaryAudit, accountant_epsilon: fl
     mask = audit.inserted_mask
     panels = [
         (
-            "all iterates: max_k cos(c_j, w_{k-1} - w_k)",
+            "all iterates: log-likelihood ratio",
+            "sum_k log(1 - q + q exp(mu z_jk - mu^2/2))",
             audit.all_iterates_scores,
             audit.epsilon_all_iterates,
             audit.all_iterates_band,
         ),
-        ("final model: cos(c_j, w_0 - w_K)", audit.final_scores, audit.epsilon_final, audit.final_band),
+        ("final model", "cos(c_j, w_0 - w_K)", audit.final_scores, audit.epsilon_final, audit.final_band),
+        (
+            "largest one-round cosine",
+            "max_k cos(c_j, w_{k-1} - w_k)",
+            audit.max_cosine_scores,
+            audit.epsilon_max_cosine,
+            audit.max_cosine_band,
+        ),
     ]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
-    for ax, (title, scores, estimate, band) in zip(axes, panels, strict=True):
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), constrained_layout=True)
+    for ax, (title, xlabel, scores, estimate, band) in zip(axes, panels, strict=True):
         finite = scores[np.isfinite(scores)]
         bins = np.linspace(finite.min(), finite.max(), 30) if finite.size and np.ptp(finite) > 0 else 10
         for label, part, color in (
@@ -73,7 +89,7 @@ def write_audit_plot(directory: Path, audit: CanaryAudit, accountant_epsilon: fl
         if not math.isnan(estimate) and not any(math.isnan(x) for x in band):
             est += f" [{band[0]:.3g}, {band[1]:.3g}] at {audit.confidence:.0%}"
         ax.set_title(f"{title}\nestimated epsilon {est}", fontsize=9)
-        ax.set_xlabel("cosine")
+        ax.set_xlabel(xlabel, fontsize=8)
         ax.legend(fontsize=8)
     fig.suptitle(
         f"accountant epsilon {accountant_epsilon:.3g} (delta = {audit.delta:g}); one-run lower bound "

@@ -7,10 +7,17 @@ canary is a client whose update is ``C c_j`` every round it is sampled (bounded,
 client); the canaries that were not inserted are the null set of Andrew, Kairouz, Oh, Oprea, McMahan,
 Suriyakumar, "One-shot Empirical Privacy Estimation for Federated Learning" (ICLR 2024, arXiv 2302.03098).
 
-After the run, each canary's score is a cosine with the model's movement:
+After the run each canary has three scores, from the model's movement:
 
-* final model: ``cos(c_j, w_0 - w_K)``;
-* all iterates: ``max_k cos(c_j, w_{k-1} - w_k)`` over the released rounds (the paper's second variant).
+* final model: ``cos(c_j, w_0 - w_K)`` (Andrew et al.'s first variant);
+* all iterates: the log-likelihood ratio of the released rounds, ``sum_k log(1 - q + q exp(mu z_jk - mu^2 / 2))`` with
+  ``z_jk = sqrt(d) cos(c_j, w_{k-1} - w_k)`` (about ``N(0, 1)`` for a direction that was never inserted), ``q`` the
+  run's sampling rate and ``mu = 1 / z`` (``z`` the noise multiplier): the Neyman-Pearson test of "inserted" against
+  "not inserted" for the mechanism the accountant models (Poisson-sampled Gaussian releases, every round observed);
+  at ``q = 1`` it is the sum ``sum_k z_jk``;
+* largest one-round cosine: ``max_k cos(c_j, w_{k-1} - w_k)`` (Andrew et al.'s all-iterates statistic, their
+  reference code's ``max_model_delta_cosines``). It tests one round at a time, so it stays below the accountant
+  where a canary takes part in many rounds.
 
 Two numbers come from the scores:
 
@@ -51,6 +58,7 @@ __all__ = [
     "gdp_epsilon",
     "one_run_lower_bound",
     "one_run_p_value",
+    "round_log_likelihood_ratio",
 ]
 
 #: Fractions of the canaries the one-run audit may guess "inserted" for (Bonferroni over them).
@@ -104,29 +112,68 @@ def cosines(directions: np.ndarray, v: np.ndarray) -> np.ndarray:
     return directions @ (np.asarray(v, dtype=np.float64) / norm)
 
 
+def round_log_likelihood_ratio(z: np.ndarray, sampling_rate: float, noise_multiplier: float) -> np.ndarray:
+    """``log(1 - q + q exp(mu z - mu^2 / 2))``, ``mu = 1 / noise_multiplier``: one round's evidence that a canary was
+    inserted, from its standardised projection ``z`` on the round's movement.
+
+    A canary sampled in the round (probability ``q``) shifts ``z`` by ``C / (noise std) = 1 / noise_multiplier`` when
+    the noise dominates the movement; otherwise ``z ~ N(0, 1)``. At ``q = 1`` this is ``mu z - mu^2 / 2`` (affine in
+    ``z``); with ``noise_multiplier = 0`` (no noise, ``mu`` infinite) the ratio's ranking is that of ``z`` itself,
+    which is returned.
+    """
+    q = float(sampling_rate)
+    if not 0 < q <= 1:
+        raise ValueError(f"sampling_rate = {q} must be in (0, 1]")
+    if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
+        raise ValueError(f"noise_multiplier = {noise_multiplier} must be finite and >= 0")
+    z = np.asarray(z, dtype=np.float64)
+    if noise_multiplier == 0:
+        return z
+    mu = 1.0 / noise_multiplier
+    if q == 1:
+        return mu * z - mu * mu / 2
+    return np.logaddexp(math.log1p(-q), math.log(q) + mu * z - mu * mu / 2)
+
+
 @dataclass
 class CanaryScores:
     """The running scores of a run's canaries: fed ``w_k`` round after round (``observe``).
 
-    ``final`` is ``cos(c_j, w_0 - w_K)``; ``all_iterates`` is ``max_k cos(c_j, w_{k-1} - w_k)``.
+    ``final`` is ``cos(c_j, w_0 - w_K)``; ``all_iterates`` the sum over rounds of ``round_log_likelihood_ratio`` at the
+    run's ``sampling_rate`` and ``noise_multiplier`` (the accountant's per-round ``PoissonSampled(q, Gaussian(z))``);
+    ``max_cosine`` is ``max_k cos(c_j, w_{k-1} - w_k)``. With ``noise_multiplier = 0`` and ``q < 1`` the all-iterates
+    score is the largest ``z_jk`` (the ranking the ratio tends to as the noise vanishes).
     """
 
     canaries: CanarySet
     w0: np.ndarray
+    sampling_rate: float = 1.0
+    noise_multiplier: float = 1.0
     w_last: np.ndarray = field(init=False)
     all_iterates: np.ndarray = field(init=False)
+    max_cosine: np.ndarray = field(init=False)
     rounds: int = 0
 
     def __post_init__(self) -> None:
+        round_log_likelihood_ratio(np.zeros(0), self.sampling_rate, self.noise_multiplier)  # the two checks
         self.w0 = np.array(self.w0, dtype=np.float64)
         self.w_last = self.w0.copy()
-        self.all_iterates = np.full(self.canaries.count, -np.inf)
+        no_noise_sampled = self.noise_multiplier == 0 and self.sampling_rate < 1
+        self.all_iterates = np.full(self.canaries.count, -np.inf if no_noise_sampled else 0.0)
+        self.max_cosine = np.full(self.canaries.count, -np.inf)
 
     def observe(self, w_k: np.ndarray) -> None:
         """Round ``k`` released ``w_k``: update the all-iterates scores with ``w_{k-1} - w_k``."""
         w_k = np.asarray(w_k, dtype=np.float64)
         step = cosines(self.canaries.directions, self.w_last - w_k)
-        self.all_iterates = np.maximum(self.all_iterates, step)
+        z = math.sqrt(self.canaries.directions.shape[1]) * step
+        if self.noise_multiplier == 0 and self.sampling_rate < 1:
+            self.all_iterates = np.maximum(self.all_iterates, z)
+        else:
+            self.all_iterates = self.all_iterates + round_log_likelihood_ratio(
+                z, self.sampling_rate, self.noise_multiplier
+            )
+        self.max_cosine = np.maximum(self.max_cosine, step)
         self.w_last = w_k.copy()
         self.rounds += 1
 
@@ -322,13 +369,13 @@ class CanaryAudit:
 
     Attributes
     ----------
-    epsilon_final, epsilon_all_iterates:
-        Andrew et al.'s Gaussian-fit estimate from the final model and from all released iterates (``nan`` with
-        fewer than 2 inserted or 2 null canaries).
+    epsilon_final, epsilon_all_iterates, epsilon_max_cosine:
+        Andrew et al.'s Gaussian-fit estimate from each score of ``CanaryScores`` (the final model, the all-iterates
+        likelihood ratio, the largest one-round cosine); ``nan`` with fewer than 2 inserted or 2 null canaries.
     epsilon_lower_bound:
         Steinke et al.'s one-run lower bound at ``confidence``: the larger of the bounds from the final-model and
         the all-iterates scores, each computed at half the significance.
-    final_band, all_iterates_band:
+    final_band, all_iterates_band, max_cosine_band:
         Each estimate's ``confidence`` interval (``gaussian_fit_band``; ``(nan, nan)`` where there is no estimate).
     """
 
@@ -338,27 +385,31 @@ class CanaryAudit:
     confidence: float
     epsilon_final: float
     epsilon_all_iterates: float
+    epsilon_max_cosine: float
     epsilon_lower_bound: float
     final_band: tuple[float, float]
     all_iterates_band: tuple[float, float]
+    max_cosine_band: tuple[float, float]
     final_scores: np.ndarray = field(repr=False)
     all_iterates_scores: np.ndarray = field(repr=False)
+    max_cosine_scores: np.ndarray = field(repr=False)
     inserted_mask: np.ndarray = field(repr=False)
 
     @classmethod
     def of(cls, scores: CanaryScores, delta: float, significance: float = 0.05) -> CanaryAudit:
         """The audit of a finished run's scores at ``delta``."""
         mask = scores.canaries.inserted
-        final, iterates = scores.final, scores.all_iterates
+        final, iterates, largest = scores.final, scores.all_iterates, scores.max_cosine
         enough = mask.sum() >= 2 and (~mask).sum() >= 2 and scores.rounds > 0
 
+        def usable(x: np.ndarray) -> bool:
+            return bool(enough and np.all(np.isfinite(x)) and np.std(x[~mask]) > 0)
+
         def fit(x: np.ndarray) -> float:
-            return gaussian_fit_epsilon(x[mask], x[~mask], delta) if enough else math.nan
+            return gaussian_fit_epsilon(x[mask], x[~mask], delta) if usable(x) else math.nan
 
         def band(x: np.ndarray) -> tuple[float, float]:
-            if not enough or np.std(x[~mask]) == 0:
-                return (math.nan, math.nan)
-            return gaussian_fit_band(x[mask], x[~mask], delta, 1 - significance)
+            return gaussian_fit_band(x[mask], x[~mask], delta, 1 - significance) if usable(x) else (math.nan, math.nan)
 
         bound = 0.0
         if scores.rounds > 0:  # both scores, each at significance / 2 (Bonferroni): the larger bound keeps the level
@@ -370,11 +421,14 @@ class CanaryAudit:
             confidence=1 - significance,
             epsilon_final=fit(final),
             epsilon_all_iterates=fit(iterates),
+            epsilon_max_cosine=fit(largest),
             epsilon_lower_bound=bound,
             final_band=band(final),
             all_iterates_band=band(iterates),
+            max_cosine_band=band(largest),
             final_scores=final,
             all_iterates_scores=iterates,
+            max_cosine_scores=largest,
             inserted_mask=mask.copy(),
         )
 
@@ -391,9 +445,11 @@ class CanaryAudit:
             "confidence": self.confidence,
             "epsilon_final": number(self.epsilon_final),
             "epsilon_all_iterates": number(self.epsilon_all_iterates),
+            "epsilon_max_cosine": number(self.epsilon_max_cosine),
             "epsilon_lower_bound": self.epsilon_lower_bound,
             "epsilon_final_band": [number(x) for x in self.final_band],
             "epsilon_all_iterates_band": [number(x) for x in self.all_iterates_band],
+            "epsilon_max_cosine_band": [number(x) for x in self.max_cosine_band],
         }
 
 

@@ -50,3 +50,26 @@ def test_cleans_up():
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*the test left processes running*leaked-on-purpose*"])
+
+
+def test_the_tests_started_first_exist() -> None:
+    """conftest's `LONGEST_FIRST` names tests by node id: a renamed test or parameter id would silently lose its early
+    start (and the suite its margin under 12 minutes). Each named function is defined in its file, and each
+    parameter id is written there."""
+    import ast
+
+    tests = Path(__file__).parent
+    tree = ast.parse((tests / "conftest.py").read_text())
+    (names,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LONGEST_FIRST" for t in node.targets)
+    ]
+    assert names
+    for nodeid in names:
+        path, _, function = nodeid.partition("::")
+        function, _, param = function.partition("[")
+        source = (tests.parent / path).read_text()
+        defined = {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)}
+        assert function in defined, nodeid
+        assert not param or f'"{param.rstrip("]")}"' in source, nodeid

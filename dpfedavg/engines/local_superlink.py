@@ -124,6 +124,9 @@ class LocalSuperLink:
             RAY_TMPDIR=str(self.ray_tmp),
             RAY_USAGE_STATS_ENABLED="0",
             PYTHONUNBUFFERED="1",
+            # The SuperLink starts flower-superexec (and the simulation its own processes) by name: this Python's
+            # scripts first, so a venv that was not activated (`.venv/bin/python -m ...`) still finds Flower's.
+            PATH=os.pathsep.join([str(BIN), *filter(None, [os.environ.get("PATH")])]),
         )
         if not runtime_dependency_install:
             self.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"

@@ -75,14 +75,16 @@ def test_the_tests_started_first_exist() -> None:
         assert not param or f'"{param.rstrip("]")}"' in source, nodeid
 
 
-def test_the_local_superlink_finds_flowers_scripts_without_an_activated_venv(tmp_path: Path, monkeypatch) -> None:
+def test_federations_find_flowers_scripts_without_an_activated_venv(tmp_path: Path, monkeypatch) -> None:
     """The SuperLink starts `flower-superexec` by name: with `.venv/bin/python -m pytest` (no activated venv) it
     exited with 3 ("No such file or directory: 'flower-superexec'"). What it starts sees this Python's scripts first."""
+    from dpfedavg.deploy.loopback import LoopbackFederation
     from dpfedavg.engines.local_superlink import BIN, LocalSuperLink
 
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     link = LocalSuperLink(tmp_path / "link")
-    first = link.env["PATH"].split(os.pathsep)[0]
-    assert first == str(BIN) and (Path(first) / "flower-superexec").exists()
-    assert link.env["PATH"].endswith("/usr/bin:/bin")
     link.ray_tmp.rmdir()
+    for env in (link.env, LoopbackFederation(tmp_path / "loopback", num_supernodes=1).env):
+        first = env["PATH"].split(os.pathsep)[0]
+        assert first == str(BIN) and (Path(first) / "flower-superexec").exists()
+        assert env["PATH"].endswith("/usr/bin:/bin")

@@ -34,6 +34,7 @@ from dpfedavg.engines.local_superlink import (
     free_port,
     leftover_pids,
     processes_with_home,
+    scripts_first_path,
     stop_processes,
 )
 
@@ -85,6 +86,7 @@ class LoopbackFederation:
             FLWR_DISABLE_UPDATE_CHECK="1",
             FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
             PYTHONUNBUFFERED="1",  # logs reach the files as they happen (run() watches them)
+            PATH=scripts_first_path(),
         )
         self.creds: Credentials | None = None
         self.superlink: subprocess.Popen | None = None

@@ -51,6 +51,12 @@ def copy_app(dest: Path) -> Path:
     return dest
 
 
+def scripts_first_path() -> str:
+    """``PATH`` with this Python's scripts first: Flower starts ``flower-superexec`` and ``flwr-clientapp`` by name,
+    so a venv that was not activated (``.venv/bin/python -m ...``) must still find its own."""
+    return os.pathsep.join([str(BIN), *filter(None, [os.environ.get("PATH")])])
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as s:
@@ -124,9 +130,7 @@ class LocalSuperLink:
             RAY_TMPDIR=str(self.ray_tmp),
             RAY_USAGE_STATS_ENABLED="0",
             PYTHONUNBUFFERED="1",
-            # The SuperLink starts flower-superexec (and the simulation its own processes) by name: this Python's
-            # scripts first, so a venv that was not activated (`.venv/bin/python -m ...`) still finds Flower's.
-            PATH=os.pathsep.join([str(BIN), *filter(None, [os.environ.get("PATH")])]),
+            PATH=scripts_first_path(),
         )
         if not runtime_dependency_install:
             self.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"

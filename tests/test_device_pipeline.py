@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from dpfedavg.config import RunConfig  # noqa: E402
-from dpfedavg.engines import batched  # noqa: E402
+from dpfedavg.engines import audit, batched  # noqa: E402
 from dpfedavg.engines.batched import InProcessRunner, client_results, run_batched  # noqa: E402
 from dpfedavg.tasks.torch_task import TorchTask  # noqa: E402
 
@@ -121,3 +121,25 @@ def test_a_round_copies_no_block_and_no_client_to_the_host(tmp_path: Path, monke
     assert [len(s) for s in one] == [len(s) for s in many]  # no crossing per block or per client
     assert all(len(shape) <= 1 for shapes in one + many for shape in shapes), many  # no (B, d) block, no row
     assert max(len(s) for s in many) <= 8
+
+
+def test_canary_rounds_run_on_the_device_with_the_host_trajectory(tmp_path: Path, monkeypatch) -> None:
+    """Inserted canaries (updates C c_j after the real clients) go through the device pipeline: same trajectory."""
+    monkeypatch.setattr(batched, "BLOCK_ELEMENTS", 5 * DIM)
+    sampled_canaries: list[int] = []
+    device_round_sums = batched.device_round_sums
+
+    def counted(task, clients, *args, **kwargs):
+        sampled_canaries.append(int(np.sum(clients >= NUM_CLIENTS)))
+        return device_round_sums(task, clients, *args, **kwargs)
+
+    monkeypatch.setattr(batched, "device_round_sums", counted)
+    monkeypatch.setattr(audit, "write_audit_plot", lambda *a, **k: None)  # the figure is not what is checked here
+    values = {"algorithm": "clip", "canary-clients": 10, "num-rounds": 2}
+    device, _ = _trajectory(_cfg(tmp_path, "device", **values), None)
+    assert len(sampled_canaries) == 2 and sum(sampled_canaries) >= 2  # every round on the device, canaries in it
+    host, _ = _trajectory(_cfg(tmp_path, "host", **values), None,
+                          client_results_fn=lambda *a, **k: client_results(*a, **k))  # fmt: skip
+    assert len(sampled_canaries) == 2  # the host run did not use the device pipeline
+    np.testing.assert_allclose(device, host, rtol=0, atol=1e-12 * np.abs(host).max())
+    assert np.abs(device[-1] - device[0]).max() > 1e-3  # the run moved

@@ -155,7 +155,14 @@ def _device_blocks(
 
 
 def device_round_sums(
-    task: Task, clients: np.ndarray, w: Vector, ins: RoundInstructions, *, keep_clean: bool = False, block: int = 0
+    task: Task,
+    clients: np.ndarray,
+    w: Vector,
+    ins: RoundInstructions,
+    *,
+    keep_clean: bool = False,
+    block: int = 0,
+    canaries: np.ndarray | None = None,
 ) -> HostSums:
     """Alg. 1 / Alg. 2 lines 4-12 of the sampled ``clients`` on the task's device; the round's sums on the host.
 
@@ -163,12 +170,27 @@ def device_round_sums(
     the device (``task.device_block_update``), `round_block_sum()` bounds, noises and adds it to the round's
     sum there. ``w_k`` goes to the device once; the sum, the clients' norms and finite flags come back once
     (`BlockSums.to_host()`).
+
+    ``canaries``: the inserted canaries' directions ``c_j`` (rows), clients ``n ..`` of the server's federation
+    (`dpfedavg.core.canaries`). The sampled ones (ids ``>= n`` in ``clients``) follow the real clients as more
+    blocks of updates ``C c_j``, through the same `round_block_sum()` (each canary's noise its own stream).
     """
+    import torch
+
+    n, dim = task.num_clients, int(np.asarray(w).shape[-1])
+    block = block or device_block_size(task, dim)
+    real = clients if canaries is None else clients[clients < n]
     sums = None
-    for ids, u in _device_blocks(task, clients, w, ins, block):
+    for ids, u in _device_blocks(task, real, w, ins, block):
+        sums = round_block_sum(u, ins, ids, sums, keep_clean=keep_clean)
+    sampled_canaries = clients[clients >= n] if canaries is not None else clients[:0]
+    for start in range(0, len(sampled_canaries), block):  # after every real id: the sum in client-id order
+        ids = sampled_canaries[start : start + block]
+        c_j = canaries[ids - n]  # the update core.canaries.canary_results() forms: u = C c_j
+        u = torch.as_tensor(ins.clip * c_j, dtype=torch.float64, device=task.device)
         sums = round_block_sum(u, ins, ids, sums, keep_clean=keep_clean)
     if sums is None:  # nobody sampled: an empty sum of the release's length
-        release = int(np.asarray(w).shape[-1]) + (1 if ins.count_scale > 0 else 0)
+        release = dim + (1 if ins.count_scale > 0 else 0)
         return HostSums(np.zeros(release), np.zeros(release) if keep_clean else None, np.zeros(0), np.zeros(0, bool))
     return sums.to_host()
 
@@ -277,9 +299,9 @@ class InProcessRunner:
     """The batched engine's `ClientRunner`: the sampled clients in this process.
 
     A task with ``device_block_update`` (the torch tasks) runs the round on its device
-    (`device_round_sums()`) unless canaries are inserted, secure aggregation encodes each client's vector, or
-    the caller asked for its own ``client_results_fn``; every other task goes client by client through
-    `client_results()`.
+    (`device_round_sums()`, the inserted canaries' updates ``C c_j`` as more blocks) unless secure
+    aggregation encodes each client's vector or the caller asked for its own ``client_results_fn``; every other
+    task goes client by client through `client_results()`.
     """
 
     def __init__(
@@ -291,13 +313,13 @@ class InProcessRunner:
 
     def _on_device(self, ins: RoundInstructions) -> bool:
         """Whether this round runs through the device pipeline (`device_round_sums()`)."""
-        return runs_on_device(self.task, ins) and self.client_results_fn is client_results and self.canaries is None
+        return runs_on_device(self.task, ins) and self.client_results_fn is client_results
 
     def run_round(
         self, server: DPServer, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions
     ) -> Vector:
         if self._on_device(ins):
-            sums = device_round_sums(self.task, clients, w, ins, keep_clean=ins.diagnostics)
+            sums = device_round_sums(self.task, clients, w, ins, keep_clean=ins.diagnostics, canaries=self.canaries)
             ok = sums.finite
             failed = [int(c) for c in clients[~ok]]
             for client_id in failed:

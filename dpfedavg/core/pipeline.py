@@ -7,6 +7,10 @@ running sum (line 12's ``sum_i (g_i + zeta_i)``), all in the array library of ``
 ``w_k`` go out and, once per round, the summed vector plus one norm and one finite flag per client
 (`BlockSums.to_host()`): nothing per block or per client crosses.
 
+A SuperNode hosting several virtual clients replies with each client's own ``g + zeta`` (the server sums):
+`block_rows()` runs the same bound and noise (the code it shares with `round_block_sum()`) and keeps the rows;
+the block crosses to the host as one array (`BlockRows.to_host()`).
+
 The noise is each client's own stream ``noise_rng(noise_seed, i)`` (`client_normals()`): the same
 standard normals `dpfedavg.core.noise.GaussianLaw.add()` draws for that client, so ``g + std * z``
 here is, element for element, what the ClientApp sends. The rows are drawn on the host (numpy's

@@ -17,16 +17,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flwr.app import ConfigRecord  # noqa: E402
+from flwr.app import ConfigRecord, MessageType  # noqa: E402
 from test_device_pipeline import _HostCopies  # noqa: E402
 
 from dpfedavg.config import RunConfig  # noqa: E402
+from dpfedavg.core import seeding  # noqa: E402
 from dpfedavg.engines import batched  # noqa: E402
 from dpfedavg.flower import client_app  # noqa: E402
 from dpfedavg.flower.protocol import (  # noqa: E402
     ARRAYS,
     CLEAN_UPDATE_KEY,
     CLIENT_IDS,
+    CONFIG,
     DIAGNOSTICS,
     DIVERGED_CLIENT_IDS,
     METRICS,
@@ -34,6 +36,7 @@ from dpfedavg.flower.protocol import (  # noqa: E402
     UPDATE_NORM,
     UPDATE_NORMS,
     block_key,
+    instructions_from_config_record,
     to_array_record,
 )
 from dpfedavg.flower.strategy import DPFedAvg  # noqa: E402
@@ -81,7 +84,8 @@ def _replies(cfg: RunConfig, monkeypatch, diverging: bool, node_config: dict | N
             continue
         metrics = reply.content[METRICS]
         ids = list(metrics[CLIENT_IDS]) if CLIENT_IDS in metrics else [int(metrics["partition-id"])]
-        norms = list(metrics[UPDATE_NORMS]) if UPDATE_NORMS in metrics else [metrics[UPDATE_NORM]]
+        norms = list(metrics[UPDATE_NORMS]) if UPDATE_NORMS in metrics else [metrics.get(UPDATE_NORM)]
+        norms = norms if norms != [None] else [None] * len(ids)  # secure noise: no norms are sent
         extra.setdefault("diverged", []).extend(metrics.get(DIVERGED_CLIENT_IDS, []))
         single = cfg.clients_per_node == 1
         for client_id, norm in zip(ids, norms, strict=True):
@@ -133,6 +137,42 @@ def test_virtual_clients_on_the_device_send_the_client_by_client_vectors(
     if policy is not None:  # under a policy the diverged client sends 0 + zeta, on both paths
         assert not got_extra.get("diverged") and not want_extra.get("errors")
         assert got_extra[("norm", DIVERGING)] == 0.0
+
+
+def test_secure_noise_on_the_device_gives_each_client_its_own_os_seeded_generator(tmp_path: Path, monkeypatch) -> None:
+    """A node's ``secure-noise``: each virtual client's noise comes from a fresh `secure_rng()`, not the seeded stream.
+
+    ``secure_rng()`` is replaced by numbered seeded generators so that the draw can be checked: each client's
+    ``(g + zeta_secure) - (g + zeta_seeded)`` divided by ``s`` plus its seeded normals (computed here with numpy
+    from ``noise_rng``) must be the normals of exactly one of the generators, one generator per client.
+    """
+    monkeypatch.setattr(batched, "BLOCK_ELEMENTS", 4 * DIM)
+    cfg = _cfg(tmp_path, algorithm="clip")
+    seeded, _, sent = _replies(cfg, monkeypatch, diverging=False)
+    handed: list[np.random.Generator] = []
+
+    def numbered() -> np.random.Generator:
+        handed.append(np.random.default_rng([77, len(handed)]))
+        return handed[-1]
+
+    monkeypatch.setattr(seeding, "secure_rng", numbered)
+    calls: list[int] = []
+    device_results = batched.device_client_results
+    monkeypatch.setattr(batched, "device_client_results", lambda *a, **k: calls.append(1) or device_results(*a, **k))
+    secure, _, _ = _replies(cfg, monkeypatch, diverging=False, node_config={"secure-noise": True})
+    assert len(calls) == cfg.num_nodes  # on the device pipeline
+    assert len(handed) == NUM_CLIENTS  # one generator per client, none shared
+    (train, *_) = [m for m in sent if m.metadata.message_type == MessageType.TRAIN]  # after the partition queries
+    ins = instructions_from_config_record(train.content[CONFIG])
+    assert ins.noise_std > 0
+    generators = np.stack([np.random.default_rng([77, j]).standard_normal(DIM) for j in range(NUM_CLIENTS)])
+    used = []
+    for client_id in range(NUM_CLIENTS):
+        z_seeded = seeding.noise_rng(ins.noise_seed, client_id).standard_normal(DIM)
+        z_secure = (secure[client_id] - seeded[client_id]) / ins.noise_std + z_seeded
+        (match,) = np.flatnonzero(np.abs(generators - z_secure).max(axis=1) < 1e-9)
+        used.append(int(match))
+    assert sorted(used) == list(range(NUM_CLIENTS))
 
 
 def test_a_virtual_node_brings_each_block_to_the_host_once(tmp_path: Path, monkeypatch) -> None:

@@ -132,8 +132,11 @@ def device_block_size(task: Task, dim: int) -> int:
 
 
 def runs_on_device(task: Task, ins: RoundInstructions) -> bool:
-    """Whether a round of ``task`` goes through the device pipeline: a task with ``device_block_update`` (the
-    torch tasks) in a round whose noise is Gaussian (secure aggregation encodes each client's vector on the host)."""
+    """Whether a round of ``task`` goes through the device pipeline (`device_round_sums()`, `device_client_results()`).
+
+    It does for a task with ``device_block_update`` (the torch tasks) in a round whose noise is Gaussian: secure
+    aggregation encodes each client's vector on the host.
+    """
     return getattr(task, "device_block_update", None) is not None and ins.secagg_step <= 0
 
 

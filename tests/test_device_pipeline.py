@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from dpfedavg.config import RunConfig  # noqa: E402
-from dpfedavg.engines import batched  # noqa: E402
+from dpfedavg.engines import audit, batched  # noqa: E402
 from dpfedavg.engines.batched import InProcessRunner, client_results, run_batched  # noqa: E402
 from dpfedavg.tasks.torch_task import TorchTask  # noqa: E402
 
@@ -121,3 +121,49 @@ def test_a_round_copies_no_block_and_no_client_to_the_host(tmp_path: Path, monke
     assert [len(s) for s in one] == [len(s) for s in many]  # no crossing per block or per client
     assert all(len(shape) <= 1 for shapes in one + many for shape in shapes), many  # no (B, d) block, no row
     assert max(len(s) for s in many) <= 8
+
+
+def test_canary_rounds_run_on_the_device_with_the_host_trajectory(tmp_path: Path, monkeypatch) -> None:
+    """Inserted canaries (updates C c_j after the real clients) go through the device pipeline: same trajectory."""
+    monkeypatch.setattr(batched, "BLOCK_ELEMENTS", 5 * DIM)
+    sampled_canaries: list[int] = []
+    device_round_sums = batched.device_round_sums
+
+    def counted(task, clients, *args, **kwargs):
+        sampled_canaries.append(int(np.sum(clients >= NUM_CLIENTS)))
+        return device_round_sums(task, clients, *args, **kwargs)
+
+    monkeypatch.setattr(batched, "device_round_sums", counted)
+    monkeypatch.setattr(audit, "write_audit_plot", lambda *a, **k: None)  # the figure is not what is checked here
+    values = {"algorithm": "clip", "canary-clients": 10, "num-rounds": 2}
+    device, _ = _trajectory(_cfg(tmp_path, "device", **values), None)
+    assert len(sampled_canaries) == 2 and sum(sampled_canaries) >= 2  # every round on the device, canaries in it
+    host, _ = _trajectory(_cfg(tmp_path, "host", **values), None,
+                          client_results_fn=lambda *a, **k: client_results(*a, **k))  # fmt: skip
+    assert len(sampled_canaries) == 2  # the host run did not use the device pipeline
+    np.testing.assert_allclose(device, host, rtol=0, atol=1e-12 * np.abs(host).max())
+    assert np.abs(device[-1] - device[0]).max() > 1e-3  # the run moved
+
+
+@pytest.mark.parametrize("algorithm", ["clip", "adaptive-clip"])
+def test_block_rows_are_each_clients_private_update(algorithm: str) -> None:
+    """`block_rows()` (numpy or a tensor) gives row by row what `round_block_update()` gives each client."""
+    from dpfedavg.core import round_block_update
+    from dpfedavg.core.pipeline import block_rows
+    from dpfedavg.core.types import RoundInstructions
+
+    adaptive = algorithm == "adaptive-clip"
+    ins = RoundInstructions(server_round=2, local_lr=0.1, local_steps=1, algorithm=algorithm, clip=1.5, noise_std=0.7,
+                            noise_seed=123, diagnostics=True, count_scale=0.4 if adaptive else 0.0)  # fmt: skip
+    u = np.random.default_rng(3).standard_normal((6, 9)) * [[0.1], [1.0], [3.0], [0.5], [2.0], [1.0]]
+    u[3, 4] = np.nan  # client 13 diverged: no result
+    ids = np.arange(10, 16)
+    want = round_block_update(u, ins, ids)
+    for block in (u, torch.as_tensor(u)):
+        results, failed = block_rows(block, ins, ids, keep_clean=True).to_host().client_results(ids)
+        assert failed == [13] and [r.client_id for r in results] == [10, 11, 12, 14, 15]
+        for r, w in zip(results, [w for w in want if w is not None], strict=True):
+            assert r.noisy.shape == (10 if adaptive else 9,)
+            np.testing.assert_allclose(r.noisy, w.noisy, rtol=0, atol=1e-14)
+            np.testing.assert_allclose(r.clean, w.clean, rtol=0, atol=1e-14)
+            assert r.update_norm == pytest.approx(w.update_norm, rel=1e-14)

@@ -7,6 +7,10 @@ running sum (line 12's ``sum_i (g_i + zeta_i)``), all in the array library of ``
 ``w_k`` go out and, once per round, the summed vector plus one norm and one finite flag per client
 (`BlockSums.to_host()`): nothing per block or per client crosses.
 
+A SuperNode hosting several virtual clients replies with each client's own ``g + zeta`` (the server sums):
+`block_rows()` runs the same bound and noise (the code it shares with `round_block_sum()`) and keeps the rows;
+the block crosses to the host as one array (`BlockRows.to_host()`).
+
 The noise is each client's own stream ``noise_rng(noise_seed, i)`` (`client_normals()`): the same
 standard normals `dpfedavg.core.noise.GaussianLaw.add()` draws for that client, so ``g + std * z``
 here is, element for element, what the ClientApp sends. The rows are drawn on the host (numpy's
@@ -23,13 +27,22 @@ from typing import Any
 
 import numpy as np
 
-from dpfedavg.core.arrays import concat, namespace, on_device_of, to_host
+from dpfedavg.core.arrays import astype, concat, namespace, on_device_of, to_host
 from dpfedavg.core.local import bound_block
 from dpfedavg.core.noise import GaussianLaw, round_noise_law
 from dpfedavg.core.seeding import noise_rng
-from dpfedavg.core.types import RoundInstructions
+from dpfedavg.core.types import ClientResult, RoundInstructions
 
-__all__ = ["NOISE_THREADS", "BlockSums", "HostSums", "client_normals", "round_block_sum"]
+__all__ = [
+    "NOISE_THREADS",
+    "BlockRows",
+    "BlockSums",
+    "HostRows",
+    "HostSums",
+    "block_rows",
+    "client_normals",
+    "round_block_sum",
+]
 
 #: Threads drawing a block's noise rows (at most the CPUs): the draws are a fifth of a torch round on the CPU.
 NOISE_THREADS = 4
@@ -97,6 +110,30 @@ class BlockSums:
         return HostSums(noisy=to_host(self.noisy), clean=clean, norms=norms, finite=finite)
 
 
+def _bounded_noisy(u: Any, ins: RoundInstructions, client_ids: Sequence[int] | np.ndarray) -> tuple[Any, Any, Any]:
+    """Alg. 1 / Alg. 2 lines 9-10 for a ``(B, d)`` block: ``(g, g + zeta, bound_block(u))`` in ``u``'s library.
+
+    ``g`` is `bound_block()`'s (with ``adaptive-clip``'s count coordinate appended), ``zeta`` row ``b`` client
+    ``client_ids[b]``'s standard normals (`client_normals()`) times the per-client std ``ins.noise_std``. Rows
+    whose ``u`` is not finite are left as they come (the callers mask or drop them).
+    """
+    law = round_noise_law(ins)
+    if not isinstance(law, GaussianLaw):
+        raise ValueError(f"the device pipeline adds Gaussian noise; the round's noise law is {law.name!r}")
+    if len(client_ids) != u.shape[0]:
+        raise ValueError(f"one client id per row: {u.shape[0]} rows, {len(client_ids)} ids")
+    block = bound_block(u, algorithm=ins.algorithm, clip=ins.clip, count_scale=ins.count_scale)
+    g = block.g if block.count is None else concat([block.g, block.count[:, None]], axis=1)
+    if ins.noise_std < 0:
+        raise ValueError(f"noise std must be >= 0, got {ins.noise_std!r}")
+    noisy = g
+    if ins.noise_std > 0:  # std 0 draws nothing (gaussian_noise)
+        normals = client_normals(ins.noise_seed, client_ids, g.shape[1])
+        normals *= ins.noise_std  # zeta_i = std * z_i, as gaussian_noise() forms it
+        noisy = g + on_device_of(normals, g)
+    return g, noisy, block
+
+
 def round_block_sum(
     u: Any,
     ins: RoundInstructions,
@@ -113,21 +150,8 @@ def round_block_sum(
     per-client std ``ins.noise_std``, and, when finite, added to ``into`` (a fresh `BlockSums` when ``None``).
     Only the Gaussian law runs here: secure aggregation encodes each client's vector on its own.
     """
-    law = round_noise_law(ins)
-    if not isinstance(law, GaussianLaw):
-        raise ValueError(f"the device pipeline adds Gaussian noise; the round's noise law is {law.name!r}")
     xp = namespace(u)
-    if len(client_ids) != u.shape[0]:
-        raise ValueError(f"one client id per row: {u.shape[0]} rows, {len(client_ids)} ids")
-    block = bound_block(u, algorithm=ins.algorithm, clip=ins.clip, count_scale=ins.count_scale)
-    g = block.g if block.count is None else concat([block.g, block.count[:, None]], axis=1)
-    if ins.noise_std < 0:
-        raise ValueError(f"noise std must be >= 0, got {ins.noise_std!r}")
-    noisy = g
-    if ins.noise_std > 0:  # std 0 draws nothing (gaussian_noise)
-        normals = client_normals(ins.noise_seed, client_ids, g.shape[1])
-        normals *= ins.noise_std  # zeta_i = std * z_i, as gaussian_noise() forms it
-        noisy = g + on_device_of(normals, g)
+    g, noisy, block = _bounded_noisy(u, ins, client_ids)
     finite = block.finite
     if xp is not np or not np.all(finite):  # a tensor's flags stay on the device: mask every block
         noisy = xp.where(finite[:, None], noisy, 0.0)
@@ -141,3 +165,71 @@ def round_block_sum(
     into.norms.append(block.norms)
     into.finite.append(finite)
     return into
+
+
+@dataclass
+class HostRows:
+    """A block's `BlockRows` on the host: one row per client, in the block's order.
+
+    Attributes
+    ----------
+    noisy:
+        ``(B, d')``: row ``b`` is client ``b``'s ``g + zeta`` (``d' = d``, or ``d + 1`` with ``adaptive-clip``);
+        meaningless where ``finite`` is false.
+    clean:
+        ``(B, d')``: the rows of ``g`` (``None`` unless asked for: the diagnostics).
+    norms, finite:
+        ``||u_b||`` and whether client ``b``'s ``u`` had no NaN/Inf.
+    """
+
+    noisy: np.ndarray
+    clean: np.ndarray | None
+    norms: np.ndarray
+    finite: np.ndarray
+
+    def client_results(self, client_ids: Sequence[int] | np.ndarray) -> tuple[list[ClientResult], list[int]]:
+        """The finite clients' results (``g`` as ``clean`` when kept) and the ids whose ``u`` was not finite."""
+        results, failed = [], []
+        for row, client_id in enumerate(client_ids):
+            if not self.finite[row]:
+                failed.append(int(client_id))
+                continue
+            clean = None if self.clean is None else self.clean[row]
+            results.append(ClientResult(int(client_id), self.noisy[row], float(self.norms[row]), clean))
+        return results, failed
+
+
+@dataclass
+class BlockRows:
+    """A block's per-client ``g + zeta`` (and ``g``, norms, finite flags) in the array library of ``u``.
+
+    What a SuperNode hosting several virtual clients replies with: each client's own noisy vector, not
+    their sum (the server sums). `to_host()` brings the whole block over in one crossing.
+    """
+
+    noisy: Any
+    clean: Any
+    norms: Any
+    finite: Any
+
+    def to_host(self) -> HostRows:
+        """The block as numpy arrays: one ``(B, 2 d' + 2)`` (or ``(B, d' + 2)``) array crosses from the device."""
+        dim = self.noisy.shape[1]
+        columns = [self.noisy] + ([] if self.clean is None else [self.clean])
+        flags = astype(self.finite, self.noisy.dtype)
+        packed = to_host(concat([*columns, self.norms[:, None], flags[:, None]], axis=1))
+        clean = None if self.clean is None else packed[:, dim : 2 * dim]
+        return HostRows(noisy=packed[:, :dim], clean=clean, norms=packed[:, -2], finite=packed[:, -1] > 0)
+
+
+def block_rows(
+    u: Any, ins: RoundInstructions, client_ids: Sequence[int] | np.ndarray, *, keep_clean: bool = False
+) -> BlockRows:
+    """Alg. 1 / Alg. 2 lines 9-10 for a ``(B, d)`` block of clients, one noisy row per client (no sum).
+
+    The bound and the noise of `round_block_sum()` (the same code: row ``b`` is client ``client_ids[b]``'s
+    ``g + zeta``, its noise from its own stream), kept row by row for a SuperNode that replies for each of
+    its virtual clients. ``keep_clean`` keeps ``g`` too (the diagnostics).
+    """
+    g, noisy, block = _bounded_noisy(u, ins, client_ids)
+    return BlockRows(noisy=noisy, clean=g if keep_clean else None, norms=block.norms, finite=block.finite)

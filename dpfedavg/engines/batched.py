@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -30,7 +30,7 @@ from threadpoolctl import threadpool_limits
 from dpfedavg.config import RunConfig
 from dpfedavg.core import client_update, round_block_update
 from dpfedavg.core.canaries import canary_results
-from dpfedavg.core.pipeline import HostSums, round_block_sum
+from dpfedavg.core.pipeline import HostSums, block_rows, round_block_sum
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.tasks import Task, task_hooks
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the server side is imported by run_batched: a ClientApp tha
     from dpfedavg.server.dp_server import DPServer
     from dpfedavg.server.session import RunResult
 
-__all__ = ["run_batched", "client_results", "device_round_sums"]
+__all__ = ["run_batched", "client_results", "device_client_results", "device_round_sums", "runs_on_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +131,41 @@ def device_block_size(task: Task, dim: int) -> int:
     return max(1, int(0.5 * free) // (DEVICE_BYTES_PER_COORDINATE * max(dim, 1)))
 
 
+def runs_on_device(task: Task, ins: RoundInstructions) -> bool:
+    """Whether a round of ``task`` goes through the device pipeline (`device_round_sums()`, `device_client_results()`).
+
+    It does for a task with ``device_block_update`` (the torch tasks) in a round whose noise is Gaussian: secure
+    aggregation encodes each client's vector on the host.
+    """
+    return getattr(task, "device_block_update", None) is not None and ins.secagg_step <= 0
+
+
+def _device_blocks(
+    task: Task, clients: np.ndarray, w: Vector, ins: RoundInstructions, block: int = 0
+) -> Iterator[tuple[np.ndarray, Any]]:
+    """``(ids, u)`` block by block (``block`` clients, default `device_block_size()`), ``u`` left on the device.
+
+    ``w_k`` goes to the device once; ``u`` is the task's local steps (``task.device_block_update``, Alg. 1 / Alg. 2
+    lines 4-9).
+    """
+    import torch
+
+    block = block or device_block_size(task, int(np.asarray(w).shape[-1]))
+    w_device = torch.as_tensor(np.asarray(w, dtype=np.float64), device=task.device)
+    for start in range(0, len(clients), block):
+        ids = clients[start : start + block]
+        yield ids, task.device_block_update(ids, ins.server_round)(w_device, ins.local_lr, ins.local_steps)
+
+
 def device_round_sums(
-    task: Task, clients: np.ndarray, w: Vector, ins: RoundInstructions, *, keep_clean: bool = False, block: int = 0
+    task: Task,
+    clients: np.ndarray,
+    w: Vector,
+    ins: RoundInstructions,
+    *,
+    keep_clean: bool = False,
+    block: int = 0,
+    canaries: np.ndarray | None = None,
 ) -> HostSums:
     """Alg. 1 / Alg. 2 lines 4-12 of the sampled ``clients`` on the task's device; the round's sums on the host.
 
@@ -140,21 +173,58 @@ def device_round_sums(
     the device (``task.device_block_update``), `round_block_sum()` bounds, noises and adds it to the round's
     sum there. ``w_k`` goes to the device once; the sum, the clients' norms and finite flags come back once
     (`BlockSums.to_host()`).
+
+    ``canaries``: the inserted canaries' directions ``c_j`` (rows), clients ``n ..`` of the server's federation
+    (`dpfedavg.core.canaries`). The sampled ones (ids ``>= n`` in ``clients``) follow the real clients as more
+    blocks of updates ``C c_j``, through the same `round_block_sum()` (each canary's noise its own stream).
     """
     import torch
 
-    dim = int(np.asarray(w).shape[-1])
+    n, dim = task.num_clients, int(np.asarray(w).shape[-1])
     block = block or device_block_size(task, dim)
-    w_device = torch.as_tensor(np.asarray(w, dtype=np.float64), device=task.device)
+    real = clients if canaries is None else clients[clients < n]
     sums = None
-    for start in range(0, len(clients), block):
-        ids = clients[start : start + block]
-        u = task.device_block_update(ids, ins.server_round)(w_device, ins.local_lr, ins.local_steps)
+    for ids, u in _device_blocks(task, real, w, ins, block):
+        sums = round_block_sum(u, ins, ids, sums, keep_clean=keep_clean)
+    sampled_canaries = clients[clients >= n] if canaries is not None else clients[:0]
+    for start in range(0, len(sampled_canaries), block):  # after every real id: the sum in client-id order
+        ids = sampled_canaries[start : start + block]
+        c_j = canaries[ids - n]  # the update core.canaries.canary_results() forms: u = C c_j
+        u = torch.as_tensor(ins.clip * c_j, dtype=torch.float64, device=task.device)
         sums = round_block_sum(u, ins, ids, sums, keep_clean=keep_clean)
     if sums is None:  # nobody sampled: an empty sum of the release's length
         release = dim + (1 if ins.count_scale > 0 else 0)
         return HostSums(np.zeros(release), np.zeros(release) if keep_clean else None, np.zeros(0), np.zeros(0, bool))
     return sums.to_host()
+
+
+def device_client_results(
+    task: Task,
+    clients: np.ndarray,
+    w: Vector,
+    ins: RoundInstructions,
+    block: int | None = None,
+    failed: list[int] | None = None,
+    threads: int = 1,
+) -> Iterator[ClientResult]:
+    """`client_results()` on the task's device: each sampled client's own ``g + zeta``, in ascending client id.
+
+    A SuperNode hosting several virtual clients replies for each of them (the server sums): block by block
+    (``block`` clients, default `device_block_size()`), the local steps leave ``u`` on the device,
+    `dpfedavg.core.pipeline.block_rows()` bounds and noises it there (the code of `round_block_sum()`, each
+    client's noise from its own stream), and the block's rows, norms and finite flags cross to the host at once
+    (`BlockRows.to_host()`). The results equal `client_results()`'s (the same noise; the bound to the rounding
+    of a norm). A client whose ``u`` is not finite sends nothing; its id is appended to ``failed``.
+    ``threads`` is accepted for `client_results()`'s signature: the device's own parallelism is used.
+    """
+    del threads
+    for ids, u in _device_blocks(task, clients, w, ins, block or 0):
+        results, bad = block_rows(u, ins, ids, keep_clean=ins.diagnostics).to_host().client_results(ids)
+        for client_id in bad:
+            logger.warning("Round %d: client %d: local training diverged (NaN/Inf)", ins.server_round, client_id)
+        if failed is not None:
+            failed.extend(bad)
+        yield from results
 
 
 def run_batched(
@@ -231,9 +301,9 @@ class InProcessRunner:
     """The batched engine's `ClientRunner`: the sampled clients in this process.
 
     A task with ``device_block_update`` (the torch tasks) runs the round on its device
-    (`device_round_sums()`) unless canaries are inserted, secure aggregation encodes each client's vector, or
-    the caller asked for its own ``client_results_fn``; every other task goes client by client through
-    `client_results()`.
+    (`device_round_sums()`, the inserted canaries' updates ``C c_j`` as more blocks) unless secure
+    aggregation encodes each client's vector or the caller asked for its own ``client_results_fn``; every other
+    task goes client by client through `client_results()`.
     """
 
     def __init__(
@@ -245,18 +315,13 @@ class InProcessRunner:
 
     def _on_device(self, ins: RoundInstructions) -> bool:
         """Whether this round runs through the device pipeline (`device_round_sums()`)."""
-        return (
-            getattr(self.task, "device_block_update", None) is not None
-            and self.client_results_fn is client_results
-            and self.canaries is None
-            and ins.secagg_step <= 0
-        )
+        return runs_on_device(self.task, ins) and self.client_results_fn is client_results
 
     def run_round(
         self, server: DPServer, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions
     ) -> Vector:
         if self._on_device(ins):
-            sums = device_round_sums(self.task, clients, w, ins, keep_clean=ins.diagnostics)
+            sums = device_round_sums(self.task, clients, w, ins, keep_clean=ins.diagnostics, canaries=self.canaries)
             ok = sums.finite
             failed = [int(c) for c in clients[~ok]]
             for client_id in failed:

@@ -312,13 +312,16 @@ def _train_block(
 ) -> Message:
     """Virtual clients: Alg. 1 / Alg. 2 lines 4-10 for the sampled clients this node hosts, one update each.
 
-    The block goes through the batched engine's pipeline (`dpfedavg.engines.batched.client_results()`:
-    the task's closed form or vectorized gradients, `dpfedavg.core.private_block_update()`, each
-    client's noise from its own stream ``noise_rng(noise_seed, client_id)``), so every client's
-    ``g + zeta`` is the one it sends from a SuperNode of its own. A client whose local training
-    diverges is listed in ``diverged-client-ids`` and sends nothing.
+    The block goes through the batched engine's pipeline, each client's noise from its own stream
+    ``noise_rng(noise_seed, client_id)`` (OS-seeded under secure noise), so every client's ``g + zeta`` is the
+    one it sends from a SuperNode of its own. A torch task stays on its device
+    (`dpfedavg.engines.batched.device_client_results()`: local steps, bound and noise there, one crossing to
+    the host per block with the clients' noisy rows, norms and finite flags); any other task goes through
+    `dpfedavg.engines.batched.client_results()` (the task's closed form or vectorized gradients, then
+    `dpfedavg.core.private_block_update()`). A client whose local training diverges is listed in
+    ``diverged-client-ids`` and sends nothing (under a node policy: ``0 + zeta``, see `_round_update()`).
     """
-    from dpfedavg.engines.batched import client_results
+    from dpfedavg.engines.batched import client_results, device_client_results, runs_on_device
 
     partition_id, num_partitions = _partition(context)
     if num_partitions != cfg.num_nodes:
@@ -334,7 +337,9 @@ def _train_block(
             "(expected ascending ids of hosted clients)"
         )
     diverged: list[int] = []
-    results = list(client_results(_task(cfg), np.asarray(ids, dtype=np.int64), w, ins, failed=diverged))
+    task = _task(cfg)
+    block_results = device_client_results if runs_on_device(task, ins) else client_results
+    results = list(block_results(task, np.asarray(ids, dtype=np.int64), w, ins, failed=diverged))
     if diverged and node_policy(context).active:  # not reported under a policy: see _round_update
         logger.warning("round %d: local training of clients %s diverged; zero updates are sent, noised",
                        ins.server_round, diverged)  # fmt: skip

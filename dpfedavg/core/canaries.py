@@ -15,7 +15,7 @@ from dpfedavg.core import round_block_update
 from dpfedavg.core.seeding import Stream, make_rng
 from dpfedavg.core.types import ClientResult, RoundInstructions
 
-__all__ = ["canary_directions", "canary_federation_size", "canary_results", "inserted_canaries"]
+__all__ = ["canary_directions", "canary_federation_size", "canary_results", "canary_updates", "inserted_canaries"]
 
 
 def inserted_canaries(seed: int, count: int) -> np.ndarray:
@@ -41,6 +41,12 @@ def canary_federation_size(num_clients: int, clients_per_round: float, inserted:
     return total, clients_per_round / num_clients * total
 
 
+def canary_updates(directions: np.ndarray, ids: np.ndarray, num_clients: int, clip: float) -> np.ndarray:
+    """The sampled canaries' updates ``u = C c_j`` (rows, before the bound and the noise): row ``id - n`` of
+    ``directions`` for each of ``ids`` (all ``>= num_clients``), times the round's ``C``."""
+    return clip * directions[np.asarray(ids, dtype=np.int64) - num_clients]
+
+
 def canary_results(
     directions: np.ndarray, ids: np.ndarray, num_clients: int, ins: RoundInstructions
 ) -> list[ClientResult]:
@@ -60,8 +66,7 @@ def canary_results(
     ids = np.asarray(ids, dtype=np.int64)
     if len(ids) == 0:
         return []
-    u = ins.clip * directions[ids - num_clients]
-    updates = round_block_update(u, ins, ids)
+    updates = round_block_update(canary_updates(directions, ids, num_clients, ins.clip), ins, ids)
     clean = ins.diagnostics
     return [
         ClientResult(int(cid), upd.noisy, upd.update_norm, upd.clean if clean else None)

@@ -29,7 +29,7 @@ from threadpoolctl import threadpool_limits
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import client_update, round_block_update
-from dpfedavg.core.canaries import canary_results
+from dpfedavg.core.canaries import canary_results, canary_updates
 from dpfedavg.core.pipeline import HostSums, block_rows, round_block_sum
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.tasks import Task, task_hooks
@@ -189,8 +189,7 @@ def device_round_sums(
     sampled_canaries = clients[clients >= n] if canaries is not None else clients[:0]
     for start in range(0, len(sampled_canaries), block):  # after every real id: the sum in client-id order
         ids = sampled_canaries[start : start + block]
-        c_j = canaries[ids - n]  # the update core.canaries.canary_results() forms: u = C c_j
-        u = torch.as_tensor(ins.clip * c_j, dtype=torch.float64, device=task.device)
+        u = torch.as_tensor(canary_updates(canaries, ids, n, ins.clip), dtype=torch.float64, device=task.device)
         sums = round_block_sum(u, ins, ids, sums, keep_clean=keep_clean)
     if sums is None:  # nobody sampled: an empty sum of the release's length
         release = dim + (1 if ins.count_scale > 0 else 0)

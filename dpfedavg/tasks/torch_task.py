@@ -71,8 +71,9 @@ logger = logging.getLogger(__name__)
 
 #: Rows per chunk when the server evaluates (bounds memory).
 EVAL_CHUNK = 4096
-#: The local steps take clients this many bytes of examples at a time through all E steps (they stay in cache).
-CLIENT_CHUNK_BYTES = 8 * 1024**2
+#: The local steps take clients this many bytes of examples at a time through all E steps (each step is one vmapped
+#: call, about a millisecond of Python and dispatch: fewer, larger calls pay more than keeping a chunk in cache).
+CLIENT_CHUNK_BYTES = 32 * 1024**2
 #: The local steps fold ``-1 / lambda`` into the gradient (`TorchTask._chunk_steps`) from this weight decay up (below
 #: it, the scaled gradient could overflow float32; they scale by ``-eta`` and take a second pass).
 LERP_MIN_DECAY = 1e-8
@@ -474,6 +475,10 @@ class TorchTask:
     def _per_example(self, out: Any, y: Any) -> Any:
         functional = self.torch.nn.functional
         if self.loss == "cross_entropy":
+            if out.ndim == 2 and y.ndim == 1 and not y.is_floating_point():
+                # -log softmax(out)_y, F.cross_entropy's loss for class labels in [0, c): on the CPU 2-3x faster for
+                # few classes (log_softmax's kernel is slow on rows of ~10 scores; the benchmarks page)
+                return self.torch.logsumexp(out, dim=1) - out.gather(1, y[:, None])[:, 0]
             return functional.cross_entropy(out, y, reduction="none")
         if self.loss == "mse":
             return functional.mse_loss(out, y.reshape(out.shape), reduction="none").reshape(out.shape[0], -1).mean(1)
@@ -588,7 +593,7 @@ class TorchTask:
         ``torch-dtype``: with float64 the steps are `dpfedavg.core.client_update()`'s to the rounding of a sum;
         with float32 ``u`` keeps float32's relative precision (the displacement is small next to ``w``; tested
         within 1e-5 of the float64 loop). On the CPU, clients are processed `CLIENT_CHUNK_BYTES` of data at a
-        time through all E steps, so that their examples stay in cache; on a GPU the whole block is one chunk
+        time through all E steps (which bounds a step's working set); on a GPU the whole block is one chunk
         (one vmapped call per step). Each chunk's displacements are copied into the float64 result in place and
         the result is divided by ``-eta_k`` once. ``server_round`` picks the round's mini-batches. The result is
         a float64 tensor on the task's device.

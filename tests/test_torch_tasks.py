@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 
 from dpfedavg.config import ConfigError, RunConfig  # noqa: E402
 from dpfedavg.core import client_update  # noqa: E402
-from dpfedavg.tasks import build_task, load_task_factory, resolve_task  # noqa: E402
+from dpfedavg.tasks import build_task, load_task_factory, resolve_task, torch_task  # noqa: E402
 from dpfedavg.tasks.datasets import save_npy  # noqa: E402
 from dpfedavg.tasks.torch_task import TorchTask, minibatch_indices  # noqa: E402
 
@@ -70,6 +70,30 @@ def test_block_update_equals_client_update_on_the_tasks_own_gradient() -> None:
     # the same block one client at a time (blocks of one): the padding changes nothing
     single = np.concatenate([task.client_batch_update_fn(np.array([i]))(w, 0.3, 6) for i in ids])
     np.testing.assert_allclose(block, single, rtol=F64_TOL, atol=F64_TOL)
+
+
+@pytest.mark.parametrize(("weight_decay", "lerp_from"), [(0.0, None), (0.01, None), (2.0, None), (0.01, 1.0)])
+def test_runs_block_equals_client_update_for_any_weight_decay(
+    weight_decay: float, lerp_from: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs (own w_k and eta_k) x a padded block == core.client_update per run and client (float64, 1e-9).
+
+    The local steps split the iterate into a decayed w_k and the clients' displacement and take the weight decay
+    in one lerp_ (TorchTask._chunk_steps): no decay, the tests' 0.01, eta lambda = 0.6 >= 0.5 (lerp_'s other
+    formula), and 0.01 below a raised LERP_MIN_DECAY (the two-pass branch that small decays take).
+    """
+    if lerp_from is not None:
+        monkeypatch.setattr(torch_task, "LERP_MIN_DECAY", lerp_from)
+    task = _mlp_task("float64", weight_decay=weight_decay)
+    w0 = task.initial_weights()
+    weights, lrs, ids = np.stack([w0, 0.5 * w0 - 0.1]), np.array([0.3, 0.05]), np.array([0, 2, 3, 5])
+    u = task.client_runs_update_fn(ids)(weights, lrs, 6)
+    single = task.client_batch_update_fn(ids)(weights[1], lrs[1], 6)  # one run: no vmap over runs
+    for r in range(2):
+        loop = np.stack([client_update(weights[r], task.client_grad_fn(int(i)), lrs[r], 6) for i in ids])
+        assert np.linalg.norm(loop, axis=1).min() > 0.1
+        np.testing.assert_allclose(u[r], loop, rtol=F64_TOL, atol=F64_TOL)
+    np.testing.assert_allclose(single, u[1], rtol=F64_TOL, atol=F64_TOL)
 
 
 def test_gradient_is_the_objectives_derivative() -> None:

@@ -71,8 +71,12 @@ logger = logging.getLogger(__name__)
 
 #: Rows per chunk when the server evaluates (bounds memory).
 EVAL_CHUNK = 4096
-#: The local steps take clients this many bytes of examples at a time through all E steps (they stay in cache).
-CLIENT_CHUNK_BYTES = 8 * 1024**2
+#: The local steps take clients this many bytes of examples at a time through all E steps (each step is one vmapped
+#: call, about a millisecond of Python and dispatch: fewer, larger calls pay more than keeping a chunk in cache).
+CLIENT_CHUNK_BYTES = 32 * 1024**2
+#: The local steps fold ``-1 / lambda`` into the gradient (`TorchTask._chunk_steps`) from this weight decay up (below
+#: it, the scaled gradient could overflow float32; they scale by ``-eta`` and take a second pass).
+LERP_MIN_DECAY = 1e-8
 #: Clients per block when the server computes the training objective.
 EVAL_CLIENT_BLOCK = 256
 
@@ -471,6 +475,10 @@ class TorchTask:
     def _per_example(self, out: Any, y: Any) -> Any:
         functional = self.torch.nn.functional
         if self.loss == "cross_entropy":
+            if out.ndim == 2 and y.ndim == 1 and not y.is_floating_point():
+                # -log softmax(out)_y, F.cross_entropy's loss for class labels in [0, c): on the CPU 2-3x faster for
+                # few classes (log_softmax's kernel is slow on rows of ~10 scores; the benchmarks page)
+                return self.torch.logsumexp(out, dim=1) - out.gather(1, y[:, None])[:, 0]
             return functional.cross_entropy(out, y, reduction="none")
         if self.loss == "mse":
             return functional.mse_loss(out, y.reshape(out.shape), reduction="none").reshape(out.shape[0], -1).mean(1)
@@ -559,26 +567,36 @@ class TorchTask:
         per = self._per_example(out, y)
         return self.torch.where(mask, per, self.torch.zeros_like(per)).sum() / mask.sum()
 
+    def _scaled_objective(self, params: dict[str, Any], x: Any, y: Any, mask: Any, scale: Any) -> Any:
+        """``scale`` times `_data_objective()`: its gradient is ``scale * grad L_i``, the step's increment as the
+        backward pass writes it (`_chunk_steps()`), so no separate pass scales the gradient."""
+        return self._data_objective(params, x, y, mask) * scale
+
+    @cached_property
+    def _clients_grad(self) -> Callable[..., Any]:
+        """``grad`` of `_scaled_objective()` vmapped over a chunk of clients (one run; ``scale`` shared)."""
+        func = self.torch.func
+        return func.vmap(func.grad(self._scaled_objective), in_dims=(0, 0, 0, 0, None))
+
     @cached_property
     def _runs_grad(self) -> Callable[..., Any]:
-        """``grad`` of `_data_objective()` over a ``(R, B)`` block: clients inside, runs outside (data shared)."""
-        func = self.torch.func
-        per_client = func.vmap(func.grad(self._data_objective), in_dims=(0, 0, 0, 0))
-        return func.vmap(per_client, in_dims=(0, None, None, None))
+        """`_clients_grad` over an ``(R, B)`` block: clients inside, runs outside (data shared, one scale a run)."""
+        return self.torch.func.vmap(self._clients_grad, in_dims=(0, None, None, None, 0))
 
     def _runs_update(self, client_ids: np.ndarray, server_round: int = 0) -> Callable[[Any, np.ndarray, int], Any]:
         """``u`` of E local steps for ``R`` runs x ``B`` clients: ``(W_k (R, dim), eta_k (R,), E) -> (R, B, dim)``.
 
         Alg. 1/2 lines 5-9: ``w_{t+1} = w_t - eta_k (grad L_i(w_t) + lambda w_t)``, ``u = (w_k - w_{k,E}) / eta_k``
-        Each step is one ``vmap`` over the clients inside one over the runs (the clients' data are shared by
-        the runs), of ``torch.func.grad`` of the data loss; the weight decay's gradient ``lambda w`` is added
-        outside autograd. The iterate is kept as its displacement ``w_t - w_k`` from the run's ``w_k``, one
-        tensor per parameter (no flattening per step), in ``torch-dtype``: with float64 the steps are
-        `dpfedavg.core.client_update()`'s to the rounding of a sum; with float32 ``u`` keeps float32's
-        relative precision (the displacement is small next to ``w``; tested within 1e-5 of the float64 loop).
-        On the CPU, clients are processed `CLIENT_CHUNK_BYTES` of data at a time through all E steps, so that
-        their examples stay in cache; on a GPU the whole block is one chunk (one vmapped call per step).
-        ``server_round`` picks the round's mini-batches. The result is a float64 tensor on the task's device.
+        (`_chunk_steps()`: each step one ``vmap`` over the clients, inside one over the runs when there are
+        several, of ``torch.func.grad`` of the data loss; the weight decay outside autograd). The iterate is kept
+        as its displacement from the run's ``w_k``, one tensor per parameter (no flattening per step), in
+        ``torch-dtype``: with float64 the steps are `dpfedavg.core.client_update()`'s to the rounding of a sum;
+        with float32 ``u`` keeps float32's relative precision (the displacement is small next to ``w``; tested
+        within 1e-5 of the float64 loop). On the CPU, clients are processed `CLIENT_CHUNK_BYTES` of data at a
+        time through all E steps (which bounds a step's working set); on a GPU the whole block is one chunk
+        (one vmapped call per step). Each chunk's displacements are copied into the float64 result in place and
+        the result is divided by ``-eta_k`` once. ``server_round`` picks the round's mini-batches. The result is
+        a float64 tensor on the task's device.
         """
         torch = self.torch
         layout = self.layout  # builds the module before any torch.func transform
@@ -589,6 +607,7 @@ class TorchTask:
         full_mask = torch.as_tensor(np.arange(m_max)[None, :] < counts[:, None], device=self.device)
         per_client = max(1, x[0].numel() * x.element_size())
         chunk = len(ids) if self.device.type != "cpu" else max(1, min(len(ids), CLIENT_CHUNK_BYTES // per_client))
+        offsets = np.concatenate([[0], np.cumsum(layout.numels)]).tolist()
 
         def update(w: Any, lrs: np.ndarray, num_steps: int) -> Any:
             """``(R, B, dim)`` float64 on the task's device; ``w`` a numpy array or a tensor (already there)."""
@@ -609,20 +628,15 @@ class TorchTask:
                 if layout.is_transposed(i):
                     start[name] = start[name].transpose(-1, -2).contiguous()
             out = torch.empty((runs, len(ids), layout.dim), dtype=torch.float64, device=self.device)
-            lr = torch.as_tensor(lrs, device=self.device).to(self.dtype)
-            decay = lr * self.weight_decay
             with self._lock:
                 for lo in range(0, len(ids), chunk):
                     hi = min(lo + chunk, len(ids))
                     batches = self._minibatches(ids[lo:hi], counts[lo:hi], server_round, x[lo:hi], y[lo:hi])
-                    moved = self._chunk_steps(
-                        start, lr, decay, x[lo:hi], y[lo:hi], full_mask[lo:hi], batches, num_steps
-                    )
-                    parts = [moved[n].transpose(-1, -2) if layout.is_transposed(i) else moved[n]
-                             for i, n in enumerate(layout.names)]  # fmt: skip
-                    flat = torch.cat([part.reshape(runs, hi - lo, -1) for part in parts], dim=2)
-                    out[:, lo:hi] = flat.to(torch.float64) / -torch.as_tensor(lrs, device=self.device)[:, None, None]
-            return out
+                    moved = self._chunk_steps(start, lrs, x[lo:hi], y[lo:hi], full_mask[lo:hi], batches, num_steps)
+                    for i, (name, shape) in enumerate(zip(layout.names, layout.flat_shapes(), strict=True)):
+                        part = moved[name].transpose(-1, -2) if layout.is_transposed(i) else moved[name]
+                        out[:, lo:hi, offsets[i] : offsets[i + 1]].view(runs, hi - lo, *shape).copy_(part)
+            return out.div_(-torch.as_tensor(lrs, device=self.device)[:, None, None])
 
         return update
 
@@ -646,30 +660,65 @@ class TorchTask:
     def _chunk_steps(
         self,
         start: dict[str, Any],
-        lr: Any,
-        decay: Any,
+        lrs: np.ndarray,
         x: Any,
         y: Any,
         mask: Any,
         batches: Callable[[], tuple[Any, Any, Any]] | None,
         num_steps: int,
     ) -> dict[str, Any]:
-        """E steps of a chunk of clients for every run; returns the displacements ``w_{k,E} - w_k`` per parameter."""
+        """E steps of a chunk of clients for every run; returns the displacements ``w_{k,E} - w_k`` per parameter.
+
+        With ``a = eta lambda``, a step is ``w_{t+1} = (1 - a) w_t - eta grad L_i(w_t)`` (Alg. 1/2 line 7). The
+        displacement is split as ``w_t - w_k = c_t w_k + m_t``: ``c_t`` a number per run
+        (``c_{t+1} = (1 - a) c_t - a``, the decay of ``w_k``) and ``m_t`` the clients' own part,
+        ``m_{t+1} = (1 - a) m_t - eta grad L_i(w_t)``. The gradient comes out of the backward pass already scaled
+        (`_scaled_objective()` with ``scale = -1 / lambda``), so ``m`` takes one ``lerp_`` a step,
+        ``m + a (scale grad L_i - m)`` (without weight decay, or below `LERP_MIN_DECAY`, ``scale = -eta`` and
+        ``m`` takes an ``add_``), and ``w_t`` one ``add`` into a reused buffer: two passes over the chunk's
+        parameters a step where there were five.
+        """
         torch = self.torch
-        clients = x.shape[0]
-        moved = {n: torch.zeros((v.shape[0], clients, *v.shape[2:]), dtype=self.dtype, device=self.device)
-                 for n, v in start.items()}  # fmt: skip
-        shape = (-1, 1) + (1,) * 8  # broadcast one value per run over (clients, parameter dims)
+        names = list(start)
+        runs, clients = next(iter(start.values())).shape[0], x.shape[0]
+        decay = lrs * self.weight_decay  # a = eta lambda, per run
+        lerp = self.weight_decay >= LERP_MIN_DECAY
+        scale = -1.0 / self.weight_decay if lerp else -lrs  # scale * grad L_i: see above
+        if runs == 1:  # one run: no vmap over runs
+            grad_fn, lead, base = self._clients_grad, (clients,), [start[n][0] for n in names]
+            scale, weight = float(np.atleast_1d(scale)[0]), float(decay[0])
+        else:
+            grad_fn, lead, base = self._runs_grad, (runs, clients), [start[n] for n in names]
+            scale = torch.as_tensor(np.full(runs, scale) if lerp else scale, dtype=self.dtype, device=self.device)
+            weight = torch.as_tensor(decay, dtype=self.dtype, device=self.device)
+        per_run = (-1,) + (1,) * 9  # one value per run, broadcast over (clients, parameter dims)
+        m = [torch.zeros((*lead, *base[i].shape[len(lead) :]), dtype=self.dtype, device=self.device)
+             for i in range(len(names))]  # fmt: skip
+        w = [torch.empty_like(mi) for mi in m]  # w_t, rewritten each step
+        c = np.zeros(runs)
         for _ in range(num_steps):
-            params = {n: start[n] + moved[n] for n in start}  # w_t, (R, B_chunk, ...)
+            for wi, mi, bi in zip(w, m, base, strict=True):
+                if runs == 1:
+                    torch.add(mi, bi, alpha=1.0 + float(c[0]), out=wi)
+                else:
+                    factor = torch.as_tensor(1.0 + c, dtype=self.dtype, device=self.device)
+                    torch.add(mi, bi * factor.reshape(per_run[: bi.dim()]), out=wi)
             xb, yb, mb = (x, y, mask) if batches is None else batches()
-            grads = self._runs_grad(params, xb, yb, mb)
-            for n, g in grads.items():
-                rank = g.dim()
-                moved[n].addcmul_(g, lr.reshape(shape[:rank]), value=-1.0)  # - eta grad L_i(w_t)
+            grads = grad_fn(dict(zip(names, w, strict=True)), xb, yb, mb, scale)
+            grads = [grads[n] for n in names]
+            if lerp:
+                for mi, g in zip(m, grads, strict=True):
+                    mi.lerp_(g, weight if runs == 1 else weight.reshape(per_run[: mi.dim()]))
+            else:  # no (or a tiny) weight decay: scale = -eta
                 if self.weight_decay:
-                    moved[n].addcmul_(params[n], decay.reshape(shape[:rank]), value=-1.0)  # - eta lambda w_t
-        return moved
+                    for mi in m:
+                        mi.mul_(1.0 - weight if runs == 1 else 1.0 - weight.reshape(per_run[: mi.dim()]))
+                torch._foreach_add_(m, grads)
+            c = (1.0 - decay) * c - decay
+        if runs == 1:
+            return {n: torch.add(mi, bi, alpha=float(c[0]))[None] for n, mi, bi in zip(names, m, base, strict=True)}
+        factor = torch.as_tensor(c, dtype=self.dtype, device=self.device)
+        return {n: mi + bi * factor.reshape(per_run[: bi.dim()]) for n, mi, bi in zip(names, m, base, strict=True)}
 
     def _minibatches(
         self, ids: np.ndarray, counts: np.ndarray, server_round: int, x: Any, y: Any

@@ -143,19 +143,13 @@ def dpfedavg_log():
     """The records the ``dpfedavg`` loggers emit during the test (WARNING and up), whatever the root's handlers.
 
     A Flower app process stops ``dpfedavg``'s records from reaching the root logger (``setup_app_process``), so
-    ``caplog`` misses them once any test in the session has run a ClientApp; this handler sits on ``dpfedavg`` itself.
+    ``caplog`` misses them once any test in the session has run a ClientApp; the handler sits on ``dpfedavg`` itself
+    (``log_records.package_records``).
     """
-    import logging
+    from log_records import package_records
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("dpfedavg")
-    logger.addHandler(handler)
-    try:
+    with package_records(logging.WARNING) as records:
         yield records
-    finally:
-        logger.removeHandler(handler)
 
 
 @pytest.fixture

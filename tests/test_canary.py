@@ -4,7 +4,6 @@ Steinke et al.'s theorem, and jax-privacy's ``epsilon_one_run`` when it is insta
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import math
@@ -12,6 +11,7 @@ import re
 
 import numpy as np
 import pytest
+from log_records import package_records
 from scipy import integrate, stats
 
 from dpfedavg.privacy.canary import (
@@ -290,37 +290,6 @@ def _run_cfg(tmp_path, **changes):
     return RunConfig(**{**base, **changes})
 
 
-@contextlib.contextmanager
-def _package_log():
-    """The ``dpfedavg`` records at INFO and up, from a handler on that logger itself: caplog misses them once a Flower
-    app has run in this process (``setup_app_process`` stops their propagation to the root logger). The level is set
-    with ``setLevel`` (an earlier sweep in the same worker left ``dpfedavg`` at WARNING, and a plain ``.level =``
-    keeps the children's cached WARNING), and the package's loggers are enabled and propagate for the block."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # type: ignore[method-assign]
-    package_logger = logging.getLogger("dpfedavg")
-    children = [
-        logger
-        for name, logger in logging.Logger.manager.loggerDict.items()
-        if name.startswith("dpfedavg.") and isinstance(logger, logging.Logger)
-    ]
-    saved = [(logger, logger.disabled, logger.propagate) for logger in [package_logger, *children]]
-    for logger in children:
-        logger.disabled, logger.propagate = False, True
-    package_logger.disabled = False
-    package_logger.addHandler(handler)
-    level = package_logger.level
-    package_logger.setLevel(logging.INFO)  # setLevel, not .level =: it clears the loggers' isEnabledFor caches
-    try:
-        yield records
-    finally:
-        package_logger.removeHandler(handler)
-        package_logger.setLevel(level)
-        for logger, disabled, propagate in saved:
-            logger.disabled, logger.propagate = disabled, propagate
-
-
 def gdp_epsilon(mu: float, delta: float) -> float:
     """The epsilon of mu-GDP at delta, by bisection on the closed form."""
     lo, hi = 0.0, 100.0
@@ -351,7 +320,7 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
     argv = shlex.split(block.source.strip())
     assert argv[:3] == ["python", "-m", "dpfedavg.run"]
     monkeypatch.chdir(tmp_path)
-    with _package_log() as records:
+    with package_records(logging.INFO) as records:
         assert main(argv[3:]) == 0
     cfg = RunConfig.from_run_config(parse_run_config(argv[argv.index("--run-config") + 1]))
     directory = tmp_path / "outputs" / "audited"
@@ -391,7 +360,7 @@ def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch):
 
     base = mechanism.PLACEMENTS["client-calibrated"]
     monkeypatch.setitem(mechanism.PLACEMENTS, "client-calibrated", StdForVariance(base))
-    with _package_log() as records:
+    with package_records(logging.INFO) as records:
         result = run(_run_cfg(tmp_path, dim=600, canary_clients=300, checkpoint_every=5), progress=False)
     audit = result.audit
     messages = [r.getMessage() for r in records]

@@ -500,10 +500,6 @@ class TorchTask:
     def _grad(self) -> Callable[..., Any]:
         return self.torch.func.grad(self._objective)
 
-    @cached_property
-    def _block_grad(self) -> Callable[..., Any]:
-        return self.torch.func.vmap(self._grad, in_dims=(0, 0, 0, 0))
-
     # ------------------------------------------------------------------ tensors
     def _x(self, x: np.ndarray) -> Any:
         return self.torch.tensor(x, device=self.device, dtype=self.dtype)  # a copy (x may be a read-only memmap)

@@ -207,7 +207,8 @@ def test_scores_final_all_iterates_and_max_cosine():
     canaries = CanarySet(directions, np.array([True, False, True]))
     scores = CanaryScores(canaries, np.zeros(3), sampling_rate=1.0, noise_multiplier=2.0)
     sampled = CanaryScores(canaries, np.zeros(3), sampling_rate=0.25, noise_multiplier=2.0)
-    for s in (scores, sampled):
+    no_noise = CanaryScores(canaries, np.zeros(3), sampling_rate=0.25, noise_multiplier=0.0)
+    for s in (scores, sampled, no_noise):
         s.observe(np.array([-1.0, 0.0, 0.0]))  # moved along -e0: w_{k-1} - w_k = e0
         s.observe(np.array([-1.0, 0.0, -1.0]))  # then along e2
     np.testing.assert_allclose(scores.max_cosine, [1.0, 0.0, 1.0])
@@ -217,6 +218,7 @@ def test_scores_final_all_iterates_and_max_cosine():
     moved = np.log(0.75 + 0.25 * np.exp(3**0.5 / 2 - 0.125))  # log(1 - q + q exp(mu z - mu^2 / 2)), z = sqrt(3)
     still = np.log(0.75 + 0.25 * np.exp(-0.125))  # z = 0
     np.testing.assert_allclose(sampled.all_iterates, [moved + still, 2 * still, moved + still], rtol=1e-14)
+    np.testing.assert_allclose(no_noise.all_iterates, [3**0.5, 0.0, 3**0.5])  # no noise, q < 1: the largest z_jk
     audit = CanaryAudit.of(scores, DELTA)
     assert audit.inserted == 2 and math.isnan(audit.epsilon_final)  # one null canary: no fit
 

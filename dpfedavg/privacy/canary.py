@@ -147,8 +147,8 @@ class CanaryScores:
 
     canaries: CanarySet
     w0: np.ndarray
-    sampling_rate: float = 1.0
-    noise_multiplier: float = 1.0
+    sampling_rate: float
+    noise_multiplier: float
     w_last: np.ndarray = field(init=False)
     all_iterates: np.ndarray = field(init=False)
     max_cosine: np.ndarray = field(init=False)
@@ -158,16 +158,20 @@ class CanaryScores:
         round_log_likelihood_ratio(np.zeros(0), self.sampling_rate, self.noise_multiplier)  # the two checks
         self.w0 = np.array(self.w0, dtype=np.float64)
         self.w_last = self.w0.copy()
-        no_noise_sampled = self.noise_multiplier == 0 and self.sampling_rate < 1
-        self.all_iterates = np.full(self.canaries.count, -np.inf if no_noise_sampled else 0.0)
+        self.all_iterates = np.full(self.canaries.count, -np.inf if self._largest_z else 0.0)
         self.max_cosine = np.full(self.canaries.count, -np.inf)
+
+    @property
+    def _largest_z(self) -> bool:
+        """No noise and ``q < 1``: the all-iterates score is the largest ``z_jk``, not a sum of ratios."""
+        return self.noise_multiplier == 0 and self.sampling_rate < 1
 
     def observe(self, w_k: np.ndarray) -> None:
         """Round ``k`` released ``w_k``: update the all-iterates scores with ``w_{k-1} - w_k``."""
         w_k = np.asarray(w_k, dtype=np.float64)
         step = cosines(self.canaries.directions, self.w_last - w_k)
         z = math.sqrt(self.canaries.directions.shape[1]) * step
-        if self.noise_multiplier == 0 and self.sampling_rate < 1:
+        if self._largest_z:
             self.all_iterates = np.maximum(self.all_iterates, z)
         else:
             self.all_iterates = self.all_iterates + round_log_likelihood_ratio(

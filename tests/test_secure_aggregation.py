@@ -28,6 +28,7 @@ from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.secure_aggregation import workflow_for
 from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid
+from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.run import plan_for
 from dpfedavg.tasks import build_task
 
@@ -234,10 +235,13 @@ def _arrays_in(msg: Message) -> list[np.ndarray]:
 def test_the_server_never_receives_an_individual_unmasked_update(tmp_path, monkeypatch) -> None:
     cfg = _cfg(**{"num-rounds": 2, "dim": 16})
     # the per-client aggregation path must not be used at all
-    monkeypatch.setattr(
-        "dpfedavg.server.dp_server.DPServer.finish_round",
-        lambda *a, **k: pytest.fail("finish_round (per-client updates) called under secure aggregation"),
-    )
+    close_round = DPServer.close_round
+
+    def sums_only(server, server_round, replies):  # noqa: ANN001, ANN202
+        assert not replies.results, "per-client updates reached the server under secure aggregation"
+        return close_round(server, server_round, replies)
+
+    monkeypatch.setattr(DPServer, "close_round", sums_only)
     out, grid = _run_flower(cfg, tmp_path, "spy")
     assert (out / "model.npz").exists()
     task = build_task(cfg)

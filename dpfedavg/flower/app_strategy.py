@@ -35,11 +35,11 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
@@ -51,24 +51,21 @@ from dpfedavg.flower.client_metrics import average_client_metrics
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.mod import ARRAY_KEYS, CLIENT_ID, public_parameters
 from dpfedavg.flower.protocol import (
-    ARRAYS,
-    CONFIG,
     METRICS,
     NUM_EXAMPLES,
     PARTITION_ID,
     UPDATE_NORM,
     instructions_to_config_record,
     parse_train_reply,
-    to_array_record,
 )
-from dpfedavg.flower.replies import UNAVAILABLE_CODES
 from dpfedavg.flower.runtime import route_logs_through_flower
-from dpfedavg.flower.secure_aggregation import HALTED, SecureSum
 from dpfedavg.flower.strategy import DPFedAvg as FlowerDPFedAvg
 from dpfedavg.flower.strategy import FlowerRunner, log_privacy_plan
 from dpfedavg.server.dp_server import DPServer
+from dpfedavg.io.metrics import RoundStats
 from dpfedavg.server.health import ReplyHealth, stopped
 from dpfedavg.server.loop import run_rounds
+from dpfedavg.server.round import RoundRecord
 from dpfedavg.server.run import plan_for
 
 __all__ = ["APP_KEYS", "AppDPFedAvg", "AppSettings", "DPFedAvg"]
@@ -298,13 +295,12 @@ class AppDPFedAvg(DPFedAvg):
         self.stopped_before_round: int | None = None
         self.timings: dict[int, dict[str, float]] = {}
         self._initial: ArrayRecord | None = None
-        self._sampled: dict[int, list[int]] = {}
-        self._closed: dict[int, Vector] = {}
-        self._failures: dict[int, list[str]] = {}
-        self._client_metrics: dict[int, dict[str, float]] = {}
+        self._closed: dict[int, RoundRecord] = {}
+        self._hook_runner = None
+        #: What travels in a round's messages: the user's arrays and one client id per node (set by start()).
+        self.edge: UserArrays | None = None  # type: ignore[assignment]
         #: Round -> why clients' own metrics were left out of its average (``dpfedavg.flower.client_metrics``).
         self.client_metrics_rejected: dict[int, list[str]] = {}
-        self._newcomers: set[int] = set()
         self._num_rounds = 0
 
     @classmethod
@@ -406,9 +402,12 @@ class AppDPFedAvg(DPFedAvg):
         self.population = self._wait_for_population(grid, probe.node_wait_timeout)
         cfg = self.settings.config(len(self.population), rounds)
         self.cfg, self._num_rounds = cfg, rounds
-        self.server = DPServer(cfg, self.layout.dim, plan=plan_for(cfg))
+        self.server = DPServer(cfg, self.layout.dim, plan=plan_for(cfg), represent=self.layout.round_trip)
         self.dim = self.layout.dim
         self._initial = initial_arrays
+        self.edge = UserArrays(
+            self.server, cfg, self.layout, initial_arrays, self.population, rounds, self.client_metrics_rejected
+        )
 
     def _user_arrays(self, w: Vector) -> ArrayRecord:
         assert self.layout is not None and self._initial is not None
@@ -510,13 +509,15 @@ class AppDPFedAvg(DPFedAvg):
                 result.evaluate_metrics_serverapp[0] = metrics
         runner = FlowerRunner(self, grid, train_config, self.cfg.round_timeout if timeout is None else timeout)
         w0 = self.layout.flatten(initial_arrays)  # type: ignore[union-attr]
+        edge = self.edge
+        assert edge is not None
 
-        def record(server_round: int, w: Vector) -> None:
-            result.arrays = self._user_arrays(w)
-            self._log_round(server_round)
-            stats = self.history[server_round]
-            dp_stats = {k: v for k, v in stats.as_metrics().items() if k != "eta"}  # eta_k: dpfedavg's own clients
-            metrics = {**self._client_metrics.pop(server_round, {}), **dp_stats}
+        def record(closed: RoundRecord) -> None:
+            server_round = closed.round
+            result.arrays = self._user_arrays(closed.w)
+            self._log_round(closed.stats)
+            dp_stats = {k: v for k, v in closed.stats.as_metrics().items() if k != "eta"}  # eta_k: dpfedavg's clients
+            metrics = {**edge.client_metrics.pop(server_round, {}), **dp_stats}
             result.train_metrics_clientapp[server_round] = MetricRecord(metrics)
             self.timings[server_round] = runner.timings.pop(server_round, {})
             self._stop_if_unhealthy(server_round, result)
@@ -548,8 +549,7 @@ class AppDPFedAvg(DPFedAvg):
     def _probe_instructions(self) -> RoundInstructions:
         return self.server.instructions(1, 1)
 
-    def _log_round(self, server_round: int) -> None:
-        stats = self.history[server_round]
+    def _log_round(self, stats: RoundStats) -> None:
         if self.server.adaptive is not None:
             clipped = f"C_k={stats.clip:.4g}, released unclipped fraction b_k={stats.frac_unclipped:.3g}"
         elif not self.server.bound.private:
@@ -571,7 +571,7 @@ class AppDPFedAvg(DPFedAvg):
         )
 
     def _stop_if_unhealthy(self, server_round: int, result: Result) -> None:
-        verdict = self.health.verdict(server_round, self.history, self._failures)
+        verdict = self.health.verdict(server_round, self.history)
         if verdict is None:
             return
         epsilon = self.epsilon if self.plan.dp else math.inf
@@ -580,24 +580,67 @@ class AppDPFedAvg(DPFedAvg):
         stop.result = result
         raise stop
 
-    # ------------------------------------------------------------------ one round
-    def _prepare_round(
-        self, server_round: int, clients: np.ndarray, instructions: RoundInstructions, config: ConfigRecord, grid: Grid
-    ) -> ConfigRecord:
+    # ------------------------------------------------------------------ Flower's hooks, round by round
+    def before_rounds(self, grid: Grid) -> None:
+        """Rounds run after `start()` set the run up (`start()` runs every round; the hooks work after it too)."""
+        self._require_setup()
+
+    def available(self, grid: Grid) -> list[int] | None:
+        """Every SuperNode of the population is a candidate (the mechanisms here do not select among them)."""
+        return None
+
+    def _require_setup(self) -> None:
+        if self.server is None:
+            raise RuntimeError(
+                "DPFedAvg runs its rounds in start(grid, initial_arrays, num_rounds=...), which calibrates the noise "
+                "for num_rounds first"
+            )
+
+
+class UserArrays:
+    """What a user's app puts in a round's messages (`FlowerRunner`'s edge; dpfedavg's own apps: `FlatModel`).
+
+    The user's ``ArrayRecord`` (`ArrayLayout`: its floating arrays are ``w``), one client per SuperNode (client id
+    ``i`` is ``population[i]``, named by ``client-id`` in its message), the run's public parameters (``dp_mod``
+    computes its own noise std from them), SecAgg+ over every array, and the clients' own metrics kept per round
+    (`client_metrics`; averaged by ``num-examples`` as FedAvg does).
+    """
+
+    #: A SecAgg+ round that halted on the clients' errors counts them as failed, so that fail fast sees them.
+    secagg_errors_fail = True
+
+    def __init__(
+        self,
+        server: DPServer,
+        cfg: RunConfig,
+        layout: ArrayLayout,
+        initial: ArrayRecord,
+        population: list[int],
+        num_rounds: int,
+        rejected_metrics: dict[int, list[str]],
+    ) -> None:
+        self.server, self.cfg, self.layout, self.initial = server, cfg, layout, initial
+        self.population, self.num_rounds = population, num_rounds
+        self.newcomers: set[int] = set()
+        #: Round -> the clients' own metrics, averaged (taken by the strategy's round record).
+        self.client_metrics: dict[int, dict[str, float]] = {}
+        self.rejected_metrics = rejected_metrics
+
+    def nodes(self, server_round: int, clients: np.ndarray, grid: Grid) -> dict[int, list[int]]:
         """Map the sampled client ids to their SuperNodes (connected ones; the others are dropouts)."""
         logger.info("")
-        logger.info("[ROUND %d/%d]", server_round, self._num_rounds)
+        logger.info("[ROUND %d/%d]", server_round, self.num_rounds)
         online = set(int(n) for n in grid.get_node_ids())
-        self._sampled, offline = {}, []
+        sampled, offline = {}, []
         for client in sorted(int(c) for c in clients):
             node = self.population[client]
             if node in online:
-                self._sampled[node] = [client]
+                sampled[node] = [client]
             else:
                 offline.append(client)
-        newcomers = online - set(self.population) - self._newcomers
+        newcomers = online - set(self.population) - self.newcomers
         if newcomers:
-            self._newcomers |= newcomers
+            self.newcomers |= newcomers
             logger.warning(
                 "%d SuperNodes connected after the start (%s): they are not part of the sampled population "
                 "(n=%d), so they are never sampled",
@@ -613,114 +656,51 @@ class AppDPFedAvg(DPFedAvg):
         )
         if offline:
             logger.warning("Round %d: %d sampled clients are not connected (dropouts)", server_round, len(offline))
-        train_config = ConfigRecord(dict(config))
-        for key, value in instructions_to_config_record(instructions).items():
-            train_config[key] = value
-        for key, value in public_parameters(self.cfg).items():  # dp_mod computes its own noise std from these
-            train_config[key] = value
-        return train_config
+        return sampled
 
-    def _round_messages(self, w: Vector, train_config: ConfigRecord) -> list[Message]:
-        """One TRAIN message per sampled, connected SuperNode: the user's arrays (w_k), the config, a client id."""
-        arrays = self._user_arrays(w)
-        messages = []
-        for node in sorted(self._sampled):
-            config = ConfigRecord({**train_config, CLIENT_ID: self._sampled[node][0]})
-            record = RecordDict({ARRAYS: arrays, CONFIG: config})
-            messages.append(Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node))
-        return messages
+    def run_keys(self) -> dict[str, object]:
+        """The run's public parameters: dp_mod computes its own noise std from these."""
+        return dict(public_parameters(self.cfg))
 
-    def _finish_from_replies(self, server_round: int, replies: Iterable[Message]) -> Vector:
-        """Close the round from the replies; also keep the failures' reasons and the clients' own metrics."""
-        replies = list(replies)
-        self._failures[server_round] = [
-            msg.error.reason
-            for msg in replies
-            if msg.has_error() and msg.error.code not in UNAVAILABLE_CODES and msg.metadata.src_node_id in self._sampled
-        ]
-        self._client_metrics[server_round] = self._aggregate_client_metrics(server_round, replies)
-        w_new = super()._finish_from_replies(server_round, replies)
-        return self.layout.round_trip(w_new)  # type: ignore[union-attr]
+    def flatten(self, arrays: ArrayRecord) -> Vector:
+        return self.layout.flatten(arrays)
 
-    def _aggregate_client_metrics(self, server_round: int, replies: list[Message]) -> dict[str, float]:
+    def arrays(self, w: Vector) -> ArrayRecord:
+        return self.layout.unflatten(w, self.initial)
+
+    def node_keys(self, clients: list[int]) -> dict[str, object]:
+        return {CLIENT_ID: clients[0]}
+
+    def secagg_payload(self, w: Vector, config: ConfigRecord) -> tuple[object, ConfigRecord]:
+        """SecAgg+ with the user's arrays (all of them, in the layout's order, keys in the config) as ``FitIns``."""
+        arrays = self.arrays(w)
+        config = ConfigRecord({**config, ARRAY_KEYS: json.dumps(list(self.layout.keys))})
+        return [arrays[key].numpy() for key in self.layout.keys], config
+
+    def observe(self, server_round: int, replies: list[Message], sampled: dict[int, list[int]]) -> None:
         """The clients' own metrics of the usable replies, averaged weighted by ``num-examples`` (as FedAvg does).
 
         A client whose ``num-examples`` or a metric is not plausible is left out, with the reason logged and kept in
-        ``client_metrics_rejected`` (the rules: ``dpfedavg.flower.client_metrics``).
+        ``rejected_metrics`` (the rules: ``dpfedavg.flower.client_metrics``).
         """
-        bound = self.server.sensitivity if self.server.bound.private else float("inf")
         clients: list[tuple[str, dict[str, Any]]] = []
         for msg in replies:
             src = msg.metadata.src_node_id
-            if msg.has_error() or src not in self._sampled:
+            if msg.has_error() or src not in sampled or not self._usable(msg):
                 continue
-            try:
-                parse_train_reply(msg.content, self.server.release_dim, diagnostics=self.cfg.diagnostics, clip=bound)
-            except ValueError:
-                continue
-            clients.append((f"node {src} (client {self._sampled[src][0]})", dict(msg.content[METRICS])))
+            clients.append((f"node {src} (client {sampled[src][0]})", dict(msg.content[METRICS])))
         out, rejected = average_client_metrics(clients, NUM_EXAMPLES, skip=frozenset({UPDATE_NORM, PARTITION_ID}))
         for reason in rejected:
             logger.warning("Round %d: clients' metrics: %s", server_round, reason)
         if rejected:
-            self.client_metrics_rejected[server_round] = rejected
-        return out
+            self.rejected_metrics[server_round] = rejected
+        self.client_metrics[server_round] = out
 
-    # ------------------------------------------------------------------ secure aggregation
-    def _run_secure_aggregation(
-        self, server_round: int, w: Vector, train_config: ConfigRecord, grid: Grid, timeout: float
-    ) -> SecureSum:
-        """SecAgg+ with the user's arrays (all of them, in the layout's order, keys in the config) as ``FitIns``."""
-        arrays = self._user_arrays(w)
-        assert self.layout is not None
-        config = ConfigRecord({**train_config, ARRAY_KEYS: json.dumps(list(self.layout.keys))})
-        payload = [arrays[key].numpy() for key in self.layout.keys]
-        return super()._run_secure_aggregation(server_round, payload, config, grid, timeout)  # type: ignore[arg-type]
-
-    def _aggregate_secure(self, server_round: int, outcome: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
-        """Close a SecAgg+ round; a round that halted on the clients' errors counts them as failed (fail fast)."""
-        arrays, metrics = super()._aggregate_secure(server_round, outcome)
-        failed = [e for e in outcome.errors if e != HALTED]
-        stats = self.history[server_round]
-        if outcome.total is None and failed:
-            stats.num_failed = min(stats.num_sampled, len(failed))
-            stats.num_dropped = stats.num_sampled - stats.num_failed
-            self._failures[server_round] = failed
-        w = self.layout.round_trip(arrays[next(iter(arrays))].numpy())  # type: ignore[union-attr]
-        return to_array_record(w), metrics
-
-    # ------------------------------------------------------------------ Flower's hooks, round by round
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Flower's hook on the user's arrays (after `start()` set the run up; `start()` runs every round)."""
-        self._require_setup()
-        if self.cfg.secure_aggregation:
-            raise RuntimeError("secure-aggregation rounds run through Flower's SecAgg+ workflow: use start()")
-        opened = self.server.begin_round(server_round, self.layout.flatten(arrays))  # type: ignore[union-attr]
-        if opened.closed:
-            assert opened.w is not None
-            self._closed[server_round] = opened.w
-            return []
-        assert opened.instructions is not None
-        train_config = self._prepare_round(server_round, opened.clients, opened.instructions, config, grid)
-        w = self.layout.flatten(arrays)  # type: ignore[union-attr]
-        return self._round_messages(w, train_config) if self._sampled else []
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Flower's hook: the user's arrays for ``w_{k+1}`` and the round's statistics."""
-        self._require_setup()
-        if server_round in self._closed:
-            w = self._closed.pop(server_round)
-        else:
-            w = self._finish_from_replies(server_round, replies)
-        return self._user_arrays(w), MetricRecord(self.history[server_round].as_metrics())
-
-    def _require_setup(self) -> None:
-        if self.server is None:
-            raise RuntimeError(
-                "DPFedAvg runs its rounds in start(grid, initial_arrays, num_rounds=...), which calibrates the noise "
-                "for num_rounds first"
-            )
+    def _usable(self, msg: Message) -> bool:
+        server = self.server
+        bound = server.sensitivity if server.bound.private else float("inf")
+        try:
+            parse_train_reply(msg.content, server.release_dim, diagnostics=self.cfg.diagnostics, clip=bound)
+        except ValueError:
+            return False
+        return True

@@ -9,7 +9,6 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from dpfedavg.config import ConfigError, RunConfig
-from dpfedavg.core.types import Vector
 from dpfedavg.errors import ResultsError
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.protocol import from_array_record, to_array_record
@@ -18,6 +17,7 @@ from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.io.results import check_output_dir
 from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.health import TrainingStopped
+from dpfedavg.server.round import RoundRecord
 from dpfedavg.server.run import plan_for, prepare_run
 from dpfedavg.server.session import RunResult, check_run_directory
 from dpfedavg.tasks import resolve_task
@@ -47,10 +47,10 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
 
         scores = canary_scores(session, canaries, prepared.w)
 
-        def on_round_end(server_round: int, w: Vector) -> dict[str, float]:
-            scores.observe(w)
-            metrics = session.end_round(server_round, w)
-            log_interim_audit(session, scores, server_round)
+        def on_round_end(record: RoundRecord) -> dict[str, float]:
+            scores.observe(record.w)
+            metrics = session.end_round(record)
+            log_interim_audit(session, scores, record.round)
             return metrics
 
     result = strategy.start(

@@ -110,7 +110,18 @@ def prepare_run(
     server_cfg = canary_federation(cfg, canaries.num_inserted if canaries is not None else 0)
     if server_cfg is not cfg:  # the same z and q; the rounds sample from the n' clients
         plan = dataclasses.replace(plan, params=DpParams.from_config(server_cfg))
-    server = DPServer(server_cfg, built.dim, plan=plan, epsilon_each_round=epsilon_each_round)
-    session = RunSession(cfg, built, server, run_id, engine=engine)
+    session = RunSession(
+        cfg,
+        built,
+        run_id,
+        engine,
+        plan=plan,
+        dim=built.dim,
+        server_for=lambda log: DPServer(
+            server_cfg, built.dim, plan=plan, epsilon_each_round=epsilon_each_round, release_log=log
+        ),
+    )
+    server = session.server
+    assert isinstance(server, DPServer)
     w, first_round = session.begin(built.initial_weights())
     return PreparedRun(cfg, built, server, session, w, first_round, canaries)

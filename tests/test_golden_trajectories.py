@@ -10,22 +10,25 @@ UNCHANGED, before and after the refactoring. Each case is a small seeded run (th
 * the Flower simulation in process (`dpfedavg.flower.server_app.main` with `dpfedavg.flower.client_app.app` on
   an `InProcessGrid`), plain and with SecAgg+;
 * `dp_mod` in a Flower-quickstart-shaped app (a user's ClientApp train function, the public `DPFedAvg`);
-* resumes: the Flower run killed mid-round (its grid raises) and resumed with ``resume=true``, and a batched run
-  stopped after 3 rounds and continued to 5, reproduce the uninterrupted runs' constants.
+* resumes (``resume=true``) reproduce the uninterrupted runs' constants: the Flower run killed in round 4 (its grid
+  raises), the batched run killed in round 4 (its task's evaluation raises), and a batched run stopped after
+  3 rounds and continued to 5.
 
-What is pinned per case (`Record`): for every round k = 0..K the SHA-256 (first 16 hex) of ``w_k``
+What is pinned per case: for every round k = 0..K the SHA-256 (first 16 hex) of ``w_k``
 (``trajectory.npy``, which the engines write as float32; the dp_mod case: the user's float64 arrays as
-``evaluate_fn`` sees them) and of the round's ``metrics.csv`` row (every column but ``elapsed_s``: float64
-objective, distance, norms, epsilon, counts, C_k); the hash of the final float64 model (``model.npz``: w_K, the
-random iterate and its round); the hash of ``config.json``'s final summary (without its time stamp; with
-canaries, the audit); and the final epsilon (to 1e-9 relative).
+``evaluate_fn`` sees them) and of the round's ``metrics.csv`` row (every column but ``elapsed_s``: the float64
+objective, distance and update norm of w_k, epsilon, counts, C_k; these catch what float32 rounds away: noise
+scaled by 1 + 1e-12 changes round 1's row); the hash of the final float64 model (``model.npz``: w_K, the random
+iterate and its round); the hash of ``config.json``'s final summary (without its time stamp; with canaries, the
+audit); and the final epsilon (to 1e-9 relative).
 
 A deliberate behaviour change regenerates the constants with::
 
-    DPFEDAVG_REGENERATE_GOLDEN=1 python tests/test_golden_trajectories.py
+    DPFEDAVG_REGENERATE_GOLDEN=1 PYTHONPATH=. python tests/test_golden_trajectories.py
 
-which prints the new `GOLDEN` to paste here (say why in the commit). Under pytest the same variable makes each
-case print its record instead of comparing. The normal run only compares.
+(from the repository root) which prints the new `GOLDEN` to paste here (say why in the commit); it also checks
+that each resume reproduces its uninterrupted run. Under pytest (``-s``) the same variable makes each case print
+its record instead of comparing. The normal run only compares.
 
 Determinism: each case gave the same hashes twice in a row and with 1 or 4 threads (BLAS and the engine's
 client blocks); SecAgg+'s masks are random, but they cancel exactly in the sum.
@@ -84,9 +87,16 @@ def _h(data: bytes) -> str:
 
 # ---------------------------------------------------------------------------------------------------- adapters
 # The only places that name an entry point: if the redesign renames one, edit it here (and nothing else).
-def _run_batched(cfg: RunConfig) -> Path:
-    """The batched engine through the Python API."""
-    return run(cfg, progress=False).directory
+def _run_batched(cfg: RunConfig, task: Callable[[RunConfig], Any] | None = None) -> Path:
+    """The batched engine through the Python API (``task``: a factory of the run's task)."""
+    return run(cfg, task=task, progress=False).directory
+
+
+def _build_task(cfg: RunConfig) -> Any:
+    """The task ``cfg`` names, as the engines build it."""
+    from dpfedavg.tasks import build_task
+
+    return build_task(cfg)
 
 
 def _run_sweep_batch(out: Path, cells: dict[str, dict[str, Any]]) -> list[Path]:
@@ -215,8 +225,34 @@ def case_flower_resumed(out: Path) -> dict[str, Any]:
     cfg = _cfg(out, **FLOWER)
     with pytest.raises(_Crash):
         _run_flower(cfg, grid_cls=_DiesInRound4)
-    assert not (out / "run" / "model.npz").exists()  # it did die mid-run
+    assert (out / "run" / "checkpoint.npz").exists() and not (out / "run" / "model.npz").exists()  # died mid-run
     return _run_record(_run_flower(cfg.replace(resume=True), seed=9))
+
+
+class _DiesEvaluatingRound4:
+    """The quadratic, whose server-side evaluation kills the process in round 4 (after round 2's checkpoint)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self._task, self._evaluations = _build_task(cfg), 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def evaluate(self, w: np.ndarray) -> dict[str, float]:
+        self._evaluations += 1  # rounds 0, 1, 2, ... (eval-every = 1)
+        if self._evaluations == 5:
+            raise _Crash
+        return self._task.evaluate(w)
+
+
+def case_batched_crashed(out: Path) -> dict[str, Any]:
+    """`case_batched_clip`'s run (checkpoints every 2 rounds) killed in round 4 and resumed: its record must be the
+    uninterrupted run's (compared with GOLDEN["batched-clip"])."""
+    cfg = _cfg(out, **{"checkpoint-every": 2})
+    with pytest.raises(_Crash):
+        _run_batched(cfg, task=_DiesEvaluatingRound4)
+    assert (out / "run" / "checkpoint.npz").exists() and not (out / "run" / "model.npz").exists()  # died mid-run
+    return _run_record(_run_batched(cfg.replace(resume=True)))
 
 
 def case_batched_resumed(out: Path) -> dict[str, Any]:
@@ -294,6 +330,7 @@ CASES: dict[str, Callable[[Path], dict[str, Any]]] = {
 #: Resumes: case -> the uninterrupted run whose constants it must reproduce, and which of them.
 RESUMES: dict[str, tuple[Callable[[Path], dict[str, Any]], str, tuple[str, ...]]] = {
     "flower-resumed": (case_flower_resumed, "flower", ("w", "metrics", "final", "summary", "epsilon")),
+    "batched-crashed": (case_batched_crashed, "batched-clip", ("w", "metrics", "final", "summary", "epsilon")),
     "batched-resumed": (case_batched_resumed, "batched-clip", ("w", "metrics", "epsilon")),
 }
 
@@ -411,7 +448,7 @@ def _compare(name: str, got: dict[str, Any], want: dict[str, Any], keys: tuple[s
         return
     for key in keys or tuple(want):
         if key == "epsilon":
-            assert math.isclose(got[key], want[key], rel_tol=1e-9), f"{name}: final epsilon {got[key]!r} != {want[key]!r}"
+            assert math.isclose(got[key], want[key], rel_tol=1e-9), f"{name}: epsilon {got[key]!r} != {want[key]!r}"
         elif isinstance(want[key], list):
             first = next((k for k, (a, b) in enumerate(zip(got[key], want[key])) if a != b), None)
             assert got[key] == want[key], (

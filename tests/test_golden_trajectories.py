@@ -8,8 +8,9 @@ UNCHANGED, before and after the refactoring. Each case is a small seeded run (th
 * the batched engine (`dpfedavg.run`): clip, norm (calibrated z, momentum), adaptive-clip, banded MF
   (server noise), canary clients; a sweep's batch (`dpfedavg.experiments.sweep.run_cells`, three runs at once);
 * the Flower simulation in process (`dpfedavg.flower.server_app.main` with `dpfedavg.flower.client_app.app` on
-  an `InProcessGrid`), plain and with SecAgg+;
-* `dp_mod` in a Flower-quickstart-shaped app (a user's ClientApp train function, the public `DPFedAvg`);
+  an `InProcessGrid`), plain, with SecAgg+ and with canary clients;
+* `dp_mod` in a Flower-quickstart-shaped app (a user's ClientApp train function, the public `DPFedAvg`), plain and
+  inside Flower's ``secaggplus_mod``;
 * resumes (``resume=true``) reproduce the uninterrupted runs' constants: the Flower run killed in round 4 (its grid
   raises), the batched run killed in round 4 (its task's evaluation raises), and a batched run stopped after
   3 rounds and continued to 5.
@@ -199,6 +200,11 @@ def case_flower_secagg(out: Path) -> dict[str, Any]:
     return _run_record(_run_flower(cfg))
 
 
+def case_flower_canaries(out: Path) -> dict[str, Any]:
+    """The Flower simulation audited with 4 canary clients (the server computes them beside the real replies)."""
+    return _run_record(_run_flower(_cfg(out, **{"canary-clients": 4})))
+
+
 class _Crash(BaseException):
     """Stands in for the server process dying (not an Exception: nothing may catch it)."""
 
@@ -286,12 +292,15 @@ def _user_train(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"arrays": _user_arrays(w), "metrics": metrics}), reply_to=msg)
 
 
-def case_dp_mod(out: Path) -> dict[str, Any]:
-    """`dp_mod` around a user's train function, the public `DPFedAvg` (keywords) in the user's server code."""
+def _dp_mod_app(out: Path, secure_aggregation: bool = False) -> dict[str, Any]:
+    """`dp_mod` around a user's train function (inside Flower's ``secaggplus_mod`` with secure aggregation), the
+    public `DPFedAvg` (keywords) in the user's server code; evaluate_fn sees every round's float64 arrays."""
+    from flwr.client.mod import secaggplus_mod
+
     client = ClientApp()
-    client.train(mods=[dp_mod])(_user_train)
+    client.train(mods=[secaggplus_mod, dp_mod] if secure_aggregation else [dp_mod])(_user_train)
     strategy = DPFedAvg(algorithm="clip", clip=0.3, epsilon=4.0, delta=1e-5, clients_per_round=6.0, num_clients=10,
-                        seed=3)  # fmt: skip
+                        seed=3, secure_aggregation=secure_aggregation)  # fmt: skip
     seen: dict[int, bytes] = {}
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -316,6 +325,16 @@ def case_dp_mod(out: Path) -> dict[str, Any]:
     }
 
 
+def case_dp_mod(out: Path) -> dict[str, Any]:
+    """`dp_mod` in a user's app (client-calibrated noise, the user's float64 arrays)."""
+    return _dp_mod_app(out)
+
+
+def case_dp_mod_secagg(out: Path) -> dict[str, Any]:
+    """`dp_mod` inside ``secaggplus_mod``: the server gets the SecAgg+ sum of the clients' encoded updates only."""
+    return _dp_mod_app(out, secure_aggregation=True)
+
+
 CASES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "batched-clip": case_batched_clip,
     "batched-norm": case_batched_norm,
@@ -325,7 +344,9 @@ CASES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "sweep-batch": case_sweep_batch,
     "flower": case_flower,
     "flower-secagg": case_flower_secagg,
+    "flower-canaries": case_flower_canaries,
     "dp-mod": case_dp_mod,
+    "dp-mod-secagg": case_dp_mod_secagg,
 }
 #: Resumes: case -> the uninterrupted run whose constants it must reproduce, and which of them.
 RESUMES: dict[str, tuple[Callable[[Path], dict[str, Any]], str, tuple[str, ...]]] = {
@@ -428,12 +449,29 @@ GOLDEN: dict[str, Any] = {
         "summary": "ed6acc6ff79cb0dc",
         "epsilon": 6.676961876150524,
     },
+    "flower-canaries": {
+        "w": ["2aefe74eec6211b3", "9e0450908fcf3061", "454d6c07d454a54b", "a18a69fa1ba59b13",
+            "d819503369040af4", "364c402b742f8bd2"],
+        "metrics": ["a632dbe1389e41e5", "1eb419b6adf67164", "6df61eaa30918167", "4103e6188e94322c",
+            "2b398e2976e79327", "395afbcbc8503d30"],
+        "final": "790b60f19b70faf1",
+        "summary": "26d7e9cb7a67472e",
+        "epsilon": 7.422291022120223,
+    },
     "dp-mod": {
         "w": ["d4817aa5497628e7", "23c0574267fdb8ae", "1aad311bdb95c6ac", "ff67bc69337d1204",
             "a471976bdc80e23c", "edf733224004bbab"],
         "metrics": ["84d366105d0358c2", "d75b903945b88225", "8d6c283bf9cb9e82", "e6227b4438eb7c69",
             "3bab3446a8d6310e"],
         "final": "edf733224004bbab",
+        "epsilon": 3.9971414696945997,
+    },
+    "dp-mod-secagg": {
+        "w": ["d4817aa5497628e7", "29535b90406b40d5", "9d1a1a9bab04cb68", "5775d7fceac78f13",
+            "e88485f8064d98a0", "3ef6432748e05616"],
+        "metrics": ["e85a69cccddfd951", "95089c95c17b5c0b", "84d9164a1b0a3334", "e215b688c18098cd",
+            "562091117c57b8c7"],
+        "final": "3ef6432748e05616",
         "epsilon": 3.9971414696945997,
     },
 }

@@ -31,8 +31,9 @@ A deliberate behaviour change regenerates the constants with::
 that each resume reproduces its uninterrupted run. Under pytest (``-s``) the same variable makes each case print
 its record instead of comparing. The normal run only compares.
 
-Determinism: each case gave the same hashes twice in a row and with 1 or 4 threads (BLAS and the engine's
-client blocks); SecAgg+'s masks are random, but they cancel exactly in the sum.
+Determinism: each case gave the same hashes twice in a row, in reverse order, and with 1, 4 or 8 BLAS threads and
+the engine's default threads at 1 or 8 CPUs (at these sizes a round is one block of clients); SecAgg+'s masks
+are random, but they cancel exactly in the sum.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from dpfedavg.engines.batched import run_batched
 from dpfedavg.flower import server_app
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.protocol import CLIENT_IDS, CONFIG, to_array_record
-from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.io.checkpoint import load_checkpoint
 from dpfedavg.server.run import plan_for

@@ -39,7 +39,7 @@ from dpfedavg.flower.protocol import (  # noqa: E402
     instructions_from_config_record,
     to_array_record,
 )
-from dpfedavg.flower.strategy import DPFedAvg  # noqa: E402
+from dpfedavg.flower.app_strategy import DPFedAvg  # noqa: E402
 from dpfedavg.flower.testing import InProcessGrid  # noqa: E402
 from dpfedavg.tasks.torch_task import TorchTask  # noqa: E402
 

@@ -245,7 +245,8 @@ def test_secure_sum_one_client_could_not_have_produced_is_skipped(tmp_path: Path
     """Under SecAgg+ the server sees only the sum: a sum no N honest clients can produce (norm beyond
     N C + s sqrt(N) (sqrt(d) + t)) skips the round (noise only), with the reason in the log."""
     from dpfedavg.flower.secure_aggregation import SecureSum
-    from dpfedavg.flower.strategy import DPFedAvg, FlowerRunner
+    from dpfedavg.flower.app_strategy import DPFedAvg
+    from dpfedavg.flower.strategy import FlowerRunner
 
     cfg = _cfg(tmp_path, **{"secure-aggregation": True, "epsilon": 0.0, "noise-multiplier": 1.0})
     strategy = DPFedAvg(cfg, dim=DIM)

@@ -29,7 +29,7 @@ from dpfedavg.flower.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.io import atomic
 from dpfedavg.io.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint

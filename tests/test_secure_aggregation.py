@@ -26,7 +26,7 @@ from dpfedavg.engines.batched import run_batched
 from dpfedavg.flower import server_app
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.secure_aggregation import workflow_for
-from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.run import plan_for

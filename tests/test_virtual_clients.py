@@ -27,7 +27,7 @@ from dpfedavg.flower.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid, superlink_unavailable_reply
 
 CASES = {

@@ -59,8 +59,8 @@ from dpfedavg.flower.protocol import (
     parse_train_reply,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
-from dpfedavg.flower.strategy import DPFedAvg as FlowerDPFedAvg
-from dpfedavg.flower.strategy import FlowerRunner, log_privacy_plan
+from dpfedavg.flower.strategy import FlowerRunner, RunStrategy, log_privacy_plan
+from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.server.health import ReplyHealth, stopped
@@ -215,9 +215,10 @@ class AppSettings:
         self.num_clients: int | None = options.get("num-clients")
         self.num_rounds: int | None = options.get("num-rounds")
         # the values themselves, checked by the run config with placeholders for what start() will know
-        self.config(self.num_clients or self._placeholder_clients(), self.num_rounds or _FLOWER_ROUNDS)
+        self.config(self.num_clients or self.placeholder_clients(), self.num_rounds or _FLOWER_ROUNDS)
 
-    def _placeholder_clients(self) -> int:
+    def placeholder_clients(self) -> int:
+        """A stand-in ``n`` for checking the values before `start()` knows the SuperNodes (from ``r``, or 1000)."""
         r = self.options.get("clients-per-round")
         if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0:
             return max(1, math.ceil(r))
@@ -232,54 +233,62 @@ class AppSettings:
         return RunConfig.from_run_config(values)
 
 
-class DPFedAvg(FlowerDPFedAvg):
+class DPFedAvg(RunStrategy):
     """DP-FedAvg (``algorithm="clip"``, Alg. 1) or DP-NormFedAvg (``"norm"``, Alg. 2) as a Flower strategy.
 
-    Two ways to build it:
+    One class, two ways to build it:
 
     * in **your** ServerApp, keywords only: ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, delta=1e-5,
-      clients_per_round=10, ...)`` or ``DPFedAvg.from_run_config(context.run_config)`` give an
-      `AppDPFedAvg`, which works on your model's ``ArrayRecord`` with your ClientApp's train wrapped
-      in `dpfedavg.dp_mod()`;
-    * for dpfedavg's own apps: ``DPFedAvg(cfg, dim)`` (or ``server=``), the strategy of
-      `dpfedavg.flower.strategy` on the flat model ``w``.
-    """
-
-    def __new__(cls, cfg: RunConfig | None = None, *args: Any, **kwargs: Any) -> DPFedAvg:  # noqa: D102
-        if cls is DPFedAvg and cfg is None and not args and kwargs.get("server") is None:
-            return super().__new__(AppDPFedAvg)
-        return super().__new__(cls)
-
-    @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any], prefix: str = "dpfedavg", **overrides: Any) -> AppDPFedAvg:
-        """The strategy for your own app from the ``dpfedavg.*`` keys of ``context.run_config``.
-
-        See `AppDPFedAvg.from_run_config()`.
-        """
-        return AppDPFedAvg.from_run_config(run_config, prefix, **overrides)
-
-
-class AppDPFedAvg(DPFedAvg):
-    """DP-FedAvg / DP-NormFedAvg for your own Flower app (see the module docstring).
-
-    Build it with ``DPFedAvg(**settings)`` or ``DPFedAvg.from_run_config(context.run_config)``.
+      clients_per_round=10, ...)`` or ``DPFedAvg.from_run_config(context.run_config)``: the strategy works on
+      your model's ``ArrayRecord`` with your ClientApp's train wrapped in `dpfedavg.dp_mod()` (see the module
+      docstring; what travels is `UserArrays`);
+    * for dpfedavg's own apps: ``DPFedAvg(cfg, dim)`` (or ``server=``), `RunStrategy` on the flat model ``w``.
 
     Parameters
     ----------
+    cfg, dim, plan, server, canaries:
+        dpfedavg's own apps: see `RunStrategy`.
     **settings:
-        dpfedavg's keys in snake_case (``algorithm``, ``clip``, ``epsilon``, ``delta``, ``clients_per_round``
-        or ``fraction_train``, ``num_clients``, ``noise_multiplier``, ``accountant``, ``max_epsilon``,
-        ``noise_placement``, ``seed``, ``secure_noise``, ``server_lr``, ``server_momentum``,
+        Your app: dpfedavg's keys in snake_case (``algorithm``, ``clip``, ``epsilon``, ``delta``,
+        ``clients_per_round`` or ``fraction_train``, ``num_clients``, ``noise_multiplier``, ``accountant``,
+        ``max_epsilon``, ``noise_placement``, ``seed``, ``secure_noise``, ``server_lr``, ``server_momentum``,
         ``secure_aggregation``, ...: `APP_KEYS`) and ``max_failed_fraction``. ``clip`` and the sampling
         rate are required; ``server_lr`` defaults to 1.
     """
 
     #: Without ``num_clients``: seconds the number of connected SuperNodes must stay the same before round 1.
     settle_seconds: float = 1.0
+    #: Your app's settings; ``None`` for dpfedavg's own apps (built from ``cfg``).
+    settings: AppSettings | None = None
 
-    def __init__(self, *, sleep: Callable[[float], None] = time.sleep, **settings: Any) -> None:
-        options = {k.replace("_", "-"): v for k, v in settings.items()}
-        self._configure(AppSettings(options, lambda key: key.replace("-", "_")), sleep)
+    def __init__(
+        self,
+        cfg: RunConfig | None = None,
+        dim: int | None = None,
+        *,
+        plan: PrivacyPlan | None = None,
+        server: DPServer | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        canaries: np.ndarray | None = None,
+        app_settings: AppSettings | None = None,
+        **settings: Any,
+    ) -> None:
+        if cfg is not None or server is not None:
+            if settings or app_settings is not None:
+                raise TypeError(
+                    f"DPFedAvg(cfg, ...) is dpfedavg's own apps' strategy: the settings {sorted(settings)} are for "
+                    "your app's DPFedAvg(**settings), which takes no cfg"
+                )
+            super().__init__(cfg, dim, plan=plan, server=server, sleep=sleep, canaries=canaries)  # type: ignore[arg-type]
+            return
+        if dim is not None or plan is not None or canaries is not None:
+            raise TypeError("DPFedAvg(**settings) for your app takes keywords only (dim, plan and canaries need cfg)")
+        if app_settings is None:
+            options = {k.replace("_", "-"): v for k, v in settings.items()}
+            app_settings = AppSettings(options, lambda key: key.replace("-", "_"))
+        elif settings:
+            raise TypeError("DPFedAvg(app_settings=...) takes no other settings")
+        self._configure(app_settings, sleep)
 
     def _configure(self, settings: AppSettings, sleep: Callable[[float], None]) -> None:
         self.settings = settings
@@ -304,7 +313,7 @@ class AppDPFedAvg(DPFedAvg):
         self._num_rounds = 0
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any], prefix: str = "dpfedavg", **overrides: Any) -> AppDPFedAvg:
+    def from_run_config(cls, run_config: Mapping[str, Any], prefix: str = "dpfedavg", **overrides: Any) -> DPFedAvg:
         """The strategy from the ``<prefix>.<key>`` entries of ``context.run_config`` (and keyword ``overrides``).
 
         In ``pyproject.toml`` these are the keys of the ``[tool.flwr.app.config.dpfedavg]`` table, beside the
@@ -341,9 +350,7 @@ class AppDPFedAvg(DPFedAvg):
                 prefix,
                 prefix,
             )
-        strategy = cls.__new__(cls)
-        strategy._configure(settings, time.sleep)
-        return strategy
+        return cls(app_settings=settings)
 
     # ------------------------------------------------------------------ set-up
     def _rounds(self, num_rounds: int | None) -> int:
@@ -398,7 +405,7 @@ class AppDPFedAvg(DPFedAvg):
             self.layout = ArrayLayout.of(initial_arrays)
         except ValueError as err:
             raise ConfigError(f"invalid initial_arrays: {err}") from None
-        probe = self.settings.config(self.settings.num_clients or self.settings._placeholder_clients(), rounds)
+        probe = self.settings.config(self.settings.num_clients or self.settings.placeholder_clients(), rounds)
         self.population = self._wait_for_population(grid, probe.node_wait_timeout)
         cfg = self.settings.config(len(self.population), rounds)
         self.cfg, self._num_rounds = cfg, rounds
@@ -416,6 +423,8 @@ class AppDPFedAvg(DPFedAvg):
     # ------------------------------------------------------------------ info
     def summary(self) -> None:
         """Log the set-up as Flower's strategies do (called by `start()`)."""
+        if self.settings is None:  # dpfedavg's own apps
+            return super().summary()
         cfg, plan, layout = self.cfg, self.plan, self.layout
         assert cfg is not None and layout is not None
         logger.info("\t├── Number of rounds: %d", self._num_rounds)
@@ -464,6 +473,7 @@ class AppDPFedAvg(DPFedAvg):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        **resume: Any,
     ) -> Result:
         """Run ``num_rounds`` rounds of DP-FedAvg / DP-NormFedAvg on ``initial_arrays``; Flower's ``Result``.
 
@@ -484,6 +494,12 @@ class AppDPFedAvg(DPFedAvg):
             The clients' replies were unusable (see `ReplyHealth`); its ``result``
             holds what the run had, its message the reason, the fix and the epsilon spent.
         """
+        if self.settings is None:  # dpfedavg's own apps (first_round, on_round_end: `RunStrategy.start()`)
+            return super().start(
+                grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn, **resume
+            )
+        if resume:
+            raise TypeError(f"start() got {sorted(resume)}: those are for DPFedAvg(cfg, ...) of dpfedavg's own apps")
         route_logs_through_flower()
         clock = time.perf_counter()
         train_config = ConfigRecord() if train_config is None else train_config
@@ -582,12 +598,15 @@ class AppDPFedAvg(DPFedAvg):
 
     # ------------------------------------------------------------------ Flower's hooks, round by round
     def before_rounds(self, grid: Grid) -> None:
-        """Rounds run after `start()` set the run up (`start()` runs every round; the hooks work after it too)."""
+        """Your app: rounds run after `start()` set the run up (`start()` runs every round; the hooks work after it
+        too). dpfedavg's own apps: the nodes discovered."""
+        if self.settings is None:
+            return super().before_rounds(grid)
         self._require_setup()
 
     def available(self, grid: Grid) -> list[int] | None:
-        """Every SuperNode of the population is a candidate (the mechanisms here do not select among them)."""
-        return None
+        """Your app: every SuperNode of the population is a candidate (its mechanisms do not select among them)."""
+        return super().available(grid) if self.settings is None else None
 
     def _require_setup(self) -> None:
         if self.server is None:
@@ -704,3 +723,7 @@ class UserArrays:
         except ValueError:
             return False
         return True
+
+
+#: The name the docs used for `DPFedAvg` built from keywords: the same class.
+AppDPFedAvg = DPFedAvg

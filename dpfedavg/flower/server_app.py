@@ -13,7 +13,7 @@ from dpfedavg.errors import ResultsError
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.protocol import from_array_record, to_array_record
 from dpfedavg.flower.runtime import setup_app_process
-from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.strategy import RunStrategy
 from dpfedavg.io.results import check_output_dir
 from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.health import TrainingStopped
@@ -37,7 +37,7 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
     """
     prepared = prepare_run(cfg, plan=plan, run_id=run_id, engine="flower", inserts_canaries=True)
     session, canaries = prepared.session, prepared.canaries
-    strategy = DPFedAvg(
+    strategy = RunStrategy(
         cfg, server=prepared.server, canaries=canaries.inserted_directions if canaries is not None else None
     )
     session.description["privacy"]["reply_checks"] = strategy.describe_reply_checks()
@@ -75,7 +75,7 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
     return outcome
 
 
-def timing_summary(strategy: DPFedAvg) -> dict[str, float | None]:
+def timing_summary(strategy: RunStrategy) -> dict[str, float | None]:
     """Median seconds per round in each phase, and the discovery time (for ``config.json``)."""
     out: dict[str, float | None] = {"discovery_s": strategy.discovery_seconds}
     if strategy.timings:

@@ -1,6 +1,6 @@
 """DP-FedAvg / DP-NormFedAvg as a Flower (Message API) strategy.
 
-`DPFedAvg` implements Flower's public `Strategy`
+`RunStrategy` (the public `dpfedavg.DPFedAvg`) implements Flower's public `Strategy`
 hooks. It differs from Flower's ``FedAvg`` where FedAvg is wrong for user-level DP:
 
 * sampling: ``FedAvg`` draws a fixed-size ``random.sample`` of nodes; Alg. 1
@@ -58,7 +58,7 @@ from dpfedavg.server.health import ReplyHealth, TrainingStopped
 from dpfedavg.server.loop import run_rounds
 from dpfedavg.server.round import RoundRecord, RoundReplies
 
-__all__ = ["DPFedAvg", "FlatModel", "FlowerRunner", "log_privacy_plan"]
+__all__ = ["FlatModel", "FlowerRunner", "RunStrategy", "log_privacy_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +83,12 @@ def log_privacy_plan(cfg: RunConfig, plan: PrivacyPlan, sigma: float) -> None:
         logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
 
 
-class DPFedAvg(Strategy):
+class RunStrategy(Strategy):
     """DP-FedAvg (``algorithm='clip'``, Alg. 1), DP-NormFedAvg (``'norm'``, Alg. 2) or FedAvg (``'none'``).
 
-    This class runs dpfedavg's own ServerApp and ClientApp (a flat model ``w``). The public
-    `dpfedavg.DPFedAvg` (`app_strategy`) is this class, plus its keyword form for *your* app.
+    The Flower strategy of dpfedavg's own ServerApp and ClientApp (a flat model ``w``). The one public class,
+    `dpfedavg.DPFedAvg` (`dpfedavg.flower.app_strategy.DPFedAvg`), is this strategy built from ``(cfg, dim)``,
+    or from keywords for *your* app.
 
     Parameters
     ----------
@@ -323,7 +324,7 @@ class DPFedAvg(Strategy):
         if not 1 <= first_round <= self.cfg.num_rounds + 1:  # num-rounds + 1: a resumed run that only finishes
             raise ValueError(f"first_round={first_round} is outside 1..num-rounds + 1 = {self.cfg.num_rounds + 1}")
         self.before_rounds(grid)
-        logger.info("Starting %s strategy:", type(self).__name__)
+        logger.info("Starting DPFedAvg strategy:")
         self.summary()
         timeout = self.cfg.round_timeout if timeout is None else timeout
         runner = FlowerRunner(self, grid, ConfigRecord() if train_config is None else train_config, timeout)
@@ -485,7 +486,7 @@ class FlowerRunner:
 
     PHASES = ("configure_s", "send_and_receive_s", "aggregate_s")
 
-    def __init__(self, strategy: DPFedAvg, grid: Grid, train_config: ConfigRecord, timeout: float) -> None:
+    def __init__(self, strategy: RunStrategy, grid: Grid, train_config: ConfigRecord, timeout: float) -> None:
         self.strategy, self.grid, self.train_config, self.timeout = strategy, grid, train_config, timeout
         self.server, self.cfg, self.edge = strategy.server, strategy.cfg, strategy.edge
         self.timings: dict[int, dict[str, float]] = {}

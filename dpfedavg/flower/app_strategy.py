@@ -60,9 +60,9 @@ from dpfedavg.flower.protocol import (
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
 from dpfedavg.flower.strategy import FlowerRunner, RunStrategy, log_privacy_plan
+from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.dp_server import DPServer
-from dpfedavg.io.metrics import RoundStats
 from dpfedavg.server.health import ReplyHealth, stopped
 from dpfedavg.server.loop import run_rounds
 from dpfedavg.server.round import RoundRecord
@@ -279,7 +279,8 @@ class DPFedAvg(RunStrategy):
                     f"DPFedAvg(cfg, ...) is dpfedavg's own apps' strategy: the settings {sorted(settings)} are for "
                     "your app's DPFedAvg(**settings), which takes no cfg"
                 )
-            super().__init__(cfg, dim, plan=plan, server=server, sleep=sleep, canaries=canaries)  # type: ignore[arg-type]
+            own = {"plan": plan, "server": server, "sleep": sleep, "canaries": canaries}
+            super().__init__(cfg, dim, **own)  # type: ignore[arg-type]
             return
         if dim is not None or plan is not None or canaries is not None:
             raise TypeError("DPFedAvg(**settings) for your app takes keywords only (dim, plan and canaries need cfg)")

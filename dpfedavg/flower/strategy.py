@@ -311,8 +311,8 @@ class RunStrategy(Strategy):
         (`secure_aggregation`), in which the server gets the sum of the sampled clients' updates,
         never one of them. No client-side evaluation. ``evaluate_fn(k, arrays)`` (Flower's server-side
         evaluation) and then ``on_round_end(record)`` (the closed `RoundRecord`; recording: metrics.csv,
-        checkpoint) are called after every round (not for round 0: the caller records the initial model); ``first_round > 1``
-        continues a resumed run.
+        checkpoint) are called after every round (not for round 0: the caller records the initial model);
+        ``first_round > 1`` continues a resumed run.
 
         If the privacy budget (``max-epsilon``) would be exceeded by the next round, the loop stops
         before that round and the result holds the last model; `stopped_before_round` says which

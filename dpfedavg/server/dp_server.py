@@ -10,9 +10,9 @@ iterate, per-round statistics) and runs one round in two halves:
   update, closed at once without contacting anyone), Poisson sampling (line 3), ``w_{k~}`` by
   reservoir sampling (line 13), and what the sampled clients must do (``RoundInstructions``);
 * `DPServer.close_round()`: from the round's `RoundReplies`, sum the clients' ``g + zeta`` (in client-id
-  order; or take the sum a runner formed), add the server's share of the noise (all of it for ``server`` placement, the missing replies' share otherwise: the sum
-  always carries ``N(0, (zC)^2 I)``, see `dpfedavg.core.mechanism`), divide by the fixed ``r``
-  (line 12), apply momentum and ``beta_k``, charge the accountant the round's (nominal) event, and return one
+  order; or take the sum a runner formed), add the server's share of the noise (all of it for ``server``
+  placement, the missing replies' share otherwise: the sum always carries ``N(0, (zC)^2 I)``, see
+  `dpfedavg.core.mechanism`), divide by the fixed ``r`` (line 12), apply momentum and ``beta_k``, charge the accountant the round's (nominal) event, and return one
   frozen `RoundRecord` (``w_{k+1}``, the round's statistics). It is the one way to close a round.
 
 With ``adaptive-clip`` the server also holds ``C_k`` (`AdaptiveClip`):

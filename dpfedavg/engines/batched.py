@@ -36,10 +36,12 @@ from dpfedavg.server.round import RoundRecord, RoundReplies
 from dpfedavg.tasks import Task, task_hooks
 
 if TYPE_CHECKING:  # the server side is imported by run_batched: a ClientApp that computes blocks needs none of it
+    from dpfedavg.engines.audit import AuditedSession
+    from dpfedavg.privacy.canary import CanarySet
     from dpfedavg.privacy.plan import PrivacyPlan
-    from dpfedavg.server.session import RunResult
+    from dpfedavg.server.session import RunResult, RunSession
 
-__all__ = ["run_batched", "client_results", "device_client_results", "device_round_sums", "runs_on_device"]
+__all__ = ["run_batched", "recording", "client_results", "device_client_results", "device_round_sums", "runs_on_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -272,18 +274,10 @@ def run_batched(
     if on_round is not None and first_round == 1:
         on_round(0, w)
 
-    scores = None
-    if run.canaries is not None:  # scipy.stats is imported only by runs with canaries
-        from dpfedavg.engines.audit import canary_scores, finish_audited, log_interim_audit
-
-        scores = canary_scores(session, run.canaries, w)
+    recorder = recording(session, run.canaries, w)
 
     def record(closed: RoundRecord) -> None:
-        if scores is not None:
-            scores.observe(closed.w)
-        session.end_round(closed)
-        if scores is not None:
-            log_interim_audit(session, scores, closed.round)
+        recorder.end_round(closed)
         if on_round is not None:
             on_round(closed.round, closed.w)
 
@@ -291,9 +285,17 @@ def run_batched(
     canaries = run.canaries.inserted_directions if run.canaries is not None else None
     runner = InProcessRunner(run.task, client_results_fn, threads, canaries=canaries)
     result = run_rounds(run.server, runner, w, rounds, on_round_end=record)
-    if scores is None:
-        return session.finish(result.w, stopped_before_round=result.stopped_before_round)
-    return finish_audited(session, scores, result.w, result.stopped_before_round)
+    return recorder.finish(result.w, stopped_before_round=result.stopped_before_round)
+
+
+def recording(session: RunSession, canaries: CanarySet | None, w0: Vector) -> RunSession | AuditedSession:
+    """How a run records its closed rounds and finishes: its session, or the canary audit around it
+    (`dpfedavg.engines.audit.AuditedSession`; scipy.stats is imported only by runs with canaries)."""
+    if canaries is None:
+        return session
+    from dpfedavg.engines.audit import AuditedSession
+
+    return AuditedSession(session, canaries, w0)
 
 
 class InProcessRunner:

@@ -9,6 +9,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from dpfedavg.config import ConfigError, RunConfig
+from dpfedavg.engines.batched import recording
 from dpfedavg.errors import ResultsError
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.protocol import from_array_record, to_array_record
@@ -17,7 +18,6 @@ from dpfedavg.flower.strategy import RunStrategy
 from dpfedavg.io.results import check_output_dir
 from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.health import TrainingStopped
-from dpfedavg.server.round import RoundRecord
 from dpfedavg.server.run import plan_for, prepare_run
 from dpfedavg.server.session import RunResult, check_run_directory
 from dpfedavg.tasks import resolve_task
@@ -41,34 +41,19 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPl
         cfg, server=prepared.server, canaries=canaries.inserted_directions if canaries is not None else None
     )
     session.description["privacy"]["reply_checks"] = strategy.describe_reply_checks()
-    on_round_end, scores = session.end_round, None
-    if canaries is not None:  # the canary audit (scipy.stats only for such runs)
-        from dpfedavg.engines.audit import canary_scores, log_interim_audit
-
-        scores = canary_scores(session, canaries, prepared.w)
-
-        def on_round_end(record: RoundRecord) -> dict[str, float]:
-            scores.observe(record.w)
-            metrics = session.end_round(record)
-            log_interim_audit(session, scores, record.round)
-            return metrics
-
+    recorder = recording(session, canaries, prepared.w)  # the session, or the canary audit around it
     result = strategy.start(
         grid=grid,
         initial_arrays=to_array_record(prepared.w),
         first_round=prepared.first_round,
-        on_round_end=on_round_end,
+        on_round_end=recorder.end_round,
     )
     w_final = from_array_record(result.arrays) if result.arrays is not None else prepared.w
     session.description["timing"] = timing_summary(strategy)
     failed = strategy.failed
-    finish = dict(stopped_before_round=strategy.stopped_before_round, failed=str(failed) if failed else None)
-    if scores is not None:
-        from dpfedavg.engines.audit import finish_audited
-
-        outcome = finish_audited(session, scores, w_final, **finish)
-    else:
-        outcome = session.finish(w_final, **finish)
+    outcome = recorder.finish(
+        w_final, stopped_before_round=strategy.stopped_before_round, failed=str(failed) if failed else None
+    )
     if failed is not None:
         failed.result = outcome
         raise failed

@@ -150,8 +150,6 @@ class RunResult:
 class RunServer(Protocol):
     """What a `RunSession` reads of the run's server (`dpfedavg.server.dp_server.DPServer`), and nothing more."""
 
-    plan: PrivacyPlan
-    dim: int
     random_iterate: Vector | None
     random_round: int | None
 
@@ -206,7 +204,7 @@ class RunSession:
         dim: int,
         server_for: Callable[[ReleaseLog | None], RunServer],
     ) -> None:
-        self.cfg, self.task, self.plan = cfg, task, plan
+        self.cfg, self.task, self.plan, self.dim = cfg, task, plan, dim
         #: The canary audit to record in ``config.json`` ``final.audit`` and the last log line (set before ``finish``).
         self.audit: dict[str, Any] | None = None
         #: The task metrics this run computes (training-data metrics are withheld with secure-noise).
@@ -352,7 +350,7 @@ class RunSession:
                 "n": cfg.num_clients,
                 "r": cfg.clients_per_round,
                 "q": cfg.sampling_rate,
-                "dim": self.server.dim,
+                "dim": self.dim,
                 "client_noise_std_at_r": client_std,
                 "server_noise_std": server_std,
             },

@@ -44,7 +44,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from dpfedavg.config import OPTIONS, RunConfig
-from dpfedavg.core.types import RoundInstructions, Vector
+from dpfedavg.core.types import Vector
 from dpfedavg.errors import ConfigError
 from dpfedavg.flower.arrays import ArrayLayout
 from dpfedavg.flower.client_metrics import average_client_metrics
@@ -304,7 +304,6 @@ class DPFedAvg(RunStrategy):
         self.population: list[int] = []
         self.stopped_before_round: int | None = None
         self.timings: dict[int, dict[str, float]] = {}
-        self._initial: ArrayRecord | None = None
         self._closed: dict[int, RoundRecord] = {}
         self._hook_runner = None
         #: What travels in a round's messages: the user's arrays and one client id per node (set by start()).
@@ -412,14 +411,9 @@ class DPFedAvg(RunStrategy):
         self.cfg, self._num_rounds = cfg, rounds
         self.server = DPServer(cfg, self.layout.dim, plan=plan_for(cfg), represent=self.layout.round_trip)
         self.dim = self.layout.dim
-        self._initial = initial_arrays
         self.edge = UserArrays(
             self.server, cfg, self.layout, initial_arrays, self.population, rounds, self.client_metrics_rejected
         )
-
-    def _user_arrays(self, w: Vector) -> ArrayRecord:
-        assert self.layout is not None and self._initial is not None
-        return self.layout.unflatten(w, self._initial)
 
     # ------------------------------------------------------------------ info
     def summary(self) -> None:
@@ -506,7 +500,7 @@ class DPFedAvg(RunStrategy):
         train_config = ConfigRecord() if train_config is None else train_config
         self._setup(grid, initial_arrays, num_rounds)
         round_keys = {
-            *instructions_to_config_record(self._probe_instructions()),
+            *instructions_to_config_record(self.server.instructions(1, 1)),
             *public_parameters(self.cfg),
             CLIENT_ID,
         }
@@ -531,7 +525,7 @@ class DPFedAvg(RunStrategy):
 
         def record(closed: RoundRecord) -> None:
             server_round = closed.round
-            result.arrays = self._user_arrays(closed.w)
+            result.arrays = edge.arrays(closed.w)
             self._log_round(closed.stats)
             dp_stats = {k: v for k, v in closed.stats.as_metrics().items() if k != "eta"}  # eta_k: dpfedavg's clients
             metrics = {**edge.client_metrics.pop(server_round, {}), **dp_stats}
@@ -562,9 +556,6 @@ class DPFedAvg(RunStrategy):
             f"(user level) after {rounds} rounds; z={self.plan.noise_multiplier:.5g}, q={self.cfg.sampling_rate:.4g}, "
             f"{self.plan.accountant} accountant"
         )
-
-    def _probe_instructions(self) -> RoundInstructions:
-        return self.server.instructions(1, 1)
 
     def _log_round(self, stats: RoundStats) -> None:
         if self.server.adaptive is not None:

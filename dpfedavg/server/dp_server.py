@@ -436,10 +436,6 @@ class DPServer:
             return RoundStart(clients, None, self.close_round(server_round, RoundReplies(halted=reason)))
         return RoundStart(clients, self.instructions(server_round, len(clients)))
 
-    def is_open(self, server_round: int) -> bool:
-        """Whether ``server_round`` was begun and not yet closed."""
-        return self._w is not None and self._round == server_round
-
     def close_round(self, server_round: int, replies: RoundReplies) -> RoundRecord:
         """Close the open round from its replies: ``w_{k+1}`` and the round's statistics, as one frozen record.
 
@@ -451,7 +447,7 @@ class DPServer:
         is charged like every other round: whether a round halts depends on who was sampled and survived, so
         releasing (and charging) nothing would tell who took part. Recorded with ``skipped = 1``.
         """
-        if not self.is_open(server_round):
+        if self._w is None or self._round != server_round:
             raise RuntimeError(f"closing round {server_round} without begin_round({server_round})")
         norms: list[float] | np.ndarray = []
         clean_total: Vector | None = None

@@ -251,7 +251,7 @@ def test_secure_sum_one_client_could_not_have_produced_is_skipped(tmp_path: Path
     cfg = _cfg(tmp_path, **{"secure-aggregation": True, "epsilon": 0.0, "noise-multiplier": 1.0})
     strategy = DPFedAvg(cfg, dim=DIM)
     start = strategy.server.begin_round(1, np.zeros(DIM))
-    runner = FlowerRunner(strategy, grid=None, train_config=ConfigRecord(), timeout=1.0)  # type: ignore[arg-type]
+    runner = FlowerRunner(strategy, strategy.edge, None, ConfigRecord(), 1.0)  # type: ignore[arg-type]
     runner.sampled = {i: [int(c)] for i, c in enumerate(start.clients)}
     runner.num_sampled = len(start.clients)
     poisoned = SecureSum(np.full(DIM, 1e6), contributors=list(runner.sampled))

@@ -518,7 +518,8 @@ class DPFedAvg(RunStrategy):
             logger.info("Initial global evaluation results: %s", metrics)
             if metrics is not None:
                 result.evaluate_metrics_serverapp[0] = metrics
-        runner = FlowerRunner(self, grid, train_config, self.cfg.round_timeout if timeout is None else timeout)
+        timeout = self.cfg.round_timeout if timeout is None else timeout
+        runner = FlowerRunner(self, self.edge, grid, train_config, timeout)
         w0 = self.layout.flatten(initial_arrays)  # type: ignore[union-attr]
         edge = self.edge
         assert edge is not None

@@ -327,7 +327,7 @@ class RunStrategy(Strategy):
         logger.info("Starting DPFedAvg strategy:")
         self.summary()
         timeout = self.cfg.round_timeout if timeout is None else timeout
-        runner = FlowerRunner(self, grid, ConfigRecord() if train_config is None else train_config, timeout)
+        runner = FlowerRunner(self, self.edge, grid, ConfigRecord() if train_config is None else train_config, timeout)
         result = Result(arrays=initial_arrays)
 
         def record(closed: RoundRecord) -> None:
@@ -382,7 +382,7 @@ class RunStrategy(Strategy):
             self._closed[server_round] = start.record
             return []
         assert start.instructions is not None
-        self._hook_runner = FlowerRunner(self, grid, config, self.cfg.round_timeout)
+        self._hook_runner = FlowerRunner(self, self.edge, grid, config, self.cfg.round_timeout)
         return self._hook_runner.messages(server_round, start.clients, w, start.instructions)
 
     def configure_evaluate(
@@ -479,16 +479,20 @@ class FlowerRunner:
 
     Without secure aggregation: one TRAIN message per node with sampled, connected clients (`messages()`),
     ``send_and_receive`` with the round timeout, then the replies checked client by client (`replies()`). With
-    it: Flower's SecAgg+ workflow, then the sum (`secure_replies()`). What travels is the strategy's ``edge``
-    (`FlatModel`, or the user's arrays). Returns the round's `RoundReplies`; the loop closes the round. Records
-    the seconds of each phase per round in `timings`.
+    it: Flower's SecAgg+ workflow, then the sum (`secure_replies()`). What travels is the ``edge`` it is given
+    (`FlatModel`, or a user's app's `dpfedavg.flower.app_strategy.UserArrays`); the ``strategy`` gives the server,
+    the config, the reply checks' bounds (`RunStrategy.reply_limits()`) and the inserted canaries. Returns the
+    round's `RoundReplies`; the loop closes the round. Records the seconds of each phase per round in `timings`.
     """
 
     PHASES = ("configure_s", "send_and_receive_s", "aggregate_s")
 
-    def __init__(self, strategy: RunStrategy, grid: Grid, train_config: ConfigRecord, timeout: float) -> None:
-        self.strategy, self.grid, self.train_config, self.timeout = strategy, grid, train_config, timeout
-        self.server, self.cfg, self.edge = strategy.server, strategy.cfg, strategy.edge
+    def __init__(
+        self, strategy: RunStrategy, edge: Any, grid: Grid, train_config: ConfigRecord, timeout: float
+    ) -> None:
+        self.strategy, self.edge, self.grid = strategy, edge, grid
+        self.train_config, self.timeout = train_config, timeout
+        self.server, self.cfg = strategy.server, strategy.cfg
         self.timings: dict[int, dict[str, float]] = {}
         #: This round's: node id -> its sampled, connected clients; the cohort's size; the train config.
         self.sampled: dict[int, list[int]] = {}

@@ -1,7 +1,7 @@
 """DPFedAvg in *your* Flower app: your ServerApp, your model's arrays, your ClientApp's train wrapped in ``dp_mod``.
 
-`AppDPFedAvg` is what ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, clients_per_round=10, ...)``
-(keywords only) and ``DPFedAvg.from_run_config(context.run_config)`` build. It takes the place of Flower's
+`DPFedAvg` is built from keywords, ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, clients_per_round=10, ...)``,
+or by ``DPFedAvg.from_run_config(context.run_config)``. It takes the place of Flower's
 ``FedAvg`` in a ServerApp that calls ``strategy.start(grid=..., initial_arrays=ArrayRecord(model.state_dict()),
 num_rounds=..., evaluate_fn=...)``:
 
@@ -160,7 +160,7 @@ assert set(_VALID) | set(_NOT_HERE) == {opt.key for opt in OPTIONS} | set(STRATE
 
 
 class AppSettings:
-    """The validated keyword settings of `AppDPFedAvg` (kebab-case keys), before ``n`` and ``K`` are known.
+    """The validated keyword settings of your app's `DPFedAvg` (kebab-case keys), before ``n`` and ``K`` are known.
 
     Parameters
     ----------

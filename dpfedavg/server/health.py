@@ -13,7 +13,7 @@ instance, moves the model by noise alone and reports an epsilon as if it had tra
 
 The error names the commonest reason and its fix, and what was spent: the rounds that ran stay
 accounted (their releases happened). Flower-free; the one round loop (`dpfedavg.server.loop.run_rounds()`,
-every engine) and the strategy for a user's own app (`dpfedavg.flower.app_strategy.AppDPFedAvg`) use it.
+every engine) and the strategy in a user's own app (`dpfedavg.flower.app_strategy.DPFedAvg`) use it.
 """
 
 from __future__ import annotations

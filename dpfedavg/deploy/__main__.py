@@ -22,6 +22,13 @@ does not have an approved app hash (see `dpfedavg.deploy.approval`).
 ``python -m dpfedavg.deploy check --superlink HOST:PORT --root-certificates CA`` says whether the
 SuperLink is ready for ``flwr run`` (exit 0) or names the likely cause (exit 1); see
 `dpfedavg.deploy.check`.
+
+``python -m dpfedavg.deploy status RUN_DIR`` exits 0 only if the run finished (its ``config.json`` has a
+``final`` record), else 1 with why; see `dpfedavg.deploy.status`.
+
+``python -m dpfedavg.deploy ledger --node-config "..."`` prints a SuperNode's privacy ledger run by run and its
+spent epsilon against ``max-epsilon``; ``python -m dpfedavg.deploy node-check ...`` says whether a SuperNode is
+ready (policy, credentials, approved app, ledger); see `dpfedavg.deploy.node`.
 """
 
 from __future__ import annotations
@@ -90,6 +97,57 @@ def _check(address: str, root_certificates: Path, timeout: float) -> int:
     return 0
 
 
+def _status(run_dir: str) -> int:
+    from dpfedavg.deploy.status import run_status
+
+    try:
+        status = run_status(Path(run_dir))
+    except FileNotFoundError as err:
+        print(f"{PROG} status: error: {err}", file=sys.stderr)
+        return 2
+    print(status.line, file=sys.stdout if status.finished else sys.stderr)
+    return 0 if status.finished else 1
+
+
+def _ledger(node_config: str, last: int | None) -> int:
+    from dpfedavg.deploy.node import ledger_report, parse_node_config
+    from dpfedavg.privacy.ledger import LedgerError
+    from dpfedavg.privacy.policy import PolicyError
+
+    try:
+        lines, _, _ = ledger_report(parse_node_config(node_config), last=last)
+    except LedgerError as err:
+        print(f"{PROG} ledger: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, PolicyError) as err:
+        print(f"{PROG} ledger: error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+def _node_check(args: argparse.Namespace) -> int:
+    from dpfedavg.deploy.node import NodeNotReady, node_readiness, parse_node_config
+    from dpfedavg.privacy.ledger import LedgerError
+    from dpfedavg.privacy.policy import PolicyError
+
+    try:
+        approved = [parse_app_hash(value) for value in args.approved_app_hash]
+        node_config = parse_node_config(args.node_config)
+        lines = node_readiness(
+            node_config, Path(args.root_certificates), Path(args.auth_supernode_private_key), approved,
+            Path(args.app), args.superlink,
+        )  # fmt: skip
+    except (NodeNotReady, LedgerError) as err:
+        print(f"SuperNode NOT READY: {err}", file=sys.stderr)
+        return 1
+    except (AppHashError, ValueError, PolicyError) as err:
+        print(f"{PROG} node-check: error: {err}", file=sys.stderr)
+        return 2
+    print("SuperNode ready: " + "; ".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dpfedavg.deploy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--superlink", required=True, help="HOST:PORT as SuperNodes and the flwr CLI reach it")
     c.add_argument("--root-certificates", required=True, help="the federation's CA certificate (ca.crt)")
     c.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the connection (default 10)")
+    st = sub.add_parser("status", help="did the run finish? (exit 0 only with a 'final' record; 1 with why)")
+    st.add_argument("run_dir", metavar="RUN_DIR", help="the run's results folder (the server's outputs/<run-name>)")
+    led = sub.add_parser("ledger", help="a SuperNode's privacy ledger: releases per run, spent epsilon")
+    led.add_argument("--node-config", required=True, help="the SuperNode's --node-config (finds its ledger, budget)")
+    led.add_argument("--last", type=int, help="show only the last N runs (the total covers all)")
+    n = sub.add_parser("node-check", help="is this SuperNode ready? (exit 0; 1 with the cause)")
+    n.add_argument("--node-config", required=True, help="the --node-config the SuperNode will start with")
+    n.add_argument("--root-certificates", required=True, help="the federation's CA certificate (ca.crt)")
+    n.add_argument("--auth-supernode-private-key", required=True, help="this node's SuperNode key")
+    n.add_argument("--approved-app-hash", action="append", required=True, metavar="HASH", help="as for supernode")
+    n.add_argument("--app", default=".", help="the reviewed app folder whose code the node runs (default .)")
+    n.add_argument("--superlink", help="HOST:PORT: also check that the SuperLink answers with a valid certificate")
     args, flower_args = parser.parse_known_args(argv)
     if args.command == "supernode":
         return _supernode(args.approved_app_hash, flower_args)
@@ -138,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "check":
         return _check(args.superlink, Path(args.root_certificates), args.timeout)
+    if args.command == "status":
+        return _status(args.run_dir)
+    if args.command == "ledger":
+        return _ledger(args.node_config, args.last)
+    if args.command == "node-check":
+        return _node_check(args)
     if args.command == "supernode-key":
         path = Path(args.path)
         if path.exists() or path.with_name(path.name + ".pub").exists():

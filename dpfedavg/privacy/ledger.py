@@ -232,14 +232,14 @@ class Composition:
     pld: Any = None
     infinite: bool = False
 
-    def then(self, event: RoundEvent, count: int) -> Composition:
-        """This composition followed by ``count`` rounds of ``event`` (one self-composed PLD)."""
+    def then(self, event: RoundEvent, count: int, run_pld: Callable[[RoundEvent, int], Any] = _run_pld) -> Composition:
+        """This composition followed by ``count`` rounds of ``event`` (one self-composed PLD, from ``run_pld``)."""
         if self.infinite:
             return self
         if not event.z:
             return Composition(infinite=True)
         try:
-            run = _run_pld(event, count)
+            run = run_pld(event, count)
         except AccountingRangeError:
             return Composition(infinite=True)
         return Composition(run if self.pld is None else self.pld.compose(run))
@@ -490,6 +490,10 @@ class NodeLedger:
             self.write(scan.releases)  # convert: the next release is appended
             logger.info("privacy ledger %s converted to %s (%d entries)", self.path, LEDGER_FORMAT, len(scan.releases))
             return self._state()
+        if not state.same_boot():  # written without fsync: after a crash of the machine it may be torn
+            if state.covered()[0]:
+                logger.warning("privacy ledger %s: the machine restarted; its state is rebuilt from the file", self.path)
+            state.reset()
         covered, head = state.covered()
         if covered > len(scan.releases) or (covered and scan.chains[covered - 1] != head):
             if covered > len(scan.releases):
@@ -517,7 +521,7 @@ class NodeLedger:
     def spent(self, policy: NodePolicy) -> float:
         """The epsilon the recorded releases compose to, at ``ledger_delta``."""
         with self._synced() as state:
-            return state.composition().epsilon(ledger_delta(policy))
+            return state.epsilon(ledger_delta(policy))
 
     def charge(self, release: Release, policy: NodePolicy) -> float:
         """Append ``release`` unless the composed epsilon would exceed ``max-epsilon``; the epsilon after it.
@@ -527,13 +531,12 @@ class NodeLedger:
         """
         delta = ledger_delta(policy)
         with self._synced() as state:
-            before = state.composition()
             added = _charge(release, state.rounds)
-            after = before if added is None else before.then(*added)
-            total = after.epsilon(delta)
+            after = None if added is None else state.composition().then(*added, run_pld=state.run_pld)
+            total = state.epsilon(delta) if after is None else after.epsilon(delta)
             if total > policy.max_epsilon:
-                spent = before.epsilon(delta)
-                alone = Composition().then(*added).epsilon(delta) if added else 0.0
+                spent = state.epsilon(delta)
+                alone = Composition().then(*added, run_pld=state.run_pld).epsilon(delta) if added else 0.0
                 raise RoundRefused(
                     "max-epsilon",
                     f"this node's privacy ledger {self.path} has spent epsilon {spent:.4g}; this release "
@@ -544,7 +547,7 @@ class NodeLedger:
                 )
             entries, head, size = state.position()
             self._append(release, head, size)
-            state.record(release, _link(head, release.to_json()), after if added else None, os.stat(self.path))
+            state.record(release, _link(head, release.to_json()), after, (delta, total), os.stat(self.path))
         logger.info(
             "privacy ledger %s: run %d round %d recorded, epsilon %.4g at delta %g",
             self.path, release.run_id, release.server_round, total, delta,
@@ -555,10 +558,22 @@ class NodeLedger:
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value);
 CREATE TABLE IF NOT EXISTS plans (plan TEXT, round INTEGER, PRIMARY KEY (plan, round)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS pld (side TEXT PRIMARY KEY, discretization REAL, lower_loss INTEGER, probs BLOB,
-                                infinity_mass REAL, pessimistic INTEGER);
+CREATE TABLE IF NOT EXISTS pld (name TEXT, side TEXT, discretization REAL, lower_loss INTEGER, probs BLOB,
+                                infinity_mass REAL, pessimistic INTEGER, PRIMARY KEY (name, side));
 """
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+#: How many plans' PLDs (``K`` rounds of one ``q`` and ``z``) the state keeps: building one costs tens of ms.
+_RUN_PLDS = 32
+#: Linux's id of this boot: a state written in this boot survives any crash of a process (SQLite is atomic against
+#: those without fsync); after a crash of the machine it is rebuilt. Elsewhere every commit is synced.
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def _boot_id() -> str | None:
+    try:
+        return _BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
 
 
 class _State:
@@ -579,7 +594,7 @@ class _State:
             try:
                 db = sqlite3.connect(path, isolation_level=None)
                 db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")  # atomic; a cache needs no fsync per commit
+                db.execute(f"PRAGMA synchronous={'OFF' if _boot_id() else 'NORMAL'}")
                 db.executescript(_SCHEMA)
                 state = cls(db, path)
                 if state._meta("version", _STATE_VERSION) != _STATE_VERSION:
@@ -613,14 +628,17 @@ class _State:
         self.db.execute("BEGIN IMMEDIATE")
         for table in ("meta", "plans", "pld"):
             self.db.execute(f"DELETE FROM {table}")  # noqa: S608 - fixed names
-        self._set({"version": _STATE_VERSION})
+        self._set({"version": _STATE_VERSION, "boot": _boot_id()})
         self.db.execute("COMMIT")
 
     def matches(self, stat: os.stat_result) -> bool:
-        """Whether the file is exactly as this state's last writer left it (size, mtime, inode)."""
-        return (self._meta("size"), self._meta("mtime_ns"), self._meta("inode")) == (
+        """Whether the file is exactly as this state's last writer left it (size, mtime, inode), in this boot."""
+        return self.same_boot() and (self._meta("size"), self._meta("mtime_ns"), self._meta("inode")) == (
             stat.st_size, stat.st_mtime_ns, stat.st_ino,
         )  # fmt: skip
+
+    def same_boot(self) -> bool:
+        return self._meta("boot") == _boot_id()
 
     def covered(self) -> tuple[int, str]:
         return int(self._meta("entries", 0)), str(self._meta("head", _GENESIS))
@@ -634,45 +652,91 @@ class _State:
         rows = self.db.execute("SELECT round FROM plans WHERE plan = ?", (json.dumps(plan),)).fetchall()
         return {r for (r,) in rows} if rows else None
 
-    def composition(self) -> Composition:
-        if self._meta("infinite", 0):
-            return Composition(infinite=True)
+    def _load(self, name: str) -> Any:
+        """The PLD stored as ``name`` (``None`` if there is none)."""
         from dp_accounting.pld import pld_pmf, privacy_loss_distribution
 
-        rows = {row[0]: row[1:] for row in self.db.execute("SELECT * FROM pld")}
+        rows = {row[0]: row[1:] for row in self.db.execute("SELECT side, discretization, lower_loss, probs, "
+                                                             "infinity_mass, pessimistic FROM pld WHERE name = ?", (name,))}  # fmt: skip
         if not rows:
-            return Composition()
+            return None
         pmfs = {
             side: pld_pmf.DensePLDPmf(d, int(lower), np.frombuffer(probs, dtype=np.float64).copy(), inf, bool(p))
             for side, (d, lower, probs, inf, p) in rows.items()
         }
-        return Composition(privacy_loss_distribution.PrivacyLossDistribution(pmfs["remove"], pmfs.get("add")))
+        return privacy_loss_distribution.PrivacyLossDistribution(pmfs["remove"], pmfs.get("add"))
 
-    def _store(self, composition: Composition) -> None:
-        self.db.execute("DELETE FROM pld")
-        self._set({"infinite": int(composition.infinite)})
-        if composition.infinite or composition.pld is None:
-            return
-        pld = composition.pld
+    def _save(self, name: str, pld: Any) -> None:
+        """Store ``pld`` as ``name`` (within the caller's transaction); its pmfs as dense arrays, exactly."""
+        self.db.execute("DELETE FROM pld WHERE name = ?", (name,))
         sides = {"remove": pld._pmf_remove} if pld._symmetric else {"remove": pld._pmf_remove, "add": pld._pmf_add}
         for side, pmf in sides.items():
             dense = pmf.to_dense_pmf()
             self.db.execute(
-                "INSERT INTO pld VALUES (?, ?, ?, ?, ?, ?)",
-                (side, dense._discretization, int(dense._lower_loss), np.asarray(dense._probs, np.float64).tobytes(),
-                 float(dense._infinity_mass), int(dense._pessimistic_estimate)),
+                "INSERT INTO pld VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (name, side, dense._discretization, int(dense._lower_loss),
+                 np.asarray(dense._probs, np.float64).tobytes(), float(dense._infinity_mass),
+                 int(dense._pessimistic_estimate)),
             )  # fmt: skip
 
-    def record(self, release: Release, head: str, composition: Composition | None, stat: os.stat_result) -> None:
-        """One appended release: its round, the new composition (``None``: unchanged), where the file now ends."""
+    def composition(self) -> Composition:
+        if self._meta("infinite", 0):
+            return Composition(infinite=True)
+        return Composition(self._load("running"))
+
+    def run_pld(self, event: RoundEvent, count: int) -> Any:
+        """``_run_pld(event, count)``, kept in the state for the next process (a node's runs repeat their plan)."""
+        name = f"run {event.q!r} {event.z!r} {count}"
+        pld = self._load(name)
+        if pld is None:
+            pld = _run_pld(event, count)
+            self.db.execute("BEGIN IMMEDIATE")
+            self._save(name, pld)
+            names = [n for (n,) in self.db.execute("SELECT DISTINCT name FROM pld WHERE name != 'running' ORDER BY rowid")]
+            for old in names[:-_RUN_PLDS]:
+                self.db.execute("DELETE FROM pld WHERE name = ?", (old,))
+            self.db.execute("COMMIT")
+            pld = self._load(name)  # what the next process composes: the same numbers
+        return pld
+
+    def epsilon(self, delta: float) -> float:
+        """The running composition's epsilon at ``delta`` (kept for the last delta it was read at)."""
+        if self._meta("epsilon_delta") == delta:
+            return float(self._meta("epsilon"))
+        epsilon = self.composition().epsilon(delta)
+        self.db.execute("BEGIN IMMEDIATE")
+        self._set({"epsilon_delta": delta, "epsilon": epsilon})
+        self.db.execute("COMMIT")
+        return epsilon
+
+    def _store(self, composition: Composition, epsilon: tuple[float, float] | None = None) -> None:
+        """Replace the running composition (and its epsilon at a delta, if known)."""
+        self.db.execute("DELETE FROM pld WHERE name = 'running'")
+        self.db.execute("DELETE FROM meta WHERE key IN ('epsilon', 'epsilon_delta')")
+        if epsilon is not None:
+            self._set({"epsilon_delta": epsilon[0], "epsilon": epsilon[1]})
+        self._set({"infinite": int(composition.infinite)})
+        if not composition.infinite and composition.pld is not None:
+            self._save("running", composition.pld)
+
+    def record(
+        self,
+        release: Release,
+        head: str,
+        composition: Composition | None,
+        epsilon: tuple[float, float],
+        stat: os.stat_result,
+    ) -> None:
+        """One appended release: its round, the new composition (``None``: unchanged) and its ``(delta, epsilon)``,
+        and where the file now ends."""
         entries, _, _ = self.position()
         self.db.execute("BEGIN IMMEDIATE")
         if release.mechanism != GAUSSIAN:
             self.db.execute("INSERT OR IGNORE INTO plans VALUES (?, ?)", (json.dumps(_plan(release)), release.server_round))
         if composition is not None:
-            self._store(composition)
+            self._store(composition, epsilon)
         self._set({"entries": entries + 1, "head": head, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                   "inode": stat.st_ino})  # fmt: skip
+                   "inode": stat.st_ino, "boot": _boot_id()})  # fmt: skip
         self.db.execute("COMMIT")
 
     def catch_up(self, scan: _Scan, covered: int, stat: os.stat_result) -> None:
@@ -691,14 +755,14 @@ class _State:
                 added = _charge(r, seen.get)
                 seen[key] = (seen[key] or set()) | {r.server_round}
             if added is not None:
-                composition, changed = composition.then(*added), True
+                composition, changed = composition.then(*added, run_pld=self.run_pld), True
         self.db.execute("BEGIN IMMEDIATE")
         for key, rounds in seen.items():
             self.db.executemany("INSERT OR IGNORE INTO plans VALUES (?, ?)", [(json.dumps(key), k) for k in rounds or ()])
         if changed:
             self._store(composition)
         self._set({"version": _STATE_VERSION, "entries": len(scan.releases), "head": scan.head, "size": scan.size,
-                   "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino})  # fmt: skip
+                   "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino, "boot": _boot_id()})  # fmt: skip
         self.db.execute("COMMIT")
 
 

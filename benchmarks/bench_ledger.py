@@ -57,6 +57,15 @@ def main() -> None:
         for kind, values in times.items():
             print(f"  release, {kind}: median {1e3 * statistics.median(values):.1f} ms, "
                   f"max {1e3 * max(values):.1f} ms ({len(values)} releases)")  # fmt: skip
+        fsyncs = []  # the part no ledger can skip: one appended line flushed to disk, the same folder
+        with open(Path(tmp) / "scratch", "ab") as f:
+            for _ in range(args.releases):
+                start = time.perf_counter()
+                f.write(b"x" * 300 + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+                fsyncs.append(time.perf_counter() - start)
+        print(f"  of which a 300-byte append and fsync alone: median {1e3 * statistics.median(fsyncs):.1f} ms")
         all_times = [t for values in times.values() for t in values]
         print(f"  every release: mean {1e3 * statistics.mean(all_times):.1f} ms; final epsilon "
               f"{NodeLedger(path).spent(policy):.3f}; load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")  # fmt: skip

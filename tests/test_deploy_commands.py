@@ -45,6 +45,14 @@ def test_the_deploy_helpers_run_from_the_base_install(tmp_path: Path, base_insta
     )  # fmt: skip
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"SuperLink 127.0.0.1:{port} NOT READY: nothing answers" in result.stderr
+    ledger = tmp_path / "ledger.json"
+    for argv, code, text in (
+        (["status", str(tmp_path)], 1, "NOT FINISHED: no config.json"),
+        (["ledger", "--node-config", f"max-epsilon=8.0 privacy-ledger='{ledger}'"], 0, "spent epsilon 0 at delta"),
+    ):
+        result = subprocess.run([*deploy, *argv], capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode == code and "Traceback" not in result.stderr, result.stderr
+        assert text in result.stdout + result.stderr
 
 
 def test_the_superexec_is_found_without_psutil(tmp_path: Path, monkeypatch) -> None:

@@ -35,7 +35,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from dpfedavg.deploy.app_hash import AppHashError, fab_app_hash, folder_app_hash
+from dpfedavg.deploy.app_hash import AppHashError, check_installed_folder, fab_app_hash
 
 __all__ = ["UnapprovedAppError", "check_fab", "check_install_target", "install_approval", "run_supernode"]
 
@@ -119,14 +119,12 @@ def check_install_target(content: bytes, fab_hash: str, requested_hash: str, fab
     folder = get_project_dir(fab_id, fab_version, actual)
     if folder.exists():
         try:
-            installed = folder_app_hash(folder)
-        except AppHashError as err:
-            installed = f"none ({err})"
-        if installed != fab_app_hash(content):
+            check_installed_folder(folder, content)  # every file Python may import, __pycache__ included
+        except (AppHashError, OSError) as err:
             raise UnapprovedAppError(
-                f"FAB {actual[:12]} refused: {folder} already holds another app (app hash {installed}), which "
-                "the ClientApp would load instead; remove that folder"
-            )
+                f"FAB {actual[:12]} refused: {folder} already holds another app, which the ClientApp would load "
+                f"instead ({err}); remove that folder"
+            ) from None
 
 
 def _guard(original: Callable[..., Any], approved: frozenset[str]) -> Callable[..., Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -250,3 +251,58 @@ def test_node_check_says_ready_or_names_the_cause(node: dict) -> None:
     bad[bad.index("--node-config") + 1] = "max-epsilon='eight'"
     code, _, err = _run_cli(bad)
     assert code == 2 and "'max-epsilon' = 'eight'" in err
+
+
+# ------------------------------------------------------------------ the supervised SuperNode
+FAKE_SUPERNODE = """
+import os, subprocess, sys, time
+from pathlib import Path
+tries = Path(sys.argv[1])
+n = int(tries.read_text()) + 1 if tries.exists() else 1
+tries.write_text(str(n))
+if n <= int(sys.argv[2]):
+    print("Exit Code: 305\\nFailed to initialize the connection to the SuperLink.\\n[code: 2004] Failed to activate SuperNode.", flush=True)
+    sys.exit(1)
+# like flower-superexec: a child that inherits the output and outlives a killed SuperNode
+superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+Path(sys.argv[3]).write_text(str(superexec.pid))
+print(f"INFO :      SuperNode ID: 42 (try {n})", flush=True)
+os.kill(os.getpid(), 9)  # the machine's kill -9
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def test_the_supervisor_retries_a_refused_activation_and_leaves_no_orphan(tmp_path: Path) -> None:
+    """Issue 47: a SuperNode restarted while the SuperLink still holds its dead process is refused (Flower's exit
+    code 305) and did not retry; a SuperNode killed with kill -9 left its SuperExec running."""
+    from dpfedavg.deploy.supervise import backoff, supervise
+
+    script = tmp_path / "supernode.py"
+    script.write_text(FAKE_SUPERNODE)
+    waits: list[float] = []
+    log = tmp_path / "logs" / "supernode.log"
+    command = [sys.executable, str(script), str(tmp_path / "tries"), "2", str(tmp_path / "superexec.pid")]
+    status = supervise(command, log_file=log, activation_timeout=300, sleep=lambda s: waits.append(s) is not None)
+    assert status == -9 and waits == [5.0, 10.0]  # refused twice, then it ran (and was killed)
+    superexec = int((tmp_path / "superexec.pid").read_text())
+    assert not _alive(superexec)  # stopped with the SuperNode's process group
+    lines = log.read_text().splitlines()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT[0-9:.]+\+00:00 Exit Code: 305", lines[0])  # UTC timestamps
+    assert sum("supervisor: the SuperLink refused to activate this SuperNode" in line for line in lines) == 2
+    assert "retry 2 in 10 s" in log.read_text() and "SuperNode ID: 42 (try 3)" in log.read_text()
+    assert lines[-1].endswith("supervisor: the SuperNode exited with status -9")
+    # a node whose key was never registered gets the same 305: refused until the activation timeout, then its status
+    (tmp_path / "tries").unlink()
+    waits.clear()
+    command[3] = "99"
+    assert supervise(command, activation_timeout=7, sleep=lambda s: waits.append(s) is not None) == 1
+    assert waits == [5.0]  # a retry after 5 s, not one 10 s later: past the 7 s activation timeout
+    assert [backoff(k) for k in range(1, 8)] == [5, 10, 20, 40, 60, 60, 60]

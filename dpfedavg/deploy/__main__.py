@@ -17,7 +17,9 @@ approves after reviewing the app.
 
 ``python -m dpfedavg.deploy supernode --approved-app-hash HASH [...] FLOWER-SUPERNODE-OPTIONS``
 starts ``flower-supernode`` with those options, refusing every run whose FAB
-does not have an approved app hash (see `dpfedavg.deploy.approval`).
+does not have an approved app hash (see `dpfedavg.deploy.approval`), under a supervisor that restarts it
+while the SuperLink refuses to activate it, stops its processes with it and, with ``--log-file``, keeps a log
+(see `dpfedavg.deploy.supervise`).
 
 ``python -m dpfedavg.deploy check --superlink HOST:PORT --root-certificates CA`` says whether the
 SuperLink is ready for ``flwr run`` (exit 0) or names the likely cause (exit 1); see
@@ -178,6 +180,20 @@ def main(argv: list[str] | None = None) -> int:
         metavar="HASH",
         help="an app hash this node runs (repeat for several); every other FAB is refused",
     )
+    s.add_argument("--log-file", help="also append the SuperNode's output here, with UTC timestamps")
+    s.add_argument(
+        "--activation-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to keep restarting a SuperNode the SuperLink refuses to activate (Flower's exit code 305: "
+        "it still holds this node's previous process; default 300)",
+    )
+    s.add_argument(
+        "--no-supervisor",
+        action="store_true",
+        help="run Flower's SuperNode in this process: no retry of a refused activation, no log file (what the "
+        "supervisor itself starts)",
+    )
     c = sub.add_parser("check", help="is the SuperLink ready for flwr run? (exit 0; 1 with the likely cause)")
     c.add_argument("--superlink", required=True, help="HOST:PORT as SuperNodes and the flwr CLI reach it")
     c.add_argument("--root-certificates", required=True, help="the federation's CA certificate (ca.crt)")
@@ -196,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--superlink", help="HOST:PORT: also check that the SuperLink answers with a valid certificate")
     args, flower_args = parser.parse_known_args(argv)
     if args.command == "supernode":
-        return _supernode(args.approved_app_hash, flower_args)
+        return _supernode(args, flower_args)
     if flower_args:
         parser.error(f"unrecognized arguments: {' '.join(flower_args)}")
     if args.command == "app-hash":
@@ -253,21 +269,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _supernode(hashes: list[str], flower_args: list[str]) -> int:
-    """Validate the approved hashes and the options, then run the SuperNode (it returns when stopped)."""
-    from dpfedavg.deploy.approval import run_supernode
+def _supernode(args: argparse.Namespace, flower_args: list[str]) -> int:
+    """Validate the approved hashes and the options, then run the SuperNode (it returns when stopped).
+
+    By default under `dpfedavg.deploy.supervise` (a child process, retried while the SuperLink refuses to
+    activate it, its processes stopped with it); ``--no-supervisor`` is that child.
+    """
+    from dpfedavg.deploy.approval import check_options, run_supernode
 
     if flower_args[:1] == ["--"]:
         flower_args = flower_args[1:]
     try:
-        approved = [parse_app_hash(value) for value in hashes]
+        approved = [parse_app_hash(value) for value in args.approved_app_hash]
+        check_options(flower_args)
+        if args.no_supervisor and (args.log_file or args.activation_timeout != 300.0):
+            raise ValueError("--log-file and --activation-timeout are the supervisor's: not with --no-supervisor")
+        if args.activation_timeout < 0:
+            raise ValueError(f"--activation-timeout {args.activation_timeout:g}: expected seconds >= 0")
+        if not args.no_supervisor:
+            from dpfedavg.deploy.supervise import supervise
+
+            hashes = [arg for value in approved for arg in ("--approved-app-hash", value)]
+            command = [sys.executable, "-m", "dpfedavg.deploy", "supernode", "--no-supervisor", *hashes, *flower_args]
+            log_file = Path(args.log_file) if args.log_file else None
+            return supervise(command, log_file=log_file, activation_timeout=args.activation_timeout)
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         deploy_logger = logging.getLogger("dpfedavg.deploy")
         deploy_logger.addHandler(handler)
         deploy_logger.setLevel(logging.INFO)
         run_supernode(approved, flower_args)
-    except (AppHashError, ValueError, RuntimeError) as err:
+    except (AppHashError, ValueError, RuntimeError, OSError) as err:
         print(f"python -m dpfedavg.deploy supernode: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -37,7 +37,14 @@ from typing import Any
 
 from dpfedavg.deploy.app_hash import AppHashError, check_installed_folder, fab_app_hash
 
-__all__ = ["UnapprovedAppError", "check_fab", "check_install_target", "install_approval", "run_supernode"]
+__all__ = [
+    "UnapprovedAppError",
+    "check_fab",
+    "check_install_target",
+    "check_options",
+    "install_approval",
+    "run_supernode",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +207,15 @@ def install_approval(approved: Iterable[str]) -> None:
     sci._pull_and_store_message = _guard(original, approved)
 
 
+def check_options(flower_args: list[str]) -> None:
+    """``ValueError`` if ``flower_args`` holds an option of `REFUSED_OPTIONS` or a prefix of one."""
+    for arg in flower_args:
+        name = arg.split("=", 1)[0]
+        for option, why in REFUSED_OPTIONS.items():
+            if len(name) > 2 and name.startswith("--") and option.startswith(name):  # argparse: any unique prefix
+                raise ValueError(f"{option} is not allowed with approved apps (given as {arg!r}): {why}")
+
+
 def run_supernode(approved: Iterable[str], flower_args: list[str]) -> None:
     """``flower-supernode FLOWER_ARGS`` in this process, refusing every app not in ``approved``.
 
@@ -209,11 +225,7 @@ def run_supernode(approved: Iterable[str], flower_args: list[str]) -> None:
         If ``flower_args`` holds an option listed in `REFUSED_OPTIONS` or a prefix of one (argparse takes any
         unique prefix of an option), or ``approved`` is empty.
     """
-    for arg in flower_args:
-        name = arg.split("=", 1)[0]
-        for option, why in REFUSED_OPTIONS.items():
-            if len(name) > 2 and name.startswith("--") and option.startswith(name):  # argparse: any unique prefix
-                raise ValueError(f"{option} is not allowed with approved apps (given as {arg!r}): {why}")
+    check_options(flower_args)
     install_approval(approved)
     from flwr.supernode.cli import flower_supernode
 

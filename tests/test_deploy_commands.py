@@ -236,7 +236,7 @@ def test_node_check_says_ready_or_names_the_cause(node: dict) -> None:
         return err
 
     (node["app"] / "task.py").write_text("print('changed')\n")  # the clone is not the reviewed code any more
-    assert "which is not approved" in not_ready(node["argv"])
+    assert "is not approved by this node's operator" in not_ready(node["argv"])
     (node["app"] / "task.py").unlink()
     node["key"].chmod(0o644)
     assert "readable by others: chmod 600" in not_ready(node["argv"])

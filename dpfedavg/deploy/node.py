@@ -11,6 +11,7 @@ and not spent, and (with ``--superlink``) the SuperLink answers with a certifica
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from dpfedavg.deploy.app_hash import AppHashError, app_hash
+from dpfedavg.deploy.app_hash import AppHashError, build_fab
+from dpfedavg.deploy.approval import UnapprovedAppError, check_fab
 from dpfedavg.privacy.ledger import (
     GAUSSIAN,
     LEDGER_ACCOUNTANT,
@@ -184,15 +186,13 @@ def node_readiness(
     lines = [f"policy: {', '.join(policy.stated) or 'none'}"]
     lines.append(_credentials(root_certificates, private_key))
     try:
-        digest = app_hash(Path(app))
-    except AppHashError as err:
-        raise NodeNotReady(f"--app {app}: {err}") from None
-    if digest not in approved:
+        fab = build_fab(Path(app))
+        digest = check_fab(fab, hashlib.sha256(fab).hexdigest(), approved)
+    except (AppHashError, UnapprovedAppError) as err:
         raise NodeNotReady(
-            f"the app in {app} has app hash {digest}, which is not approved (approved: "
-            f"{', '.join(h[:12] + '...' for h in approved)}): the SuperNode would refuse every run of it; review "
-            "it and approve its hash, or check out the reviewed commit"
-        )
+            f"the app in {app}, as flwr run would send it: {err}. The SuperNode would refuse every run of it: "
+            "review it and approve its hash, or check out the reviewed commit"
+        ) from None
     lines.append(f"app {app} approved ({digest[:12]}...)")
     lines.append(_ledger_ready(node_config, policy))
     if superlink is not None:

@@ -70,16 +70,10 @@ CLIENTS_PER_ROUND = "clients-per-round"
 class NodeApp:
     """Which of the node's ClientApps the guard answers for: where they differ is data, the rules are one.
 
-    Attributes
-    ----------
-    name:
-        The prefix of ``dp_mod``'s refusals and log lines (``None``: the project's ClientApp, which has none).
-    logger:
-        The logger its refusals are logged by.
-    own_handlers:
-        The project's handlers: train messages and the partition query only, policy or not, against the run
-        config. Otherwise (``dp_mod``) the user's handlers, under a policy train messages only (and evaluate with
-        ``allow-evaluate``), against the train config's public terms (`PublicTerms`).
+    ``own_handlers``: the project's ClientApp (train messages and the partition query only, policy or not,
+    checked against the run config); otherwise ``dp_mod`` (the user's handlers answer other messages without a
+    policy; train messages are checked against the train config's public terms, `PublicTerms`). ``name`` prefixes
+    ``dp_mod``'s refusals and log lines; ``logger`` logs the refusals.
     """
 
     name: str | None

@@ -21,7 +21,11 @@ these, in this order, for both:
    before anything is computed.
 
 A refused message is answered by `refusal()` (an error reply with code `REFUSED`: the server counts a
-rejection), and nothing else.
+rejection), and nothing else. A new rule goes here, once, for both apps: a check of a SecAgg+ stage's own
+parameters (the cohort, the threshold, who is dropped) in `_secure_content()`, which the project's ClientApp
+calls at every stage of the protocol (``dp_mod`` is called in the masked-vector stage only, so a stage check
+needs a mod around ``secaggplus_mod`` that asks the same function); a second account of the ledger in
+`_followed()`, the one place a release is charged.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def guard(
         ins = _followed(app, message_type, node_config, train, secure_round=secagg_stage is not None)
     except (RoundRefused, PolicyError) as err:
         return _refuse(str(err))
-    if secagg_stage is not None and ins.secagg_step <= 0:  # dp_mod (the run config's grid is checked above)
+    if secagg_stage is not None and ins.secagg_step <= 0:  # dp_mod (the run config's grid: check_round); charged
         raise ValueError("a secure-aggregation round without a quantization grid (secagg-step)")
     return Verdict(Route.TRAIN, instructions=ins)
 

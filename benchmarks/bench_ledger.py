@@ -67,8 +67,9 @@ def main() -> None:
                 fsyncs.append(time.perf_counter() - start)
         print(f"  of which a 300-byte append and fsync alone: median {1e3 * statistics.median(fsyncs):.1f} ms")
         all_times = [t for values in times.values() for t in values]
-        print(f"  every release: mean {1e3 * statistics.mean(all_times):.1f} ms; final epsilon "
-              f"{NodeLedger(path).spent(policy):.3f}; load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")  # fmt: skip
+        final = NodeLedger(path).spent(policy)
+        print(f"  every release: mean {1e3 * statistics.mean(all_times):.1f} ms; final epsilon {final:.3f}; "
+              f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")  # fmt: skip
 
 
 if __name__ == "__main__":

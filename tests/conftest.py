@@ -169,7 +169,8 @@ def base_install(tmp_path_factory) -> Path:
     """The Python of a venv with ``pip install -e .`` and no extras (what the README's install gives).
 
     Made with uv (a dependency of flwr, and what ``flwr run`` uses for every run), from the same uv cache the
-    ``flwr run`` tests fill; built once per session and worker: mark its tests ``xdist_group("base-install")`` so they share one worker.
+    ``flwr run`` tests fill; built once per session and worker: mark its tests ``xdist_group("base-install")``
+    so they share one worker.
     """
     uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
     assert uv, "uv comes with flwr"

@@ -116,7 +116,8 @@ def ledger_report(node_config: Mapping[str, Any], *, last: int | None = None) ->
         budget = "no max-epsilon: the ledger records, never refuses"
     else:
         left = policy.max_epsilon - spent
-        budget = f"of max-epsilon {policy.max_epsilon:g}: " + (f"{left:.4g} left" if left > 0 else "SPENT, every run is refused")
+        rest = f"{left:.4g} left" if left > 0 else "SPENT, every run is refused"
+        budget = f"of max-epsilon {policy.max_epsilon:g}: {rest}"
     lines.append(f"spent epsilon {spent:.4g} at delta {delta:g} ({LEDGER_ACCOUNTANT}), {budget}")
     return lines, spent, policy
 

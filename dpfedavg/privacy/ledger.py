@@ -249,13 +249,6 @@ class Composition:
             return math.inf
         return 0.0 if self.pld is None else float(self.pld.get_epsilon_for_delta(delta))
 
-    @classmethod
-    def of(cls, events: list[tuple[RoundEvent, int]]) -> Composition:
-        composed = cls()
-        for event, count in events:
-            composed = composed.then(event, count)
-        return composed
-
 
 def ledger_delta(policy: NodePolicy) -> float:
     """The delta the node's epsilon is read at: ``max-epsilon-delta``, else ``DEFAULT_DELTA``: the operator's.
@@ -409,7 +402,9 @@ class NodeLedger:
             try:
                 item = json.loads(line)
             except ValueError as err:
-                raise LedgerError(f"privacy-ledger {self.path} is corrupt (entry {i} is not JSON: {err}); {fix}") from None
+                raise LedgerError(
+                    f"privacy-ledger {self.path} is corrupt (entry {i} is not JSON: {err}); {fix}"
+                ) from None
             if not isinstance(item, dict) or set(item) != {"entry", "sha256"}:
                 raise LedgerError(f"{where} is not a ledger line (expected 'entry' and 'sha256'); {fix}")
             release = Release.from_json(item["entry"], where)
@@ -492,7 +487,7 @@ class NodeLedger:
             return self._state()
         if not state.same_boot():  # written without fsync: after a crash of the machine it may be torn
             if state.covered()[0]:
-                logger.warning("privacy ledger %s: the machine restarted; its state is rebuilt from the file", self.path)
+                logger.warning("privacy ledger %s: the machine restarted; state rebuilt from the file", self.path)
             state.reset()
         covered, head = state.covered()
         if covered > len(scan.releases) or (covered and scan.chains[covered - 1] != head):
@@ -656,8 +651,8 @@ class _State:
         """The PLD stored as ``name`` (``None`` if there is none)."""
         from dp_accounting.pld import pld_pmf, privacy_loss_distribution
 
-        rows = {row[0]: row[1:] for row in self.db.execute("SELECT side, discretization, lower_loss, probs, "
-                                                             "infinity_mass, pessimistic FROM pld WHERE name = ?", (name,))}  # fmt: skip
+        query = "SELECT side, discretization, lower_loss, probs, infinity_mass, pessimistic FROM pld WHERE name = ?"
+        rows = {row[0]: row[1:] for row in self.db.execute(query, (name,))}
         if not rows:
             return None
         pmfs = {
@@ -692,7 +687,8 @@ class _State:
             pld = _run_pld(event, count)
             self.db.execute("BEGIN IMMEDIATE")
             self._save(name, pld)
-            names = [n for (n,) in self.db.execute("SELECT DISTINCT name FROM pld WHERE name != 'running' ORDER BY rowid")]
+            query = "SELECT DISTINCT name FROM pld WHERE name != 'running' ORDER BY rowid"
+            names = [n for (n,) in self.db.execute(query)]
             for old in names[:-_RUN_PLDS]:
                 self.db.execute("DELETE FROM pld WHERE name = ?", (old,))
             self.db.execute("COMMIT")
@@ -732,7 +728,8 @@ class _State:
         entries, _, _ = self.position()
         self.db.execute("BEGIN IMMEDIATE")
         if release.mechanism != GAUSSIAN:
-            self.db.execute("INSERT OR IGNORE INTO plans VALUES (?, ?)", (json.dumps(_plan(release)), release.server_round))
+            row = (json.dumps(_plan(release)), release.server_round)
+            self.db.execute("INSERT OR IGNORE INTO plans VALUES (?, ?)", row)
         if composition is not None:
             self._store(composition, epsilon)
         self._set({"entries": entries + 1, "head": head, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
@@ -758,7 +755,8 @@ class _State:
                 composition, changed = composition.then(*added, run_pld=self.run_pld), True
         self.db.execute("BEGIN IMMEDIATE")
         for key, rounds in seen.items():
-            self.db.executemany("INSERT OR IGNORE INTO plans VALUES (?, ?)", [(json.dumps(key), k) for k in rounds or ()])
+            rows = [(json.dumps(key), k) for k in rounds or ()]
+            self.db.executemany("INSERT OR IGNORE INTO plans VALUES (?, ?)", rows)
         if changed:
             self._store(composition)
         self._set({"version": _STATE_VERSION, "entries": len(scan.releases), "head": scan.head, "size": scan.size,

@@ -38,7 +38,8 @@ ALLOWED: dict[tuple[str, str], str] = {
 
 
 def _defined(path: Path) -> set[str]:
-    return {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    tree = ast.parse(path.read_text())
+    return {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
 
 
 def _private_calls(path: Path, definers: dict[str, set[Path]]) -> list[tuple[int, str]]:

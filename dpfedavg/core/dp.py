@@ -15,6 +15,7 @@ import numpy as np
 
 from dpfedavg.core.arrays import as_array_like, copy, namespace, row_norms
 from dpfedavg.core.types import Vector
+from dpfedavg.errors import lookup
 
 __all__ = [
     "ALGORITHMS",
@@ -118,11 +119,8 @@ ALGORITHMS: tuple[str, ...] = tuple(BOUNDS)
 
 
 def get_bound(algorithm: str) -> SensitivityBound:
-    """The `SensitivityBound` of ``algorithm``; ``ValueError`` naming the allowed ones."""
-    try:
-        return BOUNDS[algorithm]
-    except KeyError:
-        raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {', '.join(map(repr, BOUNDS))}") from None
+    """The `SensitivityBound` of ``algorithm``: the one lookup of `BOUNDS` (`ConfigError` naming the allowed ones)."""
+    return lookup(BOUNDS, algorithm, key="algorithm", what="algorithm")
 
 
 def bound_sensitivity(u: Vector, algorithm: str, c: float) -> Vector:

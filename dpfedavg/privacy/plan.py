@@ -11,7 +11,7 @@ from dpfedavg.core.mechanism import Neighbouring
 from dpfedavg.errors import ConfigError
 from dpfedavg.privacy.accountants import Accountant, AccountingRangeError, create_accountant
 from dpfedavg.privacy.calibration import CalibrationError
-from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
+from dpfedavg.privacy.noise_mechanisms import NoiseMechanism
 from dpfedavg.privacy.params import DpParams
 
 __all__ = ["PrivacyPlan", "plan_privacy"]
@@ -46,19 +46,16 @@ class PrivacyPlan:
     neighbouring: Neighbouring
     #: ``sigma_b`` of an adaptive bound's count (``clip-count-stddev``, "auto" resolved); ``None`` otherwise.
     count_stddev: float | None = None
-    #: The narrow parameters the plan was made from (its noise mechanism and that mechanism's settings).
+    #: The narrow parameters the plan was made from (its noise mechanism's name and settings).
     params: DpParams | None = None
-
-    @property
-    def mechanism(self) -> str:
-        """The ``noise-mechanism`` (a name in `NOISE_MECHANISMS`)."""
-        return self.params.mechanism if self.params is not None else "independent"
+    #: The noise mechanism the plan was calibrated for (the object ``params.mechanism`` names).
+    noise_mechanism: NoiseMechanism | None = None
 
     def new_accountant(self) -> Accountant:
         """A fresh accountant of the run's noise mechanism, method and delta."""
-        if self.params is None:  # a plan built by hand: today's mechanism
+        if self.params is None or self.noise_mechanism is None:  # a plan built by hand: independent rounds
             return create_accountant(self.accountant, self.delta)
-        return NOISE_MECHANISMS[self.mechanism].new_accountant(self.params, self.noise_multiplier)
+        return self.noise_mechanism.new_accountant(self.params, self.noise_multiplier)
 
 
 def _count_stddev_error(
@@ -75,10 +72,14 @@ def _count_stddev_error(
     )
 
 
-def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float | None = None) -> PrivacyPlan:
+def plan_privacy(
+    params: DpParams, bound: SensitivityBound, mechanism: NoiseMechanism, count_stddev: float | None = None
+) -> PrivacyPlan:
     """Calibrate or take ``z`` and check the budget, before anything starts.
 
-    ``bound`` is the run's sensitivity bound (no noise without a private one); ``count_stddev`` the
+    ``bound`` is the run's sensitivity bound (no noise without a private one); ``mechanism`` its noise mechanism
+    (the object ``params.mechanism`` names: `dpfedavg.privacy.setup.PrivacySetup.resolve()` looks both up);
+    ``count_stddev`` the
     ``sigma_b`` of an adaptive bound's count, ``None`` for "auto"
     (`auto_count_stddev()` of the run's ``z``).
 
@@ -89,7 +90,6 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
         run has no noise; an adaptive bound with ``sigma_b <= z/2`` (checked after ``z`` is calibrated).
     """
     q, delta, accountant = params.q, params.delta, params.accountant
-    mechanism = NOISE_MECHANISMS[params.mechanism]
     where = f"num-rounds = {params.rounds}, q = r/n = {q:.4g}, delta = {delta:g}, accountant = {accountant!r}"
     if not bound.private:
         z, calibrated = 0.0, False
@@ -137,4 +137,5 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
         neighbouring=params.neighbouring,
         count_stddev=count_stddev if bound.adaptive else None,
         params=params,
+        noise_mechanism=mechanism,
     )

@@ -353,7 +353,8 @@ class RunConfig:
                 f"'clients-per-node' = {self.clients_per_node} exceeds 'num-clients' = {self.num_clients}: "
                 "expected 1 <= clients-per-node <= num-clients (num-clients = one SuperNode for every client)"
             )
-        participation = get_placement(self.noise_placement).participation_error(self.num_clients, self.clients_per_round)
+        placement = get_placement(self.noise_placement)
+        participation = placement.participation_error(self.num_clients, self.clients_per_round)
         if participation:
             errors.append(f"'noise-placement' = {self.noise_placement!r} {participation}")
         mechanism_errors = get_noise_mechanism(self.noise_mechanism).config_errors(self)
@@ -368,7 +369,7 @@ class RunConfig:
         if self.secure_aggregation and not mechanism_errors:
             errors.extend(
                 SecAggSettings.from_config(self).config_errors(
-                    placement=get_placement(self.noise_placement),
+                    placement=placement,
                     bound=get_bound(self.algorithm),
                     num_clients=self.num_clients,
                     clients_per_node=self.clients_per_node,

@@ -66,10 +66,10 @@ from dpfedavg.flower.runtime import route_logs_through_flower
 from dpfedavg.flower.secure_aggregation import HALTED, SecureSum
 from dpfedavg.flower.strategy import DPFedAvg as FlowerDPFedAvg
 from dpfedavg.flower.strategy import FlowerRunner, log_privacy_plan
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, stopped
 from dpfedavg.server.loop import run_rounds
-from dpfedavg.privacy.setup import PrivacySetup
 
 __all__ = ["APP_KEYS", "AppDPFedAvg", "AppSettings", "DPFedAvg"]
 

@@ -45,13 +45,13 @@ from dpfedavg.flower.replies import collect_replies
 from dpfedavg.flower.secure_aggregation import SecureSum, secure_sum, workflow_for
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.plan import PrivacyPlan
-from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.privacy.plausibility import (
     MAX_FALSE_REJECTION,
     ReplyLimits,
     false_rejection_probability,
     reply_limits,
 )
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, TrainingStopped
 from dpfedavg.server.loop import run_rounds

@@ -1,6 +1,6 @@
 """An empirical privacy auditor: a lower bound on epsilon from running the mechanism on neighbours.
 
-The accountant (`dpfedavg.privacy.accounting`) gives an *upper* bound
+The accountant (`dpfedavg.privacy.accountants`) gives an *upper* bound
 on epsilon, and it is only as right as the model of the mechanism it
 composes. This module checks that model from the other side, the way
 Jagielski, Ullman and Oprea (2020) and Nasr et al. (2021) audit DP training:

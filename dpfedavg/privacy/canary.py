@@ -465,7 +465,7 @@ class StdForVariance:
     """A deliberately broken noise placement, for tests and benchmarks only: each client adds std ``zC / |S_k|``
     (a std where the variance was meant), the server, believing every share present, adds nothing; the accountant
     still charges ``z`` every round. A correct audit flags it (``tests/test_canary.py``,
-    ``benchmarks/bench_canary_audit.py``). Wraps a placement of ``dpfedavg.privacy.mechanism.PLACEMENTS``."""
+    ``benchmarks/bench_canary_audit.py``). Wraps a placement of ``dpfedavg.core.mechanism.PLACEMENTS``."""
 
     def __init__(self, base):
         self._base = base

@@ -19,7 +19,7 @@ __all__ = ["PrivacyPlan", "plan_privacy"]
 
 @dataclass(frozen=True)
 class PrivacyPlan:
-    """The privacy set-up of a run, derived from its `DpParams`.
+    """The privacy plan of a run, derived from its `DpParams` (part of its `dpfedavg.privacy.setup.PrivacySetup`).
 
     Attributes
     ----------
@@ -73,11 +73,11 @@ def _count_stddev_error(
 
 
 def plan_privacy(
-    params: DpParams, bound: SensitivityBound, mechanism: NoiseMechanism, count_stddev: float | None = None
+    params: DpParams, bound: SensitivityBound, noise_mechanism: NoiseMechanism, count_stddev: float | None = None
 ) -> PrivacyPlan:
     """Calibrate or take ``z`` and check the budget, before anything starts.
 
-    ``bound`` is the run's sensitivity bound (no noise without a private one); ``mechanism`` its noise mechanism
+    ``bound`` is the run's sensitivity bound (no noise without a private one); ``noise_mechanism`` its noise mechanism
     (the object ``params.mechanism`` names: `dpfedavg.privacy.setup.PrivacySetup.resolve()` looks both up);
     ``count_stddev`` the
     ``sigma_b`` of an adaptive bound's count, ``None`` for "auto"
@@ -95,7 +95,7 @@ def plan_privacy(
         z, calibrated = 0.0, False
     elif params.target_epsilon is not None:
         try:
-            z = mechanism.calibrate(params)
+            z = noise_mechanism.calibrate(params)
         except CalibrationError as err:
             raise ConfigError(f"invalid run config: 'epsilon' = {params.target_epsilon:g} ({where}): {err}") from None
         calibrated = True
@@ -107,7 +107,7 @@ def plan_privacy(
     if dp and bound.adaptive and not (count_stddev is not None and count_stddev > min_count_stddev(z)):
         raise _count_stddev_error(bound, count_stddev or 0.0, z, calibrated, params.target_epsilon)
     try:
-        nominal = mechanism.epsilon(params, z, params.rounds) if dp else math.inf
+        nominal = noise_mechanism.epsilon(params, z, params.rounds) if dp else math.inf
     except AccountingRangeError as err:
         raise ConfigError(f"invalid run config: 'noise-multiplier' = {z:g} ({where}): {err}") from None
     budget = params.max_epsilon
@@ -117,7 +117,7 @@ def plan_privacy(
                 f"invalid run config: 'max-epsilon' = {budget:g} but the run adds no noise "
                 f"(algorithm {bound.name!r}, noise multiplier 0): its epsilon is infinite"
             )
-        first = mechanism.epsilon(params, z, 1)
+        first = noise_mechanism.epsilon(params, z, 1)
         if first > budget:
             raise ConfigError(
                 f"invalid run config: 'max-epsilon' = {budget:g} is exceeded by the first round already "
@@ -137,5 +137,5 @@ def plan_privacy(
         neighbouring=params.neighbouring,
         count_stddev=count_stddev if bound.adaptive else None,
         params=params,
-        noise_mechanism=mechanism,
+        noise_mechanism=noise_mechanism,
     )

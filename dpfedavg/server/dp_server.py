@@ -19,8 +19,8 @@ the clients' vectors have one more coordinate (their noised count of unclipped u
 placement sees the augmented bound ``C_aug`` instead of ``C``, and closing a round splits the count off,
 releases ``b_k`` and moves to ``C_{k+1}`` (Andrew et al. 2021).
 
-The privacy side reads narrow parameters the server builds once (`DpParams`,
-`SecAggSettings`). The Flower strategy
+The server reads the run's privacy set-up, resolved once per run (`PrivacySetup`: the bound, the
+placement, the noise law and mechanism, `DpParams`, the plan, `SecAggSettings`, the federation sampled). The Flower strategy
 (`DPFedAvg`) and the batched engine (`dpfedavg.engines.batched`)
 both drive this class, so the two engines run the same server math.
 """

@@ -2,9 +2,9 @@
 
 `prepare_run()` is the one validation path after the config: the task's name is checked first
 (cheap), then the privacy set-up is resolved, ``z`` calibrated and every budget rule checked
-(`PrivacySetup.resolve()`, unless the caller resolved it already), then the task is built, the server checks what needs the model's size (secure aggregation's terms),
-and the session opens the run directory (or the checkpoint of a resumed run). The Flower ServerApp
-and the batched engine both start here.
+(`PrivacySetup.resolve()`, unless the caller resolved it already), then the task is built, the server
+checks what needs the model's size (secure aggregation's terms), and the session opens the run directory
+(or the checkpoint of a resumed run). The Flower ServerApp and the batched engine both start here.
 """
 
 from __future__ import annotations

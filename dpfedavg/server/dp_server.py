@@ -20,8 +20,8 @@ placement sees the augmented bound ``C_aug`` instead of ``C``, and closing a rou
 releases ``b_k`` and moves to ``C_{k+1}`` (Andrew et al. 2021).
 
 The server reads the run's privacy set-up, resolved once per run (`PrivacySetup`: the bound, the
-placement, the noise law and mechanism, `DpParams`, the plan, `SecAggSettings`, the federation sampled). The Flower strategy
-(`DPFedAvg`) and the batched engine (`dpfedavg.engines.batched`)
+placement, the noise law and mechanism, `DpParams`, the plan, `SecAggSettings`, the federation sampled).
+The Flower strategy (`DPFedAvg`) and the batched engine (`dpfedavg.engines.batched`)
 both drive this class, so the two engines run the same server math.
 """
 

@@ -128,7 +128,7 @@ class PrivacySetup:
         placement = get_placement(cfg.noise_placement)
         noise_mechanism = get_noise_mechanism(cfg.noise_mechanism)
         federation = FederationSize.of(cfg)
-        params = DpParams.from_config(cfg)
+        params = DpParams.from_config(cfg, placement, noise_mechanism)
         plan = plan_privacy(params, bound, noise_mechanism, cfg.clip_count_stddev)
         if federation.inserted_canaries:  # the same z and q; the rounds sample from the n' clients
             n, r = federation.sampled  # canaries need the independent mechanism (config.py), whose spec reads no n

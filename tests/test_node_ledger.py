@@ -28,6 +28,7 @@ from scipy.stats import norm
 from dpfedavg.config import RunConfig
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.flower import client_app as client_app_module
+from dpfedavg.flower import guard as guard_module
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.mod import dp_mod, public_parameters
 from dpfedavg.flower.protocol import ARRAYS, CONFIG, instructions_to_config_record, to_array_record
@@ -106,7 +107,7 @@ def _answered(replies: list[Message]) -> bool:
 
 def _restart() -> None:
     """Forget every process-level cache a restarted ClientApp process would not have."""
-    client_app_module._policy.cache_clear()
+    guard_module._policy.cache_clear()
     client_app_module._config.cache_clear()
     policy_module._run_epsilon.cache_clear()
     ledger_module._epsilon.cache_clear()

@@ -26,6 +26,7 @@ __all__ = [
     "private_block_update",
     "round_block_update",
     "client_round_update",
+    "zero_updates",
 ]
 
 logger = logging.getLogger(__name__)
@@ -243,3 +244,19 @@ def round_block_update(u: np.ndarray, ins: RoundInstructions, client_ids: Sequen
         law=round_noise_law(ins),
         count_scale=ins.count_scale,
     )
+
+
+def zero_updates(
+    client_ids: Sequence[int], dim: int, ins: RoundInstructions, dtype: np.dtype | type = np.float64
+) -> list[ClientUpdate]:
+    """``0 + zeta`` for each of ``client_ids``, whose local training diverged: what a node under a policy sends.
+
+    Whether local training diverges at the model and ``eta_k`` the server chose is a function of the node's data
+    (gradient descent on a curvature ``L`` diverges for ``eta > 2 / L``): reported as an error it would leave the
+    node without noise, one bit per round. Under a policy the update is ``u = 0`` instead (a bounded update like any
+    other), noised as usual (`round_block_update()`, each client's noise its own), so the reply has the same form
+    whatever the data. The one place a diverged update becomes the zero update (the ClientApp, its virtual clients
+    and ``dp_mod`` call it).
+    """
+    updates = round_block_update(np.zeros((len(client_ids), dim), dtype=dtype), ins, client_ids)
+    return [update for update in updates if update is not None]

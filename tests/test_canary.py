@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 import pytest
+from legacy_placement import StdForVariance
 from log_records import package_records
 from scipy import integrate, stats
 
@@ -19,7 +20,6 @@ from dpfedavg.privacy.canary import (
     CanaryScores,
     CanarySet,
     GaussianFit,
-    StdForVariance,
     epsilon_two_gaussians,
     gaussian_fit_band,
     gaussian_fit_epsilon,

@@ -19,6 +19,7 @@ from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.flower import server_app
+from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.protocol import (
     ARRAYS,
@@ -29,7 +30,6 @@ from dpfedavg.flower.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.io import atomic
 from dpfedavg.io.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint

@@ -61,12 +61,11 @@ from dpfedavg.flower.protocol import (
 from dpfedavg.flower.runtime import route_logs_through_flower
 from dpfedavg.flower.strategy import FlowerRunner, RunStrategy, log_privacy_plan
 from dpfedavg.io.metrics import RoundStats
-from dpfedavg.privacy.plan import PrivacyPlan
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, stopped
 from dpfedavg.server.loop import run_rounds
 from dpfedavg.server.round import RoundRecord
-from dpfedavg.server.run import plan_for
 
 __all__ = ["APP_KEYS", "AppDPFedAvg", "AppSettings", "DPFedAvg"]
 
@@ -246,7 +245,7 @@ class DPFedAvg(RunStrategy):
 
     Parameters
     ----------
-    cfg, dim, plan, server, canaries:
+    cfg, dim, setup, server, canaries:
         dpfedavg's own apps: see `RunStrategy`.
     **settings:
         Your app: dpfedavg's keys in snake_case (``algorithm``, ``clip``, ``epsilon``, ``delta``,
@@ -266,7 +265,7 @@ class DPFedAvg(RunStrategy):
         cfg: RunConfig | None = None,
         dim: int | None = None,
         *,
-        plan: PrivacyPlan | None = None,
+        setup: PrivacySetup | None = None,
         server: DPServer | None = None,
         sleep: Callable[[float], None] = time.sleep,
         canaries: np.ndarray | None = None,
@@ -279,11 +278,11 @@ class DPFedAvg(RunStrategy):
                     f"DPFedAvg(cfg, ...) is dpfedavg's own apps' strategy: the settings {sorted(settings)} are for "
                     "your app's DPFedAvg(**settings), which takes no cfg"
                 )
-            own = {"plan": plan, "server": server, "sleep": sleep, "canaries": canaries}
+            own = {"setup": setup, "server": server, "sleep": sleep, "canaries": canaries}
             super().__init__(cfg, dim, **own)  # type: ignore[arg-type]
             return
-        if dim is not None or plan is not None or canaries is not None:
-            raise TypeError("DPFedAvg(**settings) for your app takes keywords only (dim, plan and canaries need cfg)")
+        if dim is not None or setup is not None or canaries is not None:
+            raise TypeError("DPFedAvg(**settings) for your app takes keywords only (dim, setup and canaries need cfg)")
         if app_settings is None:
             options = {k.replace("_", "-"): v for k, v in settings.items()}
             app_settings = AppSettings(options, lambda key: key.replace("-", "_"))
@@ -409,7 +408,8 @@ class DPFedAvg(RunStrategy):
         self.population = self._wait_for_population(grid, probe.node_wait_timeout)
         cfg = self.settings.config(len(self.population), rounds)
         self.cfg, self._num_rounds = cfg, rounds
-        self.server = DPServer(cfg, self.layout.dim, plan=plan_for(cfg), represent=self.layout.round_trip)
+        setup = PrivacySetup.resolve(cfg)
+        self.server = DPServer(cfg, self.layout.dim, setup=setup, represent=self.layout.round_trip)
         self.dim = self.layout.dim
         self.edge = UserArrays(
             self.server, cfg, self.layout, initial_arrays, self.population, rounds, self.client_metrics_rejected

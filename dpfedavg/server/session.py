@@ -306,8 +306,8 @@ class RunSession:
             raise CheckpointError(
                 f"cannot resume {self.directory}: {redone} round(s) ran after the checkpoint (round {ckpt.round}) "
                 f"with secure-noise, and noise-mechanism = {self.cfg.noise_mechanism!r} cannot account a round "
-                "released twice; redoing them would release more than the reported epsilon covers. Start a new run (it spends "
-                "a new budget), and use checkpoint-every = 1 with this mechanism"
+                "released twice; redoing them would release more than the reported epsilon covers. Start a new run "
+                "(it spends a new budget), and use checkpoint-every = 1 with this mechanism"
             )
         if redone:
             logger.warning(

@@ -85,7 +85,7 @@ def _load_run_sim() -> Any:
     return module
 
 
-PROGRAMS = ("dpfedavg.run", "run_sim.py", "dpfedavg.deploy")
+PROGRAMS = ("dpfedavg.check", "dpfedavg.run", "run_sim.py", "dpfedavg.deploy")
 
 
 class _Parsed(Exception):
@@ -101,6 +101,10 @@ def _main_of(program: str) -> Any:
         return _load_run_sim().main
     if program == "dpfedavg.run":
         from dpfedavg.run import main
+
+        return main
+    if program == "dpfedavg.check":
+        from dpfedavg.check import main
 
         return main
     if program == "dpfedavg.deploy":

@@ -394,6 +394,33 @@ class TorchTask:
             out = self._forward(self._flat(self.initial_weights()), self._x(x_all[:1]))
         return out.ndim == 2 and out.shape[1] >= 2
 
+    def check_model(self) -> None:
+        """One forward pass of the model on client 0's first example, before anything is written (`build_task()`).
+
+        A model whose ``forward`` fails raises one `ConfigError` naming the model, the input's shape and dtype,
+        the task and torch's first line, instead of a torch traceback halfway through a run whose folder is
+        already made. Where client 0's data cannot be loaded here (a node that holds other clients' data), the
+        check is skipped: the data's own error comes where the data is used.
+        """
+        try:
+            x_np, _ = self.data.client(0)
+        except Exception as err:  # noqa: BLE001 - not the model's fault; reported where the data is used
+            logger.debug("task %r: model check skipped, client 0's data did not load here: %s", self.name, err)
+            return
+        x = self._x(np.asarray(x_np)[:1])
+        flat = self._flat(self.initial_weights())
+        try:
+            with self._lock, self.torch.no_grad():
+                self._forward(flat, x)
+        except Exception as err:  # noqa: BLE001 - the user's forward failed: one line with its context
+            first = (str(err).strip().splitlines() or [""])[0]
+            named = "" if self.name == self.cfg.task else f" (task {self.name!r})"
+            raise ConfigError(
+                f"invalid run config: 'task' = {self.cfg.task!r}: the model {type(self.module).__name__}{named} "
+                f"failed its first forward pass, on an input of shape {tuple(x.shape)} "
+                f"({str(x.dtype).removeprefix('torch.')}, client 0's first example): {type(err).__name__}: {first}"
+            ) from err
+
     # ------------------------------------------------------------------ model
     @cached_property
     def module(self) -> Any:

@@ -13,7 +13,10 @@ Flower, Ray or the task's data, it validates
   ``ceil(num-clients / clients-per-node)``, and ``client-resources-num-cpus`` a whole number (Flower's Ray backend
   takes no fraction of a CPU);
 * with ``--plan``, the privacy plan too: ``z`` calibrated for the target, the budget checked (this takes a second
-  or more: the accountant runs).
+  or more: the accountant runs);
+* with ``--build-task``, the task too: built as the server builds it (`dpfedavg.tasks.build_task()`: the data are
+  loaded and a torch model runs one forward pass, `dpfedavg.tasks.torch_task.TorchTask.check_model()`), which
+  takes as long as that does.
 
 A mistake prints one line, ``error: ...``, naming every bad key, its value and what is allowed, and exits 2; a
 good configuration prints one line that summarizes it and exits 0.
@@ -31,6 +34,7 @@ from typing import Any
 
 from dpfedavg.errors import ConfigError
 from dpfedavg.run import parse_run_config
+from dpfedavg.tasks.errors import DataUnavailableError
 
 __all__ = ["check", "check_federation", "main", "read_app_config"]
 
@@ -104,11 +108,13 @@ def check(
     app_config: Mapping[str, Any] | None = None,
     federation: Mapping[str, Any] | None = None,
     plan: bool = False,
+    build: bool = False,
 ) -> str:
     """Validate a run as ``flwr run`` would start it; returns a one-line summary, raises one `ConfigError`.
 
     ``app_config``: the app's ``[tool.flwr.app.config]`` (`read_app_config()`), overridden by ``run_config``;
-    ``federation``: the ``--federation-config`` keys; ``plan``: also calibrate ``z`` and check the budget.
+    ``federation``: the ``--federation-config`` keys; ``plan``: also calibrate ``z`` and check the budget;
+    ``build``: also build the task (its data, a torch model's first forward pass).
     """
     from dpfedavg.config import RunConfig
     from dpfedavg.tasks import resolve_task
@@ -121,6 +127,10 @@ def check(
         f"ok: task {cfg.task!r}, algorithm {cfg.algorithm!r}, {cfg.num_clients} clients on {cfg.num_nodes} "
         f"SuperNodes, r = {cfg.clients_per_round:g} per round, K = {cfg.num_rounds} rounds"
     )
+    if build:
+        from dpfedavg.tasks import build_task
+
+        summary += f", task built (dim {build_task(cfg).dim})"
     if plan:
         from dpfedavg.server.run import plan_for
 
@@ -139,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--federation-config", action="append", default=[], help="as for flwr run")
     parser.add_argument("--num-supernodes", type=int, default=None, help="the federation's size (num-supernodes)")
     parser.add_argument("--plan", action="store_true", help="also calibrate the noise and check the budget (slower)")
+    parser.add_argument("--build-task", action="store_true", help="also build the task: its data, the model's check")
     parser.add_argument("--stream", action="store_true", help="accepted and ignored, as on the flwr run line")
     args = parser.parse_args(argv)
     try:
@@ -151,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.num_supernodes is not None:
             federation["num-supernodes"] = args.num_supernodes
         app_config = read_app_config(args.app) if args.app is not None else None
-        print(check(overrides, app_config=app_config, federation=federation, plan=args.plan))
-    except (ConfigError, ValueError) as err:
+        print(check(overrides, app_config=app_config, federation=federation, plan=args.plan, build=args.build_task))
+    except (ConfigError, ValueError, DataUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_INVALID
     return 0

@@ -108,6 +108,23 @@ def test_mkdocs_build_strict(site: Path) -> None:
         assert f'id="{opt.key}"' in page, opt.key
 
 
+def test_the_site_renders_math_and_diagrams(site: Path) -> None:
+    """Formulas reach MathJax as arithmatex spans (inline and display), MathJax and its configuration are
+    loaded, and the Mermaid fences become diagrams the theme draws: at least four (a round, who sees what, a
+    deployment's hosts and keys, the node's checks)."""
+    round_page = (site / "explanation" / "one-round" / "index.html").read_text()
+    assert '<span class="arithmatex">' in round_page and '<div class="arithmatex">' in round_page
+    assert "assets/mathjax.js" in round_page and "mathjax@3" in round_page
+    diagrams = {
+        page.relative_to(site).as_posix(): page.read_text().count('<pre class="mermaid">')
+        for page in site.rglob("*.html")
+    }
+    assert sum(diagrams.values()) >= 4, diagrams
+    for page in ("explanation/one-round/index.html", "privacy/index.html", "how-to/deploy/index.html"):
+        assert diagrams[page] >= 1, page
+    assert "```mermaid" not in "".join(p.read_text() for p in site.rglob("*.html"))
+
+
 class _Text(HTMLParser):
     """The text of a page as a reader sees it (scripts and the search index left out), `<pre>` apart."""
 

@@ -135,7 +135,8 @@ def check(
         from dpfedavg.server.run import plan_for
 
         found = plan_for(cfg)
-        summary += f", z = {found.noise_multiplier:.4g}, (epsilon, delta) = ({found.nominal_epsilon:.4g}, {found.delta:g})"
+        epsilon = f"({found.nominal_epsilon:.4g}, {found.delta:g})"
+        summary += f", z = {found.noise_multiplier:.4g}, (epsilon, delta) = {epsilon}"
     elif cfg.epsilon > 0:
         summary += f", target (epsilon, delta) = ({cfg.epsilon:g}, {cfg.delta:g})"
     return summary

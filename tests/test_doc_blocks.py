@@ -268,4 +268,5 @@ def test_the_static_checks_catch_stale_commands(monkeypatch, tmp_path, capsys) -
         with pytest.raises(AssertionError):
             _check_statically(b, monkeypatch, tmp_path, capsys)
     _check_statically(block(f'flwr run . --stream {fed} --run-config "num-rounds=3"'), monkeypatch, tmp_path, capsys)
-    _check_statically(block(f'python -m dpfedavg.check . {fed} --run-config "num-rounds=3"'), monkeypatch, tmp_path, capsys)
+    good_check = block(f'python -m dpfedavg.check . {fed} --run-config "num-rounds=3"')
+    _check_statically(good_check, monkeypatch, tmp_path, capsys)

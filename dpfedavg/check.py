@@ -6,9 +6,9 @@ checked by changing its first words: ``flwr run . --stream --federation-config "
 Flower, Ray or the task's data, it validates
 
 * the run config: the defaults of ``APP/pyproject.toml``'s ``[tool.flwr.app.config]`` (dpfedavg's own when no APP
-  is given), then each ``--run-config`` (every key, its type, its range and the combinations:
-  `dpfedavg.config.RunConfig.from_run_config()`), and that ``task`` names a task (`dpfedavg.tasks.resolve_task()`;
-  a user's ``module:factory`` is imported, nothing more);
+  is given), then each ``--run-config`` (``key=value`` pairs, or one ``.toml`` file, as for ``flwr run``): every
+  key, its type, its range and the combinations (`dpfedavg.config.RunConfig.from_run_config()`), and that ``task``
+  names a task (`dpfedavg.tasks.resolve_task()`; a user's ``module:factory`` is imported, nothing more);
 * the federation: ``num-supernodes`` (from ``--federation-config`` or ``--num-supernodes``) against
   ``ceil(num-clients / clients-per-node)``, and ``client-resources-num-cpus`` a whole number (Flower's Ray backend
   takes no fraction of a CPU);
@@ -36,7 +36,7 @@ from dpfedavg.errors import ConfigError
 from dpfedavg.run import parse_run_config
 from dpfedavg.tasks.errors import DataUnavailableError
 
-__all__ = ["check", "check_federation", "main", "read_app_config"]
+__all__ = ["check", "check_federation", "main", "read_app_config", "read_config_args"]
 
 #: The exit status of a configuration that does not validate (as ``python -m dpfedavg.run``'s).
 EXIT_INVALID = 2
@@ -62,6 +62,32 @@ def read_app_config(app: str | Path) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise ConfigError(f"app {str(app)!r}: {path} has no [tool.flwr.app.config] table")
     return table
+
+
+def read_config_args(texts: list[str]) -> dict[str, Any]:
+    """``--run-config`` / ``--federation-config`` values as ``flwr run`` reads them: ``key=value`` pairs (TOML
+    values), or one ``.toml`` file whose tables become dotted keys."""
+    if len(texts) == 1 and texts[0].endswith(".toml"):
+        path = Path(texts[0]).expanduser()
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise ConfigError(f"config file {texts[0]!r}: {err}") from None
+        return _flatten(data)
+    out: dict[str, Any] = {}
+    for text in texts:
+        if text.endswith(".toml"):
+            raise ConfigError(f"{text!r}: a .toml file cannot be passed alongside key=value pairs (as for flwr run)")
+        out.update(parse_run_config(text))
+    return out
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        out.update(_flatten(value, f"{name}.") if isinstance(value, Mapping) else {name: value})
+    return out
 
 
 def check_federation(federation: Mapping[str, Any], num_nodes: int, num_clients: int, clients_per_node: int) -> None:
@@ -154,12 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true", help="accepted and ignored, as on the flwr run line")
     args = parser.parse_args(argv)
     try:
-        overrides: dict[str, Any] = {}
-        for text in args.run_config:
-            overrides.update(parse_run_config(text))
-        federation: dict[str, Any] = {}
-        for text in args.federation_config:
-            federation.update(parse_run_config(text))
+        overrides = read_config_args(args.run_config)
+        federation = read_config_args(args.federation_config)
         if args.num_supernodes is not None:
             federation["num-supernodes"] = args.num_supernodes
         app_config = read_app_config(args.app) if args.app is not None else None

@@ -98,6 +98,16 @@ def test_the_app_folder_gives_the_defaults_and_a_typo_there_is_named(capsys, tmp
     assert sorted(os.listdir(tmp_path)) == ["app"] and os.listdir(app) == ["pyproject.toml"]
 
 
+def test_a_toml_file_is_read_as_flwr_run_reads_it(capsys, tmp_path, monkeypatch):
+    (tmp_path / "run.toml").write_text("num-rounds = 3\nnum-client = 20\n")
+    code, _, err = _check(["--run-config", str(tmp_path / "run.toml")], capsys, tmp_path, monkeypatch)
+    assert code == 2 and "unknown key 'num-client' (did you mean 'num-clients'?)" in _one_line(err)
+    code, _, err = _check(["--run-config", str(tmp_path / "run.toml"), "--run-config", "seed=1"],
+                          capsys, tmp_path, monkeypatch)  # fmt: skip
+    assert code == 2 and "cannot be passed alongside" in _one_line(err)
+    assert sorted(os.listdir(tmp_path)) == ["run.toml"]
+
+
 def test_the_repository_app_config_is_every_key_at_its_default():
     """The check without an app folder uses the dataclass defaults; with ``.`` the pyproject's: the same run."""
     table = check_module.read_app_config(ROOT)

@@ -17,7 +17,7 @@ import pytest
 
 from dpfedavg import check as check_module
 from dpfedavg import run as run_module
-from dpfedavg.config import OPTIONS
+from dpfedavg.config import OPTIONS, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,3 +185,7 @@ def test_the_model_check_passes_a_working_model_and_skips_data_it_cannot_load():
         return data[1]
 
     build_task(cfg, lambda c: TorchTask(c, model=lambda: torch.nn.Linear(4, 2), clients=only_client_1))
+    # test data given as arrays: its first example is the input, no client's data is loaded
+    with pytest.raises(ConfigError, match=r"shape \(1, 3\) \(float32, the first test example\)"):
+        build_task(cfg, lambda c: TorchTask(c, model=lambda: torch.nn.Linear(4, 2), clients=only_client_1,
+                                            test=(np.ones((5, 3), np.float32), np.zeros(5, np.int64))))  # fmt: skip

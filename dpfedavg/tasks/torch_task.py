@@ -395,18 +395,24 @@ class TorchTask:
         return out.ndim == 2 and out.shape[1] >= 2
 
     def check_model(self) -> None:
-        """One forward pass of the model on client 0's first example, before anything is written (`build_task()`).
+        """One forward pass of the model on one example, before anything is written (`build_task()`).
 
         A model whose ``forward`` fails raises one `ConfigError` naming the model, the input's shape and dtype,
         the task and torch's first line, instead of a torch traceback halfway through a run whose folder is
-        already made. Where client 0's data cannot be loaded here (a node that holds other clients' data), the
-        check is skipped: the data's own error comes where the data is used.
+        already made. The example is the first test example when ``test`` was given as arrays (nothing to load),
+        else client 0's first. Where client 0's data cannot be loaded here (a node that holds other clients'
+        data), the check is skipped: the data's own error comes where the data is used.
         """
-        try:
-            x_np, _ = self.data.client(0)
-        except Exception as err:  # noqa: BLE001 - not the model's fault; reported where the data is used
-            logger.debug("task %r: model check skipped, client 0's data did not load here: %s", self.name, err)
-            return
+        if self._test_source is not None and not callable(self._test_source):
+            assert self.test_data is not None
+            x_np, where = self.test_data[0], "the first test example"
+        else:
+            try:
+                x_np, _ = self.data.client(0)
+            except Exception as err:  # noqa: BLE001 - not the model's fault; reported where the data is used
+                logger.debug("task %r: model check skipped, client 0's data did not load here: %s", self.name, err)
+                return
+            where = "client 0's first example"
         x = self._x(np.asarray(x_np)[:1])
         flat = self._flat(self.initial_weights())
         try:
@@ -418,7 +424,7 @@ class TorchTask:
             raise ConfigError(
                 f"invalid run config: 'task' = {self.cfg.task!r}: the model {type(self.module).__name__}{named} "
                 f"failed its first forward pass, on an input of shape {tuple(x.shape)} "
-                f"({str(x.dtype).removeprefix('torch.')}, client 0's first example): {type(err).__name__}: {first}"
+                f"({str(x.dtype).removeprefix('torch.')}, {where}): {type(err).__name__}: {first}"
             ) from err
 
     # ------------------------------------------------------------------ model

@@ -89,7 +89,7 @@ def test_the_app_folder_gives_the_defaults_and_a_typo_there_is_named(capsys, tmp
     assert code == 0, out
     app = tmp_path / "app"
     app.mkdir()
-    (app / "pyproject.toml").write_text('[tool.flwr.app.config]\nnum-rounds = 3\nlocal-step = 2\n')
+    (app / "pyproject.toml").write_text("[tool.flwr.app.config]\nnum-rounds = 3\nlocal-step = 2\n")
     code, _, err = _check([str(app)], capsys, tmp_path, monkeypatch)
     assert code == 2 and "unknown key 'local-step' (did you mean 'local-steps'?)" in _one_line(err)
     (app / "pyproject.toml").write_text("[project]\nname = 'x'\n")
@@ -116,8 +116,7 @@ def test_the_repository_app_config_is_every_key_at_its_default():
 
 def test_the_check_imports_neither_flower_nor_ray():
     code = (
-        "import sys, dpfedavg.check as c; c.main([]); "
-        "print([m for m in ('flwr', 'ray', 'torch') if m in sys.modules])"
+        "import sys, dpfedavg.check as c; c.main([]); print([m for m in ('flwr', 'ray', 'torch') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"

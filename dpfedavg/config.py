@@ -31,12 +31,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dpfedavg.core.adaptive_clip import DEFAULT_CLIP_LR, DEFAULT_TARGET_QUANTILE
-from dpfedavg.core.dp import BOUNDS
-from dpfedavg.core.mechanism import PLACEMENTS
+from dpfedavg.core.dp import BOUNDS, get_bound
+from dpfedavg.core.mechanism import PLACEMENTS, get_placement
 from dpfedavg.errors import ConfigError
 from dpfedavg.privacy.accountants import ACCOUNTANTS
 from dpfedavg.privacy.calibration import MAX_NOISE_MULTIPLIER
-from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
+from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS, get_noise_mechanism
 from dpfedavg.privacy.secure_aggregation import SecAggSettings
 
 __all__ = [
@@ -326,7 +326,7 @@ class RunConfig:
                 "set epsilon (z is calibrated) or noise-multiplier (fixed z, reported epsilon) — "
                 "for a fixed z pass epsilon=0"
             )
-        if self.epsilon == 0 and self.noise_multiplier is None and BOUNDS[self.algorithm].private:
+        if self.epsilon == 0 and self.noise_multiplier is None and get_bound(self.algorithm).private:
             errors.append(
                 f"'epsilon' = 0 with 'noise-multiplier' = {NOISE_MULTIPLIER_AUTO!r} and 'algorithm' = "
                 f"{self.algorithm!r}: there is no target to calibrate the noise for, so the run would train WITHOUT "
@@ -353,10 +353,11 @@ class RunConfig:
                 f"'clients-per-node' = {self.clients_per_node} exceeds 'num-clients' = {self.num_clients}: "
                 "expected 1 <= clients-per-node <= num-clients (num-clients = one SuperNode for every client)"
             )
-        participation = PLACEMENTS[self.noise_placement].participation_error(self.num_clients, self.clients_per_round)
+        placement = get_placement(self.noise_placement)
+        participation = placement.participation_error(self.num_clients, self.clients_per_round)
         if participation:
             errors.append(f"'noise-placement' = {self.noise_placement!r} {participation}")
-        mechanism_errors = NOISE_MECHANISMS[self.noise_mechanism].config_errors(self)
+        mechanism_errors = get_noise_mechanism(self.noise_mechanism).config_errors(self)
         errors.extend(mechanism_errors)
         if self.resume and not self.run_name:
             errors.append(
@@ -368,8 +369,8 @@ class RunConfig:
         if self.secure_aggregation and not mechanism_errors:
             errors.extend(
                 SecAggSettings.from_config(self).config_errors(
-                    placement=PLACEMENTS[self.noise_placement],
-                    bound=BOUNDS[self.algorithm],
+                    placement=placement,
+                    bound=get_bound(self.algorithm),
                     num_clients=self.num_clients,
                     clients_per_node=self.clients_per_node,
                     diagnostics=self.diagnostics,

@@ -507,7 +507,7 @@ def test_dp_mod_inside_secaggplus_mod_gives_the_server_the_exact_sum_only() -> N
     assert stats.num_received == stats.num_sampled >= 2
     # replay round 1: the same server opens the same round; each sampled node's dp_mod on the plain message
     layout = ArrayLayout.of(initial_arrays())
-    replay = DPServer(strategy.cfg, layout.dim, plan=strategy.plan)
+    replay = DPServer(strategy.cfg, layout.dim, setup=strategy.server.setup)
     opened = replay.begin_round(1, layout.flatten(initial_arrays()))
     nodes = sorted(spy.get_node_ids())
     config = instructions_to_config_record(opened.instructions)

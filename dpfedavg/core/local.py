@@ -11,7 +11,7 @@ import numpy as np
 from dpfedavg.core.adaptive_clip import augmented_bound, count_coordinate
 from dpfedavg.core.arrays import astype, namespace, row_norms
 from dpfedavg.core.dp import bound_sensitivity, get_bound
-from dpfedavg.core.noise import NOISE_LAWS, GaussianLaw, NoiseLaw, round_noise_law
+from dpfedavg.core.noise import NoiseLaw, noise_law, round_noise_law
 from dpfedavg.core.seeding import noise_rng
 from dpfedavg.core.types import GradFn, RoundInstructions, Vector
 
@@ -26,6 +26,7 @@ __all__ = [
     "private_block_update",
     "round_block_update",
     "client_round_update",
+    "zero_updates",
 ]
 
 logger = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ def private_block_update(
     g, count, norms, finite = block.g, block.count, block.norms, block.finite
     # each row becomes (g_i, s (b_i - 1/2)), one row at a time (no (B, d + 1) copy of the block)
     bound = augmented_bound(clip, count_scale) if count is not None else clip
-    law = law if law is not None else NOISE_LAWS[GaussianLaw.name]
+    law = law if law is not None else noise_law(secure_aggregation=False)
     out: list[ClientUpdate | None] = []
     for row, rng in enumerate(rngs):
         if not finite[row]:
@@ -243,3 +244,19 @@ def round_block_update(u: np.ndarray, ins: RoundInstructions, client_ids: Sequen
         law=round_noise_law(ins),
         count_scale=ins.count_scale,
     )
+
+
+def zero_updates(
+    client_ids: Sequence[int], dim: int, ins: RoundInstructions, dtype: np.dtype | type = np.float64
+) -> list[ClientUpdate]:
+    """``0 + zeta`` for each of ``client_ids``, whose local training diverged: what a node under a policy sends.
+
+    Whether local training diverges at the model and ``eta_k`` the server chose is a function of the node's data
+    (gradient descent on a curvature ``L`` diverges for ``eta > 2 / L``): reported as an error it would leave the
+    node without noise, one bit per round. Under a policy the update is ``u = 0`` instead (a bounded update like any
+    other), noised as usual (`round_block_update()`, each client's noise its own), so the reply has the same form
+    whatever the data. The one place a diverged update becomes the zero update (the ClientApp, its virtual clients
+    and ``dp_mod`` call it).
+    """
+    updates = round_block_update(np.zeros((len(client_ids), dim), dtype=dtype), ins, client_ids)
+    return [update for update in updates if update is not None]

@@ -4,7 +4,8 @@ A noise law is the third kind of privacy-mechanism object, beside the sensitivit
 (`dpfedavg.core.dp.BOUNDS`: what ``g`` is) and the noise placements
 (`dpfedavg.core.mechanism.PLACEMENTS`: who adds how much). Each law owns, in one place,
 
-* `NoiseLaw.add()`: ``g -> g + zeta`` with ``zeta`` of the per-client std the placement chose, and
+* `NoiseLaw.add()`: ``g -> g + zeta`` with ``zeta`` of the per-client std the placement chose (the Gaussian
+  law through `add_gaussian()`, the one place every engine adds Gaussian noise), and
 * `NoiseLaw.privacy_terms()`: how far the released sum is from the Gaussian mechanism
   ``N(0, (zC)^2 I)`` the accountant charges (``tau``, the clipping probability, the resulting delta).
 
@@ -27,9 +28,11 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+from typing import Any
+
 import numpy as np
 
-from dpfedavg.core.dp import gaussian_noise
+from dpfedavg.core.arrays import on_device_of
 from dpfedavg.core.secagg import SecAggGrid, SecAggPrivacyTerms, encode, privacy_terms
 from dpfedavg.core.types import RoundInstructions, Vector
 
@@ -38,6 +41,7 @@ __all__ = [
     "DiscreteGaussianLaw",
     "GaussianLaw",
     "NoiseLaw",
+    "add_gaussian",
     "noise_law",
     "round_noise_law",
 ]
@@ -71,6 +75,37 @@ class NoiseLaw(Protocol):
         """How the released sum departs from the Gaussian mechanism the accountant charges (zero for ``gaussian``)."""
 
 
+def add_gaussian(
+    g: Any,
+    std: float | np.ndarray,
+    normals: np.ndarray | np.floating | None = None,
+    *,
+    rng: np.random.Generator | None = None,
+    scale_in_place: bool = False,
+) -> Any:
+    """``g + zeta`` with ``zeta = z * std`` (Alg. 1 / Alg. 2 line 10): the one place Gaussian noise is added.
+
+    ``g`` is an array of any array-API library (a numpy vector or block on the host, a torch block on its
+    device; ``(..., d)``). ``z`` are standard normals on the host, in float64: ``normals`` drawn beforehand
+    (a block's rows, one client's row, or the rows shared by a sweep's runs), or ``rng.standard_normal(d)``
+    from ``rng``. ``std`` is a float or host array broadcasting against ``z`` (one std per run of a sweep).
+    ``zeta`` is formed on the host in float64, cast once to ``g``'s dtype and device, and added: every path
+    adds, element for element, the same numbers from the same draws.
+
+    With ``rng``, ``std = 0`` draws nothing and adds zeros (`dpfedavg.core.dp.gaussian_noise()`); without
+    ``rng`` and ``normals`` (a round without client noise) ``g`` is returned as it is. ``scale_in_place``
+    lets ``normals`` (the caller's fresh draws) be overwritten by ``zeta``: no second block in memory.
+    """
+    if rng is not None:
+        if np.any(np.asarray(std) < 0):
+            raise ValueError(f"noise std must be >= 0, got {std!r}")
+        normals = rng.standard_normal(g.shape[-1]) if np.any(np.asarray(std) != 0) else np.zeros(g.shape[-1])
+    if normals is None:
+        return g
+    zeta = np.multiply(normals, std, out=normals if scale_in_place else None)
+    return g + on_device_of(zeta, g)
+
+
 @dataclass(frozen=True)
 class GaussianLaw:
     """``zeta ~ N(0, s^2 I)``: the released sum carries exactly the accountant's ``N(0, (zC)^2 I)``."""
@@ -78,7 +113,7 @@ class GaussianLaw:
     name: ClassVar[str] = "gaussian"
 
     def add(self, g: Vector, clip: float, noise_std: float, rng: np.random.Generator) -> Vector:
-        return g + gaussian_noise(g.shape[0], noise_std, rng, dtype=g.dtype)
+        return add_gaussian(g, noise_std, rng=rng)
 
     def privacy_terms(self, *, delta: float, **_: object) -> SecAggPrivacyTerms:
         return SecAggPrivacyTerms(tau=0.0, tau_slack=0.0, clip_probability=0.0, delta_including_clipping=delta)
@@ -112,7 +147,10 @@ NOISE_LAWS: dict[str, NoiseLaw] = {GaussianLaw.name: GaussianLaw(), DiscreteGaus
 
 
 def noise_law(secure_aggregation: bool) -> NoiseLaw:
-    """The run's law: ``discrete-gaussian`` under secure aggregation, ``gaussian`` otherwise."""
+    """The run's law: ``discrete-gaussian`` under secure aggregation, ``gaussian`` otherwise.
+
+    The one lookup of `NOISE_LAWS` (a run names its law through ``secure-aggregation``, not by name).
+    """
     return NOISE_LAWS[DiscreteGaussianLaw.name if secure_aggregation else GaussianLaw.name]
 
 
@@ -124,7 +162,7 @@ def round_noise_law(ins: RoundInstructions) -> NoiseLaw:
     so it is 0 here).
     """
     if ins.secagg_step <= 0:
-        return NOISE_LAWS[GaussianLaw.name]
+        return noise_law(secure_aggregation=False)
     levels = round(2 * ins.secagg_range / ins.secagg_step)
     grid = SecAggGrid(step=ins.secagg_step, clipping_range=ins.secagg_range, levels=levels, modulus=0)
     return DiscreteGaussianLaw(grid)

@@ -12,8 +12,8 @@ A SuperNode hosting several virtual clients replies with each client's own ``g +
 the block crosses to the host as one array (`BlockRows.to_host()`).
 
 The noise is each client's own stream ``noise_rng(noise_seed, i)`` (`client_normals()`): the same
-standard normals `dpfedavg.core.noise.GaussianLaw.add()` draws for that client, so ``g + std * z``
-here is, element for element, what the ClientApp sends. The rows are drawn on the host (numpy's
+standard normals `dpfedavg.core.noise.GaussianLaw.add()` draws for that client, added by the same function
+(`dpfedavg.core.noise.add_gaussian()`), so ``g + std * z`` here is, element for element, what the ClientApp sends. The rows are drawn on the host (numpy's
 generators) and reach the device as one array per block. A numpy ``u`` runs the same code in numpy.
 """
 
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from dpfedavg.core.arrays import astype, concat, namespace, on_device_of, to_host
+from dpfedavg.core.arrays import astype, concat, namespace, to_host
 from dpfedavg.core.local import bound_block
-from dpfedavg.core.noise import GaussianLaw, round_noise_law
+from dpfedavg.core.noise import GaussianLaw, add_gaussian, round_noise_law
 from dpfedavg.core.seeding import noise_rng
 from dpfedavg.core.types import ClientResult, RoundInstructions
 
@@ -114,7 +114,8 @@ def _bounded_noisy(u: Any, ins: RoundInstructions, client_ids: Sequence[int] | n
     """Alg. 1 / Alg. 2 lines 9-10 for a ``(B, d)`` block: ``(g, g + zeta, bound_block(u))`` in ``u``'s library.
 
     ``g`` is `bound_block()`'s (with ``adaptive-clip``'s count coordinate appended), ``zeta`` row ``b`` client
-    ``client_ids[b]``'s standard normals (`client_normals()`) times the per-client std ``ins.noise_std``. Rows
+    ``client_ids[b]``'s standard normals (`client_normals()`) times the per-client std ``ins.noise_std``
+    (`add_gaussian()`). Rows
     whose ``u`` is not finite are left as they come (the callers mask or drop them).
     """
     law = round_noise_law(ins)
@@ -126,12 +127,8 @@ def _bounded_noisy(u: Any, ins: RoundInstructions, client_ids: Sequence[int] | n
     g = block.g if block.count is None else concat([block.g, block.count[:, None]], axis=1)
     if ins.noise_std < 0:
         raise ValueError(f"noise std must be >= 0, got {ins.noise_std!r}")
-    noisy = g
-    if ins.noise_std > 0:  # std 0 draws nothing (gaussian_noise)
-        normals = client_normals(ins.noise_seed, client_ids, g.shape[1])
-        normals *= ins.noise_std  # zeta_i = std * z_i, as gaussian_noise() forms it
-        noisy = g + on_device_of(normals, g)
-    return g, noisy, block
+    normals = client_normals(ins.noise_seed, client_ids, g.shape[1]) if ins.noise_std > 0 else None  # std 0: none
+    return g, add_gaussian(g, ins.noise_std, normals, scale_in_place=True), block
 
 
 def round_block_sum(

@@ -5,9 +5,9 @@ A sweep runs many configurations ("runs") of the same federation: different ``C`
 in every round, the sampled clients (Alg. 1 line 3: ``make_rng(seed, SAMPLING, k)``) and every
 client's noise stream (line 10: ``noise_rng(round_noise_seed(seed, k), i)``); only the scale of the noise
 (``z C / sqrt(|S_k|)``, per run) differs. So the standard normal draws of a round are made once for all
-of them (`shared_standard_normals()`) and each run's noise is its own std times those draws: the same
-floating-point numbers that `dpfedavg.core.noise.GaussianLaw.add()` adds from the client's own
-generator, one run at a time.
+of them (`shared_standard_normals()`) and each run's noise is its own std times those draws, added by
+`dpfedavg.core.noise.add_gaussian()`: the same floating-point numbers that `GaussianLaw.add()` adds from
+the client's own generator, one run at a time.
 
 `released_sums()` then takes the client updates ``u`` of a ``(R, B, d)`` block (runs x clients),
 bounds them with `dpfedavg.core.local.bound_block()` (line 9, the function every engine uses), adds the
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpfedavg.core.local import BoundedBlock, bound_block
+from dpfedavg.core.noise import add_gaussian
 from dpfedavg.core.pipeline import client_normals
 from dpfedavg.core.seeding import SECURE_NOISE_SEED
 
@@ -144,15 +145,15 @@ def _accumulate(
     all_finite = bool(finite.all())
     scale = stds[:, None]
     for b in range(len(client_ids)):
-        # g_i + zeta_i, as GaussianLaw.add computes it: g + (z_i * std), z_i the client's standard normals
-        row = g[:, b, :] if normals is None else g[:, b, :] + normals[b, :dim] * scale
+        # g_i + zeta_i by the one Gaussian addition: g + (z_i * std), z_i the client's standard normals
+        row = add_gaussian(g[:, b, :], scale, None if normals is None else normals[b, :dim])
         if not all_finite:
             row = np.where(finite[:, b, None], row, 0.0)  # a client whose training diverged sends nothing
         noisy[:, :dim] += row
         if clean is not None:
             clean[:, :dim] += g[:, b, :] if all_finite else np.where(finite[:, b, None], g[:, b, :], 0.0)
         if count is not None:
-            c = count[:, b] if normals is None else count[:, b] + normals[b, dim] * stds
+            c = add_gaussian(count[:, b], stds, None if normals is None else normals[b, dim])
             noisy[:, dim] += c if all_finite else np.where(finite[:, b], c, 0.0)
             if clean is not None:
                 clean[:, dim] += count[:, b] if all_finite else np.where(finite[:, b], count[:, b], 0.0)

@@ -36,15 +36,16 @@ def finish_audited(
     keywords of ``RunSession.finish`` (the Flower engine's ``failed``).
     """
     server, cfg = session.server, session.cfg
+    federation = server.setup.federation
     audit = CanaryAudit.of(scores, delta=server.plan.delta)
     epsilon = server.epsilon
     session.audit = {
         **audit.summary(),
         "epsilon_accountant": epsilon,
-        "num_clients": cfg.num_clients,
-        "federation_clients": server.cfg.num_clients,
+        "num_clients": federation.num_clients,
+        "federation_clients": federation.sampled_clients,
         "q": cfg.sampling_rate,
-        "expected_cohort": server.cfg.clients_per_round,
+        "expected_cohort": federation.sampled_cohort,
         "rounds_observed": scores.rounds,
     }
     result = session.finish(w_final, stopped_before_round=stopped_before_round, **finish)

@@ -35,7 +35,7 @@ from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.tasks import Task, task_hooks
 
 if TYPE_CHECKING:  # the server side is imported by run_batched: a ClientApp that computes blocks needs none of it
-    from dpfedavg.privacy.plan import PrivacyPlan
+    from dpfedavg.privacy.setup import PrivacySetup
     from dpfedavg.server.dp_server import DPServer
     from dpfedavg.server.session import RunResult
 
@@ -230,7 +230,7 @@ def run_batched(
     cfg: RunConfig,
     *,
     task: Task | Callable[[RunConfig], Task] | None = None,
-    plan: PrivacyPlan | None = None,
+    setup: PrivacySetup | None = None,
     run_id: int | str = "batched",
     progress: bool = False,
     on_round=None,
@@ -244,8 +244,8 @@ def run_batched(
     ----------
     task:
         A Task, or a factory called with ``cfg``; ``None`` builds the task ``cfg.task`` names.
-    plan:
-        The privacy plan, when the caller already has it (a sweep calibrates once for many cells).
+    setup:
+        The run's privacy set-up, when the caller resolved it already (`PrivacySetup.resolve()`).
     progress:
         Show a progress bar over rounds.
     on_round:
@@ -265,7 +265,7 @@ def run_batched(
     from dpfedavg.server.loop import run_rounds
     from dpfedavg.server.run import prepare_run
 
-    run = prepare_run(cfg, task=task, plan=plan, run_id=run_id, engine=engine, inserts_canaries=True)
+    run = prepare_run(cfg, task=task, setup=setup, run_id=run_id, engine=engine, inserts_canaries=True)
     if threads is None:  # a torch task's steps use torch's own threads: blocks in parallel only contend (benchmarks)
         threads = 1 if task_hooks(run.task).parallel_steps else (os.cpu_count() or 1)
     session, w, first_round = run.session, run.w, run.first_round

@@ -166,7 +166,8 @@ def run_batch(
 
 def _open_runs(cfgs: Sequence[RunConfig]) -> tuple[Task, list[_Run]]:
     """Check that ``cfgs`` can share a batch and assemble each run; the batch's shared task and its runs."""
-    from dpfedavg.server.run import plan_for, prepare_run
+    from dpfedavg.privacy.setup import PrivacySetup
+    from dpfedavg.server.run import prepare_run
 
     tasks = [build_task(cfg) for cfg in cfgs]
     for cfg, task in zip(cfgs, tasks, strict=True):
@@ -186,12 +187,12 @@ def _open_runs(cfgs: Sequence[RunConfig]) -> tuple[Task, list[_Run]]:
     if len(dims) != 1:
         raise BatchError(f"the runs' models differ in size ({sorted(dims)}): they cannot share a batch")
     order = sorted(range(len(cfgs)), key=lambda i: cfgs[i].algorithm)  # one algorithm's runs are contiguous
-    plans = [plan_for(cfg) for cfg in cfgs]  # every run's ConfigError before any run's folder is made
+    setups = [PrivacySetup.resolve(cfg) for cfg in cfgs]  # every run's ConfigError before any run's folder is made
     runs: list[_Run] = []
     for i in order:
         cfg, task = cfgs[i], tasks[i]
         view = _Evaluations(task, shared)
-        prepared = prepare_run(cfg, task=view, plan=plans[i], run_id="batched", engine="batched")
+        prepared = prepare_run(cfg, task=view, setup=setups[i], run_id="batched", engine="batched")
         if prepared.first_round != 1:
             raise BatchError(f"run {cfg.run_name!r} resumed from a checkpoint: it cannot join a batch")
         runs.append(_Run(prepared.cfg, prepared.server, prepared.session, view, prepared.w))

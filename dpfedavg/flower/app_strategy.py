@@ -66,10 +66,10 @@ from dpfedavg.flower.runtime import route_logs_through_flower
 from dpfedavg.flower.secure_aggregation import HALTED, SecureSum
 from dpfedavg.flower.strategy import DPFedAvg as FlowerDPFedAvg
 from dpfedavg.flower.strategy import FlowerRunner, log_privacy_plan
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, stopped
 from dpfedavg.server.loop import run_rounds
-from dpfedavg.server.run import plan_for
 
 __all__ = ["APP_KEYS", "AppDPFedAvg", "AppSettings", "DPFedAvg"]
 
@@ -406,7 +406,7 @@ class AppDPFedAvg(DPFedAvg):
         self.population = self._wait_for_population(grid, probe.node_wait_timeout)
         cfg = self.settings.config(len(self.population), rounds)
         self.cfg, self._num_rounds = cfg, rounds
-        self.server = DPServer(cfg, self.layout.dim, plan=plan_for(cfg))
+        self.server = DPServer(cfg, self.layout.dim, setup=PrivacySetup.resolve(cfg))
         self.dim = self.layout.dim
         self._initial = initial_arrays
 

@@ -1,12 +1,13 @@
 """Flower ClientApp: read the message, call the core, reply. No math here.
 
-Every message the node answers passes through one app-level mod, ``node_guard``: train messages
-(``train``, ``train.default``) go to ``train``, whose instructions are checked once, by
-``checked_instructions``, against the node's policy and the run config (in a SecAgg+ round, in the
-protocol's masked-vector stage and nowhere else); the partition query is answered with the node's
-``partition-id`` and ``num-partitions`` only (its public node config, no data); every other message
-(``evaluate*``, ``query.<action>``, any other type) is refused. SecAgg+ content is answered only as a
-``train`` message inside Flower's protocol, whose masked-vector stage masks the vector.
+Every message the node answers passes through one app-level mod, ``node_guard``, and every decision is the
+node's one guard's (`dpfedavg.flower.guard.guard()`, the rules ``dp_mod`` applies too): train messages
+(``train``, ``train.default``) go to ``train``, whose instructions are checked once, against the node's
+policy and the run config (in a SecAgg+ round, in the protocol's masked-vector stage and nowhere else), and
+charged to the node's ledger; the partition query is answered with the node's ``partition-id`` and
+``num-partitions`` only (its public node config, no data); every other message (``evaluate*``,
+``query.<action>``, any other type) is refused. SecAgg+ content is answered only as a ``train`` message
+inside Flower's protocol, whose masked-vector stage masks the vector.
 """
 
 from __future__ import annotations
@@ -15,42 +16,39 @@ import logging
 from functools import lru_cache
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
-from flwr.app.error import Error
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common import parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core import GradFn, LocalTrainingDiverged, client_round_update, round_block_update
-from dpfedavg.core.local import ClientUpdate
+from dpfedavg.core import GradFn, LocalTrainingDiverged, client_round_update
+from dpfedavg.core.local import ClientUpdate, zero_updates
 from dpfedavg.core.types import ClientResult, RoundInstructions
+from dpfedavg.flower.guard import BYPASSED, CLIENT_APP, Route, TrainRequest, guard, refusal
+from dpfedavg.flower.guard import node_policy as _node_policy
 from dpfedavg.flower.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
     CLIENT_IDS,
     CONFIG,
-    DIAGNOSTICS,
     DIVERGED_CLIENT_IDS,
     METRICS,
     NUM_EXAMPLES,
     NUM_PARTITIONS,
     PARTITION_ID,
-    REFUSED,
     UPDATE_KEY,
     UPDATE_NORM,
     UPDATE_NORMS,
     block_key,
     from_array_record,
-    instructions_from_config_record,
-    to_array_record,
+    train_reply,
 )
 from dpfedavg.flower.runtime import setup_app_process
-from dpfedavg.privacy.ledger import record_release
-from dpfedavg.privacy.policy import NodePolicy, PolicyError, RoundRefused, check_round
+from dpfedavg.privacy.policy import NodePolicy
 from dpfedavg.tasks import Task, build_task, task_hooks
 
 logger = logging.getLogger(__name__)
@@ -58,66 +56,38 @@ logger = logging.getLogger(__name__)
 
 def node_policy(context: Context) -> NodePolicy:
     """This SuperNode's policy, from its ``--node-config`` (`dpfedavg.privacy.policy`); ``PolicyError`` if bad."""
-    return _policy(tuple(sorted(context.node_config.items())))
-
-
-@lru_cache(maxsize=16)
-def _policy(items: tuple[tuple[str, object], ...]) -> NodePolicy:
-    return NodePolicy.from_node_config(dict(items))
-
-
-def refusal(msg: Message, reason: str) -> Message:
-    """The error reply of a refused round (`REFUSED`): the server counts a rejection."""
-    logger.warning("refusing a %r message: %s", msg.metadata.message_type, reason)
-    return Message(Error(code=REFUSED, reason=reason), reply_to=msg)
-
-
-#: The message types this ClientApp answers besides train ones: the partition query (Flower's default action).
-_QUERY_TYPES = (MessageType.QUERY, f"{MessageType.QUERY}.default")
+    return _node_policy(context.node_config)
 
 
 def node_guard(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """The one enforcement point of this ClientApp (an app-level mod: every message the node answers passes here).
 
-    Train messages of any action Flower routes here go on (their instructions are checked by
-    ``checked_instructions``; SecAgg+ content only through the protocol, ``secure_aggregation_mod``);
-    the partition query goes on (its reply holds the node's partition id and count, not data); any other
-    message is refused: its reply could be a function of the node's data that nothing here makes private.
+    Train messages of any action Flower routes here go on (their instructions are checked by the guard in
+    ``train`` or ``secure_aggregation_mod``; SecAgg+ content only through the protocol); the partition query
+    goes on (its reply holds the node's partition id and count, not data); any other message is refused: its
+    reply could be a function of the node's data that nothing here makes private (`dpfedavg.flower.guard`).
     """
-    message_type = msg.metadata.message_type
-    if message_type.split(".", 1)[0] == MessageType.TRAIN or message_type in _QUERY_TYPES:
-        return call_next(msg, context)
-    return refusal(
-        msg,
-        f"refused: this node answers train messages (privatised) and the partition query only, not {message_type!r}",
-    )
+    verdict = guard(CLIENT_APP, msg.metadata.message_type, context.node_config)
+    return refusal(msg, verdict.reason, CLIENT_APP) if verdict.route is Route.REFUSE else call_next(msg, context)
 
 
 app = ClientApp(mods=[node_guard])
 
 
-def checked_instructions(
-    record: object, context: Context, cfg: RunConfig, *, secure_round: bool, message_type: str = MessageType.TRAIN
-) -> RoundInstructions:
-    """The round's instructions as this client follows them, checked against the node's policy and the run config.
+def checked_round(
+    msg: Message, context: Context, cfg: RunConfig, config: object, *, secagg_stage: str | None = None
+) -> tuple[RoundInstructions | None, Message | None]:
+    """The round's instructions as this client follows them (the guard's, checked and charged), or the refusal.
 
-    The release is then recorded in the node's privacy ledger (``dpfedavg.privacy.ledger``: write-ahead, refused
-    past ``max-epsilon``) under ``message_type``; every round is checked here exactly once.
-
-    Raises `RoundRefused` (a broken rule, or instructions that do not parse)
-    or `PolicyError` (the node's own policy is invalid).
+    Every round is checked here exactly once (`dpfedavg.flower.guard.guard()`: the node's policy, the run config,
+    the ledger: write-ahead, refused past ``max-epsilon``).
     """
-    policy = node_policy(context)
-    try:
-        ins = instructions_from_config_record(record)  # type: ignore[arg-type]
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise RoundRefused("instructions", f"the round's instructions do not parse ({type(err).__name__}: {err})",
-                           policy=False) from None  # fmt: skip
-    followed = check_round(policy, cfg, ins, secure_round=secure_round)
-    record_release(context.node_config, context.run_id, followed, cfg, message_type=message_type)
-    if followed.noise_seed != ins.noise_seed:
-        logger.info("round %d: secure noise: the server's noise seed is not used", ins.server_round)
-    return followed
+    request = TrainRequest(config, context.run_id, cfg)  # type: ignore[arg-type]
+    verdict = guard(CLIENT_APP, msg.metadata.message_type, context.node_config, secagg_stage=secagg_stage,
+                    train=request)  # fmt: skip
+    if verdict.route is Route.REFUSE:
+        return None, refusal(msg, verdict.reason, CLIENT_APP)
+    return verdict.instructions, None
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -181,24 +151,19 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
     configs = msg.content.config_records.get(RECORD_KEY_CONFIGS) if not msg.has_error() else None
     if configs is None:
         return call_next(msg, context)
-    if msg.metadata.message_type != MessageType.TRAIN:
-        return refusal(
-            msg,
-            f"refused: a {msg.metadata.message_type!r} message with SecAgg+ content; SecAgg+ rounds are answered "
-            "only as 'train' messages inside the protocol, whose masked-vector stage masks the vector",
-        )
-    if configs.get(Key.STAGE) != Stage.COLLECT_MASKED_VECTORS:
+    stage = str(configs.get(Key.STAGE))
+    verdict = guard(CLIENT_APP, msg.metadata.message_type, context.node_config, secagg_stage=stage)
+    if verdict.route is Route.REFUSE:
+        return refusal(msg, verdict.reason, CLIENT_APP)
+    if verdict.route is Route.PROTOCOL:
         return secaggplus_mod(msg, context, _no_training_outside_the_masked_vector_stage)
     setup_app_process()
     cfg = _run_config(context)
     client_id, _ = _partition(context)
-    try:
-        fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
-        ins = checked_instructions(
-            fitins.config, context, cfg, secure_round=True, message_type=msg.metadata.message_type
-        )
-    except (RoundRefused, PolicyError) as err:
-        return refusal(msg, str(err))
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    ins, refused = checked_round(msg, context, cfg, fitins.config, secagg_stage=stage)
+    if refused is not None:
+        return refused
 
     def masked_vector(inner: Message, ctxt: Context) -> Message:
         return _secure_train(inner, cfg, client_id, ins, under_policy=node_policy(context).active)
@@ -226,8 +191,7 @@ def _secure_train(
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     (w,) = parameters_to_ndarrays(fitins.parameters)
     result = _round_update(w, cfg, client_id, ins, under_policy=under_policy)
-    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([result.noisy]), num_examples=1, metrics={})
-    return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+    return train_reply(msg, {UPDATE_KEY: result.noisy})
 
 
 @app.train(mods=[secure_aggregation_mod])
@@ -241,18 +205,14 @@ def train(msg: Message, context: Context) -> Message:
     setup_app_process()
     cfg = _run_config(context)
     client_id, _ = _partition(context)
-    if RECORD_KEY_CONFIGS in msg.content.config_records:
-        return refusal(msg, "refused: SecAgg+ content outside the protocol's masked-vector stage")
+    bypassed = BYPASSED if RECORD_KEY_CONFIGS in msg.content.config_records else None
+    ins, refused = checked_round(msg, context, cfg, msg.content.config_records.get(CONFIG), secagg_stage=bypassed)
+    if refused is not None:
+        return refused
     try:
-        ins = checked_instructions(
-            msg.content.config_records.get(CONFIG), context, cfg, secure_round=False,
-            message_type=msg.metadata.message_type,
-        )  # fmt: skip
         w = from_array_record(msg.content.array_records[ARRAYS])
-    except (RoundRefused, PolicyError) as err:
-        return refusal(msg, str(err))
     except KeyError as err:
-        return refusal(msg, f"refused: the TRAIN message has no model ({err})")
+        return refusal(msg, f"refused: the TRAIN message has no model ({err})", CLIENT_APP)
     secure = node_policy(context).demands_noise or cfg.secure_noise
     if cfg.clients_per_node > 1:
         return _train_block(msg, context, cfg, ins, w, secure)
@@ -260,27 +220,16 @@ def train(msg: Message, context: Context) -> Message:
     metrics: dict[str, int | float] = {NUM_EXAMPLES: 1, PARTITION_ID: client_id}
     if not secure:  # un-noised statistics of this client's data: seeded research mode only
         metrics[UPDATE_NORM] = result.update_norm
-    content = RecordDict({ARRAYS: to_array_record(result.noisy, UPDATE_KEY), METRICS: MetricRecord(metrics)})
-    if ins.diagnostics:
-        content[DIAGNOSTICS] = to_array_record(result.clean, CLEAN_UPDATE_KEY)
-    return Message(content, reply_to=msg)
-
-
-def _zero_gradient(w: np.ndarray) -> np.ndarray:
-    return np.zeros_like(w)
+    clean = {CLEAN_UPDATE_KEY: result.clean} if ins.diagnostics else None
+    return train_reply(msg, {UPDATE_KEY: result.noisy}, metrics, clean)
 
 
 def _round_update(
     w: np.ndarray, cfg: RunConfig, client_id: int, ins: RoundInstructions, *, under_policy: bool
 ) -> ClientUpdate:
-    """Alg. 1 / Alg. 2 lines 4-10 for this client; under a node policy a diverged local training sends ``0 + zeta``.
-
-    Whether local training diverges at the model and ``eta_k`` the server chose is a function of the node's data
-    (gradient descent on a curvature ``L`` diverges for ``eta > 2 / L``): reported as an error it would leave the
-    node without noise, one bit per round. Under a policy the update is then ``u = 0`` (a bounded update like any
-    other), noised as usual, so the reply has the same form whatever the data; without one ``LocalTrainingDiverged``
-    is raised (the error reply of research runs).
-    """
+    """Alg. 1 / Alg. 2 lines 4-10 for this client; under a node policy a diverged local training sends ``0 + zeta``
+    (`dpfedavg.core.local.zero_updates()`); without one ``LocalTrainingDiverged`` is raised (the error reply of
+    research runs)."""
     try:
         return client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
     except LocalTrainingDiverged:
@@ -288,17 +237,8 @@ def _round_update(
             raise
         logger.warning("round %d: local training diverged; under this node's policy a zero update is sent, noised",
                        ins.server_round)  # fmt: skip
-        return client_round_update(w, _zero_gradient, ins, client_id)
-
-
-def _zero_updates(client_ids: list[int], dim: int, ins: RoundInstructions) -> list[ClientResult]:
-    """``0 + zeta`` for each of ``client_ids`` (whose local training diverged), each client's noise its own."""
-    updates = round_block_update(np.zeros((len(client_ids), dim)), ins, client_ids)
-    return [
-        ClientResult(c, u.noisy, u.update_norm, u.clean if ins.diagnostics else None)
-        for c, u in zip(client_ids, updates, strict=True)
-        if u is not None
-    ]
+        (update,) = zero_updates([client_id], len(w), ins, dtype=w.dtype)
+        return update
 
 
 def hosted_clients(cfg: RunConfig, partition_id: int) -> range:
@@ -343,9 +283,13 @@ def _train_block(
     if diverged and node_policy(context).active:  # not reported under a policy: see _round_update
         logger.warning("round %d: local training of clients %s diverged; zero updates are sent, noised",
                        ins.server_round, diverged)  # fmt: skip
-        results = sorted([*results, *_zero_updates(diverged, len(w), ins)], key=lambda r: r.client_id)
+        zeros = zero_updates(diverged, len(w), ins)
+        results = sorted(
+            [*results, *(ClientResult(c, u.noisy, u.update_norm, u.clean if ins.diagnostics else None)
+                         for c, u in zip(diverged, zeros, strict=True))],
+            key=lambda r: r.client_id,
+        )  # fmt: skip
         diverged = []
-    arrays = ArrayRecord({block_key(UPDATE_KEY, r.client_id): Array(np.ascontiguousarray(r.noisy)) for r in results})
     metrics: dict[str, int | float | list[int] | list[float]] = {NUM_EXAMPLES: len(results)}
     if results:
         metrics[CLIENT_IDS] = [r.client_id for r in results]
@@ -353,9 +297,5 @@ def _train_block(
             metrics[UPDATE_NORMS] = [float(r.update_norm) for r in results]
     if diverged:
         metrics[DIVERGED_CLIENT_IDS] = diverged
-    content = RecordDict({ARRAYS: arrays, METRICS: MetricRecord(metrics)})
-    if ins.diagnostics:
-        content[DIAGNOSTICS] = ArrayRecord(
-            {block_key(CLEAN_UPDATE_KEY, r.client_id): Array(np.ascontiguousarray(r.clean)) for r in results}
-        )
-    return Message(content, reply_to=msg)
+    clean = {block_key(CLEAN_UPDATE_KEY, r.client_id): r.clean for r in results} if ins.diagnostics else None
+    return train_reply(msg, {block_key(UPDATE_KEY, r.client_id): r.noisy for r in results}, metrics, clean)

@@ -31,7 +31,8 @@ the same with ``C = eta C_paper``. With DP-NormFedAvg every client moves the ave
 ``s = placement.client_std(z, C, r, |S_k|)`` (``z C / sqrt(|S_k|)`` with the default placement; Alg. 1 line 10),
 with ``z``, ``C`` and ``|S_k|`` from the instructions and the placement and ``r`` from the train config
 (``public_parameters``); the server's ``noise-std`` is only compared with it, and a round whose
-``noise-std`` differs is refused (``dpfedavg.privacy.policy.check_node_policy``).
+``noise-std`` differs is refused (``dpfedavg.privacy.policy.check_round``, through the node's one guard,
+``dpfedavg.flower.guard``, which the project's ClientApp uses too).
 
 **Every message type.** Flower routes ``train`` and ``train.<action>`` to train handlers, ``evaluate*`` and
 ``query*`` to theirs. ``dp_mod`` privatises every train message, whatever the action, by the same path; as an
@@ -64,9 +65,9 @@ import logging
 from contextvars import ContextVar
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import parameters_to_ndarrays
 from flwr.common.constant import ErrorCode
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Stage
 from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
@@ -74,25 +75,31 @@ from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED, round_block_update
+from dpfedavg.core.local import ClientUpdate, zero_updates
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch, warn_buffers_once
-from dpfedavg.flower.client_app import node_policy
+from dpfedavg.flower.guard import (
+    BYPASSED,
+    CLIENTS_PER_ROUND,
+    DP_MOD,
+    NOISE_PLACEMENT,
+    Route,
+    TrainRequest,
+    Verdict,
+    guard,
+    node_policy,
+    refusal,
+)
 from dpfedavg.flower.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
     CONFIG,
-    DIAGNOSTICS,
-    METRICS,
     NUM_EXAMPLES,
-    REFUSED,
     UPDATE_KEY,
     UPDATE_NORM,
-    instructions_from_config_record,
-    to_array_record,
+    train_reply,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
-from dpfedavg.privacy.ledger import record_release
-from dpfedavg.privacy.policy import NodePolicy, PolicyError, RoundRefused, check_node_policy
 
 __all__ = ["ARRAY_KEYS", "CLIENT_ID", "CLIENTS_PER_ROUND", "NOISE_PLACEMENT", "dp_mod", "public_parameters"]
 
@@ -103,10 +110,8 @@ CLIENT_ID = "client-id"
 #: Train-config key under secure aggregation: the model's array keys as a JSON list, in the order of the legacy
 #: ``FitIns`` parameters (which carry no keys; a legacy config holds no lists).
 ARRAY_KEYS = "array-keys"
-#: Train-config keys: the run's public parameters a client computes its own noise share from (with ``z``, ``C``
-#: and ``|S_k|`` of the instructions): the noise placement and the expected cohort ``r``.
-NOISE_PLACEMENT = "noise-placement"
-CLIENTS_PER_ROUND = "clients-per-round"
+#: Train-config keys `NOISE_PLACEMENT` and `CLIENTS_PER_ROUND` (`dpfedavg.flower.guard`): the run's public
+#: parameters a client computes its own noise share from (with ``z``, ``C`` and ``|S_k|`` of the instructions).
 
 _NAME = "dp_mod"
 #: Set while a ``dp_mod`` handles a message: an inner ``dp_mod`` (app-level and per-handler) passes it on.
@@ -162,32 +167,14 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
 
 
 def _answer(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """The one place every message through ``dp_mod`` is answered: privatised (train), let through or refused."""
-    try:
-        policy = node_policy(context)
-    except PolicyError as err:
-        return _refused(msg, str(err))
-    category = msg.metadata.message_type.split(".", 1)[0]
-    if category == MessageType.TRAIN:
-        return _train(msg, context, call_next)
-    if not policy.active:
+    """The one place every message through ``dp_mod`` is answered: privatised (train), let through or refused
+    (`dpfedavg.flower.guard.guard()`, the node's one guard)."""
+    verdict = guard(DP_MOD, msg.metadata.message_type, context.node_config)
+    if verdict.route is Route.REFUSE:
+        return refusal(msg, verdict.reason, DP_MOD)
+    if verdict.route is Route.ANSWER:
         return call_next(msg, context)
-    if category == MessageType.EVALUATE and policy.allow_evaluate:
-        return call_next(msg, context)
-    return _refused(msg, _not_answered(msg.metadata.message_type, category, policy))
-
-
-def _not_answered(message_type: str, category: str, policy: NodePolicy) -> str:
-    """Why a message that is not a train message is refused under a node policy."""
-    if category == MessageType.EVALUATE:
-        return (
-            f"refused by this node's policy (allow-evaluate): a {message_type!r} message's reply is the user's "
-            "metrics of this node's data without noise; the node answers it only with allow-evaluate = true"
-        )
-    return (
-        f"refused by this node's policy ({', '.join(policy.stated)}): a {message_type!r} message is neither a train "
-        "message (privatised) nor an evaluate message (allow-evaluate); this node answers no other under a policy"
-    )
+    return _train(msg, context, call_next)
 
 
 def _train(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -203,58 +190,59 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         )
     config = next(iter(content.config_records.values()))
     try:
-        ins = _instructions(config, context, msg, secure_round=False)
+        verdict = _round(config, context, msg, secagg_stage=None)
+        if verdict.route is Route.REFUSE:
+            return refusal(msg, verdict.reason, DP_MOD)
         received = next(iter(content.array_records.values()))
         layout = ArrayLayout.of(received)
-    except (RoundRefused, PolicyError) as err:
-        return _refused(msg, str(err))
     except ValueError as err:
         return _error(msg, str(err))
     warn_buffers_once(layout)  # BatchNorm's running statistics: what is sent of them
-    reply = call_next(msg, context)
+    return _privatised(msg, context, call_next(msg, context), layout, received, verdict.instructions, config)
+
+
+def _round(config: ConfigRecord, context: Context, msg: Message, *, secagg_stage: str | None) -> Verdict:
+    """The guard's verdict on a train message's round (checked against the node's policy and charged).
+
+    Every train message ``dp_mod`` answers passes here (plain and SecAgg+). ``ValueError`` saying which key is
+    missing (the strategy is not DPFedAvg's).
+    """
+    request = TrainRequest(config, context.run_id)
+    return guard(DP_MOD, msg.metadata.message_type, context.node_config, secagg_stage=secagg_stage, train=request)
+
+
+def _privatised(
+    msg: Message,
+    context: Context,
+    reply: Message,
+    layout: ArrayLayout,
+    received: ArrayRecord,
+    ins: RoundInstructions | None,
+    config: ConfigRecord,
+    *,
+    masked: bool = False,
+) -> Message:
+    """The train reply from the user's ``reply``: ``g + zeta`` (masked: the SecAgg+ vector), or the error reply.
+
+    Under a node policy the user's metrics (un-noised statistics of the node's data) are not sent, and neither
+    is ``||u||`` with secure noise; the masked vector carries nothing else.
+    """
     if reply.has_error():
         return reply
+    assert ins is not None  # noqa: S101 - a train verdict carries its instructions
+    under_policy = node_policy(context.node_config).active
     try:
-        update = _private_update(layout, received, reply, ins, _client_id(config, msg), node_policy(context).active)
+        update = _private_update(layout, received, reply, ins, _client_id(config, msg), under_policy)
     except ValueError as err:
         return _error(msg, str(err))
-    metrics = {} if node_policy(context).active else _user_metrics(reply)  # un-noised: not under a policy
+    if masked:
+        return train_reply(msg, {UPDATE_KEY: update.noisy})
+    metrics = {} if under_policy else _user_metrics(reply)  # un-noised: not under a policy
     metrics.setdefault(NUM_EXAMPLES, 1)
     if ins.noise_seed != SECURE_NOISE_SEED:  # un-noised statistics of this client's data: seeded research mode only
         metrics[UPDATE_NORM] = update.update_norm
-    out = RecordDict({ARRAYS: to_array_record(update.noisy, UPDATE_KEY), METRICS: MetricRecord(metrics)})
-    if ins.diagnostics:
-        out[DIAGNOSTICS] = to_array_record(update.clean, CLEAN_UPDATE_KEY)
-    return Message(out, reply_to=msg)
-
-
-def _instructions(config: ConfigRecord, context: Context, msg: Message, *, secure_round: bool) -> RoundInstructions:
-    """The round's instructions as this client follows them: its own noise std, checked against its policy.
-
-    Every train message ``dp_mod`` answers passes here (plain and SecAgg+). ``ValueError`` saying which key is
-    missing; ``RoundRefused`` naming the rule a round breaks or the value that
-    does not parse.
-    """
-    try:
-        ins = instructions_from_config_record(config)
-        placement, r = config[NOISE_PLACEMENT], config[CLIENTS_PER_ROUND]
-    except KeyError as err:
-        raise ValueError(
-            f"the train config lacks {err}: the ServerApp's strategy must be dpfedavg's DPFedAvg, which sends "
-            "each round's clip and noise (with another strategy there is nothing to make private)"
-        ) from None
-    except ValueError as err:
-        raise RoundRefused("instructions", f"the round's instructions do not parse ({err})", policy=False) from None
-    if not isinstance(placement, str) or isinstance(r, bool) or not isinstance(r, (int, float)):
-        raise RoundRefused(
-            "instructions", f"{NOISE_PLACEMENT!r} = {placement!r} and {CLIENTS_PER_ROUND!r} = {r!r}: expected a "
-            "placement name and a number", policy=False,
-        )  # fmt: skip
-    followed = check_node_policy(
-        node_policy(context), ins, secure_round=secure_round, placement=placement, clients_per_round=float(r)
-    )
-    record_release(context.node_config, context.run_id, followed, None, message_type=msg.metadata.message_type)
-    return followed
+    clean = {CLEAN_UPDATE_KEY: update.clean} if ins.diagnostics else None
+    return train_reply(msg, {UPDATE_KEY: update.noisy}, metrics, clean)
 
 
 def _client_id(config: ConfigRecord, msg: Message) -> int:
@@ -265,12 +253,12 @@ def _client_id(config: ConfigRecord, msg: Message) -> int:
 
 def _private_update(
     layout: ArrayLayout, received: ArrayRecord, reply: Message, ins: RoundInstructions, client: int, under_policy: bool
-):
+) -> ClientUpdate:
     """``g + zeta`` from the user's reply: ``u = w_k - w_new``, bounded and noised (ValueError if impossible).
 
     Under a node policy a ``u`` with NaN/Inf (training that diverged at the server's model and learning rate: a
-    function of the node's data) becomes ``u = 0``, noised as usual, rather than an error reply that would tell the
-    server so without noise.
+    function of the node's data) becomes ``u = 0``, noised as usual (`dpfedavg.core.local.zero_updates()`), rather
+    than an error reply that would tell the server so without noise.
     """
     records = reply.content.array_records
     if len(records) != 1:
@@ -285,7 +273,8 @@ def _private_update(
     u = layout.flatten(received) - w_new
     if under_policy and not np.all(np.isfinite(u)):
         logger.warning("%s: local training diverged; under this node's policy a zero update is sent, noised", _NAME)
-        u = np.zeros_like(u)
+        (update,) = zero_updates([client], len(u), ins, dtype=u.dtype)
+        return update
     (update,) = round_block_update(u[None, :], ins, [client])
     if update is None:
         raise ValueError("local training diverged: the returned arrays have NaN/Inf (nothing is sent)")
@@ -306,13 +295,6 @@ def _error(msg: Message, reason: str) -> Message:
     return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=f"{_NAME}: {reason}"), reply_to=msg)
 
 
-def _refused(msg: Message, reason: str) -> Message:
-    """A round this node's policy refuses (`REFUSED`: the server counts a rejection)."""
-    route_logs_through_flower()
-    logger.warning("%s: %s", _NAME, reason)
-    return Message(Error(code=REFUSED, reason=f"{_NAME}: {reason}"), reply_to=msg)
-
-
 # ------------------------------------------------------------------ secure aggregation (inside secaggplus_mod)
 def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """The masked-vector stage of SecAgg+: the user's train on its own record, ``g~ + zeta~`` as a legacy FitRes.
@@ -326,12 +308,10 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
             "a SecAgg+ message reached dp_mod before secaggplus_mod: put dp_mod inside it, "
             "@app.train(mods=[secaggplus_mod, dp_mod])",
         )
-    if not _in_masked_vector_stage(msg, context):
-        return _refused(
-            msg,
-            f"refused: a {msg.metadata.message_type!r} message with SecAgg+ content outside the protocol's "
-            "masked-vector stage (only a 'train' message through secaggplus_mod is answered; its vector is masked)",
-        )
+    stage = Stage.COLLECT_MASKED_VECTORS if _in_masked_vector_stage(msg, context) else BYPASSED
+    admitted = guard(DP_MOD, msg.metadata.message_type, context.node_config, secagg_stage=stage)
+    if admitted.route is Route.REFUSE:
+        return refusal(msg, admitted.reason, DP_MOD)
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     config = ConfigRecord({k: v for k, v in fitins.config.items() if k != ARRAY_KEYS})  # type: ignore[misc]
     arrays = parameters_to_ndarrays(fitins.parameters)
@@ -342,27 +322,18 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
     if not isinstance(keys, list) or len(keys) != len(arrays):
         return _error(msg, f"the SecAgg+ train config has no {ARRAY_KEYS!r} for its {len(arrays)} arrays")
     try:
-        ins = _instructions(config, context, msg, secure_round=True)
-        if ins.secagg_step <= 0:
-            raise ValueError("a secure-aggregation round without a quantization grid (secagg-step)")
+        verdict = _round(config, context, msg, secagg_stage=stage)
+        if verdict.route is Route.REFUSE:
+            return refusal(msg, verdict.reason, DP_MOD)
         received = ArrayRecord(
             {str(k): Array(np.require(a, requirements="C")) for k, a in zip(keys, arrays, strict=True)}
         )
         layout = ArrayLayout.of(received)
-    except (RoundRefused, PolicyError) as err:
-        return _refused(msg, str(err))
     except ValueError as err:
         return _error(msg, str(err))
     inner = Message(RecordDict({ARRAYS: received, CONFIG: config}), metadata=msg.metadata)
     reply = call_next(inner, context)
-    if reply.has_error():
-        return reply
-    try:
-        update = _private_update(layout, received, reply, ins, _client_id(config, msg), node_policy(context).active)
-    except ValueError as err:
-        return _error(msg, str(err))
-    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([update.noisy]), num_examples=1, metrics={})
-    return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+    return _privatised(msg, context, reply, layout, received, verdict.instructions, config, masked=True)
 
 
 def _in_masked_vector_stage(msg: Message, context: Context) -> bool:

@@ -8,12 +8,14 @@ Flower's examples.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.core.types import RoundInstructions, Vector
 
@@ -32,6 +34,7 @@ __all__ = [
     "instructions_to_config_record",
     "to_array_record",
     "parse_train_reply",
+    "train_reply",
     "NUM_EXAMPLES",
     "PARTITION_ID",
     "NUM_PARTITIONS",
@@ -161,6 +164,35 @@ def instructions_from_config_record(record: ConfigRecord) -> RoundInstructions:
         noise_multiplier=_float(record, "noise-multiplier", 0.0),
         cohort_size=_int(record, "cohort-size", 0),
     )
+
+
+def train_reply(
+    msg: Message,
+    updates: Mapping[str, Vector],
+    metrics: Mapping[str, Any] | None = None,
+    clean: Mapping[str, Vector] | None = None,
+) -> Message:
+    """A client's reply to the train message ``msg``: every train reply of the ClientApp and ``dp_mod`` is built here.
+
+    ``updates``: array key -> ``g + zeta`` (`UPDATE_KEY`, or `block_key()` per virtual client) in `ARRAYS`, with
+    ``metrics`` in `METRICS` and, with diagnostics, ``clean`` (key -> ``g``) in `DIAGNOSTICS` (what
+    `parse_train_reply()` / `parse_block_reply()` read). ``metrics = None``: the masked-vector stage of SecAgg+,
+    a legacy ``FitRes`` holding only the one encoded vector (weight ``num_examples = 1``: the server needs the
+    plain sum, and nothing per client), which ``secaggplus_mod`` masks before it leaves the node.
+    """
+    if metrics is None:
+        (vector,) = updates.values()
+        fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters([vector]), num_examples=1, metrics={})
+        return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+    content = RecordDict(
+        {
+            ARRAYS: ArrayRecord({key: Array(np.ascontiguousarray(v)) for key, v in updates.items()}),
+            METRICS: MetricRecord(dict(metrics)),
+        }
+    )
+    if clean is not None:
+        content[DIAGNOSTICS] = ArrayRecord({key: Array(np.ascontiguousarray(v)) for key, v in clean.items()})
+    return Message(content, reply_to=msg)
 
 
 def _check_update(update: np.ndarray, dim: int) -> None:

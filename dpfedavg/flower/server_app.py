@@ -16,9 +16,9 @@ from dpfedavg.flower.protocol import from_array_record, to_array_record
 from dpfedavg.flower.runtime import setup_app_process
 from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.io.results import check_output_dir
-from dpfedavg.privacy.plan import PrivacyPlan
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.health import TrainingStopped
-from dpfedavg.server.run import plan_for, prepare_run
+from dpfedavg.server.run import prepare_run
 from dpfedavg.server.session import RunResult, check_run_directory
 from dpfedavg.tasks import resolve_task
 from dpfedavg.tasks.errors import DataUnavailableError
@@ -28,14 +28,14 @@ logger = logging.getLogger(__name__)
 app = ServerApp()
 
 
-def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPlan | None = None) -> RunResult:
+def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", setup: PrivacySetup | None = None) -> RunResult:
     """Train with the Flower strategy on ``grid`` and write results (`dpfedavg.server.run.prepare_run()`).
 
     Raises `ConfigError` (from the task, the privacy plan or the server) before anything is written, and
     `TrainingStopped` (after the results are written) when the run stopped
     because its clients' replies were unusable.
     """
-    prepared = prepare_run(cfg, plan=plan, run_id=run_id, engine="flower", inserts_canaries=True)
+    prepared = prepare_run(cfg, setup=setup, run_id=run_id, engine="flower", inserts_canaries=True)
     session, canaries = prepared.session, prepared.canaries
     strategy = DPFedAvg(
         cfg, server=prepared.server, canaries=canaries.inserted_directions if canaries is not None else None
@@ -93,12 +93,12 @@ def main(grid: Grid, context: Context) -> None:
         check_output_dir(cfg.output_dir, cfg.run_name)  # a read-only output-dir: one error, not a traceback later
         check_run_directory(cfg)  # a reused run-name: one error before the calibration
         resolve_task(cfg.task)  # a misspelled task: one error before the calibration
-        plan = plan_for(cfg)
+        setup = PrivacySetup.resolve(cfg)
     except ConfigError as err:
         logger.error("%s", err)
         return
     try:
-        run(grid, cfg, run_id=context.run_id, plan=plan)
+        run(grid, cfg, run_id=context.run_id, setup=setup)
     except FederationError as err:
         logger.error("federation does not match the run: %s", err)
     except (ConfigError, DataUnavailableError, ResultsError, TrainingStopped) as err:

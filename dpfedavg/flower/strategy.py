@@ -51,6 +51,7 @@ from dpfedavg.privacy.plausibility import (
     false_rejection_probability,
     reply_limits,
 )
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, TrainingStopped
 from dpfedavg.server.loop import run_rounds
@@ -93,11 +94,11 @@ class DPFedAvg(Strategy):
         C, z, seed, ...).
     dim:
         Length of the flat model vector ``w``.
-    plan:
-        The privacy plan; calibrated from ``cfg`` when omitted.
+    setup:
+        The run's privacy set-up (`dpfedavg.privacy.setup.PrivacySetup`); resolved from ``cfg`` when omitted.
     server:
         The server state to drive (`dpfedavg.server.run.prepare_run()` builds it); built from ``cfg``,
-        ``dim`` and ``plan`` when omitted.
+        ``dim`` and ``setup`` when omitted.
     sleep:
         Injected for tests: how to wait between polls of the Grid.
     """
@@ -114,7 +115,7 @@ class DPFedAvg(Strategy):
         cfg: RunConfig,
         dim: int | None = None,
         *,
-        plan: PrivacyPlan | None = None,
+        setup: PrivacySetup | None = None,
         server: DPServer | None = None,
         sleep: Callable[[float], None] = time.sleep,
         canaries: np.ndarray | None = None,
@@ -122,7 +123,7 @@ class DPFedAvg(Strategy):
         if server is None:
             if dim is None:
                 raise TypeError("DPFedAvg needs dim (the model's length) or a server")
-            server = DPServer(cfg, dim, plan=plan)
+            server = DPServer(cfg, dim, setup=setup)
         self.cfg = cfg
         self.dim = server.dim
         #: The server state and math (shared with the batched engine).

@@ -291,7 +291,11 @@ def gaussian_fit_mu(canary_scores: Sequence[float], null_scores: Sequence[float]
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:
-    """The epsilon at ``delta`` of mu-GDP (``N(0, 1)`` against ``N(mu, 1)``); 0 for ``mu <= 0``."""
+    """The epsilon at ``delta`` of mu-GDP (``N(0, 1)`` against ``N(mu, 1)``); 0 for ``mu <= 0``.
+
+    The one place the project writes it (the canary audit's band, the banded-MF audit's exact epsilon); the
+    closed form of its privacy profile is Dong, Roth, Su 2022, Corollary 2.13.
+    """
     if mu <= 0:
         return 0.0
     return epsilon_two_gaussians(GaussianFit(0.0, 1.0), GaussianFit(mu, 1.0), delta)
@@ -461,7 +465,7 @@ class StdForVariance:
     """A deliberately broken noise placement, for tests and benchmarks only: each client adds std ``zC / |S_k|``
     (a std where the variance was meant), the server, believing every share present, adds nothing; the accountant
     still charges ``z`` every round. A correct audit flags it (``tests/test_canary.py``,
-    ``benchmarks/bench_canary_audit.py``). Wraps a placement of ``dpfedavg.privacy.mechanism.PLACEMENTS``."""
+    ``benchmarks/bench_canary_audit.py``). Wraps a placement of ``dpfedavg.core.mechanism.PLACEMENTS``."""
 
     def __init__(self, base):
         self._base = base

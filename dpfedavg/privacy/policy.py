@@ -2,7 +2,8 @@
 
 The person who runs a SuperNode agrees to take part under some conditions and states them in the
 node's ``--node-config`` (`POLICY_KEYS`); the ClientApp checks every round's instructions against
-them, and against the run config, *before* it trains (`check_round()`). A round that breaks a rule
+them, and against the run config (or, for ``dp_mod``, the train config's public terms), *before* it trains
+(`check_round()`, the one rule set; `dpfedavg.flower.guard` applies it to every message). A round that breaks a rule
 is refused with one line naming the rule (`RoundRefused`; the ClientApp sends it as an error reply,
 which the server counts as a rejection). Where the client can compute its own noise share from public
 parameters, it does, and the server's ``noise-std`` is only compared with it:
@@ -58,7 +59,7 @@ __all__ = [
     "POLICY_KEYS",
     "PolicyError",
     "RoundRefused",
-    "check_node_policy",
+    "PublicTerms",
     "check_noise_demand",
     "check_round",
     "client_noise_std",
@@ -457,29 +458,23 @@ def _check_noise_multiplier(cfg: RunConfig, ins: RoundInstructions, refuse: Any)
         )
 
 
-def check_node_policy(
-    policy: NodePolicy,
-    ins: RoundInstructions,
-    *,
-    secure_round: bool,
-    placement: str,
-    clients_per_round: float,
-) -> RoundInstructions:
-    """``check_round`` for a client without a run config (``dp_mod`` in a user's own app).
+@dataclass(frozen=True)
+class PublicTerms:
+    """What a client without a run config (``dp_mod`` in a user's own app) knows of the run: the train config's
+    noise ``placement`` and expected cohort ``r`` (``clients_per_round``), with ``z``, ``C`` and ``|S_k|`` of the
+    round's instructions."""
 
-    The node's rules, then this client's own noise share from the round's public parameters (Alg. 1 line 10):
-    ``s = placement.client_std(z, C, r, |S_k|)`` with ``C`` the round's bound (``C_aug = sqrt(C_k^2 + s_b^2/4)``
-    with adaptive clipping), ``placement`` and ``r`` as the server's train config names them. The server's
-    ``noise-std`` is only compared with ``s`` (a different one is refused); ``min-update-noise-multiplier``
-    compares ``s`` with the bound. ``max-epsilon`` is held by the node's ledger, which charges each release as an
-    unamplified Gaussian (``dpfedavg.privacy.ledger``). The result carries ``s`` and, under a policy that demands
-    noise (``secure-noise`` or a floor), no seed.
-    """
+    placement: str
+    clients_per_round: float
 
-    def refuse(rule: str, detail: str, *, by_policy: bool = False) -> RoundRefused:
-        return RoundRefused(rule, detail, policy=by_policy)
 
-    _check_policy(policy, None, ins, secure_round, placement)
+def _public_noise_share(ins: RoundInstructions, terms: PublicTerms) -> tuple[float, float, bool]:
+    """``(bound, s, private)`` from the round's public parameters alone, each checked (`RoundRefused` otherwise)."""
+
+    def refuse(rule: str, detail: str) -> RoundRefused:
+        return RoundRefused(rule, detail, policy=False)
+
+    placement, clients_per_round = terms.placement, terms.clients_per_round
     if placement not in PLACEMENTS:
         raise refuse("noise-placement", f"{placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}")
     if not (math.isfinite(clients_per_round) and clients_per_round > 0):
@@ -496,55 +491,65 @@ def check_node_policy(
     rule = PLACEMENTS[placement]
     if private and z > 0 and rule.clients_learn_cohort_size and ins.cohort_size < 1:
         raise refuse("cohort-size", f"|S_k| = {ins.cohort_size} with the {placement!r} placement (needs >= 1)")
-    own = rule.client_std(z, bound, clients_per_round, ins.cohort_size) if private else 0.0
-    if not _close(ins.noise_std, own):
-        raise refuse(
-            "noise-std",
-            f"the server asks for noise std {ins.noise_std!r}; z = {z:g}, C = {bound:g}, r = {clients_per_round:g} "
-            f"and |S_k| = {ins.cohort_size} give this client's share {own:g} ({placement} placement)",
-        )
-    if private and not own >= policy.min_update_noise_multiplier * bound:
-        raise refuse(
-            "min-update-noise-multiplier",
-            f"this client's own noise would be {own / bound:.4g} C (z = {z:g}, |S_k| = {ins.cohort_size}), below "
-            f"{policy.min_update_noise_multiplier:g} C",
-            by_policy=True,
-        )
-    seed = SECURE_NOISE_SEED if policy.demands_noise else ins.noise_seed
-    return dataclasses.replace(ins, noise_std=own, noise_seed=seed)
+    return bound, (rule.client_std(z, bound, clients_per_round, ins.cohort_size) if private else 0.0), private
 
 
-def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, secure_round: bool) -> RoundInstructions:
+def check_round(
+    policy: NodePolicy,
+    ins: RoundInstructions,
+    *,
+    secure_round: bool,
+    cfg: RunConfig | None = None,
+    public: PublicTerms | None = None,
+) -> RoundInstructions:
     """The instructions this client follows in the round, or `RoundRefused` naming the rule it breaks.
 
-    The node's policy first, then the run config: the SecAgg+ rule (a run configured with secure aggregation
-    never answers a plain TRAIN message), the algorithm, diagnostics, ``E``, ``eta_k``, ``C`` (or ``C_k`` within
-    its floor and ceiling), ``z`` (the run's, or one whose epsilon, computed here, meets the target), the count
-    scale, ``|S_k|``. Then the client's own noise share (`client_noise_std()`; the server's ``noise-std``
-    must agree with it), the update-noise floor of the policy and, in a SecAgg+ round, the grid. The result
-    carries the client's own ``noise_std`` and, with ``secure-noise`` (the run's, or a node policy that demands
-    noise), no seed.
+    One rule set for every client of a node: the node's policy first (`_check_policy`), then what the client
+    knows of the run, and its own noise share (Alg. 1 line 10: ``s = placement.client_std(z, C, r, |S_k|)``;
+    the server's ``noise-std`` is only compared with it), the update-noise floor of the policy and, in a
+    SecAgg+ round with a run config, the grid. What the client knows of the run is either
+
+    * the run config ``cfg`` (the project's ClientApp): the SecAgg+ rule (a run configured with secure
+      aggregation never answers a plain TRAIN message), the algorithm, diagnostics, ``E``, ``eta_k``, ``C`` (or
+      ``C_k`` within its floor and ceiling), ``z`` (the run's, or one whose epsilon, computed here, meets the
+      target), the count scale, ``|S_k|`` (`client_noise_std()`: ``C_aug`` with the count scale recomputed); or
+    * the train config's ``public`` terms (``dp_mod`` in a user's own app: `PublicTerms`): a known placement,
+      ``r > 0``, ``z >= 0`` (0 without a bound), ``C > 0`` (``C_aug = sqrt(C_k^2 + s_b^2/4)`` with the server's
+      count scale), ``|S_k| >= 1`` where the placement needs it. ``max-epsilon`` is then held by the node's
+      ledger alone, which charges each release as an unamplified Gaussian (``dpfedavg.privacy.ledger``).
+
+    The result carries the client's own ``noise_std`` and, with ``secure-noise`` (the run's, or a node policy
+    that demands noise), no seed.
     """
-    cfg = with_canaries(cfg)
-    _check_policy(policy, cfg, ins, secure_round, cfg.noise_placement)
-    _check_run_config(cfg, ins, secure_round)
-    bound, own = client_noise_std(cfg, ins)
+    if cfg is not None:
+        cfg = with_canaries(cfg)
+        placement, r = cfg.noise_placement, cfg.clients_per_round
+    elif public is not None:
+        placement, r = public.placement, public.clients_per_round
+    else:
+        raise TypeError("check_round needs the run config (cfg) or the train config's public terms (public)")
+    _check_policy(policy, cfg, ins, secure_round, placement)
+    if cfg is not None:
+        _check_run_config(cfg, ins, secure_round)
+        (bound, own), private = client_noise_std(cfg, ins), BOUNDS[cfg.algorithm].private
+    else:
+        bound, own, private = _public_noise_share(ins, public)  # type: ignore[arg-type]
     if not _close(ins.noise_std, own):
+        asked = f"{ins.noise_std:g}" if cfg is not None else repr(ins.noise_std)
         raise RoundRefused(
             "noise-std",
-            f"the server asks for noise std {ins.noise_std:g}; z = {ins.noise_multiplier:g}, C = {bound:g}, "
-            f"r = {cfg.clients_per_round:g} and |S_k| = {ins.cohort_size} give this client's share {own:g} "
-            f"({cfg.noise_placement} placement)",
+            f"the server asks for noise std {asked}; z = {ins.noise_multiplier:g}, C = {bound:g}, r = {r:g} and "
+            f"|S_k| = {ins.cohort_size} give this client's share {own:g} ({placement} placement)",
             policy=False,
         )
-    if BOUNDS[cfg.algorithm].private and not own >= policy.min_update_noise_multiplier * bound:
+    if private and not own >= policy.min_update_noise_multiplier * bound:
         raise RoundRefused(
             "min-update-noise-multiplier",
             f"this client's own noise would be {own / bound:.4g} C (z = {ins.noise_multiplier:g}, |S_k| = "
             f"{ins.cohort_size}), below {policy.min_update_noise_multiplier:g} C",
             policy=True,
         )
-    if secure_round:
+    if cfg is not None and secure_round:
         grid = SecAggSettings.from_config(cfg).grid(bound, own)
         if not (_close(ins.secagg_step, grid.step) and _close(ins.secagg_range, grid.clipping_range)):
             raise RoundRefused(
@@ -553,8 +558,8 @@ def check_round(policy: NodePolicy, cfg: RunConfig, ins: RoundInstructions, *, s
                 f"config gives (step {grid.step:g}, range {grid.clipping_range:g})",
                 policy=False,
             )
-    elif ins.secagg_step != 0 or ins.secagg_range != 0:
+    elif cfg is not None and (ins.secagg_step != 0 or ins.secagg_range != 0):
         raise RoundRefused("secure-aggregation", "a secure-aggregation grid in a plain round", policy=False)
-    secure = policy.demands_noise or cfg.secure_noise
+    secure = policy.demands_noise or (cfg is not None and cfg.secure_noise)
     seed = SECURE_NOISE_SEED if secure else ins.noise_seed
     return dataclasses.replace(ins, noise_std=own, noise_seed=seed)

@@ -19,14 +19,15 @@ the clients' vectors have one more coordinate (their noised count of unclipped u
 placement sees the augmented bound ``C_aug`` instead of ``C``, and closing a round splits the count off,
 releases ``b_k`` and moves to ``C_{k+1}`` (Andrew et al. 2021).
 
-The privacy side reads narrow parameters the server builds once (`DpParams`,
-`SecAggSettings`). The Flower strategy
-(`DPFedAvg`) and the batched engine (`dpfedavg.engines.batched`)
+The server reads the run's privacy set-up, resolved once per run (`PrivacySetup`: the bound, the
+placement, the noise law and mechanism, `DpParams`, the plan, `SecAggSettings`, the federation sampled).
+The Flower strategy (`DPFedAvg`) and the batched engine (`dpfedavg.engines.batched`)
 both drive this class, so the two engines run the same server math.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -49,18 +50,13 @@ from dpfedavg.core import (
     server_noise_std,
 )
 from dpfedavg.core.adaptive_clip import AdaptiveClip
-from dpfedavg.core.dp import BOUNDS
-from dpfedavg.core.mechanism import PLACEMENTS
-from dpfedavg.core.noise import noise_law
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.io.checkpoint import ServerState
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.accountants import RoundEvent
 from dpfedavg.privacy.guarantee import describe_adaptive_clipping, describe_privacy
-from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
-from dpfedavg.privacy.params import DpParams
-from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
-from dpfedavg.privacy.secure_aggregation import SecAggRelease, SecAggSettings, check_privacy_terms, describe
+from dpfedavg.privacy.secure_aggregation import SecAggRelease, check_privacy_terms, describe
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.releases import ReleaseLog
 
 __all__ = ["ClientResult", "DPServer", "PrivacyBudgetExhausted", "RoundInstructions", "RoundStart", "RoundStats"]
@@ -104,8 +100,10 @@ class DPServer:
         The validated run configuration.
     dim:
         Length of the flat model vector.
-    plan:
-        The privacy plan (calibrated ``z``, accountant, budget); computed from ``cfg`` when omitted.
+    setup:
+        The run's privacy set-up (`PrivacySetup`: the bound, the placement, the noise law and mechanism, the
+        calibrated plan, the federation sampled); resolved from ``cfg`` when omitted (a server built alone, in a
+        test or a benchmark: a run resolves its set-up once and passes it here).
     epsilon_each_round:
         Compute the epsilon spent after every round (the ``epsilon`` column; every engine does). Off, only
         the last round's is computed (and `epsilon` on demand); the composition itself is never
@@ -118,43 +116,36 @@ class DPServer:
     """
 
     def __init__(
-        self, cfg: RunConfig, dim: int, *, plan: PrivacyPlan | None = None, epsilon_each_round: bool = True
+        self, cfg: RunConfig, dim: int, *, setup: PrivacySetup | None = None, epsilon_each_round: bool = True
     ) -> None:
         self.cfg = cfg
         self.dim = dim
-        #: What the accountant reads (built once).
-        self.params = DpParams.from_config(cfg)
+        #: The privacy set-up, resolved once per run (`dpfedavg.privacy.setup`); the attributes below are its parts.
+        self.setup = setup = setup if setup is not None else PrivacySetup.resolve(cfg)
+        #: What the accountant reads: the sampled federation's (``n'``, ``r'`` with canaries).
+        self.params = setup.params
         #: The sensitivity bound (``algorithm``): what ``g`` is, and whether the run is private.
-        self.bound = BOUNDS[cfg.algorithm]
-        self.plan = plan if plan is not None else plan_privacy(self.params, self.bound, cfg.clip_count_stddev)
-        self.accountant = self.plan.new_accountant() if self.plan.dp else None
+        self.bound = setup.bound
+        self.plan = setup.plan
+        self.accountant = setup.new_accountant()
         self.epsilon_each_round = epsilon_each_round
         #: The noise placement: what the clients and the server add, and what is accounted.
-        self.placement = PLACEMENTS[cfg.noise_placement]
+        self.placement = setup.placement
         #: The noise law: what each client's zeta is, and what it adds to the guarantee (`dpfedavg.core.noise`).
-        self.noise_law = noise_law(cfg.secure_aggregation)
-        #: ``adaptive-clip``: ``C_k`` and its update rule (Andrew et al. 2021); ``None`` for a fixed ``C``.
-        self.adaptive: AdaptiveClip | None = None
-        if self.bound.adaptive:
-            self.adaptive = AdaptiveClip(
-                clip=cfg.clip,
-                target_quantile=cfg.target_quantile,
-                clip_lr=cfg.clip_lr,
-                count_stddev=self.plan.count_stddev,
-                noise_multiplier=self.plan.noise_multiplier,
-                clip_floor=cfg.clip_limits[0],
-                clip_ceiling=cfg.clip_limits[1],
-            )
+        self.noise_law = setup.noise_law
+        #: ``adaptive-clip``: ``C_k`` and its update rule (Andrew et al. 2021), this server's copy of the set-up's
+        #: ``C_0`` and rule; ``None`` for a fixed ``C``.
+        self.adaptive: AdaptiveClip | None = dataclasses.replace(setup.adaptive) if setup.adaptive is not None else None
         #: Length of what each client sends and the round releases: ``d``, or ``d + 1`` with the count.
         self.release_dim = dim + (1 if self.adaptive is not None else 0)
         #: The noise mechanism (``noise-mechanism``): who takes part each round, what the server adds to the
-        #: sum, the fixed denominator (`dpfedavg.privacy.noise_mechanisms`).
-        self.mechanism = NOISE_MECHANISMS[cfg.noise_mechanism]
-        self.round_mechanism = self.mechanism.rounds(
-            self.plan.params or self.params, self.plan.noise_multiplier, clip=cfg.clip, dim=self.release_dim
+        #: sum, the fixed denominator (`dpfedavg.privacy.noise_mechanisms`); its per-run state below.
+        self.noise_mechanism = setup.noise_mechanism
+        self.round_mechanism = self.noise_mechanism.rounds(
+            self.params, self.plan.noise_multiplier, clip=cfg.clip, dim=self.release_dim
         )
         #: The ``secagg-*`` settings (``None`` without secure aggregation).
-        self.secagg = SecAggSettings.from_config(cfg) if cfg.secure_aggregation else None
+        self.secagg = setup.secagg
         if self.secagg is not None and self.plan.dp:
             check_privacy_terms(self.secagg, self.secagg_release())
         self.momentum: Vector = np.zeros(dim)
@@ -213,7 +204,7 @@ class DPServer:
         """
         if not self.plan.dp:
             return 0.0, 0.0
-        z, c, r = self.noise_multiplier, self.sensitivity, self.cfg.clients_per_round
+        z, c, r = self.noise_multiplier, self.sensitivity, self.params.clients_per_round
         return (
             self.placement.client_std(z, c, r, num_sampled),
             self.placement.server_std(z, c, r, num_sampled, num_included),
@@ -233,8 +224,8 @@ class DPServer:
             noise_multiplier=plan.noise_multiplier,
             bound=self.sensitivity,
             adaptive=self.adaptive is not None,
-            clients_per_round=self.cfg.clients_per_round,
-            num_clients=self.cfg.num_clients,
+            clients_per_round=self.params.clients_per_round,
+            num_clients=self.params.num_clients,
             dim=self.release_dim,  # adaptive-clip's count coordinate is encoded too
             rounds=self.cfg.num_rounds,
             epsilon=plan.target_epsilon if plan.calibrated and plan.target_epsilon else plan.nominal_epsilon,
@@ -267,7 +258,7 @@ class DPServer:
         return describe_privacy(
             plan,
             self.placement,
-            noise_mechanism=self.mechanism.name,
+            noise_mechanism=self.noise_mechanism.name,
             mechanism_record={key: record} if key and record else None,
             diagnostics=cfg.diagnostics,
             secure_noise=cfg.secure_noise,
@@ -316,9 +307,9 @@ class DPServer:
     def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
         """The privacy event of a round with these counts: the placement's accounted ``z_k`` (always ``z``)."""
         z_k = self.placement.accounted_noise_multiplier(
-            self.noise_multiplier, self.cfg.clients_per_round, num_sampled, num_included
+            self.noise_multiplier, self.params.clients_per_round, num_sampled, num_included
         )
-        return RoundEvent(self.cfg.sampling_rate, z_k)
+        return RoundEvent(self.params.q, z_k)
 
     # ------------------------------------------------------------ checkpoint
     def state(self) -> ServerState:
@@ -394,7 +385,7 @@ class DPServer:
         self.history[server_round] = stats
         self._w, self._round = w, server_round
         if not len(clients):
-            logger.warning("Round %d: %s selected no client", server_round, self.mechanism.name)
+            logger.warning("Round %d: %s selected no client", server_round, self.noise_mechanism.name)
         if self.secagg is not None and len(clients) < 2:  # a sum of one is that client's update
             reason = f"secure aggregation needs at least 2 clients, {len(clients)} sampled"
             return RoundStart(clients, None, self.skip_round(server_round, reason))
@@ -499,7 +490,7 @@ class DPServer:
         num_rejected: int,
     ) -> Vector:
         stats = self.history[server_round]
-        r = self.cfg.clients_per_round
+        r = self.params.clients_per_round
         denominator = self.round_mechanism.denominator
         stats.num_received = num_received
         stats.num_failed, stats.num_rejected = num_failed, num_rejected

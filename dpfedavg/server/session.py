@@ -247,10 +247,11 @@ class RunSession:
             return ckpt.releases
         log = ReleaseLog.resume(self.directory, server.plan, ckpt.round, ckpt.releases, rows_after)
         redone = log.count - ckpt.releases
-        if redone and not server.mechanism.charges_redone_rounds:
+        mechanism = server.noise_mechanism
+        if redone and not mechanism.charges_redone_rounds:
             raise CheckpointError(
                 f"cannot resume {self.directory}: {redone} round(s) ran after the checkpoint (round {ckpt.round}) "
-                f"with secure-noise, and noise-mechanism = {server.mechanism.name!r} cannot account a round released "
+                f"with secure-noise, and noise-mechanism = {mechanism.name!r} cannot account a round released "
                 "twice; redoing them would release more than the reported epsilon covers. Start a new run (it spends "
                 "a new budget), and use checkpoint-every = 1 with this mechanism"
             )

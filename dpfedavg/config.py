@@ -180,7 +180,7 @@ class RunConfig:
 
     task: str = option("quadratic", "-", "objective and data: a registered task or a user's 'module:factory' / '/path/file.py:factory'", "a task name", lambda x: bool(x.strip()), trajectory=True)  # noqa: E501
     algorithm: str = option("norm", "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP, adaptive-clip = DP-FedAvg with C_k following a quantile of the update norms (Andrew et al. 2021)", choices=tuple(BOUNDS), privacy=True)  # noqa: E501
-    num_rounds: int = option(200, "K", "communication rounds (the paper's §4.4 uses 500; 200 keeps the README's first command short)", f"an integer in [1, {MAX_ROUNDS}]", lambda x: 1 <= x <= MAX_ROUNDS)  # noqa: E501
+    num_rounds: int = option(200, "K", "communication rounds (the paper's §4.4 uses 500)", f"an integer in [1, {MAX_ROUNDS}]", lambda x: 1 <= x <= MAX_ROUNDS)  # noqa: E501
     local_steps: int = option(20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True)  # noqa: E501
     local_lr: float = option(0.003, "eta_0", "initial local learning rate", "a float > 0", positive, trajectory=True)
     lr_decay: float = option(1.0, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: positive(x) and x <= 1, trajectory=True)  # noqa: E501

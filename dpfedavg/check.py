@@ -32,13 +32,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dpfedavg.config import parse_run_config
 from dpfedavg.errors import ConfigError
-from dpfedavg.run import parse_run_config
 from dpfedavg.tasks.errors import DataUnavailableError
 
 __all__ = ["check", "check_federation", "main", "read_app_config", "read_config_args"]
 
-#: The exit status of a configuration that does not validate (as ``python -m dpfedavg.run``'s).
+#: The exit status of a configuration that does not validate (as ``python -m dpfedavg``'s).
 EXIT_INVALID = 2
 
 

@@ -26,6 +26,7 @@ import difflib
 import functools
 import math
 import re
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -48,6 +49,7 @@ __all__ = [
     "Option",
     "RunConfig",
     "non_negative",
+    "parse_run_config",
     "positive",
 ]
 
@@ -472,3 +474,27 @@ def _coerce(opt: Option, value: Any) -> tuple[Any, str | None]:
     if opt.check is not None and not opt.check(value):
         return None, f"'{opt.key}' = {value!r}: expected {opt.allowed}"
     return value, None
+
+
+_PAIR = re.compile(r"""\s*([A-Za-z0-9_.-]+)\s*=\s*("[^"]*"|'[^']*'|[^\s"']+)\s*""")
+
+
+def parse_run_config(text: str) -> dict[str, Any]:
+    """``"a=1 b='x' c=true"`` -> ``{"a": 1, "b": "x", "c": True}`` (each value parsed as TOML)."""
+    out: dict[str, Any] = {}
+    pos = 0
+    while pos < len(text):
+        if not text[pos:].strip():
+            break
+        match = _PAIR.match(text, pos)
+        if match is None:
+            raise ValueError(f"cannot parse the run config at {text[pos:]!r}: expected key=value (strings in quotes)")
+        key, value = match.groups()
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(
+                f"run config {key}={value}: not a TOML value ({err}); quote strings: {key}='...'"
+            ) from None
+        pos = match.end()
+    return out

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from dpfedavg import __main__ as run_module
 from dpfedavg import check as check_module
-from dpfedavg import run as run_module
 from dpfedavg.config import OPTIONS, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

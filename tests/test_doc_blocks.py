@@ -11,7 +11,7 @@ Blocks are found with Sybil's Markdown lexer (``tests/doc_blocks.py``), one test
 * ``.no-test reason="..."``: a reason is given, and what can be checked without running is: every
   ``flwr run`` carries its ``--federation-config`` (unless it names a SuperLink connection), with
   ``num-supernodes`` = ceil(num-clients / clients-per-node), and a run config that validates and
-  whose privacy plan holds; every ``python -m dpfedavg.run`` run config validates; every
+  whose privacy plan holds; every ``python -m dpfedavg`` run config validates; every
   ``python -m dpfedavg.check`` line passes (its app ``.`` is the clone); every
   ``run_sim.py`` line parses; ``runs="N"`` is the sweep's number of runs (computed, not run), and
   the page says ``N runs``.
@@ -206,7 +206,7 @@ def _check_statically(block: Block, monkeypatch, tmp_path: Path, capsys) -> None
             _check_flwr_run(argv, block.where)
         elif argv[:3] == ["python", "-m", "dpfedavg.check"]:
             _check_check_line(argv, block.where, monkeypatch, capsys)
-        elif argv[:3] == ["python", "-m", "dpfedavg.run"]:
+        elif argv[:3] == ["python", "-m", "dpfedavg"]:
             _validate_run_config(_option(argv, "--run-config") or "", block.where)
         elif argv[:2] == ["python", "run_sim.py"]:
             runs = _run_sim_line(argv[2:], monkeypatch, tmp_path)

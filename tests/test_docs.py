@@ -274,7 +274,7 @@ def test_every_command_has_a_section_on_the_command_line_page() -> None:
     assert "<!-- generated: help" not in page  # no raw --help dumps
 
 
-@pytest.mark.parametrize("command", [("dpfedavg.run",), ("run_sim.py", "table1"), ("dpfedavg.deploy", "supernode")])
+@pytest.mark.parametrize("command", [("dpfedavg",), ("run_sim.py", "table1"), ("dpfedavg.deploy", "supernode")])
 def test_the_flags_table_lists_every_flag_of_the_parser(command: tuple[str, ...]) -> None:
     hook = _hook()
     table = hook.cli_reference(*command)

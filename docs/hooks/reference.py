@@ -7,7 +7,7 @@ A page asks for a part with an HTML comment on a line of its own:
   default, allowed values, meaning), so the configuration reference cannot drift;
 * `<!-- generated: metrics-columns -->`: `metrics.csv`'s columns, in order (`RoundStats.columns`);
 * `<!-- generated: cli PROGRAM [SUBCOMMAND] -->`: the usage line and a table of the flags (or of the
-  subcommands) of `run_sim.py`, `python -m dpfedavg.check`, `python -m dpfedavg.run` or
+  subcommands) of `run_sim.py`, `python -m dpfedavg.check`, `python -m dpfedavg` or
   `python -m dpfedavg.deploy`, read from the program's own argparse parser;
 * `<!-- generated: test-files -->`: every `tests/test_*.py` with the first line of its docstring;
 * `<!-- generated: layout -->`: every module of the package with the first line of its docstring;
@@ -170,7 +170,7 @@ def _load_run_sim() -> Any:
     return module
 
 
-PROGRAMS = ("dpfedavg.check", "dpfedavg.run", "run_sim.py", "dpfedavg.deploy")
+PROGRAMS = ("dpfedavg.check", "dpfedavg", "run_sim.py", "dpfedavg.deploy")
 
 
 class _Parsed(Exception):
@@ -184,8 +184,8 @@ class _Parsed(Exception):
 def _main_of(program: str) -> Any:
     if program == "run_sim.py":
         return _load_run_sim().main
-    if program == "dpfedavg.run":
-        from dpfedavg.run import main
+    if program == "dpfedavg":
+        from dpfedavg.__main__ import main
 
         return main
     if program == "dpfedavg.check":

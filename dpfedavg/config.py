@@ -26,6 +26,7 @@ import difflib
 import functools
 import math
 import re
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -48,6 +49,7 @@ __all__ = [
     "Option",
     "RunConfig",
     "non_negative",
+    "parse_run_config",
     "positive",
 ]
 
@@ -180,7 +182,7 @@ class RunConfig:
 
     task: str = option("quadratic", "-", "objective and data: a registered task or a user's 'module:factory' / '/path/file.py:factory'", "a task name", lambda x: bool(x.strip()), trajectory=True)  # noqa: E501
     algorithm: str = option("norm", "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP, adaptive-clip = DP-FedAvg with C_k following a quantile of the update norms (Andrew et al. 2021)", choices=tuple(BOUNDS), privacy=True)  # noqa: E501
-    num_rounds: int = option(200, "K", "communication rounds (the paper's §4.4 uses 500; 200 keeps the README's first command short)", f"an integer in [1, {MAX_ROUNDS}]", lambda x: 1 <= x <= MAX_ROUNDS)  # noqa: E501
+    num_rounds: int = option(200, "K", "communication rounds (the paper's §4.4 uses 500)", f"an integer in [1, {MAX_ROUNDS}]", lambda x: 1 <= x <= MAX_ROUNDS)  # noqa: E501
     local_steps: int = option(20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True)  # noqa: E501
     local_lr: float = option(0.003, "eta_0", "initial local learning rate", "a float > 0", positive, trajectory=True)
     lr_decay: float = option(1.0, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: positive(x) and x <= 1, trajectory=True)  # noqa: E501
@@ -472,3 +474,27 @@ def _coerce(opt: Option, value: Any) -> tuple[Any, str | None]:
     if opt.check is not None and not opt.check(value):
         return None, f"'{opt.key}' = {value!r}: expected {opt.allowed}"
     return value, None
+
+
+_PAIR = re.compile(r"""\s*([A-Za-z0-9_.-]+)\s*=\s*("[^"]*"|'[^']*'|[^\s"']+)\s*""")
+
+
+def parse_run_config(text: str) -> dict[str, Any]:
+    """``"a=1 b='x' c=true"`` -> ``{"a": 1, "b": "x", "c": True}`` (each value parsed as TOML)."""
+    out: dict[str, Any] = {}
+    pos = 0
+    while pos < len(text):
+        if not text[pos:].strip():
+            break
+        match = _PAIR.match(text, pos)
+        if match is None:
+            raise ValueError(f"cannot parse the run config at {text[pos:]!r}: expected key=value (strings in quotes)")
+        key, value = match.groups()
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(
+                f"run config {key}={value}: not a TOML value ({err}); quote strings: {key}='...'"
+            ) from None
+        pos = match.end()
+    return out

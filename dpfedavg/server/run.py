@@ -81,7 +81,7 @@ def prepare_run(
     if cfg.canary_clients and not inserts_canaries:
         raise ConfigError(
             f"invalid run config: 'canary-clients' = {cfg.canary_clients}: this {engine!r} run does not insert "
-            "canary clients; a single run does (python -m dpfedavg.run, dpfedavg.run(), flwr run with dpfedavg's "
+            "canary clients; a single run does (python -m dpfedavg, dpfedavg.run(), flwr run with dpfedavg's "
             "own apps), not a sweep's batch of runs; set canary-clients = 0 here"
         )
     check_output_dir(cfg.output_dir, cfg.run_name)  # a read-only output-dir: one ConfigError, before the calibration

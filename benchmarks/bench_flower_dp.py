@@ -45,7 +45,6 @@ from pytorchexample.server_app import global_evaluate  # noqa: E402
 from pytorchexample.task import Net  # noqa: E402
 
 from dpfedavg import DPFedAvg, InProcessGrid, epsilon_for  # noqa: E402
-from dpfedavg.flower.app_strategy import AppDPFedAvg  # noqa: E402
 
 NODES, FRACTION, CLIP, DELTA, LR = 20, 0.5, 0.3, 1e-5, 0.05
 RUN_CONFIG = {"batch-size": 32, "local-epochs": 1}
@@ -151,7 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("flwr").setLevel(logging.WARNING)
     logging.getLogger("dpfedavg").setLevel(logging.WARNING)
-    AppDPFedAvg.settle_seconds = 0.05  # the in-process grid has every node from the start
+    DPFedAvg.settle_seconds = 0.05  # the in-process grid has every node from the start
     torch.set_num_threads(1)
     k = args.rounds
 

@@ -17,7 +17,6 @@ from flwr.serverapp.strategy import FedAvg
 
 from dpfedavg import ConfigError, DPFedAvg, InProcessGrid, RunConfig, TrainingStopped, dp_mod
 from dpfedavg.core import Stream, make_rng, poisson_sample
-from dpfedavg.flower.app_strategy import AppDPFedAvg
 from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch
 from dpfedavg.flower.mod import CLIENT_ID, public_parameters
 from dpfedavg.flower.protocol import REFUSED, instructions_to_config_record
@@ -78,7 +77,7 @@ def grid(app, n: int = 10, **kwargs) -> InProcessGrid:
 @pytest.fixture(autouse=True)
 def _quick_start(monkeypatch) -> None:
     """The in-process grid has every node from the start: no need to wait for the count to settle."""
-    monkeypatch.setattr(AppDPFedAvg, "settle_seconds", 0.05)
+    monkeypatch.setattr(DPFedAvg, "settle_seconds", 0.05)
 
 
 def lr() -> ConfigRecord:
@@ -88,7 +87,7 @@ def lr() -> ConfigRecord:
 
 # ------------------------------------------------------------------ the mod
 def _train_message(arrays: ArrayRecord, **settings) -> Message:
-    """A TRAIN message as AppDPFedAvg sends it: the user's arrays, round 2's instructions, the user's lr."""
+    """A TRAIN message as DPFedAvg sends it: the user's arrays, round 2's instructions, the user's lr."""
     ensure_task_identity()
     values = {"algorithm": "clip", "clip": 1.0, "num_clients": 10, "clients_per_round": 5.0, "epsilon": 0.0,
               "server_lr": 1.0, **settings}  # fmt: skip
@@ -277,7 +276,7 @@ def test_a_numpy_client_trains_privately_on_the_users_arrays(dp_log) -> None:
         return MetricRecord({"dist": float(np.linalg.norm(weights_of(arrays) - W_STAR))})
 
     result = _run(strategy, rounds=12, evaluate=evaluate)
-    assert isinstance(strategy, AppDPFedAvg)
+    assert isinstance(strategy, DPFedAvg)
     assert sorted(seen) == list(range(13))
     init = initial_arrays()
     for arrays in (result.arrays, *seen.values()):

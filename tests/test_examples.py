@@ -31,7 +31,7 @@ from flwr.app import Context, RecordDict
 from flwr.common.config import get_fused_config_from_dir, parse_config_args
 
 from dpfedavg import InProcessGrid
-from dpfedavg.flower.app_strategy import AppDPFedAvg
+from dpfedavg.flower.app_strategy import DPFedAvg
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -113,7 +113,7 @@ def example(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _quick_start(monkeypatch) -> None:
-    monkeypatch.setattr(AppDPFedAvg, "settle_seconds", 0.05)
+    monkeypatch.setattr(DPFedAvg, "settle_seconds", 0.05)
 
 
 @pytest.fixture

@@ -80,7 +80,7 @@ def user_app(level: str, secagg: bool = False) -> ClientApp:
 
 
 def _user_config(**changes) -> ConfigRecord:
-    """Round 2's train config as AppDPFedAvg sends it (instructions, public parameters, client id, the user's lr)."""
+    """Round 2's train config as DPFedAvg sends it (instructions, public parameters, client id, the user's lr)."""
     cfg = RunConfig(**USER)
     ins = dataclasses.replace(DPServer(cfg, USER_DIM).instructions(2, 5))
     config = instructions_to_config_record(ins)
@@ -373,9 +373,8 @@ def test_the_safe_pattern_finishes_a_run_under_the_strict_policy(monkeypatch) ->
     """App-level dp_mod, every node with a policy that demands noise: DPFedAvg's honest rounds are all answered
     (it evaluates on the server only and sends no evaluate message), so the ServerApp finishes its run."""
     from dpfedavg import DPFedAvg
-    from dpfedavg.flower.app_strategy import AppDPFedAvg
 
-    monkeypatch.setattr(AppDPFedAvg, "settle_seconds", 0.05)
+    monkeypatch.setattr(DPFedAvg, "settle_seconds", 0.05)
     policy = {"secure-noise": True, "min-noise-multiplier": 0.5, "max-clip": 10.0, "allow-diagnostics": False}
     strategy = DPFedAvg(algorithm="clip", clip=1.0, epsilon=0.0, noise_multiplier=1.0, clients_per_round=3.0,
                         secure_noise=True)  # fmt: skip

@@ -66,9 +66,8 @@ def _aggregate_noise(placement: str, rounds: int, seed: int, dropped: frozenset[
     w = np.zeros(200)
     for k in range(1, rounds + 1):
         messages = list(strategy.configure_train(k, to_array_record(w), ConfigRecord(), grid))
-        replies = [
-            m for m in grid.send_and_receive(messages) if strategy.client_of_node[m.metadata.src_node_id] not in dropped
-        ]
+        client_of = strategy.federation.partition_of_node
+        replies = [m for m in grid.send_and_receive(messages) if client_of[m.metadata.src_node_id] not in dropped]
         arrays, _ = strategy.aggregate_train(k, replies)
         clean = sum(r.content["diagnostics"]["clean-update"].numpy() for r in replies) / 10.0
         a = (w - arrays["w"].numpy()) / strategy.history[k].beta  # w_{k+1} = w_k - beta a_k (mu = 0)

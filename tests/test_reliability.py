@@ -261,7 +261,7 @@ def test_secure_noise_has_the_right_scale_and_no_seed_leaves_the_server(placemen
     strategy = DPFedAvg(cfg, dim=4000)
     ins = strategy.server.instructions(3, 5)
     assert ins.noise_seed == SECURE_NOISE_SEED
-    client_std, server_std = strategy.noise_stds(5)
+    client_std, server_std = strategy.server.noise_stds(5)
     if placement == "server":
         assert ins.noise_std == 0.0 and server_std > 0
         return

@@ -29,7 +29,6 @@ import dpfedavg
 from dpfedavg import DPFedAvg, dp_mod
 from dpfedavg.config import MAX_RUN_NAME, ConfigError, RunConfig
 from dpfedavg.flower import server_app
-from dpfedavg.flower.app_strategy import AppDPFedAvg
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.privacy.setup import PrivacySetup
@@ -272,7 +271,7 @@ def _train_with_metrics(bad: dict):
 def test_one_clients_num_examples_1e12_or_nan_never_poisons_the_averaged_metrics(
     bad: dict, fragment: str, dpfedavg_log, monkeypatch
 ) -> None:
-    monkeypatch.setattr(AppDPFedAvg, "settle_seconds", 0.05)  # every in-process node is there from the start
+    monkeypatch.setattr(DPFedAvg, "settle_seconds", 0.05)  # every in-process node is there from the start
     strategy = DPFedAvg(algorithm="none", clip=1.0, epsilon=0.0, fraction_train=1.0)
     grid = InProcessGrid(_train_with_metrics(bad), 5, {})
     arrays = ArrayRecord({"w": Array(np.zeros(3, dtype=np.float32))})

@@ -87,7 +87,7 @@ def test_configure_train_samples_poisson_by_client_and_sends_round_config() -> N
     for server_round in (1, 2, 3):
         messages = list(strategy.configure_train(server_round, to_array_record(np.zeros(DIM)), _cfg_record(), grid))
         expected = poisson_sample(10, 0.5, make_rng(cfg.seed, Stream.SAMPLING, server_round - 1))
-        got = sorted(strategy.client_of_node[m.metadata.dst_node_id] for m in messages)
+        got = sorted(strategy.federation.partition_of_node[m.metadata.dst_node_id] for m in messages)
         assert got == expected.tolist()
         ins = instructions_from_config_record(messages[0].content[CONFIG])
         assert ins.noise_seed == round_noise_seed(cfg.seed, server_round - 1)
@@ -106,7 +106,7 @@ def test_sampling_does_not_depend_on_node_ids() -> None:
         strategy = DPFedAvg(cfg, dim=DIM)
         strategy.discover_clients(grid)
         messages = strategy.configure_train(1, to_array_record(np.zeros(DIM)), _cfg_record(), grid)
-        picks.append(sorted(strategy.client_of_node[m.metadata.dst_node_id] for m in messages))
+        picks.append(sorted(strategy.federation.partition_of_node[m.metadata.dst_node_id] for m in messages))
     assert picks[0] == picks[1]
 
 
@@ -492,7 +492,7 @@ def test_unavailable_and_disconnected_nodes_are_dropouts_not_failures(caplog) ->
     grid = InProcessGrid(fn, 10, cfg.to_run_config())
     strategy = DPFedAvg(cfg, dim=DIM)
     strategy.discover_clients(grid)
-    gone = strategy.node_of_client[6]
+    gone = strategy.federation.node_of_client[6]
     context_of_gone = grid.contexts.pop(gone)  # client 6's SuperNode disconnected after discovery
     with caplog.at_level(logging.WARNING):
         messages, w1, metrics = one_round(strategy, grid, np.zeros(DIM))
@@ -503,7 +503,7 @@ def test_unavailable_and_disconnected_nodes_are_dropouts_not_failures(caplog) ->
     # the client comes back as a new node: it is mapped again and sampled again
     grid.contexts[12345] = context_of_gone
     messages, _, metrics = one_round(strategy, grid, w1, server_round=2)
-    assert strategy.node_of_client[6] == 12345 and 12345 in {m.metadata.dst_node_id for m in messages}
+    assert strategy.federation.node_of_client[6] == 12345 and 12345 in {m.metadata.dst_node_id for m in messages}
     assert metrics["num_received"] == 8
 
 

@@ -4,7 +4,7 @@ dpfedavg's server works on one flat float64 vector ``w`` (`DPServer`);
 a Flower user's app sends and receives its own ``ArrayRecord``: a PyTorch ``state_dict``, a list of
 numpy arrays, any keys, shapes and dtypes. `ArrayLayout` is the one map between the two, used
 by the client mod (`dpfedavg.flower.mod.dp_mod()`, which flattens what its client received and
-what it returns) and by the strategy (`dpfedavg.flower.app_strategy.AppDPFedAvg`, which
+what it returns) and by the strategy (`dpfedavg.flower.app_strategy.DPFedAvg`, which
 flattens ``initial_arrays`` and rebuilds the user's record from every ``w_k``).
 
 * **Trained arrays**: every array with a floating dtype, flattened in **sorted key order** (the same

@@ -170,18 +170,6 @@ class RunStrategy(Strategy):
         """Epsilon spent so far for ``delta`` (``inf`` without DP)."""
         return self.server.epsilon
 
-    @property
-    def random_iterate(self) -> Vector | None:
-        return self.server.random_iterate
-
-    @property
-    def random_round(self) -> int | None:
-        return self.server.random_round
-
-    def noise_stds(self, num_sampled: int) -> tuple[float, float]:
-        """``(per-client std, server std on the sum)`` of a round with ``num_sampled`` clients."""
-        return self.server.noise_stds(num_sampled)
-
     def summary(self) -> None:
         """Log the DP configuration (called by ``Strategy.start``)."""
         cfg, plan = self.cfg, self.plan
@@ -260,18 +248,6 @@ class RunStrategy(Strategy):
         }
 
     # ------------------------------------------------------------ discovery
-    @property
-    def node_of_client(self) -> dict[int, int]:
-        """Client id -> Flower node id; filled by `discover_clients()`."""
-        return self.federation.node_of_client
-
-    @property
-    def client_of_node(self) -> dict[int, int]:
-        """Flower node id -> client id, with one client per node (``clients-per-node = 1``)."""
-        if self.cfg.clients_per_node != 1:
-            raise AttributeError("client_of_node: nodes host several clients; use federation.partition_of_node")
-        return self.federation.partition_of_node
-
     @property
     def discovery_seconds(self) -> float | None:
         """Wall seconds spent waiting for the SuperNodes and learning their partition ids."""

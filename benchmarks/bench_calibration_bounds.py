@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time and peak memory of the privacy plan at the corners of the allowed ranges, and of the refusals (issue 29).
 
-Each case builds the run's privacy plan (``dpfedavg.server.run.plan_for``: calibration or the nominal epsilon)
+Each case builds the run's privacy plan (``PrivacySetup.resolve(cfg).plan``: calibration or the nominal epsilon)
 in a fresh process and reports the wall seconds and the process's peak RSS; a case outside what the code can
 honour must end in one ConfigError (the outcome column says which). The allowed ranges are the ``RunConfig``
 fields' (num-rounds <= 1e5, epsilon 0 or [0.01, 100], delta [1e-12, 0.1], q = r/n >= 1e-6, z <= 1e6).
@@ -20,11 +20,11 @@ import time
 _CHILD = """
 import json, resource, sys, time
 from dpfedavg.config import ConfigError, RunConfig
-from dpfedavg.server.run import plan_for
+from dpfedavg.privacy.setup import PrivacySetup
 values = json.loads(sys.argv[1])
 t0 = time.perf_counter()
 try:
-    plan = plan_for(RunConfig.from_run_config(values))
+    plan = PrivacySetup.resolve(RunConfig.from_run_config(values)).plan
     outcome = f"z = {plan.noise_multiplier:.4g}, epsilon = {plan.nominal_epsilon:.4g}"
 except ConfigError as err:
     outcome = "ConfigError: " + str(err)[:90]

@@ -34,7 +34,7 @@ except _metadata.PackageNotFoundError:  # imported from a source folder that was
 _LAZY: dict[str, str] = {
     "run": "dpfedavg.api",
     "load_run": "dpfedavg.api",
-    "RunResult": "dpfedavg.server.session",
+    "RunResult": "dpfedavg.io.results",
     "Task": "dpfedavg.tasks.base",
     "TorchTask": "dpfedavg.tasks.torch_task",
     "ArrayClients": "dpfedavg.tasks.torch_task",
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from dpfedavg.flower.testing import InProcessGrid
     from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
     from dpfedavg.server.health import TrainingStopped
-    from dpfedavg.server.session import RunResult
+    from dpfedavg.io.results import RunResult
     from dpfedavg.tasks.base import Task
     from dpfedavg.tasks.torch_task import ArrayClients, TorchTask
 

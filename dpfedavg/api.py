@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from dpfedavg.config import RunConfig
-from dpfedavg.server.session import RunResult
+from dpfedavg.io.results import RunResult
 from dpfedavg.tasks.base import Task
 
 __all__ = ["load_run", "run"]

@@ -158,9 +158,9 @@ def check(
 
         summary += f", task built (dim {build_task(cfg).dim})"
     if plan:
-        from dpfedavg.server.run import plan_for
+        from dpfedavg.privacy.setup import PrivacySetup
 
-        found = plan_for(cfg)
+        found = PrivacySetup.resolve(cfg).plan
         epsilon = f"({found.nominal_epsilon:.4g}, {found.delta:g})"
         summary += f", z = {found.noise_multiplier:.4g}, (epsilon, delta) = {epsilon}"
     elif cfg.epsilon > 0:

@@ -8,7 +8,7 @@ import pytest
 
 from dpfedavg import ConfigError, RunConfig, calibrate_noise_multiplier, epsilon_for
 from dpfedavg.privacy.accountants import ACCOUNTANTS, RoundEvent, create_accountant
-from dpfedavg.server.run import plan_for
+from dpfedavg.privacy.setup import PrivacySetup
 
 
 @pytest.mark.parametrize(
@@ -94,9 +94,9 @@ def test_bad_privacy_parameters() -> None:
     with pytest.raises(ValueError, match="epsilon must be > 0"):
         calibrate_noise_multiplier(0.0, 1e-5, 0.1, 10, "pld")
     with pytest.raises(ConfigError, match="exceeded by the first round"):
-        plan_for(RunConfig(epsilon=0.0, noise_multiplier=0.5, num_rounds=50, max_epsilon=0.1))
+        PrivacySetup.resolve(RunConfig(epsilon=0.0, noise_multiplier=0.5, num_rounds=50, max_epsilon=0.1)).plan
     with pytest.raises(ConfigError, match="adds no noise"):
-        plan_for(RunConfig(algorithm="none", max_epsilon=3.0))
+        PrivacySetup.resolve(RunConfig(algorithm="none", max_epsilon=3.0)).plan
 
 
 def test_private_tunings_selection_accountant_follows_the_same_protocol() -> None:

@@ -30,9 +30,9 @@ from dpfedavg.flower import server_app
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.io.checkpoint import load_checkpoint
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.round import RoundReplies
-from dpfedavg.server.run import plan_for
 
 
 def _cfg(**overrides) -> RunConfig:
@@ -191,7 +191,8 @@ def test_config_keys_defaults_and_errors() -> None:
                                      "noise-multiplier": 1.0})  # fmt: skip
     assert (cfg.target_quantile, cfg.clip_lr, cfg.clip_count_stddev) == (0.5, 0.2, None)
     assert cfg.to_run_config()["clip-count-stddev"] == "auto"
-    assert plan_for(cfg).count_stddev == 5.0  # auto: r/20 = 5 > z/2, and above the sigma_b of z_u = 1.1 z (1.2)
+    # auto: r/20 = 5 > z/2, and above the sigma_b of z_u = 1.1 z (1.2)
+    assert PrivacySetup.resolve(cfg).plan.count_stddev == 5.0
     for bad, fragment in (({"target-quantile": 1.5}, "'target-quantile' = 1.5"), ({"clip-lr": -0.1}, "'clip-lr'"),
                           ({"clip-count-stddev": 0.0}, "'clip-count-stddev' = 0.0")):  # fmt: skip
         with pytest.raises(ConfigError, match=fragment):
@@ -201,7 +202,7 @@ def test_config_keys_defaults_and_errors() -> None:
 def test_count_noise_too_small_for_the_split_is_one_clear_error() -> None:
     fixed = _cfg(**{"noise-multiplier": 3.0, "clip-count-stddev": 1.5})
     with pytest.raises(ConfigError) as err:
-        plan_for(fixed)
+        PrivacySetup.resolve(fixed).plan
     text = str(err.value)
     assert "'clip-count-stddev' = 1.5" in text and "'adaptive-clip'" in text and "clip-count-stddev > 1.5" in text
     # with noise-multiplier auto, z is calibrated first; sigma_b = 1 is too small here
@@ -211,7 +212,7 @@ def test_count_noise_too_small_for_the_split_is_one_clear_error() -> None:
     with pytest.raises(
         ConfigError, match=r"'clip-count-stddev' = 1 .*calibrated for epsilon = 5.*clip-count-stddev > 1\.3"
     ):
-        plan_for(auto)
+        PrivacySetup.resolve(auto).plan
     with pytest.raises(ConfigError, match="clip-count-stddev"):
         run_batched(auto)  # before any task or output is built
 
@@ -291,14 +292,15 @@ def test_auto_count_noise_is_valid_at_any_noise_and_costs_the_update_at_most_ten
             clients_per_round=r,
             accountant="rdp",
         )  # fmt: skip  (PLD refuses z = 0.5 at q = 1, K = 200)
-        sigma_b = plan_for(cfg).count_stddev
+        sigma_b = PrivacySetup.resolve(cfg).plan.count_stddev
         assert sigma_b == pytest.approx(max(r / 20, z / (2 * math.sqrt(1 - 1 / 1.1**2))), rel=1e-12)
         z_u = (z**-2 - (2 * sigma_b) ** -2) ** -0.5  # Andrew et al. 2021, Theorem 1, written out here
         assert z < z_u <= 1.1 * z * (1 + 1e-12)
     # the case: digits, adaptive-clip, epsilon 5 with the default auto is a valid run (it was refused)
     digits = RunConfig(task="digits", algorithm="adaptive-clip", epsilon=5.0, num_clients=100, clients_per_round=20.0,
                        delta=1e-5)  # fmt: skip
-    assert plan_for(digits).count_stddev > plan_for(digits).noise_multiplier / 2
+    plan = PrivacySetup.resolve(digits).plan
+    assert plan.count_stddev > plan.noise_multiplier / 2
 
 
 def test_the_quickstart_adaptive_clip_line_trains_the_digits(tmp_path: Path) -> None:

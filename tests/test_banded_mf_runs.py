@@ -26,7 +26,6 @@ from dpfedavg.flower.protocol import CLIENT_IDS, CONFIG, to_array_record
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.io.checkpoint import load_checkpoint
 from dpfedavg.privacy.setup import PrivacySetup
-from dpfedavg.server.run import plan_for
 
 BANDED = {"noise-mechanism": "banded-mf", "noise-placement": "server"}
 
@@ -210,7 +209,7 @@ def test_every_round_releases_correlated_noise_even_when_nobody_replies(tmp_path
     result = server_app.run(InProcessGrid(silent_group_one, 12, cfg.to_run_config()), cfg)
     rows = result.history[1:]
     assert [int(r["num_received"]) for r in rows] == [0 if k % 4 == 1 else 3 for k in range(10)]
-    assert result.epsilon == pytest.approx(plan_for(cfg).nominal_epsilon, rel=1e-12)
+    assert result.epsilon == pytest.approx(PrivacySetup.resolve(cfg).plan.nominal_epsilon, rel=1e-12)
     moved = np.diff(_trajectory(result.directory), axis=0)
     assert np.all(np.linalg.norm(moved[1::4], axis=1) > 0)  # an empty round still moves the model (noise)
 

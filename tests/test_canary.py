@@ -436,15 +436,15 @@ def test_flower_engine_refuses_canaries_before_any_start_up(tmp_path):
 
 
 def test_canaries_leave_q_z_and_epsilon_unchanged(tmp_path):
-    from dpfedavg.privacy.setup import FederationSize
-    from dpfedavg.server.run import plan_for
+    from dpfedavg.privacy.setup import FederationSize, PrivacySetup
 
     cfg = _run_cfg(tmp_path, num_clients=100, clients_per_round=10.0)
     n, r = FederationSize(cfg.num_clients, cfg.clients_per_round, 37).sampled
     fed = cfg.replace(num_clients=n, clients_per_round=r)
     assert (fed.num_clients, fed.clients_per_round) == (137, pytest.approx(13.7))
     assert fed.sampling_rate == pytest.approx(cfg.sampling_rate, rel=1e-15)
-    assert plan_for(fed).noise_multiplier == pytest.approx(plan_for(cfg).noise_multiplier, rel=1e-9)
+    z_fed, z_cfg = PrivacySetup.resolve(fed).plan.noise_multiplier, PrivacySetup.resolve(cfg).plan.noise_multiplier
+    assert z_fed == pytest.approx(z_cfg, rel=1e-9)
 
 
 def test_flower_engine_inserts_the_same_canaries_as_the_batched_engine(tmp_path):

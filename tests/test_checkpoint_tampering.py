@@ -19,7 +19,7 @@ from dpfedavg import epsilon_for
 from dpfedavg.config import RunConfig
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.io.checkpoint import CHECKPOINT_FILE, CheckpointError
-from dpfedavg.server.run import plan_for
+from dpfedavg.privacy.setup import PrivacySetup
 
 BASE = {
     "task": "quadratic",
@@ -132,7 +132,7 @@ def test_resumed_epsilon_is_what_the_rounds_cost(tmp_path: Path) -> None:
     """An untouched checkpoint resumes; the final epsilon equals a fresh accountant's for 10 rounds of (q, z)."""
     cfg = _interrupted(tmp_path)
     result = run_batched(cfg)
-    plan = plan_for(cfg)
+    plan = PrivacySetup.resolve(cfg).plan
     assert result.epsilon == pytest.approx(epsilon_for(plan.noise_multiplier, plan.q, 10, plan.delta, "pld"), rel=1e-12)
 
 

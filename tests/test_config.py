@@ -38,10 +38,10 @@ def test_every_pyproject_key_has_a_comment_naming_its_meaning() -> None:
 def test_default_run_is_calibrated_to_epsilon_5_delta_1e6() -> None:
     """The default run: z calibrated by PLD for (5, 1e-6) over K = 200 rounds at q = 1."""
     from dpfedavg import epsilon_for
-    from dpfedavg.server.run import plan_for
+    from dpfedavg.privacy.setup import PrivacySetup
 
     cfg = RunConfig()
-    plan = plan_for(cfg)
+    plan = PrivacySetup.resolve(cfg).plan
     assert plan.calibrated and (plan.target_epsilon, plan.delta, plan.accountant) == (5.0, 1e-6, "pld")
     assert plan.nominal_epsilon <= 5.0
     assert epsilon_for(plan.noise_multiplier * 0.99, 1.0, cfg.num_rounds, 1e-6, "pld") > 5.0

@@ -21,11 +21,11 @@ from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.flower import server_app
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.testing import InProcessGrid
-from dpfedavg.server.run import plan_for
+from dpfedavg.privacy.setup import PrivacySetup
 
 
 def _plan(values: dict):
-    return plan_for(RunConfig.from_run_config(values))
+    return PrivacySetup.resolve(RunConfig.from_run_config(values)).plan
 
 
 @pytest.mark.timeout(60)

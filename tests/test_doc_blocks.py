@@ -148,7 +148,7 @@ def _validate_run_config(text: str, where: str):
     from flwr.common.config import parse_config_args
 
     from dpfedavg.config import ConfigError, RunConfig
-    from dpfedavg.server.run import plan_for
+    from dpfedavg.privacy.setup import PrivacySetup
     from dpfedavg.tasks import resolve_task
 
     overrides = parse_config_args([text])
@@ -156,7 +156,7 @@ def _validate_run_config(text: str, where: str):
         cfg = RunConfig.from_run_config(overrides)
         if ":" not in cfg.task:  # a registered task (a user's module:factory lives on the reader's machine)
             resolve_task(cfg.task)
-        plan_for(cfg)
+        PrivacySetup.resolve(cfg).plan
     except ConfigError as err:
         raise AssertionError(f"{where}: --run-config {text!r} is invalid: {err}") from None
     return cfg

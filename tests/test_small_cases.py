@@ -32,7 +32,6 @@ from dpfedavg.flower import server_app
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.privacy.setup import PrivacySetup
-from dpfedavg.server.run import plan_for
 from dpfedavg.tasks import build_task, resolve_task
 
 QUADRATIC = {"task": "quadratic", "dim": 20, "num-clients": 6, "clients-per-round": 3.0, "num-rounds": 2,
@@ -108,7 +107,7 @@ def test_noise_multiplier_minus_zero_is_refused() -> None:
     message = str(info.value)
     assert "'noise-multiplier' = -0.0" in message and "-0.0 too, is refused" in message and "0 (explicitly" in message
     # 0 spelled 0 is the explicit opt-out: no noise, and the plan says so
-    assert not plan_for(RunConfig(epsilon=0.0, noise_multiplier=0.0)).dp
+    assert not PrivacySetup.resolve(RunConfig(epsilon=0.0, noise_multiplier=0.0)).plan.dp
 
 
 def test_noise_multiplier_minus_zero_from_the_run_config_is_refused() -> None:
@@ -128,8 +127,8 @@ def test_epsilon_zero_with_auto_noise_is_refused_saying_how_to_get_privacy(algor
 
 
 def test_training_without_dp_is_still_possible_when_asked_for_explicitly() -> None:
-    assert not plan_for(RunConfig(epsilon=0.0, algorithm="none")).dp
-    assert not plan_for(RunConfig(epsilon=0.0, noise_multiplier=0.0)).dp
+    assert not PrivacySetup.resolve(RunConfig(epsilon=0.0, algorithm="none")).plan.dp
+    assert not PrivacySetup.resolve(RunConfig(epsilon=0.0, noise_multiplier=0.0)).plan.dp
     assert RunConfig(epsilon=0.0, noise_multiplier=1.0).noise_multiplier == 1.0  # a fixed z, its epsilon reported
 
 

@@ -12,7 +12,8 @@ from dpfedavg.privacy.canary import CanaryAudit, CanaryScores, CanarySet
 
 if TYPE_CHECKING:
     from dpfedavg.server.round import RoundRecord
-    from dpfedavg.server.session import RunResult, RunSession
+    from dpfedavg.io.results import RunResult
+    from dpfedavg.server.session import RunSession
 
 __all__ = ["AuditedSession", "canary_scores", "finish_audited", "log_interim_audit"]
 
@@ -68,7 +69,7 @@ def log_interim_audit(session: RunSession, scores: CanaryScores, server_round: i
     if not every or server_round % every or server_round >= session.cfg.num_rounds:
         return
     audit = CanaryAudit.of(scores, delta=session.server.plan.delta)
-    from dpfedavg.server.session import audit_text
+    from dpfedavg.privacy.guarantee import audit_text
 
     logger.info("Round %d: canary audit so far: %s", server_round, audit_text(audit.summary()))
 

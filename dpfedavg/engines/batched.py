@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # the server side is imported by run_batched: a ClientApp tha
     from dpfedavg.engines.audit import AuditedSession
     from dpfedavg.privacy.canary import CanarySet
     from dpfedavg.privacy.setup import PrivacySetup
-    from dpfedavg.server.session import RunResult, RunSession
+    from dpfedavg.io.results import RunResult
+    from dpfedavg.server.session import RunSession
 
 __all__ = ["run_batched", "recording", "client_results", "device_client_results", "device_round_sums", "runs_on_device"]
 

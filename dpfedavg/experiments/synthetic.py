@@ -359,14 +359,14 @@ def run_synthetic(
     ``options`` (`dpfedavg.experiments.sweep.RunOptions`) say how the cells run: as batches
     (`dpfedavg.engines.batched_runs`) of at most ``max_batch_memory`` bytes by default.
     """
-    from dpfedavg.server.run import plan_for
+    from dpfedavg.privacy.setup import PrivacySetup
 
     split_run_options(options)  # a key that is no run option fails here, before anything runs
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cells = synthetic_cells(out, clips=clips, inits=inits, etas=etas, seeds=seeds, rounds=rounds, algorithms=algorithms)
     run_cells(cells, desc="synthetic", **options)
-    z = plan_for(cells[0].cfg).noise_multiplier
+    z = PrivacySetup.resolve(cells[0].cfg).plan.noise_multiplier
     rows = collect(cells, out / "synthetic.csv")
     snr_eta = snr_eta if snr_eta is not None else sorted(etas)[len(etas) // 2]
     figures = plot(rows, cells, out, z, snr_eta)

@@ -11,6 +11,7 @@ import os
 import platform
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +26,7 @@ from dpfedavg.io.metrics import MetricsRow
 __all__ = [
     "RESULT_FILES",
     "RunRecorder",
+    "RunResult",
     "check_output_dir",
     "complete_rows",
     "package_versions",
@@ -36,6 +38,53 @@ __all__ = [
 RESULT_FILES = ("metrics.csv", "config.json", "model.npz", "checkpoint.npz", "metrics.png", "trajectory.npy")
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished run returns (its files are in `directory`).
+
+    Attributes
+    ----------
+    weights:
+        ``w_K``, the last model (flat, float64), as in ``model.npz`` ``w_final``.
+    random_iterate:
+        ``w_{k~}`` (Alg. 1 line 13), the iterate the paper's guarantee is about, and its round.
+    epsilon, delta:
+        The ``(epsilon, delta)`` the run spent (``inf`` without DP).
+    guarantee:
+        ``"dp"``, ``"seeded"`` or ``"none"`` (``config.json`` ``privacy.guarantee`` explains it).
+    history:
+        ``metrics.csv`` as a list of rows (round 0 first): column -> value, NaN where empty.
+    directory:
+        The run directory: ``metrics.csv``, ``config.json``, ``model.npz``, ``metrics.png``.
+    """
+
+    weights: np.ndarray
+    random_iterate: np.ndarray
+    random_round: int
+    epsilon: float
+    delta: float
+    guarantee: str
+    history: list[dict[str, float]]
+    directory: Path
+    stopped_by_budget_before_round: int | None = None
+    #: ``canary-clients > 0``: the run's empirical epsilons beside the accountant's (``config.json`` ``final.audit``;
+    #: ``dpfedavg.privacy.canary.CanaryAudit``); ``None`` otherwise.
+    audit: dict[str, Any] | None = None
+
+    def load_into(self, module: Any, *, iterate: str = "final") -> Any:
+        """Copy the run's model into a ``torch.nn.Module`` of the architecture it trained; returns the module.
+
+        ``iterate``: ``"final"`` (``w_K``, ``weights``) or ``"random"`` (``w_{k~}``, Alg. 1 line 13). The flat
+        vector's layout is `TorchTask`'s (see `dpfedavg.tasks.torch_task.load_weights`).
+        """
+        from dpfedavg.tasks.torch_task import load_weights
+
+        choices = {"final": self.weights, "random": self.random_iterate}
+        if iterate not in choices:
+            raise ValueError(f"iterate = {iterate!r}: allowed values are 'final' (w_K) and 'random' (w_k~)")
+        return load_weights(module, choices[iterate])
 
 
 @lru_cache(maxsize=1)

@@ -16,6 +16,8 @@ from dpfedavg.privacy.plan import PrivacyPlan
 
 __all__ = [
     "NON_PRIVATE_TRAIN_COLUMNS",
+    "audit_clause",
+    "audit_text",
     "describe_adaptive_clipping",
     "describe_privacy",
     "guarantee",
@@ -143,3 +145,28 @@ def describe_adaptive_clipping(
         ),
         "sensitivity_of_sum": "C_k (metrics.csv clip), changing every round",
     }
+
+
+def audit_text(audit: dict[str, Any]) -> str:
+    """The canary audit's numbers in words: each estimate with its band, then the one-run lower bound."""
+
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3g}"
+
+    def estimate(key: str) -> str:
+        band = audit.get(f"{key}_band") or [None, None]
+        inside = "" if None in band else f" [{fmt(band[0])}, {fmt(band[1])}]"
+        return f"{fmt(audit.get(key))}{inside}"
+
+    return (
+        f"estimated epsilon {estimate('epsilon_all_iterates')} (all iterates), {estimate('epsilon_final')} (final "
+        f"model), {estimate('epsilon_max_cosine')} (largest one-round cosine), one-run lower bound "
+        f"{fmt(audit['epsilon_lower_bound'])} at {audit['confidence']:.0%} confidence"
+    )
+
+
+def audit_clause(audit: dict[str, Any] | None) -> str:
+    """The canary audit's part of the last log line ("" without canaries)."""
+    if audit is None:
+        return ""
+    return f"; canary audit ({audit['inserted']} of {audit['canaries']} canaries inserted): {audit_text(audit)}"

@@ -17,7 +17,6 @@ from dpfedavg.config import RunConfig
 from dpfedavg.core.types import Vector
 from dpfedavg.errors import ConfigError
 from dpfedavg.io.results import check_output_dir
-from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.session import RunSession, check_run_directory
@@ -26,7 +25,7 @@ from dpfedavg.tasks import Task, build_task, resolve_task
 if TYPE_CHECKING:  # scipy.stats is imported only by runs with canaries
     from dpfedavg.privacy.canary import CanarySet
 
-__all__ = ["PreparedRun", "plan_for", "prepare_run"]
+__all__ = ["PreparedRun", "prepare_run"]
 
 
 @dataclass
@@ -41,14 +40,6 @@ class PreparedRun:
     first_round: int
     #: ``canary-clients > 0``: the canaries; the inserted ones are clients ``n .. n + inserted - 1`` of the server.
     canaries: CanarySet | None = None
-
-
-def plan_for(cfg: RunConfig) -> PrivacyPlan:
-    """The privacy plan of ``cfg`` (``z`` calibrated or given, the budget checked): its `PrivacySetup`'s.
-
-    For scripts and tests that want ``z`` or epsilon alone; a run resolves its set-up once and passes it on.
-    """
-    return PrivacySetup.resolve(cfg).plan
 
 
 def prepare_run(

@@ -15,7 +15,6 @@ import math
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,14 +36,14 @@ from dpfedavg.io.checkpoint import (
     save_checkpoint,
 )
 from dpfedavg.io.metrics import RoundStats
-from dpfedavg.io.results import RESULT_FILES, RunRecorder, complete_rows, package_versions, read_metrics
-from dpfedavg.privacy.guarantee import released_metric_names
+from dpfedavg.io.results import RESULT_FILES, RunRecorder, RunResult, complete_rows, package_versions, read_metrics
+from dpfedavg.privacy.guarantee import audit_clause, released_metric_names
 from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.releases import RELEASES_FILE, ReleaseLog, charges_redone_rounds
 from dpfedavg.server.round import RoundRecord
 from dpfedavg.tasks import Task, task_hooks
 
-__all__ = ["RunResult", "RunSession", "check_run_directory", "run_directory"]
+__all__ = ["RunSession", "check_run_directory", "run_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,53 +97,6 @@ def _claim(cfg: RunConfig, run_id: int | str) -> Path:
         if candidate != directory:
             logger.warning("%s exists (another run started in the same second): writing to %s", directory, candidate)
         return candidate
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What a finished run returns (its files are in `directory`).
-
-    Attributes
-    ----------
-    weights:
-        ``w_K``, the last model (flat, float64), as in ``model.npz`` ``w_final``.
-    random_iterate:
-        ``w_{k~}`` (Alg. 1 line 13), the iterate the paper's guarantee is about, and its round.
-    epsilon, delta:
-        The ``(epsilon, delta)`` the run spent (``inf`` without DP).
-    guarantee:
-        ``"dp"``, ``"seeded"`` or ``"none"`` (``config.json`` ``privacy.guarantee`` explains it).
-    history:
-        ``metrics.csv`` as a list of rows (round 0 first): column -> value, NaN where empty.
-    directory:
-        The run directory: ``metrics.csv``, ``config.json``, ``model.npz``, ``metrics.png``.
-    """
-
-    weights: np.ndarray
-    random_iterate: np.ndarray
-    random_round: int
-    epsilon: float
-    delta: float
-    guarantee: str
-    history: list[dict[str, float]]
-    directory: Path
-    stopped_by_budget_before_round: int | None = None
-    #: ``canary-clients > 0``: the run's empirical epsilons beside the accountant's (``config.json`` ``final.audit``;
-    #: ``dpfedavg.privacy.canary.CanaryAudit``); ``None`` otherwise.
-    audit: dict[str, Any] | None = None
-
-    def load_into(self, module: Any, *, iterate: str = "final") -> Any:
-        """Copy the run's model into a ``torch.nn.Module`` of the architecture it trained; returns the module.
-
-        ``iterate``: ``"final"`` (``w_K``, ``weights``) or ``"random"`` (``w_{k~}``, Alg. 1 line 13). The flat
-        vector's layout is `TorchTask`'s (see `dpfedavg.tasks.torch_task.load_weights`).
-        """
-        from dpfedavg.tasks.torch_task import load_weights
-
-        choices = {"final": self.weights, "random": self.random_iterate}
-        if iterate not in choices:
-            raise ValueError(f"iterate = {iterate!r}: allowed values are 'final' (w_K) and 'random' (w_k~)")
-        return load_weights(module, choices[iterate])
 
 
 class RunServer(Protocol):
@@ -578,7 +530,7 @@ class RunSession:
             epsilon,
             self.plan.delta,
             label,
-            _audit_text(self.audit),
+            audit_clause(self.audit),
             self.recorder.metrics_path,
             self.recorder.model_path,
         )
@@ -595,27 +547,3 @@ class RunSession:
             audit=self.audit,
         )
 
-
-def audit_text(audit: dict[str, Any]) -> str:
-    """The canary audit's numbers in words: each estimate with its band, then the one-run lower bound."""
-
-    def fmt(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.3g}"
-
-    def estimate(key: str) -> str:
-        band = audit.get(f"{key}_band") or [None, None]
-        inside = "" if None in band else f" [{fmt(band[0])}, {fmt(band[1])}]"
-        return f"{fmt(audit.get(key))}{inside}"
-
-    return (
-        f"estimated epsilon {estimate('epsilon_all_iterates')} (all iterates), {estimate('epsilon_final')} (final "
-        f"model), {estimate('epsilon_max_cosine')} (largest one-round cosine), one-run lower bound "
-        f"{fmt(audit['epsilon_lower_bound'])} at {audit['confidence']:.0%} confidence"
-    )
-
-
-def _audit_text(audit: dict[str, Any] | None) -> str:
-    """The canary audit's part of the last log line ("" without canaries)."""
-    if audit is None:
-        return ""
-    return f"; canary audit ({audit['inserted']} of {audit['canaries']} canaries inserted): {audit_text(audit)}"

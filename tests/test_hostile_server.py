@@ -96,7 +96,7 @@ def test_honest_round_under_a_policy_is_answered_with_the_clients_own_noise_shar
     (reply,) = grid.send_and_receive([Message(content, dst_node_id=node, message_type="train")])
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
     noise = reply.content[ARRAYS][UPDATE_KEY].numpy() - reply.content[DIAGNOSTICS]["clean-update"].numpy()
-    own = server.noise_multiplier * cfg.clip / np.sqrt(4)
+    own = server.plan.noise_multiplier * cfg.clip / np.sqrt(4)
     assert abs(noise.std() / own - 1) < 0.05  # 4000 draws: the sample std is within ~2.2% (2 sigma)
 
 
@@ -113,7 +113,7 @@ def test_server_lying_about_z_in_a_calibrated_run_is_refused() -> None:
     """z = z_plan / 10 with a matching noise-std: the client's own check of epsilon(z, q, K, delta) <= target fails."""
     cfg = _cfg()
     honest = _honest(cfg)
-    z = DPServer(cfg, DIM).noise_multiplier
+    z = DPServer(cfg, DIM).plan.noise_multiplier
     low = dataclasses.replace(honest, noise_std=honest.noise_std / 10, **_z_field(z / 10))
     _refused(_send(_grid(cfg), low), "epsilon")
 

@@ -80,14 +80,14 @@ def test_reused_run_name_without_resume_is_refused_and_nothing_is_touched(tmp_pa
 
 def test_default_run_names_never_collide(tmp_path: Path, monkeypatch) -> None:
     """Two runs named <task>-<algorithm>-<UTC second>-<run id> in the same second: the second gets '-2'."""
-    import dpfedavg.server.session as session
+    import dpfedavg.io.results as results
 
     class Frozen(datetime):
         @classmethod
         def now(cls, tz=None):  # noqa: ANN001, ANN206 - datetime's signature
             return datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
 
-    monkeypatch.setattr(session, "datetime", Frozen)
+    monkeypatch.setattr(results, "datetime", Frozen)  # the default run name (run_directory)
     a = run_batched(_cfg(tmp_path, **{"run-name": "", "checkpoint-every": 0})).directory
     b = run_batched(_cfg(tmp_path, **{"run-name": "", "checkpoint-every": 0, "seed": 12})).directory
     assert a != b and b.name == a.name + "-2"

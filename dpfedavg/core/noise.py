@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
-
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -57,22 +55,12 @@ class NoiseLaw(Protocol):
     def add(self, g: Vector, clip: float, noise_std: float, rng: np.random.Generator) -> Vector:
         """``g + zeta`` (Alg. 1 line 10) with ``zeta`` of per-coordinate std ``noise_std`` drawn from ``rng``."""
 
-    def privacy_terms(
-        self,
-        *,
-        clip: float,
-        noise_multiplier: float,
-        std_at_n: float,
-        clip_stds: float,
-        bits: int,
-        modulus_bits: int,
-        num_clients: int,
-        dim: int,
-        rounds: int,
-        epsilon: float,
-        delta: float,
-    ) -> SecAggPrivacyTerms:
-        """How the released sum departs from the Gaussian mechanism the accountant charges (zero for ``gaussian``)."""
+    def privacy_terms(self, *, delta: float, **terms: Any) -> SecAggPrivacyTerms:
+        """How the released sum departs from the Gaussian mechanism the accountant charges (zero for ``gaussian``).
+
+        The keywords are `dpfedavg.core.secagg.privacy_terms()`'s (the run's ``C``, ``z``, the grid's settings,
+        ``n``, ``d``, ``K``, ``(epsilon, delta)``).
+        """
 
 
 def add_gaussian(
@@ -115,7 +103,7 @@ class GaussianLaw:
     def add(self, g: Vector, clip: float, noise_std: float, rng: np.random.Generator) -> Vector:
         return add_gaussian(g, noise_std, rng=rng)
 
-    def privacy_terms(self, *, delta: float, **_: object) -> SecAggPrivacyTerms:
+    def privacy_terms(self, *, delta: float, **terms: Any) -> SecAggPrivacyTerms:
         return SecAggPrivacyTerms(tau=0.0, tau_slack=0.0, clip_probability=0.0, delta_including_clipping=delta)
 
 
@@ -138,8 +126,8 @@ class DiscreteGaussianLaw:
             logger.warning("%d coordinates of g + zeta fell outside the secure-aggregation range: clipped", clipped)
         return noisy
 
-    def privacy_terms(self, **kwargs: object) -> SecAggPrivacyTerms:
-        return privacy_terms(**kwargs)  # type: ignore[arg-type]
+    def privacy_terms(self, *, delta: float, **terms: Any) -> SecAggPrivacyTerms:
+        return privacy_terms(delta=delta, **terms)
 
 
 #: name -> the law (a run's law is chosen by `noise_law()`).

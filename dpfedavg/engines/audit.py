@@ -24,7 +24,7 @@ def canary_scores(session: RunSession, canaries: CanarySet, w0: Vector) -> Canar
     """The run's running canary scores, their all-iterates likelihood ratio at the run's ``q`` and the noise
     multiplier of the updates (``z``; with ``adaptive-clip`` the update's ``z_u``, the count's share taken out)."""
     server = session.server
-    z = server.adaptive.update_noise_multiplier if server.adaptive is not None else server.noise_multiplier
+    z = server.adaptive.update_noise_multiplier if server.adaptive is not None else server.plan.noise_multiplier
     return CanaryScores(canaries, w0, sampling_rate=session.cfg.sampling_rate, noise_multiplier=z)
 
 

@@ -164,15 +164,13 @@ class _PeakRss:
 
 
 def loop_client_results(
-    task: Task,
-    clients: np.ndarray,
-    w: Vector,
-    ins: RoundInstructions,
-    block: int | None = None,
-    failed: list[int] | None = None,
-    threads: int = 1,
+    task: Task, clients: np.ndarray, w: Vector, ins: RoundInstructions, **_: object
 ) -> Iterator[ClientResult]:
-    """Alg. 1 / 2 lines 4-10, one client at a time, exactly as the ClientApp computes it (no batching, one thread)."""
+    """Alg. 1 / 2 lines 4-10, one client at a time, exactly as the ClientApp computes it (no batching, one thread).
+
+    A ``client_results_fn`` of `dpfedavg.engines.batched.run_batched()`: its ``block``, ``failed`` and ``threads``
+    keywords do not apply here.
+    """
     cache = task.__dict__.setdefault("_loop_grad_fns", {})
     for client_id in clients:
         cid = int(client_id)

@@ -41,6 +41,7 @@ from dpfedavg.config import OPTIONS, ConfigError, RunConfig
 from dpfedavg.core.dp import get_bound
 from dpfedavg.io.atomic import atomic_open
 from dpfedavg.io.metrics import RoundStats
+from dpfedavg.io.results import complete_rows
 from dpfedavg.privacy.accountants import RoundEvent
 from dpfedavg.privacy.plan import PrivacyPlan
 
@@ -50,6 +51,7 @@ __all__ = [
     "CheckpointError",
     "ServerState",
     "check_compatible",
+    "check_resumable",
     "load_checkpoint",
     "nominal_accountant_state",
     "privacy_signature",
@@ -422,6 +424,35 @@ def _state_errors(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: int)
     if cfg.save_trajectory and ckpt.trajectory is None:
         problems.append("'trajectory' is missing but save-trajectory = true")
     return problems
+
+
+def check_resumable(directory: Path, ckpt: Checkpoint, columns: tuple[str, ...], num_rounds: int) -> int:
+    """``directory``'s metrics.csv must hold the rows of rounds 0..k (the checkpoint's round); a finished run has
+    nothing to do (`CheckpointError` otherwise).
+
+    Returns the number of rows after round k (rounds that ran after the checkpoint, to be redone).
+    """
+    path = directory / "metrics.csv"
+    rows = complete_rows(path) if path.exists() else []
+    rounds = [int(float(row[0])) for row in rows[1:]] if rows and tuple(rows[0]) == columns else []
+    if rounds[: ckpt.round + 1] != list(range(ckpt.round + 1)):
+        have = f"rounds {rounds[0]}..{rounds[-1]}" if rounds else "no rows of this run's columns"
+        raise CheckpointError(
+            f"cannot resume: the checkpoint's 'round' = {ckpt.round} disagrees with {path}, which holds {have}: "
+            f"rounds 0..{ckpt.round} must all be there (a checkpoint is written after its round's row)"
+        )
+    if ckpt.round == num_rounds:
+        config = directory / "config.json"
+        try:
+            finished = "final" in json.loads(config.read_text())
+        except (OSError, ValueError):
+            finished = False
+        if finished:
+            raise CheckpointError(
+                f"cannot resume from the checkpoint: it is after round {ckpt.round}, num-rounds = "
+                f"{num_rounds} and {config} holds the finished run: nothing to do"
+            )
+    return len(rounds) - (ckpt.round + 1)
 
 
 def check_compatible(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: int) -> None:

@@ -9,13 +9,15 @@ import logging
 import math
 import os
 import platform
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,14 +25,19 @@ from dpfedavg.errors import ConfigError
 from dpfedavg.io.atomic import append_bytes, atomic_write_bytes
 from dpfedavg.io.metrics import MetricsRow
 
+if TYPE_CHECKING:
+    from dpfedavg.config import RunConfig
+
 __all__ = [
     "RESULT_FILES",
     "RunRecorder",
     "RunResult",
     "check_output_dir",
+    "check_run_directory",
     "complete_rows",
     "package_versions",
     "read_metrics",
+    "run_directory",
     "write_config_json",
 ]
 
@@ -135,6 +142,37 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     return [
         MetricsRow((k, float(v) if v != "" else math.nan) for k, v in zip(header, row, strict=True)) for row in rows
     ]
+
+
+def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
+    """``<output-dir>/<run-name>``; the default name is ``<task>-<algorithm>-<UTC time>-<run id>``."""
+    task = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.task.rsplit("/", 1)[-1])  # a user's "/path/mytask.py:make_task"
+    name = cfg.run_name or f"{task}-{cfg.algorithm}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{run_id}"
+    return Path(cfg.output_dir).expanduser().resolve() / name
+
+
+def _results_in(directory: Path) -> list[str]:
+    """The run files ``directory`` holds (none if it does not exist)."""
+    return [name for name in RESULT_FILES if (directory / name).exists()]
+
+
+def check_run_directory(cfg: RunConfig) -> None:
+    """A named run never overwrites another run's results: `ConfigError` before anything starts.
+
+    ``run-name`` names a folder that already holds a run's files (``metrics.csv``, ``config.json``, ...) and
+    ``resume`` is false: refused, naming the folder (continue it with ``resume=true``, or pick a new name). A
+    default, timestamped name never collides: `dpfedavg.server.session.RunSession` appends ``-2``, ``-3``, ... instead.
+    """
+    if not cfg.run_name or cfg.resume:
+        return
+    directory = Path(cfg.output_dir).expanduser().resolve() / cfg.run_name
+    found = _results_in(directory)
+    if found:
+        raise ConfigError(
+            f"invalid run config: 'run-name' = {cfg.run_name!r}: {directory} holds the results of an earlier run "
+            f"({', '.join(found)}) and a run never overwrites another; pass resume=true to continue that run from "
+            "its checkpoint, or choose a new run-name"
+        )
 
 
 def check_output_dir(output_dir: str, run_name: str = "") -> None:

@@ -97,6 +97,7 @@ from dpfedavg.privacy.accountants import PldAccountant, accountant_class
 from dpfedavg.privacy.calibration import epsilon_for
 
 __all__ = [
+    "AuditOutcome",
     "AuditSetting",
     "AuditResult",
     "ThresholdTest",
@@ -375,10 +376,10 @@ def reported_epsilon(setting: AuditSetting) -> float:
 
 
 @dataclass
-class AuditResult:
-    """The outcome of `run_audit()` (`as_dict()` is the CLI's ``--json`` object)."""
+class AuditOutcome:
+    """What every audit reports: its threshold test and the epsilons it stands against (`run_audit()`,
+    `dpfedavg.privacy.audit_banded.run_banded_audit()`)."""
 
-    setting: AuditSetting
     trials: int
     seed: int
     confidence: float
@@ -386,13 +387,20 @@ class AuditResult:
     epsilon_reported: float
     epsilon_exact: float | None
     seconds: float
-    roc_fpr: np.ndarray = field(repr=False)
-    roc_tpr: np.ndarray = field(repr=False)
 
     @property
     def epsilon_lower_bound(self) -> float:
         """The empirical lower bound."""
         return self.test.epsilon_lower_bound
+
+
+@dataclass
+class AuditResult(AuditOutcome):
+    """The outcome of `run_audit()` (`as_dict()` is the CLI's ``--json`` object)."""
+
+    setting: AuditSetting
+    roc_fpr: np.ndarray = field(repr=False)
+    roc_tpr: np.ndarray = field(repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         """Flat JSON-ready summary."""
@@ -492,7 +500,7 @@ def run_audit(
         reported,
         seconds,
     )
-    return AuditResult(setting, trials, seed, confidence, test, reported, exact, seconds, fpr, tpr)
+    return AuditResult(trials, seed, confidence, test, reported, exact, seconds, setting, fpr, tpr)
 
 
 # ------------------------------------------------------------------ exact epsilon, independent of the accountant

@@ -35,7 +35,7 @@ import numpy as np
 
 from dpfedavg.core.banded_mf import BandedNoiseStream, check_coefficients
 from dpfedavg.core.participation import ParticipationRule, check_schedule
-from dpfedavg.privacy.audit import ThresholdTest, epsilon_lower_bound
+from dpfedavg.privacy.audit import AuditOutcome, epsilon_lower_bound
 from dpfedavg.privacy.banded_mf_accounting import BandedMFParams, banded_mf_epsilon
 from dpfedavg.privacy.canary import gdp_epsilon
 
@@ -123,21 +123,10 @@ class BandedAuditSetting:
 
 
 @dataclass
-class BandedAuditResult:
+class BandedAuditResult(AuditOutcome):
     """The outcome of `run_banded_audit()` (`as_dict()` is ``run_sim.py audit``'s ``--json``)."""
 
     setting: BandedAuditSetting
-    trials: int
-    seed: int
-    confidence: float
-    test: ThresholdTest
-    epsilon_reported: float
-    epsilon_exact: float
-    seconds: float
-
-    @property
-    def epsilon_lower_bound(self) -> float:
-        return self.test.epsilon_lower_bound
 
     def as_dict(self) -> dict[str, Any]:
         s = self.setting
@@ -206,4 +195,4 @@ def run_banded_audit(
         exact,
         seconds,
     )
-    return BandedAuditResult(setting, trials, seed, confidence, test, reported, exact, seconds)
+    return BandedAuditResult(trials, seed, confidence, test, reported, exact, seconds, setting)

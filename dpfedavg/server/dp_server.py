@@ -201,11 +201,6 @@ class DPServer:
         return self.noise_mechanism.charges_redone_rounds
 
     @property
-    def noise_multiplier(self) -> float:
-        """``z`` of this run (0 without DP)."""
-        return self.plan.noise_multiplier
-
-    @property
     def epsilon(self) -> float:
         """Epsilon spent so far for ``delta`` (``inf`` without DP)."""
         return self.accountant.epsilon if self.accountant is not None else float("inf")
@@ -230,7 +225,7 @@ class DPServer:
         ``r`` is the mechanism's fixed denominator; with banded-MF noise this is the std of ``Z``'s rows over it
         (round 0's; ``(C^{-1} Z)_k``'s std changes with ``k``).
         """
-        return server_noise_std(self.noise_multiplier, self.sensitivity, self.round_mechanism.denominator)
+        return server_noise_std(self.plan.noise_multiplier, self.sensitivity, self.round_mechanism.denominator)
 
     def noise_stds(self, num_sampled: int) -> tuple[float, float]:
         """``(per-client std, server std on the sum)`` of a round with ``num_sampled`` clients, all included."""
@@ -244,7 +239,7 @@ class DPServer:
         """
         if not self.plan.dp:
             return 0.0, 0.0
-        z, c, r = self.noise_multiplier, self.sensitivity, self.params.clients_per_round
+        z, c, r = self.plan.noise_multiplier, self.sensitivity, self.params.clients_per_round
         return (
             self.placement.client_std(z, c, r, num_sampled),
             self.placement.server_std(z, c, r, num_sampled, num_included),
@@ -340,14 +335,14 @@ class DPServer:
             secagg_step=grid.step if grid is not None else 0.0,
             secagg_range=grid.clipping_range if grid is not None else 0.0,
             count_scale=self.adaptive.scale if self.adaptive is not None else 0.0,
-            noise_multiplier=self.noise_multiplier if self.plan.dp else 0.0,
+            noise_multiplier=self.plan.noise_multiplier if self.plan.dp else 0.0,
             cohort_size=num_sampled,
         )
 
     def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
         """The privacy event of a round with these counts: the placement's accounted ``z_k`` (always ``z``)."""
         z_k = self.placement.accounted_noise_multiplier(
-            self.noise_multiplier, self.params.clients_per_round, num_sampled, num_included
+            self.plan.noise_multiplier, self.params.clients_per_round, num_sampled, num_included
         )
         return RoundEvent(self.params.q, z_k)
 

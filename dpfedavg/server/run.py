@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 from dpfedavg.config import RunConfig
 from dpfedavg.core.types import Vector
 from dpfedavg.errors import ConfigError
-from dpfedavg.io.results import check_output_dir
+from dpfedavg.io.results import check_output_dir, check_run_directory
 from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
-from dpfedavg.server.session import RunSession, check_run_directory
+from dpfedavg.server.session import RunSession
 from dpfedavg.tasks import Task, build_task, resolve_task
 
 if TYPE_CHECKING:  # scipy.stats is imported only by runs with canaries

@@ -9,10 +9,8 @@ engine both use it, so their outputs have one schema.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -23,60 +21,37 @@ import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core.types import Vector
-from dpfedavg.errors import ConfigError, ResultsError
+from dpfedavg.errors import ResultsError
 from dpfedavg.io.checkpoint import (
     CHECKPOINT_FILE,
     Checkpoint,
     CheckpointError,
     ServerState,
     check_compatible,
+    check_resumable,
     load_checkpoint,
     nominal_accountant_state,
     privacy_signature,
     save_checkpoint,
 )
 from dpfedavg.io.metrics import RoundStats
-from dpfedavg.io.results import RESULT_FILES, RunRecorder, RunResult, complete_rows, package_versions, read_metrics
+from dpfedavg.io.results import (
+    RunRecorder,
+    RunResult,
+    check_run_directory,
+    package_versions,
+    read_metrics,
+    run_directory,
+)
 from dpfedavg.privacy.guarantee import audit_clause, released_metric_names
 from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.releases import RELEASES_FILE, ReleaseLog, charges_redone_rounds
 from dpfedavg.server.round import RoundRecord
 from dpfedavg.tasks import Task, task_hooks
 
-__all__ = ["RunSession", "check_run_directory", "run_directory"]
+__all__ = ["RunSession"]
 
 logger = logging.getLogger(__name__)
-
-
-def run_directory(cfg: RunConfig, run_id: int | str) -> Path:
-    """``<output-dir>/<run-name>``; the default name is ``<task>-<algorithm>-<UTC time>-<run id>``."""
-    task = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.task.rsplit("/", 1)[-1])  # a user's "/path/mytask.py:make_task"
-    name = cfg.run_name or f"{task}-{cfg.algorithm}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{run_id}"
-    return Path(cfg.output_dir).expanduser().resolve() / name
-
-
-def _results_in(directory: Path) -> list[str]:
-    """The run files ``directory`` holds (none if it does not exist)."""
-    return [name for name in RESULT_FILES if (directory / name).exists()]
-
-
-def check_run_directory(cfg: RunConfig) -> None:
-    """A named run never overwrites another run's results: `ConfigError` before anything starts.
-
-    ``run-name`` names a folder that already holds a run's files (``metrics.csv``, ``config.json``, ...) and
-    ``resume`` is false: refused, naming the folder (continue it with ``resume=true``, or pick a new name). A
-    default, timestamped name never collides: `_claim()` appends ``-2``, ``-3``, ... instead.
-    """
-    if not cfg.run_name or cfg.resume:
-        return
-    directory = Path(cfg.output_dir).expanduser().resolve() / cfg.run_name
-    found = _results_in(directory)
-    if found:
-        raise ConfigError(
-            f"invalid run config: 'run-name' = {cfg.run_name!r}: {directory} holds the results of an earlier run "
-            f"({', '.join(found)}) and a run never overwrites another; pass resume=true to continue that run from "
-            "its checkpoint, or choose a new run-name"
-        )
 
 
 def _claim(cfg: RunConfig, run_id: int | str) -> Path:
@@ -176,7 +151,7 @@ class RunSession:
             self.directory = run_directory(cfg, run_id)
             self.resumed = load_checkpoint(self.directory)
             check_compatible(self.resumed, cfg, plan, dim)
-            rows_after = self._check_resumable(self.resumed, columns)
+            rows_after = check_resumable(self.directory, self.resumed, columns, cfg.num_rounds)
             if self.release_log is not None:
                 assert self.resumed.releases is not None
                 self.release_log.open_resumed(
@@ -213,33 +188,6 @@ class RunSession:
         self._t0 = time.monotonic() - (self.resumed.elapsed_s if self.resumed is not None else 0.0)
         logger.info("Results will be written to %s", self.directory)
         self._log_privacy()
-
-    def _check_resumable(self, ckpt: Checkpoint, columns: tuple[str, ...]) -> int:
-        """metrics.csv must hold the rows of rounds 0..k (the checkpoint's round); a finished run has nothing to do.
-
-        Returns the number of rows after round k (rounds that ran after the checkpoint, to be redone).
-        """
-        path = self.directory / "metrics.csv"
-        rows = complete_rows(path) if path.exists() else []
-        rounds = [int(float(row[0])) for row in rows[1:]] if rows and tuple(rows[0]) == columns else []
-        if rounds[: ckpt.round + 1] != list(range(ckpt.round + 1)):
-            have = f"rounds {rounds[0]}..{rounds[-1]}" if rounds else "no rows of this run's columns"
-            raise CheckpointError(
-                f"cannot resume: the checkpoint's 'round' = {ckpt.round} disagrees with {path}, which holds {have}: "
-                f"rounds 0..{ckpt.round} must all be there (a checkpoint is written after its round's row)"
-            )
-        if ckpt.round == self.cfg.num_rounds:
-            config = self.directory / "config.json"
-            try:
-                finished = "final" in json.loads(config.read_text())
-            except (OSError, ValueError):
-                finished = False
-            if finished:
-                raise CheckpointError(
-                    f"cannot resume from the checkpoint: it is after round {ckpt.round}, num-rounds = "
-                    f"{self.cfg.num_rounds} and {config} holds the finished run: nothing to do"
-                )
-        return len(rounds) - (ckpt.round + 1)
 
     def _releases_on_resume(self, ckpt: Checkpoint) -> int:
         """The releases to charge on resume: the checkpoint's, plus the rounds this run redoes (``secure-noise``).

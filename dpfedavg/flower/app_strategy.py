@@ -47,7 +47,7 @@ from dpfedavg.config import RunConfig
 from dpfedavg.core.types import Vector
 from dpfedavg.errors import ConfigError
 from dpfedavg.flower.arrays import ArrayLayout
-from dpfedavg.flower.client_metrics import average_client_metrics
+from dpfedavg.core.client_metrics import average_client_metrics
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.mod import ARRAY_KEYS, CLIENT_ID, public_parameters
 from dpfedavg.flower.protocol import (
@@ -59,7 +59,7 @@ from dpfedavg.flower.protocol import (
     parse_train_reply,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
-from dpfedavg.flower.strategy import FlowerRunner, RunStrategy, log_privacy_plan
+from dpfedavg.flower.strategy import FlowerRunner, RunStrategy, log_privacy_plan, reply_bound
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
@@ -90,7 +90,7 @@ class DPFedAvg(RunStrategy):
         Your app: dpfedavg's keys in snake_case (``algorithm``, ``clip``, ``epsilon``, ``delta``,
         ``clients_per_round`` or ``fraction_train``, ``num_clients``, ``noise_multiplier``, ``accountant``,
         ``max_epsilon``, ``noise_placement``, ``seed``, ``secure_noise``, ``server_lr``, ``server_momentum``,
-        ``secure_aggregation``, ...: `APP_KEYS`) and ``max_failed_fraction``. ``clip`` and the sampling
+        ``secure_aggregation``, ...: `dpfedavg.app_config.APP_KEYS`) and ``max_failed_fraction``. ``clip`` and the sampling
         rate are required; ``server_lr`` defaults to 1.
     """
 
@@ -146,7 +146,7 @@ class DPFedAvg(RunStrategy):
         self._hook_runner = None
         #: What travels in a round's messages: the user's arrays and one client id per node (set by start()).
         self.edge: UserArrays | None = None  # type: ignore[assignment]
-        #: Round -> why clients' own metrics were left out of its average (``dpfedavg.flower.client_metrics``).
+        #: Round -> why clients' own metrics were left out of its average (``dpfedavg.core.client_metrics``).
         self.client_metrics_rejected: dict[int, list[str]] = {}
         self._num_rounds = 0
 
@@ -492,7 +492,7 @@ class UserArrays:
         """The clients' own metrics of the usable replies, averaged weighted by ``num-examples`` (as FedAvg does).
 
         A client whose ``num-examples`` or a metric is not plausible is left out, with the reason logged and kept in
-        ``rejected_metrics`` (the rules: ``dpfedavg.flower.client_metrics``).
+        ``rejected_metrics`` (the rules: ``dpfedavg.core.client_metrics``).
         """
         clients: list[tuple[str, dict[str, Any]]] = []
         for msg in replies:
@@ -508,10 +508,10 @@ class UserArrays:
         self.client_metrics[server_round] = out
 
     def _usable(self, msg: Message) -> bool:
-        server = self.server
-        bound = server.sensitivity if server.bound.private else float("inf")
         try:
-            parse_train_reply(msg.content, server.release_dim, diagnostics=self.cfg.diagnostics, clip=bound)
+            parse_train_reply(
+                msg.content, self.server.release_dim, diagnostics=self.cfg.diagnostics, clip=reply_bound(self.server)
+            )
         except ValueError:
             return False
         return True

@@ -59,7 +59,7 @@ from dpfedavg.server.health import ReplyHealth, TrainingStopped
 from dpfedavg.server.loop import run_rounds
 from dpfedavg.server.round import RoundRecord, RoundReplies
 
-__all__ = ["FlatModel", "FlowerRunner", "RunStrategy", "log_privacy_plan"]
+__all__ = ["FlatModel", "FlowerRunner", "RunStrategy", "log_privacy_plan", "reply_bound"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,11 @@ def log_privacy_plan(cfg: RunConfig, plan: PrivacyPlan, sigma: float) -> None:
     )
     if plan.max_epsilon is not None:
         logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
+
+
+def reply_bound(server: DPServer) -> float:
+    """The norm bound of a reply's vector this round: ``C``, or ``C_aug`` with adaptive-clip's count coordinate."""
+    return server.sensitivity if server.bound.private else float("inf")
 
 
 class RunStrategy(Strategy):
@@ -531,16 +536,13 @@ class FlowerRunner:
         """The round's replies checked client by client (`collect_replies()`), with the inserted canaries'."""
         replies = list(replies)
         self.edge.observe(server_round, replies, self.sampled)
-        server = self.server
-        # the bound of this round's vectors (C, or C_aug with adaptive-clip's count coordinate)
-        bound = server.sensitivity if server.bound.private else float("inf")
         checked = collect_replies(
             server_round,
             replies,
             self.sampled,
-            dim=server.release_dim,
+            dim=self.server.release_dim,
             diagnostics=self.cfg.diagnostics,
-            clip=bound,
+            clip=reply_bound(self.server),
             block=self.cfg.clients_per_node > 1,
             limits=self.strategy.reply_limits(self.num_sampled),
         )

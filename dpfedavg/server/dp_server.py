@@ -191,11 +191,6 @@ class DPServer:
         return MappingProxyType(self._history)
 
     @property
-    def private(self) -> bool:
-        """Whether the run bounds each client's vector (``algorithm`` is not ``none``)."""
-        return self.bound.private
-
-    @property
     def charges_redone_rounds(self) -> bool:
         """Whether the noise mechanism can account a round released twice (a ``secure-noise`` resume)."""
         return self.noise_mechanism.charges_redone_rounds

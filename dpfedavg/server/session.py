@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dpfedavg.config import RunConfig
+from dpfedavg.core.dp import SensitivityBound
 from dpfedavg.core.types import Vector
 from dpfedavg.errors import ResultsError
 from dpfedavg.io.checkpoint import (
@@ -79,15 +80,14 @@ class RunServer(Protocol):
 
     random_iterate: Vector | None
     random_round: int | None
+    #: The sensitivity bound (``algorithm``); ``bound.private``: whether each client's vector is bounded.
+    bound: SensitivityBound
 
     @property
     def epsilon(self) -> float: ...  # noqa: D102
 
     @property
     def history(self) -> Mapping[int, RoundStats]: ...  # noqa: D102
-
-    @property
-    def private(self) -> bool: ...  # noqa: D102
 
     @property
     def charges_redone_rounds(self) -> bool: ...  # noqa: D102
@@ -283,7 +283,7 @@ class RunSession:
             logger.warning(
                 "NO DIFFERENTIAL PRIVACY: %s",
                 f"algorithm={cfg.algorithm!r} (epsilon, delta and noise-multiplier are not used)"
-                if not self.server.private
+                if not self.server.bound.private
                 else "noise multiplier 0 (updates are clipped/normalized but not noised; epsilon is infinite)",
             )
 

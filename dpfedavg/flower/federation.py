@@ -26,6 +26,25 @@ __all__ = ["Federation", "FederationError"]
 
 logger = logging.getLogger(__name__)
 
+#: A node whose heartbeat interval is at least this never sends heartbeats: Flower's simulation registers its
+#: ``num-supernodes`` nodes so (``HEARTBEAT_INTERVAL_INF``, 1e300), all at once, before Ray starts; a deployed
+#: SuperNode has a finite interval and may connect at any time within ``node-wait-timeout``.
+SIMULATED_HEARTBEAT_S = 1e299
+#: Seconds the node count of a simulation must stay the same before it is taken as the federation's size.
+SETTLE_S = 0.5
+
+
+def simulated_node_count(grid: Grid) -> int | None:
+    """The number of nodes on ``grid`` if they are all simulated (`SIMULATED_HEARTBEAT_S`), else None.
+
+    ``Grid.get_nodes()`` is Flower's public API; a Grid that reports no heartbeat intervals (0.0, the default)
+    is never taken for a simulation.
+    """
+    nodes = list(grid.get_nodes())
+    if nodes and all(info.heartbeat_interval >= SIMULATED_HEARTBEAT_S for info in nodes):
+        return len(nodes)
+    return None
+
 
 def registration_order(grid: Grid, node_ids: list[int]) -> list[int]:
     """``node_ids`` in the order the SuperNodes registered (``Grid.get_nodes``' ``registered_at``), then by id.
@@ -132,6 +151,7 @@ class Federation:
         timeout = self.cfg.node_wait_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         node_ids = self._wait_for_nodes(grid, 1, deadline)
+        self._check_simulation_size(grid)
         first = self._query_partitions(grid, node_ids[:1], deadline)
         ((pid, num_partitions),) = first.values()
         if num_partitions != n:
@@ -174,6 +194,27 @@ class Federation:
                 self.discovery_seconds,
             )
         return mapping
+
+    def _check_simulation_size(self, grid: Grid) -> None:
+        """In a simulation, the federation's size before any node is asked (so before Ray has started).
+
+        Flower's simulation registers all its SuperNodes at once, before it starts Ray and the ClientApps; the
+        count, once it stays the same for `SETTLE_S`, is ``num-supernodes``. A wrong one is one error now
+        instead of after Ray's start-up and the first node's answer. A deployment is left to the partition-id
+        query and ``node-wait-timeout``.
+        """
+        count = simulated_node_count(grid)
+        if count is None:
+            return
+        self._sleep(SETTLE_S)
+        if simulated_node_count(grid) != count or count == self.num_nodes:
+            return
+        n, m, nodes = self.cfg.num_clients, self.clients_per_node, self.num_nodes
+        raise FederationError(
+            f"the simulation has num-supernodes={count} but num-clients={n} with clients-per-node={m} needs "
+            f"ceil({n} / {m}) = {nodes} SuperNodes: start it with --federation-config \"num-supernodes={nodes}\""
+            f", or set clients-per-node so that ceil(num-clients / clients-per-node) is {count}"
+        )
 
     def _wait_for_nodes(self, grid: Grid, count: int, deadline: float) -> list[int]:
         last_log = 0.0

@@ -52,7 +52,7 @@ def _overrides(values: dict) -> str:
 
 def _run(superlink: LocalSuperLink, tmp_path: Path, name: str, values: dict, federation: str = SMALL_FED):
     values = {"output-dir": str(tmp_path), "run-name": name, **values}
-    result = superlink.flwr_run(_overrides(values), federation)
+    result = superlink.flwr_run(_overrides(values), federation, run_dir=tmp_path / name)
     return result, tmp_path / name
 
 

@@ -42,7 +42,8 @@ def test_a_simulation_of_the_wrong_size_fails_before_any_node_is_asked(supernode
         DPFedAvg(cfg, dim=DIM, sleep=slept.append).discover_clients(grid)
     line = str(err.value)
     assert "\n" not in line
-    assert f"num-supernodes={supernodes}" in line and "num-clients=20" in line and f"clients-per-node={per_node}" in line
+    assert f"num-supernodes={supernodes}" in line and "num-clients=20" in line
+    assert f"clients-per-node={per_node}" in line
     assert f'--federation-config "num-supernodes={needed}"' in line
     assert grid.sent == [] and sum(slept) < 1.0
 
@@ -70,3 +71,145 @@ def test_a_deployment_below_the_size_still_waits_for_late_supernodes() -> None:
 
     mapping = DPFedAvg(cfg, dim=DIM, sleep=lambda s: None).discover_clients(Late(client_app, 20, cfg.to_run_config()))
     assert sorted(mapping) == list(range(20)) and Late.polls >= 4
+
+
+# ------------------------------------------------------- one retry of a start-up that timed out (with fakes)
+RAY_TIMEOUT = (
+    "Exception: The current node timed out during startup. This could happen because some of the raylet failed to "
+    "startup or the GCS has become overloaded."
+)
+
+
+class Attempts:
+    """A start-up that gives ``outcomes`` in turn: an exception to raise or a result to return."""
+
+    def __init__(self, *outcomes) -> None:
+        self.outcomes, self.calls = list(outcomes), 0
+
+    def __call__(self):
+        outcome = self.outcomes[self.calls]
+        self.calls += 1
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+def test_a_start_up_that_timed_out_is_retried_once_with_a_warning_naming_the_cause(dpfedavg_log) -> None:
+    from dpfedavg.engines.local_superlink import StartupTimeout, retry_startup_once
+
+    cleaned: list[int] = []
+    attempt = Attempts(StartupTimeout("flower-superlink did not become healthy within 60s; see x.log"), "up")
+    assert retry_startup_once(attempt, "the local SuperLink", before_retry=lambda: cleaned.append(1)) == "up"
+    assert attempt.calls == 2 and cleaned == [1]
+    (record,) = [r for r in dpfedavg_log if r.levelname == "WARNING"]
+    line = record.getMessage()
+    assert "the local SuperLink did not start in time" in line and "within 60s" in line and "retrying once" in line
+
+
+@pytest.mark.parametrize(
+    "output",
+    [RAY_TIMEOUT, "Failed to start local SuperLink within 15s. Check the log", "raylet: node timed out (GCS)"],
+)
+def test_the_start_up_messages_of_flower_and_ray_are_retried_once_only(output, dpfedavg_log) -> None:
+    """A second start-up failure is the answer (no third try), and it is returned as it is."""
+    from dpfedavg.engines.local_superlink import retry_startup_once, startup_failure
+
+    attempt = Attempts(f"INFO : starting\n{output}\n", f"again\n{output}\n", "never")
+    assert retry_startup_once(attempt, "flwr run", failure=startup_failure) == f"again\n{output}\n"
+    assert attempt.calls == 2
+    (record,) = [r for r in dpfedavg_log if r.levelname == "WARNING"]
+    assert output.split(".")[0] in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [AssertionError("assert 0.87 > 0.9"), RuntimeError("flwr run did not finish"), TimeoutError("flwr run: 600s")],
+)
+def test_anything_but_a_start_up_timeout_is_raised_at_once(outcome, dpfedavg_log) -> None:
+    from dpfedavg.engines.local_superlink import retry_startup_once, startup_failure
+
+    attempt = Attempts(outcome, "up")
+    with pytest.raises(type(outcome)):
+        retry_startup_once(attempt, "flwr run", failure=startup_failure)
+    assert attempt.calls == 1 and not dpfedavg_log
+
+
+def test_a_run_that_failed_otherwise_is_not_retried(dpfedavg_log) -> None:
+    from dpfedavg.engines.local_superlink import retry_startup_once, startup_failure
+
+    failed = "ERROR : invalid run config: unknown key 'num-round'\nTraceback (most recent call last):\n"
+    attempt = Attempts(failed, "up")
+    assert retry_startup_once(attempt, "flwr run", failure=startup_failure) == failed
+    assert attempt.calls == 1 and not dpfedavg_log
+
+
+@pytest.fixture
+def idle_link(tmp_path):
+    """A LocalSuperLink whose SuperLink is a stand-in (nothing of Flower is started)."""
+    import shutil
+
+    from dpfedavg.engines.local_superlink import LocalSuperLink
+
+    link = LocalSuperLink(tmp_path / "link")
+
+    class Running:
+        pid = 2**31 - 1  # no such process: nothing is remembered or stopped
+
+        def poll(self):
+            return None
+
+    link.process = Running()
+    yield link
+    shutil.rmtree(link.ray_tmp, ignore_errors=True)
+
+
+def test_flwr_run_retries_a_ray_start_up_timeout_and_removes_the_half_written_run(idle_link, tmp_path, monkeypatch):
+    import subprocess
+
+    run_dir, earlier = tmp_path / "out" / "run", tmp_path / "out" / "earlier"
+    earlier.mkdir(parents=True)
+    outputs = iter([RAY_TIMEOUT, "Done after 2 rounds"])
+    seen: list[bool] = []
+
+    def once(command, timeout):
+        seen.append(run_dir.exists())
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text("{}")  # what a ServerApp writes before Ray has started
+        return subprocess.CompletedProcess(command, 0, next(outputs), "")
+
+    monkeypatch.setattr(idle_link, "_flwr_run_once", once)
+    result = idle_link.flwr_run("num-rounds=2", "num-supernodes=2", app=tmp_path, run_dir=run_dir)
+    assert result.stdout == "Done after 2 rounds" and seen == [False, False]
+    # a folder that was there before the call (a resume) is never removed
+    outputs = iter([RAY_TIMEOUT, "Done after 2 rounds"])
+    seen.clear()
+    monkeypatch.setattr(idle_link, "_flwr_run_once", lambda command, timeout: (seen.append(earlier.exists()),
+                        subprocess.CompletedProcess(command, 0, next(outputs), ""))[1])  # fmt: skip
+    idle_link.flwr_run("resume=true", "num-supernodes=2", app=tmp_path, run_dir=earlier)
+    assert seen == [True, True]
+
+
+def test_flwr_run_stops_a_cli_that_waits_for_a_simulation_that_died_starting_ray(idle_link) -> None:
+    """`flwr run --stream` may keep waiting once the simulation died: stopped after the grace, the output returned."""
+    import sys
+
+    idle_link.startup_failure_grace_s = 0.2
+    script = f"import time; print({RAY_TIMEOUT!r}, flush=True); time.sleep(120)"
+    result = idle_link._flwr_run_once([sys.executable, "-c", script], timeout=120)
+    assert RAY_TIMEOUT in result.stdout and result.returncode != 0
+
+
+def test_a_superlink_that_did_not_become_healthy_is_started_once_more_on_new_ports(idle_link, monkeypatch) -> None:
+    from dpfedavg.engines.local_superlink import StartupTimeout
+
+    ports: list[int] = []
+    attempt = Attempts(StartupTimeout("flower-superlink did not become healthy within 60s"), None)
+
+    def start_once(timeout):
+        ports.append(idle_link.http_port)
+        return attempt()
+
+    monkeypatch.setattr(idle_link, "_start_once", start_once)
+    idle_link.start()
+    assert attempt.calls == 2 and ports[0] != ports[1]
+    assert idle_link.env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] == str(ports[1]) and idle_link.ray_tmp.is_dir()

@@ -12,7 +12,7 @@ from flwr.proto.node_pb2 import NodeInfo
 from dpfedavg.config import RunConfig
 from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.client_app import app as client_app
-from dpfedavg.flower.federation import FederationError
+from dpfedavg.flower.federation import SETTLE_S, FederationError
 from dpfedavg.flower.testing import InProcessGrid
 
 DIM = 4
@@ -34,7 +34,7 @@ class SimulatedGrid(InProcessGrid):
 @pytest.mark.parametrize(("supernodes", "per_node", "needed"), [(2, 1, 20), (3, 5, 4), (30, 1, 20)])
 def test_a_simulation_of_the_wrong_size_fails_before_any_node_is_asked(supernodes, per_node, needed) -> None:
     """One line naming num-supernodes, num-clients, clients-per-node and the fix; no message sent (so no ClientApp
-    or Ray was needed), no waiting out node-wait-timeout (the sleeps are counted, not timed)."""
+    or Ray was needed), no waiting out node-wait-timeout: at most the settle time (sleeps counted, not timed)."""
     cfg = _cfg(**{"clients-per-node": per_node})
     grid = SimulatedGrid(client_app, supernodes, cfg.to_run_config())
     slept: list[float] = []
@@ -45,7 +45,32 @@ def test_a_simulation_of_the_wrong_size_fails_before_any_node_is_asked(supernode
     assert f"num-supernodes={supernodes}" in line and "num-clients=20" in line
     assert f"clients-per-node={per_node}" in line
     assert f'--federation-config "num-supernodes={needed}"' in line
-    assert grid.sent == [] and sum(slept) < 1.0
+    assert grid.sent == [] and sum(slept) <= SETTLE_S + 1e-9
+
+
+class RegisteringGrid(SimulatedGrid):
+    """A simulation whose nodes appear a few per poll, as while Flower's registration loop runs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.polls = 0
+
+    def get_node_ids(self):
+        self.polls += 1
+        return list(self.contexts)[: min(len(self.contexts), self.polls)]
+
+
+@pytest.mark.parametrize(("supernodes", "fails"), [(4, False), (3, True)])
+def test_nodes_still_being_registered_are_waited_for(supernodes, fails) -> None:
+    cfg = _cfg(**{"clients-per-node": 5})
+    grid = RegisteringGrid(client_app, supernodes, cfg.to_run_config())
+    strategy = DPFedAvg(cfg, dim=DIM, sleep=lambda s: None)
+    if fails:
+        with pytest.raises(FederationError, match="the simulation has num-supernodes=3 "):
+            strategy.discover_clients(grid)
+        assert grid.sent == []
+    else:
+        assert sorted(strategy.discover_clients(grid)) == list(range(4))
 
 
 def test_a_simulation_of_the_right_size_is_discovered_as_before() -> None:

@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 #: ``num-supernodes`` nodes so (``HEARTBEAT_INTERVAL_INF``, 1e300), all at once, before Ray starts; a deployed
 #: SuperNode has a finite interval and may connect at any time within ``node-wait-timeout``.
 SIMULATED_HEARTBEAT_S = 1e299
-#: Seconds the node count of a simulation must stay the same before it is taken as the federation's size.
-SETTLE_S = 0.5
+#: Seconds the node count of a simulation must stay the same (polled every `SETTLE_POLL_S`) before a count below
+#: the run's is taken as the federation's size (Flower registers the nodes in one loop, well under this).
+SETTLE_S = 2.0
+SETTLE_POLL_S = 0.2
 
 
 def simulated_node_count(grid: Grid) -> int | None:
@@ -199,15 +201,22 @@ class Federation:
         """In a simulation, the federation's size before any node is asked (so before Ray has started).
 
         Flower's simulation registers all its SuperNodes at once, before it starts Ray and the ClientApps; the
-        count, once it stays the same for `SETTLE_S`, is ``num-supernodes``. A wrong one is one error now
+        count, once it stays the same for `SETTLE_S` (more nodes than the run needs: at once), is
+        ``num-supernodes``. The right count costs no wait; a wrong one is one error now
         instead of after Ray's start-up and the first node's answer. A deployment is left to the partition-id
         query and ``node-wait-timeout``.
         """
         count = simulated_node_count(grid)
-        if count is None:
+        if count is None or count == self.num_nodes:
             return
-        self._sleep(SETTLE_S)
-        if simulated_node_count(grid) != count or count == self.num_nodes:
+        stable = 0  # polls with the same count
+        while count < self.num_nodes and stable < round(SETTLE_S / SETTLE_POLL_S):  # too few: unless still registering
+            self._sleep(SETTLE_POLL_S)
+            now = simulated_node_count(grid)
+            if now is None:
+                return
+            stable, count = (stable + 1 if now == count else 0), now
+        if count == self.num_nodes:
             return
         n, m, nodes = self.cfg.num_clients, self.clients_per_node, self.num_nodes
         raise FederationError(

@@ -238,3 +238,54 @@ def test_a_superlink_that_did_not_become_healthy_is_started_once_more_on_new_por
     idle_link.start()
     assert attempt.calls == 2 and ports[0] != ports[1]
     assert idle_link.env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] == str(ports[1]) and idle_link.ray_tmp.is_dir()
+
+
+def test_a_ray_node_that_timed_out_starting_is_dropped_and_started_once_more(dpfedavg_log) -> None:
+    """LoopbackRayCluster: the failed head is forgotten (its processes stopped by PID) and restarted on a new port."""
+    import shutil
+
+    from dpfedavg.deploy.ray_loopback import LoopbackRayCluster
+    from dpfedavg.engines.local_superlink import StartupTimeout
+
+    cluster = LoopbackRayCluster(workers=0)
+    ports: list[int] = []
+
+    class Exited:
+        pid = 2**31 - 1  # no such process
+
+        def wait(self, timeout=None):
+            return 1
+
+    def start_once(index, head, timeout):
+        ports.append(cluster.port)
+        cluster.nodes.append(Exited())
+        cluster._trees[index] = {}
+        if len(ports) == 1:
+            raise StartupTimeout("ray start exited with 1: The current node timed out during startup.")
+
+    cluster._start_node_once = start_once
+    try:
+        cluster.start()
+    finally:
+        shutil.rmtree(cluster.root, ignore_errors=True)
+    assert len(ports) == 2 and ports[0] != ports[1] and len(cluster.nodes) == 1
+    assert cluster.address == f"127.0.0.1:{ports[1]}"
+    (record,) = [r for r in dpfedavg_log if r.levelname == "WARNING"]
+    assert "Ray node 0 did not start in time" in record.getMessage()
+
+
+def test_rays_raylet_wait_is_set_for_what_the_helpers_start_unless_the_user_set_it(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    from dpfedavg.deploy.ray_loopback import LoopbackRayCluster
+    from dpfedavg.engines.local_superlink import LocalSuperLink
+
+    def envs():
+        link, cluster = LocalSuperLink(tmp_path / "link"), LoopbackRayCluster()
+        shutil.rmtree(link.ray_tmp), shutil.rmtree(cluster.root)
+        return link.env, cluster.env
+
+    monkeypatch.delenv("RAY_raylet_start_wait_time_s", raising=False)
+    assert [env["RAY_raylet_start_wait_time_s"] for env in envs()] == ["120", "120"]
+    monkeypatch.setenv("RAY_raylet_start_wait_time_s", "300")
+    assert [env["RAY_raylet_start_wait_time_s"] for env in envs()] == ["300", "300"]

@@ -133,7 +133,7 @@ def test_a_start_up_that_timed_out_is_retried_once_with_a_warning_naming_the_cau
 
 @pytest.mark.parametrize(
     "output",
-    [RAY_TIMEOUT, "Failed to start local SuperLink within 15s. Check the log", "raylet: node timed out (GCS)"],
+    [RAY_TIMEOUT, "Failed to start local SuperLink within 15s. Check the log", "raylet: node timed out during startup (GCS)"],
 )
 def test_the_start_up_messages_of_flower_and_ray_are_retried_once_only(output, dpfedavg_log) -> None:
     """A second start-up failure is the answer (no third try), and it is returned as it is."""
@@ -157,6 +157,12 @@ def test_anything_but_a_start_up_timeout_is_raised_at_once(outcome, dpfedavg_log
     with pytest.raises(type(outcome)):
         retry_startup_once(attempt, "flwr run", failure=startup_failure)
     assert attempt.calls == 1 and not dpfedavg_log
+
+
+def test_a_healthy_runs_line_that_happens_to_say_node_timed_out_is_not_a_start_up_failure() -> None:
+    from dpfedavg.engines.local_superlink import startup_failure
+
+    assert startup_failure("INFO : Results will be written to /tmp/node timed out/quadratic-norm-1") is None
 
 
 def test_a_run_that_failed_otherwise_is_not_retried(dpfedavg_log) -> None:

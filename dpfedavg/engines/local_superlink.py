@@ -46,7 +46,8 @@ T = TypeVar("T")
 STARTUP_FAILURES = (
     "Failed to start local SuperLink within",  # Flower's CLI: its local SuperLink's 15 s
     "The current node timed out during startup",  # Ray: a node's fixed 30 s (ray/_private/node.py)
-    "node timed out",  # Ray, other wordings of the same
+    "node timed out during startup",  # Ray, other wordings of the same (not bare "node timed out": a results
+    # folder named so, echoed in a healthy run's log, was taken for one)
 )
 #: Ray's wait for a raylet to register with its GCS (Ray's C++ side; the Python side's 30 s is fixed). Set for the
 #: processes started here unless the environment sets it; it only matters on a machine too slow for the default.

@@ -44,7 +44,9 @@ T = TypeVar("T")
 
 #: What Flower and Ray print when they did not start in time (a loaded machine), as opposed to a run that failed.
 STARTUP_FAILURES = (
-    "Failed to start local SuperLink within",  # Flower's CLI: its local SuperLink's 15 s
+    # Flower's CLI: its local SuperLink's 15 s. Also when this module's SuperLink runs but is busy: the CLI probes
+    # it with a 0.4 s timeout (flwr/cli/constant.py), then tries to start one of its own on the same port.
+    "Failed to start local SuperLink within",
     "The current node timed out during startup",  # Ray: a node's fixed 30 s (ray/_private/node.py)
     "node timed out during startup",  # Ray, other wordings of the same (not bare "node timed out": a results
     # folder named so, echoed in a healthy run's log, was taken for one)

@@ -47,9 +47,9 @@ STARTUP_FAILURES = (
     # Flower's CLI: its local SuperLink's 15 s. Also when this module's SuperLink runs but is busy: the CLI probes
     # it with a 0.4 s timeout (flwr/cli/constant.py), then tries to start one of its own on the same port.
     "Failed to start local SuperLink within",
-    "The current node timed out during startup",  # Ray: a node's fixed 30 s (ray/_private/node.py)
-    "node timed out during startup",  # Ray, other wordings of the same (not bare "node timed out": a results
-    # folder named so, echoed in a healthy run's log, was taken for one)
+    # Ray: "The current node timed out during startup", a node's fixed 30 s (ray/_private/node.py). Not a bare
+    # "node timed out": a results folder so named, echoed in a healthy run's log, was taken for one.
+    "node timed out during startup",
 )
 #: Ray's wait for a raylet to register with its GCS (Ray's C++ side; the Python side's 30 s is fixed). Set for the
 #: processes started here unless the environment sets it; it only matters on a machine too slow for the default.

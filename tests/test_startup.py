@@ -295,3 +295,27 @@ def test_rays_raylet_wait_is_set_for_what_the_helpers_start_unless_the_user_set_
     assert [env["RAY_raylet_start_wait_time_s"] for env in envs()] == ["120", "120"]
     monkeypatch.setenv("RAY_raylet_start_wait_time_s", "300")
     assert [env["RAY_raylet_start_wait_time_s"] for env in envs()] == ["300", "300"]
+
+
+@pytest.mark.parametrize("written", [None, "{}"], ids=["no-folder", "no-final"])
+def test_run_flower_raises_with_one_line_when_flwr_run_exited_0_without_a_final_record(tmp_path, written) -> None:
+    """`flwr run --stream` exits 0 whatever happened: the scripts' wrapper reads the `final` record instead."""
+    import subprocess
+
+    from dpfedavg.engines.flower import run_flower
+
+    cfg = _cfg(**{"output-dir": str(tmp_path), "run-name": "r"})
+
+    class Link:
+        def flwr_run(self, run_config, federation_config, *, timeout, run_dir):
+            assert run_dir == tmp_path / "r"  # given, so that a start-up retry can remove what it made
+            if written is not None:
+                run_dir.mkdir()
+                (run_dir / "config.json").write_text(written)
+            return subprocess.CompletedProcess(["flwr"], 0, "ERROR : the ServerApp failed\n", "")
+
+    with pytest.raises(RuntimeError) as err:
+        run_flower(cfg, Link())
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("the run did not finish (flwr run exited 0): ") and "NOT FINISHED" in first
+    assert ("no 'final' record" in first) == (written is not None)

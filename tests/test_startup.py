@@ -133,7 +133,11 @@ def test_a_start_up_that_timed_out_is_retried_once_with_a_warning_naming_the_cau
 
 @pytest.mark.parametrize(
     "output",
-    [RAY_TIMEOUT, "Failed to start local SuperLink within 15s. Check the log", "raylet: node timed out during startup (GCS)"],
+    [
+        RAY_TIMEOUT,
+        "Failed to start local SuperLink within 15s. Check the log",
+        "raylet: node timed out during startup (GCS)",
+    ],
 )
 def test_the_start_up_messages_of_flower_and_ray_are_retried_once_only(output, dpfedavg_log) -> None:
     """A second start-up failure is the answer (no third try), and it is returned as it is."""

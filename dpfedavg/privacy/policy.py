@@ -51,7 +51,7 @@ from dpfedavg.core.mechanism import PLACEMENTS
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.privacy.accountants import AccountingRangeError
 from dpfedavg.privacy.calibration import epsilon_for
-from dpfedavg.privacy.secure_aggregation import SecAggSettings
+from dpfedavg.privacy.secure_aggregation import MIN_SECAGG_COHORT, SecAggSettings
 
 __all__ = [
     "NODE_SECURE_NOISE",
@@ -81,8 +81,8 @@ class PolicyError(ValueError):
 class RoundRefused(Exception):
     """This round breaks a rule: ``rule`` is the policy key or the run-config key it breaks."""
 
-    def __init__(self, rule: str, detail: str, *, policy: bool) -> None:
-        where = "this node's policy" if policy else "the run config"
+    def __init__(self, rule: str, detail: str, *, policy: bool, where: str | None = None) -> None:
+        where = where or ("this node's policy" if policy else "the run config")
         super().__init__(f"refused by {where} ({rule}): {detail}")
         self.rule = rule
 
@@ -124,6 +124,11 @@ class NodePolicy:
         records if smaller; never a delta the server chose above it).
     privacy_ledger:
         The ledger file (``None``: ``dpfedavg.privacy.ledger.ledger_path``'s default in the node's home).
+    secagg_min_cohort:
+        The fewest nodes of a SecAgg+ round the node takes part in (``secagg-min-cohort``, default and least 3:
+        in a cohort of 2 each node reads the other's vector from the sum, and a threshold above half of a node's
+        shares, which keeps a server from rebuilding both its mask seed and its key, needs 3). Checked, with the
+        protocol's other parameters, before any secret leaves the node (`dpfedavg.flower.guard`).
     stated:
         The policy keys the node config names (an empty tuple: no policy).
     """
@@ -140,6 +145,7 @@ class NodePolicy:
     allow_server_noise: bool = False
     max_epsilon_delta: float | None = None
     privacy_ledger: str | None = None
+    secagg_min_cohort: int = MIN_SECAGG_COHORT
     stated: tuple[str, ...] = ()
 
     @property
@@ -228,6 +234,15 @@ def _algorithms(value: Any) -> tuple[str, ...] | None:
     return names if names and all(name in ALGORITHMS for name in names) else None
 
 
+def _cohort(value: Any) -> int | None:
+    """An integer >= `MIN_SECAGG_COHORT` (an int, or a string of decimal digits); ``None`` for anything else."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if value >= MIN_SECAGG_COHORT else None
+
+
 def _ledger_file(value: Any) -> str | None:
     if not isinstance(value, str) or not value.strip() or any(ord(c) < 32 for c in value):
         return None
@@ -251,6 +266,8 @@ POLICY_KEYS: dict[str, tuple[Any, str]] = {
     "allow-server-noise": (_flag, _FLAG),
     "max-epsilon-delta": (lambda v: _number(v, lambda x: 0 < x < 1), "a number in (0, 1)"),
     "privacy-ledger": (_ledger_file, "an absolute file path (or ~/...), one line"),
+    "secagg-min-cohort": (_cohort, f"an integer >= {MIN_SECAGG_COHORT} (a SecAgg+ cohort of 2 shows each node the "
+                                   "other's vector; a majority threshold of a node's shares needs 3)"),
 }
 #: The policy keys that state a floor on the noise (or a ceiling on what it hides): each promises noise.
 _FLOOR_KEYS = ("min-noise-multiplier", "min-update-noise-multiplier", "max-clip", "max-epsilon")

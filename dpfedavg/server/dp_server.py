@@ -6,8 +6,8 @@ iterate, per-round statistics) and runs one round in two halves:
 * `DPServer.begin_round()`: the rules every round obeys, in one place (the stop before a round
   that would exceed ``max-epsilon``; with ``secure-noise``, the round's line of the write-ahead record
   of releases, on disk before anything of the round leaves the server, ``dpfedavg.server.releases``;
-  the secure-aggregation round with fewer than two sampled clients, whose sum would be that client's
-  update, closed at once without contacting anyone), Poisson sampling (line 3), ``w_{k~}`` by
+  the secure-aggregation round with fewer than three sampled clients, whose sum would show a client's
+  update to the other, closed at once without contacting anyone), Poisson sampling (line 3), ``w_{k~}`` by
   reservoir sampling (line 13), and what the sampled clients must do (``RoundInstructions``);
 * `DPServer.finish_round()`: sum the clients' ``g + zeta`` (in client-id order), add the server's
   share of the noise (all of it for ``server`` placement, the missing replies' share otherwise: the sum
@@ -60,7 +60,13 @@ from dpfedavg.privacy.guarantee import describe_adaptive_clipping, describe_priv
 from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
 from dpfedavg.privacy.params import DpParams
 from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
-from dpfedavg.privacy.secure_aggregation import SecAggRelease, SecAggSettings, check_privacy_terms, describe
+from dpfedavg.privacy.secure_aggregation import (
+    MIN_SECAGG_COHORT,
+    SecAggRelease,
+    SecAggSettings,
+    check_privacy_terms,
+    describe,
+)
 from dpfedavg.server.releases import ReleaseLog
 
 __all__ = ["ClientResult", "DPServer", "PrivacyBudgetExhausted", "RoundInstructions", "RoundStart", "RoundStats"]
@@ -395,8 +401,8 @@ class DPServer:
         self._w, self._round = w, server_round
         if not len(clients):
             logger.warning("Round %d: %s selected no client", server_round, self.mechanism.name)
-        if self.secagg is not None and len(clients) < 2:  # a sum of one is that client's update
-            reason = f"secure aggregation needs at least 2 clients, {len(clients)} sampled"
+        if self.secagg is not None and len(clients) < MIN_SECAGG_COHORT:  # the nodes refuse it (guard.py)
+            reason = f"secure aggregation needs at least {MIN_SECAGG_COHORT} clients, {len(clients)} sampled"
             return RoundStart(clients, None, self.skip_round(server_round, reason))
         return RoundStart(clients, self.instructions(server_round, len(clients)))
 

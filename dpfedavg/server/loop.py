@@ -1,7 +1,7 @@
 """The one round loop of every engine (Alg. 1 / Alg. 2, lines 2-13), without Flower.
 
 Each round: `DPServer.begin_round()` (the rules every round obeys: the privacy budget, the
-secure-aggregation round with fewer than two clients; Poisson sampling, ``k~``), a
+secure-aggregation round with fewer than three clients; Poisson sampling, ``k~``), a
 `ClientRunner` gets the sampled clients' replies to the server and closes the round
 (Flower messages, SecAgg+, or a block of clients in-process), then ``on_round_end`` records it
 (evaluation, ``metrics.csv``, checkpoint). A run stops cleanly before a round that would exceed

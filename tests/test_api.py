@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,20 +125,13 @@ def test_run_takes_overrides_and_refuses_bad_ones_before_anything_is_written(tmp
 
 
 @pytest.mark.slow
-def test_the_base_install_runs_the_api_and_the_command_line(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("base-install")  # with the other tests of conftest.base_install
+def test_the_base_install_runs_the_api_and_the_command_line(tmp_path: Path, base_install: Path) -> None:
     """``pip install -e .`` without extras is enough for ``run(...)`` and ``python -m dpfedavg.run``.
 
-    The environment is made with uv (a dependency of flwr, and what ``flwr run`` uses for every run),
-    from the same uv cache the ``flwr run`` tests fill; the optional packages (torch, flwr-datasets) are absent.
+    The venv (`conftest.base_install`) lacks the optional packages (torch, flwr-datasets).
     """
-    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
-    assert uv, "uv comes with flwr"
-    venv = tmp_path / "base"
-    subprocess.run([uv, "venv", "-q", "-p", sys.executable, str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    subprocess.run([uv, "pip", "install", "-q", "--python", str(python), "-e", str(ROOT)], check=True, timeout=600)
-    missing = subprocess.run([str(python), "-c", "import torch"], capture_output=True)
-    assert missing.returncode != 0  # the base install really lacks the optional packages
+    python = base_install
     out = tmp_path / "outputs"
     script = (
         "import sys; from dpfedavg import RunConfig, TorchTask, run; "

@@ -217,6 +217,20 @@ def test_runs_closed_forms_equal_the_local_steps(task: str, tmp_path: Path) -> N
             np.testing.assert_allclose(u[r], ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("task", ["quadratic", "digits"])
+def test_runs_update_rejects_a_bad_e_or_eta(task: str, tmp_path: Path) -> None:
+    """Alg. 1 lines 5-7 need E >= 1 and every run's eta_k > 0: one clear error naming the value."""
+    cfg = RunConfig.from_run_config({"task": task, "num-clients": 4, "clients-per-round": 4.0, "dim": 6,
+                                     "cache-dir": str(tmp_path / "cache")})  # fmt: skip
+    t = build_task(cfg)
+    update = t.client_runs_update_fn(np.arange(4))
+    w = np.stack([t.initial_weights()] * 2)
+    with pytest.raises(ValueError, match="local-steps E must be >= 1, got 0"):
+        update(w, np.array([0.01, 0.02]), 0)
+    with pytest.raises(ValueError, match="eta_k must be > 0"):
+        update(w, np.array([0.01, 0.0]), 3)
+
+
 def test_local_steps_gain_limits() -> None:
     lam = np.array([[0.0, 1e-12, 0.5, 3.0]])
     gain = local_steps_gain(lam, np.array([0.1, 1.0]), 20)[0]
@@ -251,6 +265,22 @@ def test_batches_are_cut_by_size_and_memory(tmp_path: Path) -> None:
     with pytest.raises(BatchMemoryError, match=f"needs at least .*\\({one} bytes\\)"):
         plan_batches(cells, max_memory=one - 1)
     assert [len(b) for b in plan_batches(cells, max_memory=one - 1, strict=False).batches] == [1] * 10
+
+
+def test_experiments_reject_an_unknown_keyword_before_anything_runs(tmp_path: Path) -> None:
+    """A key that is neither the grid's nor a run option (`RunOptions`) is a TypeError naming it; nothing is written."""
+    from dpfedavg.experiments.private_tuning import run_private_tuning
+
+    out = tmp_path / "out"
+    with pytest.raises(TypeError, match="'enigne': expected one of epsilons, .*, engine, jobs"):
+        table1.run_table1(out, "digits", enigne="batched")
+    with pytest.raises(TypeError, match="'jobs'"):
+        table1.table1_cells(out, "digits", jobs=2)  # the grid alone: the run options are run_table1's
+    with pytest.raises(TypeError, match="'job': expected one of engine, jobs, progress"):
+        synthetic.run_synthetic(out, job=2)
+    with pytest.raises(TypeError, match="'job'"):
+        run_private_tuning(out, "digits", epsilons=[5.0], clips=[1.0], lrs=[0.01], rounds=2, job=2)
+    assert not out.exists()
 
 
 def test_parse_memory() -> None:

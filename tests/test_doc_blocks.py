@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 from doc_blocks import ROOT, Block, all_blocks, commands
 
+from dpfedavg.experiments.sweep import RunOptions
+
 BIN = Path(sys.executable).parent
 BLOCKS = [b for b in all_blocks() if b.is_shell or b.is_python]
 
@@ -98,7 +100,7 @@ class _Counted(Exception):
         self.runs = runs
 
 
-_RUN_ONLY = ("engine", "jobs", "progress", "ray_address", "max_batch_memory")
+_RUN_ONLY = tuple(RunOptions.__annotations__)  # how cells run, not what they are
 
 
 def _run_sim_line(argv: list[str], monkeypatch, tmp_path: Path) -> int | None:

@@ -35,9 +35,16 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from dpfedavg.deploy.app_hash import AppHashError, fab_app_hash, folder_app_hash
+from dpfedavg.deploy.app_hash import AppHashError, check_installed_folder, fab_app_hash
 
-__all__ = ["UnapprovedAppError", "check_fab", "check_install_target", "install_approval", "run_supernode"]
+__all__ = [
+    "UnapprovedAppError",
+    "check_fab",
+    "check_install_target",
+    "check_options",
+    "install_approval",
+    "run_supernode",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -119,14 +126,12 @@ def check_install_target(content: bytes, fab_hash: str, requested_hash: str, fab
     folder = get_project_dir(fab_id, fab_version, actual)
     if folder.exists():
         try:
-            installed = folder_app_hash(folder)
-        except AppHashError as err:
-            installed = f"none ({err})"
-        if installed != fab_app_hash(content):
+            check_installed_folder(folder, content)  # every file Python may import, __pycache__ included
+        except (AppHashError, OSError) as err:
             raise UnapprovedAppError(
-                f"FAB {actual[:12]} refused: {folder} already holds another app (app hash {installed}), which "
-                "the ClientApp would load instead; remove that folder"
-            )
+                f"FAB {actual[:12]} refused: {folder} already holds another app, which the ClientApp would load "
+                f"instead ({err}); remove that folder"
+            ) from None
 
 
 def _guard(original: Callable[..., Any], approved: frozenset[str]) -> Callable[..., Any]:
@@ -202,6 +207,15 @@ def install_approval(approved: Iterable[str]) -> None:
     sci._pull_and_store_message = _guard(original, approved)
 
 
+def check_options(flower_args: list[str]) -> None:
+    """``ValueError`` if ``flower_args`` holds an option of `REFUSED_OPTIONS` or a prefix of one."""
+    for arg in flower_args:
+        name = arg.split("=", 1)[0]
+        for option, why in REFUSED_OPTIONS.items():
+            if len(name) > 2 and name.startswith("--") and option.startswith(name):  # argparse: any unique prefix
+                raise ValueError(f"{option} is not allowed with approved apps (given as {arg!r}): {why}")
+
+
 def run_supernode(approved: Iterable[str], flower_args: list[str]) -> None:
     """``flower-supernode FLOWER_ARGS`` in this process, refusing every app not in ``approved``.
 
@@ -211,11 +225,7 @@ def run_supernode(approved: Iterable[str], flower_args: list[str]) -> None:
         If ``flower_args`` holds an option listed in `REFUSED_OPTIONS` or a prefix of one (argparse takes any
         unique prefix of an option), or ``approved`` is empty.
     """
-    for arg in flower_args:
-        name = arg.split("=", 1)[0]
-        for option, why in REFUSED_OPTIONS.items():
-            if len(name) > 2 and name.startswith("--") and option.startswith(name):  # argparse: any unique prefix
-                raise ValueError(f"{option} is not allowed with approved apps (given as {arg!r}): {why}")
+    check_options(flower_args)
     install_approval(approved)
     from flwr.supernode.cli import flower_supernode
 

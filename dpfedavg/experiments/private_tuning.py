@@ -56,13 +56,14 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Unpack
 
 import numpy as np
 
 from dpfedavg.config import ConfigError
 from dpfedavg.experiments import PAPER_ALGORITHMS
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values
-from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
+from dpfedavg.experiments.sweep import Cell, RunOptions, make_cell, run_cells, split_run_options
 from dpfedavg.experiments.tuning_report import write_report
 from dpfedavg.io.atomic import write_csv
 from dpfedavg.privacy.accountants import RdpAccountant
@@ -267,16 +268,14 @@ def run_private_tuning(
     count: TrialCount | None = None,
     repetitions: int = DEFAULT_REPETITIONS,
     tuning_seed: int = 0,
-    engine: str = "batched",
-    jobs: int = 1,
     data_dir: str = "",
     cache_dir: str = "",
-    progress: bool = True,
-    ray_address: str | None = None,
     algorithms: Sequence[str] = TUNED_ALGORITHMS,
-    max_batch_memory: int | None = None,
+    **options: Unpack[RunOptions],
 ) -> dict[str, Path]:
     """The per-run table (`run_table1()`), then the tuning trials; both tables.
+
+    ``options`` (`dpfedavg.experiments.sweep.RunOptions`) say how the grid's runs and the trials run.
 
     Every trial is a sweep cell under ``<tuning dir>/runs/`` (`tuning_dir()`; resumable
     like the grid). Outputs: ``table1.csv`` / ``table1.md`` in ``out`` as
@@ -286,6 +285,7 @@ def run_private_tuning(
     """
     from dpfedavg.experiments.table1 import run_table1
 
+    split_run_options(options)  # a key that is no run option fails here, before anything runs
     count = count if count is not None else TrialCount()
     out = Path(out)
     grid_kwargs = {"clips": clips, "lrs": lrs, "rounds": rounds, "data_dir": data_dir, "cache_dir": cache_dir,
@@ -300,16 +300,9 @@ def run_private_tuning(
             "private tuning at (%g, %g): z = %.4g per trial (epsilon %.3g per trial), %s",
             eps, cal["delta"], cal["noise_multiplier"], cal["trial_epsilon"], count.describe(),
         )  # fmt: skip
-    outputs = run_table1(
-        out, dataset, epsilons=epsilons, seeds=seeds, engine=engine, jobs=jobs, progress=progress,
-        ray_address=ray_address, max_batch_memory=max_batch_memory, **grid_kwargs,
-    )  # fmt: skip
+    outputs = run_table1(out, dataset, epsilons=epsilons, seeds=seeds, **grid_kwargs, **options)
     _split_federations(dataset, repetitions, data_dir, cache_dir)
-    run_cells(
-        [t.cell for t in trials], engine=engine, jobs=jobs, progress=progress,
-        desc=f"private tuning {dataset} ({len(trials)} trials)", ray_address=ray_address,
-        max_batch_memory=max_batch_memory,
-    )  # fmt: skip
+    run_cells([t.cell for t in trials], desc=f"private tuning {dataset} ({len(trials)} trials)", **options)
     where = tuning_dir(out, count)
     rows = _collect(trials, dataset, calibration, where / "private_tuning.csv")
     settings = {"count": count, "repetitions": repetitions, "tuning_seed": tuning_seed}

@@ -30,15 +30,15 @@ import socket
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from dpfedavg.config import RunConfig
 
-__all__ = ["Cell", "SweepError", "cell_done", "check_ray_address", "plan_units", "run_cells"]
+__all__ = ["Cell", "RunOptions", "SweepError", "cell_done", "check_ray_address", "plan_units", "run_cells"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,39 @@ class Cell:
     @property
     def directory(self) -> Path:
         return Path(self.cfg.output_dir) / self.cfg.run_name
+
+
+class RunOptions(TypedDict, total=False):
+    """How a grid's cells run: `run_cells()`'s keywords but ``desc`` (a missing one takes its default there).
+
+    The experiments (`run_synthetic()`, `run_table1()`, `run_private_tuning()`) take them as keywords and
+    pass them on to `run_cells()` unchanged.
+    """
+
+    engine: str
+    jobs: int
+    progress: bool
+    ray_address: str | None
+    max_batch_memory: int | None
+
+
+def split_run_options(kwargs: Mapping[str, Any], allowed: Sequence[str] = ()) -> tuple[RunOptions, dict[str, Any]]:
+    """``kwargs`` split into the `RunOptions` and the rest, which may hold only ``allowed`` keys.
+
+    Raises
+    ------
+    TypeError
+        Before anything runs, naming a key that is neither a run option nor allowed.
+    """
+    keys = tuple(RunOptions.__annotations__)
+    unknown = [k for k in kwargs if k not in keys and k not in allowed]
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: expected one of "
+            f"{', '.join((*allowed, *keys))}"
+        )
+    options: RunOptions = {k: v for k, v in kwargs.items() if k in keys}  # type: ignore[assignment]
+    return options, {k: v for k, v in kwargs.items() if k not in keys}
 
 
 def make_cell(out: Path, key: str, values: dict) -> Cell:

@@ -30,12 +30,13 @@ import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Unpack
 
 import numpy as np
 
 from dpfedavg.experiments import PAPER_ALGORITHMS
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values
-from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
+from dpfedavg.experiments.sweep import Cell, RunOptions, make_cell, run_cells, split_run_options
 from dpfedavg.io.atomic import write_csv, write_text
 
 __all__ = ["SYNTHETIC_COLUMNS", "synthetic_cells", "run_synthetic"]
@@ -349,25 +350,22 @@ def run_synthetic(
     etas: Sequence[float] = (0.0003, 0.001, 0.003),
     seeds: int = 3,
     rounds: int = 500,
-    engine: str = "batched",
-    jobs: int = 1,
     snr_eta: float | None = None,
-    progress: bool = True,
-    ray_address: str | None = None,
     algorithms: Sequence[str] = ALGORITHMS,
-    max_batch_memory: int | None = None,
+    **options: Unpack[RunOptions],
 ) -> dict[str, Path]:
     """Run (or resume) the grid (on a Ray cluster with ``ray_address``), then write the CSV, figures and summary.
 
-    The cells run as batches (`dpfedavg.engines.batched_runs`) of at most ``max_batch_memory`` bytes.
+    ``options`` (`dpfedavg.experiments.sweep.RunOptions`) say how the cells run: as batches
+    (`dpfedavg.engines.batched_runs`) of at most ``max_batch_memory`` bytes by default.
     """
     from dpfedavg.server.run import plan_for
 
+    split_run_options(options)  # a key that is no run option fails here, before anything runs
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cells = synthetic_cells(out, clips=clips, inits=inits, etas=etas, seeds=seeds, rounds=rounds, algorithms=algorithms)
-    run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc="synthetic", ray_address=ray_address,
-              max_batch_memory=max_batch_memory)  # fmt: skip
+    run_cells(cells, desc="synthetic", **options)
     z = plan_for(cells[0].cfg).noise_multiplier
     rows = collect(cells, out / "synthetic.csv")
     snr_eta = snr_eta if snr_eta is not None else sorted(etas)[len(etas) // 2]

@@ -22,17 +22,19 @@ import json
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from dpfedavg.core.dp import BOUNDS
 from dpfedavg.experiments import PAPER_ALGORITHMS
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values, clip_curves
-from dpfedavg.experiments.sweep import Cell, make_cell, run_cells
+from dpfedavg.experiments.sweep import Cell, make_cell, run_cells, split_run_options
 from dpfedavg.io.atomic import write_csv, write_text
 
-__all__ = ["CLIPS", "DEFAULT_ROUNDS", "LEARNING_RATES", "PAPER_TABLE1", "run_table1", "table1_cells"]
+__all__ = ["CLIPS", "DEFAULT_ROUNDS", "LEARNING_RATES", "PAPER_TABLE1", "Table1Grid", "run_table1", "table1_cells"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,21 +75,31 @@ ALGORITHMS = PAPER_ALGORITHMS
 CURVE_EVAL_EVERY = 10
 
 
-def table1_cells(
-    out: Path,
-    dataset: str,
-    *,
-    epsilons: Sequence[float] = EPSILONS,
-    clips: Sequence[float] = CLIPS,
-    lrs: Sequence[float] = LEARNING_RATES,
-    seeds: int = 3,
-    rounds: int = DEFAULT_ROUNDS,
-    data_dir: str = "",
-    cache_dir: str = "",
-    algorithms: Sequence[str] = ALGORITHMS,
-) -> list[Cell]:
-    """Every run of the grid, plus the FedAvg baseline over eta_0 (validated before anything runs)."""
-    n = NUM_CLIENTS[dataset]
+@dataclass(frozen=True)
+class Table1Grid:
+    """One dataset's grid (paper §5): `table1_cells()` and `run_table1()` take these fields as keywords.
+
+    ``seeds`` runs of every (algorithm, epsilon, C, eta_0) of K = ``rounds`` rounds, plus FedAvg without DP
+    over eta_0; ``data_dir`` and ``cache_dir`` are the runs' ``data-dir`` and ``cache-dir``.
+    """
+
+    epsilons: Sequence[float] = EPSILONS
+    clips: Sequence[float] = CLIPS
+    lrs: Sequence[float] = LEARNING_RATES
+    seeds: int = 3
+    rounds: int = DEFAULT_ROUNDS
+    data_dir: str = ""
+    cache_dir: str = ""
+    algorithms: Sequence[str] = ALGORITHMS
+
+
+def table1_cells(out: Path, dataset: str, **grid: Any) -> list[Cell]:
+    """Every run of the grid (``grid``: `Table1Grid`'s fields), plus the FedAvg baseline over eta_0.
+
+    Validated before anything runs: a key that is no `Table1Grid` field raises TypeError, a bad value ConfigError.
+    """
+    g = Table1Grid(**grid)
+    n, rounds, clips, lrs, seeds = NUM_CLIENTS[dataset], g.rounds, g.clips, g.lrs, g.seeds
     base = {
         "task": dataset,
         "num-clients": n,
@@ -99,12 +111,12 @@ def table1_cells(
         "delta": 1e-5,
         "num-rounds": rounds,
         "eval-every": rounds,  # round 0 and the last 5 rounds: all the table needs
-        "data-dir": data_dir,
-        "cache-dir": cache_dir,
+        "data-dir": g.data_dir,
+        "cache-dir": g.cache_dir,
     }
     cells = []
-    for alg in algorithms:
-        for eps in epsilons:
+    for alg in g.algorithms:
+        for eps in g.epsilons:
             for c in clips:
                 for lr in lrs:
                     for seed in range(seeds):
@@ -189,27 +201,13 @@ def markdown(dataset: str, best: dict, epsilons: Sequence[float], rounds: int) -
     return "\n".join(lines) + "\n"
 
 
-def run_table1(
-    out: Path,
-    dataset: str,
-    *,
-    epsilons: Sequence[float] = EPSILONS,
-    clips: Sequence[float] = CLIPS,
-    lrs: Sequence[float] = LEARNING_RATES,
-    seeds: int = 3,
-    rounds: int = DEFAULT_ROUNDS,
-    engine: str = "batched",
-    jobs: int = 1,
-    data_dir: str = "",
-    cache_dir: str = "",
-    progress: bool = True,
-    ray_address: str | None = None,
-    algorithms: Sequence[str] = ALGORITHMS,
-    max_batch_memory: int | None = None,
-) -> dict[str, Path]:
+def run_table1(out: Path, dataset: str, **settings: Any) -> dict[str, Path]:
     """Run (or resume) the grid for ``dataset`` (on a Ray cluster with ``ray_address``); write the CSV and table.
 
-    The cells run as batches (`dpfedavg.engines.batched_runs`) of at most ``max_batch_memory`` bytes.
+    ``settings``: `Table1Grid`'s fields (the grid) and the `dpfedavg.experiments.sweep.RunOptions` (how its
+    cells run: ``engine``, ``jobs``, ``progress``, ``ray_address``, ``max_batch_memory``); any other key
+    raises TypeError before anything runs. The cells run as batches (`dpfedavg.engines.batched_runs`) of at
+    most ``max_batch_memory`` bytes.
 
     On a cluster every node prepares the data for itself, from its own ``data_dir``
     and ``cache_dir`` (the same paths on every node; see the Ray cluster how-to).
@@ -217,31 +215,26 @@ def run_table1(
     from dpfedavg.config import RunConfig
     from dpfedavg.tasks import build_task
 
+    options, grid_values = split_run_options(settings, allowed=tuple(Table1Grid.__dataclass_fields__))
+    grid = Table1Grid(**grid_values)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cells = table1_cells(
-        out, dataset, epsilons=epsilons, clips=clips, lrs=lrs, seeds=seeds, rounds=rounds,
-        data_dir=data_dir, cache_dir=cache_dir, algorithms=algorithms,
-    )  # fmt: skip
+    cells = table1_cells(out, dataset, **grid_values)
     # Prepare the data (download, features, shard split) once, before the workers start.
     prep = RunConfig.from_run_config(
         {"task": dataset, "num-clients": NUM_CLIENTS[dataset], "clients-per-round": 0.2 * NUM_CLIENTS[dataset],
-         "data-dir": data_dir, "cache-dir": cache_dir}
+         "data-dir": grid.data_dir, "cache-dir": grid.cache_dir}
     )  # fmt: skip
-    for seed in range(seeds):
+    for seed in range(grid.seeds):
         _ = build_task(prep.replace(seed=seed)).partition
-    run_cells(cells, engine=engine, jobs=jobs, progress=progress, desc=f"table1 {dataset}", ray_address=ray_address,
-              max_batch_memory=max_batch_memory)  # fmt: skip
+    run_cells(cells, desc=f"table1 {dataset}", **options)
     rows = collect(cells, dataset, out / "table1.csv")
     best = best_settings(rows)
-    write_text(out / "table1.md", markdown(dataset, best, epsilons, rounds))
+    write_text(out / "table1.md", markdown(dataset, best, grid.epsilons, grid.rounds))
     outputs = {"csv": out / "table1.csv", "table": out / "table1.md"}
-    curves = curve_cells(out, cells, best, seeds)
+    curves = curve_cells(out, cells, best, grid.seeds)
     if curves:
-        run_cells(
-            curves, engine=engine, jobs=jobs, progress=progress, desc=f"curves {dataset}", ray_address=ray_address,
-            max_batch_memory=max_batch_memory,
-        )  # fmt: skip
+        run_cells(curves, desc=f"curves {dataset}", **options)
         outputs["curves"] = plot_curves(curves, best, out / "curves.png", dataset)
     return outputs
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from dpfedavg.core.types import BatchUpdateFn, GradFn, RunsUpdateFn, Vector
 
-__all__ = ["OPTIONAL_MEMBERS", "REQUIRED_MEMBERS", "Task", "TaskHooks", "task_hooks"]
+__all__ = ["OPTIONAL_MEMBERS", "REQUIRED_MEMBERS", "Task", "TaskHooks", "runs_step_sizes", "task_hooks"]
 
 
 class Task(Protocol):
@@ -137,6 +137,24 @@ OPTIONAL_MEMBERS: dict[str, str] = {
     "parallel_steps": "parallel_steps",
     "batch_shared_bytes": "batch_shared_bytes",
 }
+
+
+def runs_step_sizes(lrs: Any, num_steps: int) -> np.ndarray:
+    """A `RunsUpdateFn`'s ``eta_k`` (one per run) as float64 ``(R,)``, once it and ``E`` are checked.
+
+    The local steps of Alg. 1 lines 5-7 need ``E >= 1`` and ``eta_k > 0`` (as `dpfedavg.core.local_steps()`).
+
+    Raises
+    ------
+    ValueError
+        Naming ``E`` or ``eta_k`` when it is out of range.
+    """
+    lrs = np.asarray(lrs, dtype=np.float64).reshape(-1)
+    if num_steps < 1:
+        raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
+    if not np.all(lrs > 0):
+        raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
+    return lrs
 
 
 def task_hooks(task: Task) -> TaskHooks:

@@ -22,6 +22,7 @@ import numpy as np
 
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core.types import BatchUpdateFn, GradFn, RunsUpdateFn, Vector
+from dpfedavg.tasks.base import runs_step_sizes
 from dpfedavg.tasks.datasets import DATASETS, PreparedData, locked, prepare_dataset, save_npy
 from dpfedavg.tasks.partition import paper_shard_partition
 
@@ -275,11 +276,8 @@ class LogisticTask:
         x_t, x_flat = x.transpose(0, 2, 1), x.reshape(num * m, d)
 
         def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
-            w, lrs = np.atleast_2d(np.asarray(w, dtype=np.float64)), np.asarray(lrs, dtype=np.float64).reshape(-1)
-            if num_steps < 1:
-                raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
-            if not np.all(lrs > 0):
-                raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
+            lrs = runs_step_sizes(lrs, num_steps)
+            w = np.atleast_2d(np.asarray(w, dtype=np.float64))
             runs = len(w)
             weights, bias = w[:, : d * c].reshape(runs, d, c), w[:, d * c :]  # (R, d, c), (R, c)
             # X W_k for every client and run: (B, m, c, R)

@@ -22,6 +22,7 @@ import numpy as np
 from dpfedavg.config import RunConfig
 from dpfedavg.core.seeding import Stream, make_rng
 from dpfedavg.core.types import BatchUpdateFn, GradFn, RunsUpdateFn, Vector
+from dpfedavg.tasks.base import runs_step_sizes
 
 __all__ = ["Federation", "QuadraticTask", "QuadraticClient", "RANK", "federation", "local_steps_gain"]
 
@@ -203,11 +204,8 @@ class QuadraticTask:
             star_proj = fed.star_proj[ids]
 
         def update(w: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
-            w, lrs = np.atleast_2d(np.asarray(w, dtype=np.float64)), np.asarray(lrs, dtype=np.float64).reshape(-1)
-            if num_steps < 1:
-                raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
-            if not np.all(lrs > 0):
-                raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
+            lrs = runs_step_sizes(lrs, num_steps)
+            w = np.atleast_2d(np.asarray(w, dtype=np.float64))
             if every:  # the product the server's evaluation of w_k already formed
                 v = fed.projections(w).transpose(1, 0, 2)  # (B, R, RANK)
             else:

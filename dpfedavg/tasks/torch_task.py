@@ -55,6 +55,7 @@ from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.core.seeding import Stream, make_rng
 from dpfedavg.core.threads import single_threaded
 from dpfedavg.core.types import BatchUpdateFn, GradFn, RunsUpdateFn, Vector
+from dpfedavg.tasks.base import runs_step_sizes
 
 __all__ = [
     "ArrayClients",
@@ -607,11 +608,7 @@ class TorchTask:
 
         def update(w: Any, lrs: np.ndarray, num_steps: int) -> Any:
             """``(R, B, dim)`` float64 on the task's device; ``w`` a numpy array or a tensor (already there)."""
-            lrs = np.asarray(lrs, dtype=np.float64).reshape(-1)
-            if num_steps < 1:
-                raise ValueError(f"local-steps E must be >= 1, got {num_steps!r}")
-            if not np.all(lrs > 0):
-                raise ValueError(f"local learning rate eta_k must be > 0, got {lrs!r}")
+            lrs = runs_step_sizes(lrs, num_steps)
             if isinstance(w, np.ndarray | list):
                 w = np.atleast_2d(np.asarray(w, dtype=np.float64))
             w0 = torch.as_tensor(w, device=self.device)

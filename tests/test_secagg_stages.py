@@ -49,6 +49,7 @@ from dpfedavg.flower import server_app
 from dpfedavg.flower.mod import ARRAY_KEYS, public_parameters
 from dpfedavg.flower.protocol import ARRAYS, REFUSED, instructions_to_config_record
 from dpfedavg.flower.testing import InProcessGrid
+from dpfedavg.privacy.ledger import NodeLedger, ledger_path
 from dpfedavg.privacy.policy import NodePolicy, PolicyError
 from dpfedavg.server.dp_server import DPServer
 
@@ -145,7 +146,8 @@ class _Attacker:
     def unmask(self, lists: dict[int, tuple[list[int], list[int]]]) -> dict[int, Message]:
         self.unmask_lists = lists
         return self.send(Stage.UNMASK, {
-            node: {Key.ACTIVE_NODE_ID_LIST: active, Key.DEAD_NODE_ID_LIST: dead} for node, (active, dead) in lists.items()
+            node: {Key.ACTIVE_NODE_ID_LIST: active, Key.DEAD_NODE_ID_LIST: dead}
+            for node, (active, dead) in lists.items()
         })  # fmt: skip
 
     def honest_until_unmask(self) -> None:
@@ -159,7 +161,8 @@ class _Attacker:
         masked_reply = self.replies.get(Stage.COLLECT_MASKED_VECTORS, {}).get(victim)
         if masked_reply is None or masked_reply.has_error():
             return None
-        masked = [bytes_to_ndarray(b) for b in masked_reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]]
+        record = masked_reply.content.config_records[RECORD_KEY_CONFIGS]
+        masked = [bytes_to_ndarray(b) for b in record[Key.MASKED_PARAMETERS]]  # type: ignore[union-attr]
         seed_shares, key_shares = [], []
         for node, reply in self.replies.get(Stage.UNMASK, {}).items():
             if reply.has_error():
@@ -315,6 +318,21 @@ def test_a_secagg_cohort_other_than_the_rounds_cohort_size_is_refused_before_the
     attacker.share_keys()
     for reply in attacker.masked_vectors().values():
         _refused(reply, "SecAgg+ cohort", "3 nodes", "|S_k| = 6")
+    assert _releases(attacker) == [0, 0, 0]  # refused before the ledger's charge
+    honest = _Attacker(kind, cohort_size=3, **{"num-clients": 8})
+    honest.honest_until_unmask()
+    assert _releases(honest) == [1, 1, 1]
+
+
+def _releases(attacker: _Attacker) -> list[int]:
+    """How many releases each node's privacy ledger holds (every release is charged there before it is sent)."""
+    counts = []
+    for context in attacker.grid.contexts.values():
+        config = context.node_config
+        policy = NodePolicy.from_node_config({k: v for k, v in config.items() if "partition" not in k})
+        path = ledger_path(config, policy)
+        counts.append(len(NodeLedger(path).read()) if path.exists() else 0)
+    return counts
 
 
 @pytest.mark.parametrize(

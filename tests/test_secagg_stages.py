@@ -270,7 +270,7 @@ def test_the_attackers_reconstruction_is_exact_when_the_node_does_not_check(monk
     """The harness can fail: with the stage checks switched off, attacks (a) and (b) read the victim's vector
     exactly, as they did before the checks (72654f0)."""
     monkeypatch.setattr(guard_module, "_stage_refusal", lambda policy, checked: None)
-    monkeypatch.setattr(guard_module, "_cohort_refusal", lambda *args: None)
+    monkeypatch.setattr(guard_module, "_check_cohort", lambda *args: None)
     for attack in (_attack_alone, _attack_both_lists):
         captured.clear()
         attacker = _Attacker()

@@ -37,7 +37,8 @@ from dpfedavg.flower.guard import (
     guard,
     note_stage,
     refusal,
-    secagg_stage,
+    secagg_stage_of,
+    secagg_stage_within,
 )
 from dpfedavg.flower.guard import node_policy as _node_policy
 from dpfedavg.flower.protocol import (
@@ -162,7 +163,7 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
     checked by the guard before ``secaggplus_mod`` sees the stage (`dpfedavg.flower.guard`), and in the
     masked-vector stage the setup's cohort against the round's ``|S_k|``.
     """
-    checked = secagg_stage(msg, context)
+    checked = secagg_stage_of(msg, context)
     if checked is None:
         return call_next(msg, context)
     reply = _secure_stage(msg, context, checked)
@@ -226,7 +227,8 @@ def train(msg: Message, context: Context) -> Message:
     setup_app_process()
     cfg = _run_config(context)
     client_id, _ = _partition(context)
-    bypassed = secagg_stage(msg, context, inside=BYPASSED) if RECORD_KEY_CONFIGS in msg.content.config_records else None
+    secure_content = RECORD_KEY_CONFIGS in msg.content.config_records
+    bypassed = secagg_stage_within(msg, context, BYPASSED) if secure_content else None
     ins, refused = checked_round(msg, context, cfg, msg.content.config_records.get(CONFIG), secagg=bypassed)
     if refused is not None:
         return refused

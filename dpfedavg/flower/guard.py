@@ -19,7 +19,7 @@ these, in this order, for both:
    threshold (a majority of a node's shares); the stages in order, each once (one unmask request per round,
    after the node's masked vector); in the unmask stage no node both active and dropped, and this node
    active; in the masked-vector stage the setup's cohort equal to the ``|S_k|`` the node's noise share is
-   computed for (`_cohort_refusal()`). The project's ClientApp checks every stage itself; a user's app has
+   computed for (`_check_cohort()`). The project's ClientApp checks every stage itself; a user's app has
    ``checked_secaggplus_mod`` (`dpfedavg.flower.mod`) in place of Flower's ``secaggplus_mod``, and under a node
    policy ``dp_mod`` refuses a masked-vector stage whose earlier stages were not checked.
 3. **The round.** The instructions are read strictly and checked by the one rule set,
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from functools import lru_cache
 from typing import Any
@@ -67,7 +67,8 @@ __all__ = [
     "node_policy",
     "note_stage",
     "refusal",
-    "secagg_stage",
+    "secagg_stage_of",
+    "secagg_stage_within",
 ]
 
 #: The SecAgg+ "stage" of content that did not come through the protocol's masked-vector stage.
@@ -141,7 +142,7 @@ class TrainRequest:
 
 @dataclass(frozen=True)
 class SecAggStage:
-    """A SecAgg+ stage message as the node checks it (`secagg_stage()`).
+    """A SecAgg+ stage message as the node checks it (`secagg_stage_of()`).
 
     ``stage``: Flower's stage name (`BYPASSED` for content outside the protocol); ``configs``: the stage's
     parameters (Flower's keys), ``None`` inside ``secaggplus_mod``, which has taken them (``dp_mod``: only the
@@ -155,20 +156,19 @@ class SecAggStage:
     record: Mapping[str, Any] | None
 
 
-def secagg_stage(msg: Message, context: Context, *, inside: str | None = None) -> SecAggStage | None:
-    """The SecAgg+ stage ``msg`` holds, or ``None`` without SecAgg+ content (or for an error message).
-
-    ``inside``: the stage ``dp_mod`` is called in by ``secaggplus_mod`` (its configs are gone by then).
-    """
-    record = context.state.config_records.get(SECAGG_RECORD)
-    recorded = None if record is None else dict(record)
-    node = int(msg.metadata.dst_node_id)
-    if inside is not None:
-        return SecAggStage(inside, None, node, recorded)
+def secagg_stage_of(msg: Message, context: Context) -> SecAggStage | None:
+    """The SecAgg+ stage ``msg`` holds, or ``None`` without SecAgg+ content (or for an error message)."""
     configs = None if msg.has_error() else msg.content.config_records.get(RECORD_KEY_CONFIGS)
     if configs is None:
         return None
-    return SecAggStage(str(configs.get(Key.STAGE)), dict(configs), node, recorded)
+    return replace(secagg_stage_within(msg, context, str(configs.get(Key.STAGE))), configs=dict(configs))
+
+
+def secagg_stage_within(msg: Message, context: Context, stage: str) -> SecAggStage:
+    """The SecAgg+ ``stage`` a train handler is called in (``secaggplus_mod`` has taken the stage's configs), or
+    `BYPASSED`: only the node's record of the protocol is read."""
+    record = context.state.config_records.get(SECAGG_RECORD)
+    return SecAggStage(stage, None, int(msg.metadata.dst_node_id), None if record is None else dict(record))
 
 
 def note_stage(context: Context, checked: SecAggStage, reply: Message) -> None:
@@ -212,7 +212,7 @@ def guard(
     ``secaggplus_mod`` in that stage, or `BYPASSED` (content that did not come through it). ``train``: the
     round to check and charge; without it the verdict says only whether the message may go on (the apps ask
     before they set anything up, then again with the round). ``secagg``: the SecAgg+ stage message with the node's
-    record of the protocol (`secagg_stage()`): its parameters are checked when it has them (before
+    record of the protocol (`secagg_stage_of()`): its parameters are checked when it has them (before
     ``secaggplus_mod``), the setup's cohort against the round's ``|S_k|`` in the masked-vector stage.
 
     Raises ``ValueError`` for a ``dp_mod`` train config that is not DPFedAvg's (an error reply, not a refusal).
@@ -377,7 +377,7 @@ def _unmask_refusal(configs: Mapping[str, Any], node_id: int, threshold: int) ->
     return None
 
 
-def _cohort_refusal(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, checked: SecAggStage | None) -> None:
+def _check_cohort(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, checked: SecAggStage | None) -> None:
     """In the masked-vector stage: the setup's cohort must be the ``|S_k|`` this node's noise share is computed for.
 
     ``RoundRefused`` otherwise (before the release is charged). A round whose earlier stages this node did not
@@ -428,7 +428,7 @@ def _followed(
         ins, terms = _public_round(train.config)
         followed = check_round(policy, ins, secure_round=secure_round, public=terms)
     if secure_round:
-        _cohort_refusal(app, policy, followed, secagg)
+        _check_cohort(app, policy, followed, secagg)
     record_release(node_config, train.run_id, followed, train.cfg, message_type=message_type)
     if app.own_handlers and followed.noise_seed != ins.noise_seed:
         logging.getLogger(app.logger).info("round %d: secure noise: the server's noise seed is not used",

@@ -97,7 +97,8 @@ from dpfedavg.flower.guard import (
     node_policy,
     note_stage,
     refusal,
-    secagg_stage,
+    secagg_stage_of,
+    secagg_stage_within,
 )
 from dpfedavg.flower.protocol import (
     ARRAYS,
@@ -207,7 +208,7 @@ def checked_secaggplus_mod(msg: Message, context: Context, call_next: ClientAppC
 
     ``ClientApp(mods=[checked_secaggplus_mod, dp_mod])``, or ``@app.train(mods=[checked_secaggplus_mod, dp_mod])``.
     """
-    checked = secagg_stage(msg, context) if msg.metadata.message_type == MessageType.TRAIN else None
+    checked = secagg_stage_of(msg, context) if msg.metadata.message_type == MessageType.TRAIN else None
     if checked is None:
         return secaggplus_mod(msg, context, call_next)
     verdict = guard(DP_MOD, msg.metadata.message_type, context.node_config, secagg_stage=checked.stage,
@@ -371,8 +372,8 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
             "a SecAgg+ message reached dp_mod before secaggplus_mod: put dp_mod inside it, "
             "@app.train(mods=[checked_secaggplus_mod, dp_mod])",
         )
-    stage = secagg_stage(msg, context, inside=Stage.COLLECT_MASKED_VECTORS if _in_masked_vector_stage(msg, context)
-                         else BYPASSED)  # fmt: skip
+    inside = Stage.COLLECT_MASKED_VECTORS if _in_masked_vector_stage(msg, context) else BYPASSED
+    stage = secagg_stage_within(msg, context, inside)
     admitted = guard(DP_MOD, msg.metadata.message_type, context.node_config, secagg_stage=stage.stage)
     if admitted.route is Route.REFUSE:
         return refusal(msg, admitted.reason, DP_MOD)

@@ -114,7 +114,7 @@ def _restart() -> None:
 
 def _numbers(reason: str) -> dict[str, float]:
     spent = re.search(r"has spent epsilon ([0-9.e+-]+)", reason)
-    total = re.search(r"composed epsilon to ([0-9.e+-]+) > max-epsilon = ([0-9.e+-]+)", reason)
+    total = re.search(r"composed epsilon to ([0-9.e+-]+) > max-epsilon(?:-released)? = ([0-9.e+-]+)", reason)
     assert spent and total, reason
     return {"spent": float(spent[1]), "total": float(total[1]), "budget": float(total[2])}
 
@@ -124,7 +124,7 @@ def test_five_runs_against_max_epsilon_8_are_refused_once_the_composed_epsilon_w
     """Each run alone (epsilon 3.85) passes the node's max-epsilon = 8; composed, runs 4 and 5 are refused."""
     cfg = _cfg(EXACT_RUNS)
     path = tmp_path / "ledger.json"
-    node = Node({"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(path)})
+    node = Node({"max-epsilon-released": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(path)})
     answered = [_answered(node.run(cfg, run_id)) for run_id in range(1, 6)]
     assert answered == [True, True, True, False, False]
 
@@ -178,7 +178,7 @@ def test_a_server_declaring_delta_0_1_does_not_choose_the_delta_of_the_nodes_bud
     exact = {runs: gaussian_epsilon(2.5 / math.sqrt(5 * runs), 1e-6) for runs in (2, 3)}
     assert exact[2] < 8 - 1 and exact[3] > 8 + 0.1 and gaussian_epsilon(2.5 / math.sqrt(50), 0.1) < 8
     cfg = _cfg({**EXACT_RUNS, "delta": 0.1})
-    node = Node({"max-epsilon": 8.0, "privacy-ledger": str(tmp_path / "ledger.json")})
+    node = Node({"max-epsilon-released": 8.0, "privacy-ledger": str(tmp_path / "ledger.json")})
     assert [_answered(node.run(cfg, run_id)) for run_id in (1, 2)] == [True, True]
     refused = node.send(cfg, 3, 1)
     assert refused.has_error() and "max-epsilon" in refused.error.reason
@@ -192,7 +192,8 @@ def test_a_redone_round_past_the_budget_is_refused(tmp_path) -> None:
     cfg = _cfg(EXACT_RUNS)
     five, six = (gaussian_epsilon(2.5 / math.sqrt(k), 1e-5) for k in (5, 6))
     assert five < 4.05 - 0.15 and six > 4.05 + 0.15
-    node = Node({"max-epsilon": 4.05, "max-epsilon-delta": 1e-5, "privacy-ledger": str(tmp_path / "ledger.json")})
+    ledger = str(tmp_path / "ledger.json")
+    node = Node({"max-epsilon-released": 4.05, "max-epsilon-delta": 1e-5, "privacy-ledger": ledger})
     assert _answered(node.run(cfg, 7))
     redone = node.send(cfg, 7, 4)
     assert redone.has_error() and "max-epsilon" in redone.error.reason
@@ -202,7 +203,7 @@ def test_a_redone_round_past_the_budget_is_refused(tmp_path) -> None:
 def test_a_restarted_node_keeps_its_spent_budget(tmp_path) -> None:
     """Three runs, a restart (no process-level state, a new federation), and the fourth run is refused."""
     cfg = _cfg(EXACT_RUNS)
-    node_config = {"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "min-noise-multiplier": 1.0}  # the default ledger
+    node_config = {"max-epsilon-released": 8.0, "max-epsilon-delta": 1e-5, "min-noise-multiplier": 1.0}  # default ledger
     for run_id in (11, 12, 13):
         assert _answered(Node(node_config).run(cfg, run_id))
     _restart()
@@ -429,7 +430,7 @@ def test_dp_mod_charges_each_release_as_an_unamplified_gaussian(tmp_path) -> Non
     exact = {n: gaussian_epsilon(z / math.sqrt(n), 1e-5) for n in (3, 4)}
     assert exact[3] < 8 - 0.5 and exact[4] > 8 + 0.5
     path = tmp_path / "ledger.json"
-    node = Node({"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(path)}, _dp_mod_app())
+    node = Node({"max-epsilon-released": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(path)}, _dp_mod_app())
     cfg = _cfg(EXACT_RUNS)
     replies = []
     for k in (1, 2, 3, 4):

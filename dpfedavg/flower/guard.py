@@ -42,7 +42,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import Stage
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core.types import RoundInstructions
-from dpfedavg.flower.protocol import REFUSED, instructions_from_config_record
+from dpfedavg.flower.protocol import CLIENT_IDS, REFUSED, instructions_from_config_record
 from dpfedavg.flower.runtime import route_logs_through_flower
 from dpfedavg.privacy.ledger import record_release
 from dpfedavg.privacy.policy import NodePolicy, PolicyError, PublicTerms, RoundRefused, check_round
@@ -236,11 +236,30 @@ def _followed(
     else:
         ins, terms = _public_round(train.config)
         followed = check_round(policy, ins, secure_round=secure_round, public=terms)
-    record_release(node_config, train.run_id, followed, train.cfg, message_type=message_type)
+    record_release(
+        node_config, train.run_id, followed, train.cfg, message_type=message_type,
+        secure_aggregation=secure_round and _secagg_checked(), clients=_clients(train),
+    )  # fmt: skip
     if app.own_handlers and followed.noise_seed != ins.noise_seed:
         logging.getLogger(app.logger).info("round %d: secure noise: the server's noise seed is not used",
                                            ins.server_round)  # fmt: skip
     return followed
+
+
+def _secagg_checked() -> bool:
+    """Whether this SecAgg+ round's own parameters were checked by `_secure_content()` (a cohort of at least the
+    node's minimum, equal to the instructions' ``|S_k|``, consistent shares and threshold, nobody both active and
+    dropped), so that the server sees only the cohort's sum: the ledger's account (b) then counts the cohort's
+    noise instead of this node's share alone. No check on this branch: ``False``, the node's own share."""
+    return False
+
+
+def _clients(train: TrainRequest) -> int:
+    """The updates of this node's data the message asks for: its virtual clients (``clients-per-node`` > 1), else 1."""
+    if train.cfg is None or train.cfg.clients_per_node == 1 or train.config is None:
+        return 1
+    ids = train.config.get(CLIENT_IDS)
+    return max(1, len(ids)) if isinstance(ids, list | tuple) else train.cfg.clients_per_node
 
 
 def _public_round(config: Mapping[str, Any] | None) -> tuple[RoundInstructions, PublicTerms]:

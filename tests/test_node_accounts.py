@@ -236,7 +236,32 @@ def test_a_banded_mf_run_is_charged_its_own_epsilon(tmp_path) -> None:
     before = pld_epsilon(dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(1.5)), 8, DELTA)
     assert spent > 1.5 * before
     redone = _ask(node, cfg, 1, 5, cohort=1)  # a round released twice: not covered by the banded analysis
-    assert redone.route is Route.REFUSE and "banded" in redone.reason
+    assert redone.route is Route.REFUSE and "(participation)" in redone.reason and "twice" in redone.reason
+    assert _ask(node, cfg, 1, 8, cohort=1).route is Route.REFUSE  # a third participation (k = 2)
+
+
+@pytest.mark.parametrize(
+    ("participation", "rounds", "refused"),
+    [
+        ("cyclic", [1, 2], 2),  # every round: 1 apart, b = 4
+        ("cyclic", [1, 4], 4),  # 3 apart
+        ("min-separation", [2, 6], None),  # 4 apart, k = 2
+        ("cyclic-poisson", [1, 6], 6),  # 5 apart but another cyclic group
+    ],
+)
+def test_a_banded_mf_node_answers_only_the_participation_pattern_its_epsilon_covers(
+    tmp_path, participation: str, rounds: list[int], refused: int | None
+) -> None:
+    """A server that asks a banded-MF node more often than the rule says (the run's epsilon covers k = 2
+    participations b = 4 apart, one cyclic group with cyclic-poisson) is refused at the first round that breaks it."""
+    cfg = _cfg(**{"noise-mechanism": "banded-mf", "noise-placement": "server", "clients-per-round": 1.0,
+                  "noise-multiplier": 1.5, "participation": participation})  # fmt: skip
+    node = {"allow-server-noise": True, "max-epsilon-released": 50.0, "privacy-ledger": str(tmp_path / "l.json")}
+    for k in rounds:
+        verdict = _ask(node, cfg, 1, k, cohort=1)
+        assert (verdict.route is Route.REFUSE) == (k == refused), verdict.reason
+        if k == refused:
+            assert "(participation)" in verdict.reason
 
 
 def test_a_banded_mf_run_above_the_nodes_budget_is_refused_at_its_first_round(tmp_path) -> None:

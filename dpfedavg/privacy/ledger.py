@@ -64,7 +64,14 @@ from dpfedavg.core.dp import BOUNDS
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.io.atomic import atomic_write_bytes
 from dpfedavg.privacy.accountants import AccountingRangeError, RoundEvent, _run_pld
-from dpfedavg.privacy.node_accounts import RELEASED, SERVER, gaussian_epsilon, released_plan, server_mu2
+from dpfedavg.privacy.node_accounts import (
+    RELEASED,
+    SERVER,
+    check_participation,
+    gaussian_epsilon,
+    released_plan,
+    server_mu2,
+)
 from dpfedavg.privacy.policy import NODE_IDENTITY_KEYS, NodePolicy, PolicyError, RoundRefused, noise_bound
 
 __all__ = [
@@ -99,7 +106,7 @@ BANDED_MF = "banded-mf"
 #: The entry fields added within format ``/2`` and their defaults (an entry without them has these values).
 _OPTIONAL: dict[str, Any] = {
     "run_name": None, "resume": False, "plan": None, "clients": 1, "server_noise_multiplier": None,
-    "secure_aggregation": False,
+    "secure_aggregation": False, "participation": None,
 }  # fmt: skip
 
 
@@ -149,6 +156,7 @@ class Release:
     clients: int = 1
     server_noise_multiplier: float | None = None
     secure_aggregation: bool = False
+    participation: tuple[str, int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The entry's JSON: the fields added after format ``/2`` began only where they differ from their default
@@ -157,8 +165,9 @@ class Release:
         for name in _OPTIONAL:
             if entry[name] == _OPTIONAL[name]:
                 del entry[name]
-        if self.plan is not None:
-            entry["plan"] = list(self.plan)
+        for name in ("plan", "participation"):
+            if entry.get(name) is not None:
+                entry[name] = list(entry[name])
         return entry
 
     @classmethod
@@ -190,12 +199,18 @@ class Release:
             "clients": lambda v: _is_int(v) and v >= 1,
             "server_noise_multiplier": lambda v: v is None or (_is_number(v) and v >= 0),
             "secure_aggregation": lambda v: isinstance(v, bool),
+            "participation": lambda v: v is None or (
+                isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and _is_int(v[1]) and v[1] >= 1
+                and _is_int(v[2]) and v[2] >= 1
+            ),
         }  # fmt: skip
         for name, check in checks.items():
             if not check(entry[name]):
                 raise LedgerError(f"{where}: field {name!r} = {entry[name]!r} is not valid")
         if entry["plan"] is not None:
             entry["plan"] = (float(entry["plan"][0]), float(entry["plan"][1]), int(entry["plan"][2]))
+        if entry["participation"] is not None:
+            entry["participation"] = tuple(entry["participation"])
         release = cls(**entry)
         if (release.mechanism != GAUSSIAN) != (release.sampling_rate is not None and release.num_rounds is not None):
             raise LedgerError(f"{where}: mechanism {release.mechanism!r} does not match its q and num-rounds")
@@ -222,7 +237,8 @@ Names = Callable[[str, str], PlanKey | None]
 
 def _params(r: Release) -> tuple[Any, ...]:
     """What a run's plan is, but its id: mechanism, ``q``, ``K``, delta, ``z``, account (a)'s plan, the clients."""
-    return (r.mechanism, r.sampling_rate, r.num_rounds, r.delta, r.noise_multiplier, r.plan, r.clients)
+    return (r.mechanism, r.sampling_rate, r.num_rounds, r.delta, r.noise_multiplier, r.plan, r.clients,
+            r.participation)  # fmt: skip
 
 
 def _plan(r: Release, names: Names) -> PlanKey:
@@ -624,11 +640,13 @@ class NodeLedger:
         with self._synced() as state:
             key = None if release.mechanism == GAUSSIAN else _plan(release, state.name_plan)
             rounds = None if key is None else state.rounds(key)
-            if release.mechanism == BANDED_MF and rounds is not None and release.server_round in rounds:
-                raise RoundRefused(
-                    "noise-mechanism", f"round {release.server_round} of this banded-MF run was answered already "
-                    f"(run {release.run_id}): the banded analysis covers no round released twice", policy=False,
-                )  # fmt: skip
+            if release.mechanism == BANDED_MF and rounds is not None and release.participation is not None:
+                broken = check_participation(release.participation, rounds, release.server_round)
+                if broken is not None:
+                    raise RoundRefused(
+                        "participation", f"banded-MF run {release.run_id}: {broken}; its epsilon covers no other "
+                        "pattern", policy=False,
+                    )  # fmt: skip
             added = _charge(release, rounds)
             after = None if added is None else state.composition().then(*added, run_pld=state.run_pld)
             total = state.epsilon(delta) if after is None else after.epsilon(delta)
@@ -942,7 +960,7 @@ def record_release(
     bound = noise_bound(ins, cfg) if private else 0.0
     own = ins.noise_std / bound if bound > 0 and math.isfinite(bound) else 0.0
     secure = bool(secure_aggregation) and ins.cohort_size >= 1
-    plan, mechanism = None, POISSON_GAUSSIAN if cfg is not None else GAUSSIAN
+    plan, participation, mechanism = None, None, POISSON_GAUSSIAN if cfg is not None else GAUSSIAN
     if cfg is not None:
         hosted = cfg.clients_per_node  # the plan: every round may ask each client the node hosts
         if cfg.noise_mechanism != "independent" or hosted > 1:
@@ -950,7 +968,7 @@ def record_release(
                 charge = released_plan(cfg, z, hosted)
             except ValueError as err:
                 raise RoundRefused("noise-mechanism", str(err), policy=True) from None
-            plan = (charge.event.q, float(charge.event.z or 0.0), charge.count)
+            plan, participation = (charge.event.q, float(charge.event.z or 0.0), charge.count), charge.participation
             mechanism = BANDED_MF if not charge.redo else POISSON_GAUSSIAN
     release = Release(
         run_id=int(run_id),
@@ -971,5 +989,6 @@ def record_release(
         clients=int(clients),
         server_noise_multiplier=float(own * math.sqrt(ins.cohort_size) if secure else own),
         secure_aggregation=secure,
+        participation=participation,
     )
     NodeLedger(ledger_path(node_config, policy)).charge(release, policy)

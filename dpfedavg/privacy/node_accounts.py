@@ -80,11 +80,14 @@ class PlanCharge:
 
     ``redo``: whether a round of the run released again (after a crash) is one more ``event`` (independent
     noise); ``False`` for banded MF, whose analysis covers no redone round (the node refuses one).
+    ``participation``: banded MF's ``(scheme, b, k)``, the participation pattern its analysis covers, which the node
+    checks against the rounds it answered itself (`check_participation`).
     """
 
     event: RoundEvent
     count: int
     redo: bool = True
+    participation: tuple[str, int, int] | None = None
 
     def to_json(self) -> list[Any]:
         return [self.event.q, self.event.z, self.count]
@@ -99,12 +102,42 @@ def released_plan(cfg: RunConfig, z: float, clients: int = 1) -> PlanCharge:
     if cfg.noise_mechanism == "banded-mf":
         if clients != 1:
             raise ValueError("banded-MF noise with virtual clients: the node cannot charge its clients' groups")
-        return PlanCharge(*_banded_event(cfg, z), redo=False)
+        rule = banded_rule(cfg)
+        return PlanCharge(*_banded_event(cfg, z), redo=False, participation=rule)
     q = cfg.sampling_rate
     if clients == 1:
         return PlanCharge(RoundEvent(q, z), cfg.num_rounds)
     group_q = -math.expm1(clients * math.log1p(-q)) if q < 1 else 1.0  # 1 - (1 - q)^m: any of them sampled
     return PlanCharge(RoundEvent(min(1.0, group_q), z / clients), cfg.num_rounds)
+
+
+def banded_rule(cfg: RunConfig) -> tuple[str, int, int]:
+    """Banded MF's participation rule as ``(scheme, b, k)``."""
+    from dpfedavg.privacy.params import DpParams
+
+    rule = DpParams.from_config(cfg).mechanism_spec.rule
+    return rule.scheme.value, int(rule.bands), int(rule.participations)
+
+
+def check_participation(participation: tuple[str, int, int], answered: set[int], server_round: int) -> str | None:
+    """Why answering ``server_round`` breaks the banded-MF participation rule the run is accounted for, given the
+    rounds of the run this node ``answered`` (``None``: it does not).
+
+    Every scheme: at most ``k`` participations, each at least ``b`` rounds after the last (the min-separation
+    sensitivity covers exactly those patterns); ``cyclic-poisson``: all in one cyclic group (rounds equal mod ``b``),
+    the amplified analysis's ``ceil(K / b)`` steps.
+    """
+    scheme, bands, most = participation
+    if server_round in answered:
+        return f"round {server_round} was answered already: the banded analysis covers no round released twice"
+    if len(answered) + 1 > most:
+        return f"this node took part in {len(answered)} rounds of the run already (max-participations = {most})"
+    closest = min((abs(server_round - k) for k in answered), default=bands)
+    if closest < bands:
+        return f"round {server_round} is {closest} rounds from one this node answered (bands b = {bands} apart)"
+    if scheme == "cyclic-poisson" and any((server_round - k) % bands for k in answered):
+        return f"round {server_round} is not in the cyclic group (mod b = {bands}) of the rounds this node answered"
+    return None
 
 
 def _banded_event(cfg: RunConfig, z: float) -> tuple[RoundEvent, int]:

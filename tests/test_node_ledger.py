@@ -203,7 +203,8 @@ def test_a_redone_round_past_the_budget_is_refused(tmp_path) -> None:
 def test_a_restarted_node_keeps_its_spent_budget(tmp_path) -> None:
     """Three runs, a restart (no process-level state, a new federation), and the fourth run is refused."""
     cfg = _cfg(EXACT_RUNS)
-    node_config = {"max-epsilon-released": 8.0, "max-epsilon-delta": 1e-5, "min-noise-multiplier": 1.0}  # default ledger
+    # the default ledger
+    node_config = {"max-epsilon-released": 8.0, "max-epsilon-delta": 1e-5, "min-noise-multiplier": 1.0}
     for run_id in (11, 12, 13):
         assert _answered(Node(node_config).run(cfg, run_id))
     _restart()

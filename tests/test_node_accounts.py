@@ -275,8 +275,8 @@ def test_a_banded_mf_run_above_the_nodes_budget_is_refused_at_its_first_round(tm
 
 def test_virtual_clients_on_a_policy_node_are_refused_unless_allowed_then_each_update_is_charged(tmp_path) -> None:
     """clients-per-node = 4 (one owner's four updates per round): refused under a policy; with
-    allow-virtual-clients = true, account (b) charges each of the 4 updates (own share z / 2 each: 4 Gaussians of
-    2 per round) and account (a) the sum's sensitivity 4 C: K x PoissonSampled(1 - (1 - q)^4, Gaussian(z / 4))."""
+    allow-virtual-clients = true, account (b) charges each update asked (own share z / 2 each: 4 + 4 + 1 Gaussians
+    of 2) and account (a) the sum's sensitivity 4 C: K x PoissonSampled(1 - (1 - q)^4, Gaussian(z / 4))."""
     import dp_accounting
 
     cfg = _cfg(**{"num-clients": 16, "clients-per-round": 4.0, "clients-per-node": 4, "noise-multiplier": 4.0})
@@ -284,10 +284,10 @@ def test_virtual_clients_on_a_policy_node_are_refused_unless_allowed_then_each_u
     refused = _ask({"max-epsilon": 50.0, "privacy-ledger": str(path)}, cfg, 1, 1, ids=[0, 1, 2, 3])
     assert refused.route is Route.REFUSE and "allow-virtual-clients" in refused.reason
     node = {"max-epsilon": 50.0, "allow-virtual-clients": True, "privacy-ledger": str(path)}
-    for k in (1, 2):
-        assert _ask(node, cfg, 1, k, ids=[0, 1, 2, 3]).route is Route.TRAIN
+    for k, ids in ((1, [0, 1, 2, 3]), (2, [0, 1, 2, 3]), (3, [2])):  # round 3 asks one of them: the same plan
+        assert _ask(node, cfg, 1, k, ids=ids).route is Route.TRAIN
     spent = _accounts(path)
-    assert spent[SERVER] == pytest.approx(exact_gaussian_epsilon(2.0 / math.sqrt(8), DELTA), rel=1e-8)
+    assert spent[SERVER] == pytest.approx(exact_gaussian_epsilon(2.0 / math.sqrt(9), DELTA), rel=1e-8)
     group_q = 1 - (1 - 0.25) ** 4
     event = dp_accounting.PoissonSampledDpEvent(group_q, dp_accounting.GaussianDpEvent(1.0))
     assert spent[RELEASED] == pytest.approx(pld_epsilon(event, 8, DELTA), rel=5e-3)

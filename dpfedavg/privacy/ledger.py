@@ -236,9 +236,9 @@ Names = Callable[[str, str], PlanKey | None]
 
 
 def _params(r: Release) -> tuple[Any, ...]:
-    """What a run's plan is, but its id: mechanism, ``q``, ``K``, delta, ``z``, account (a)'s plan, the clients."""
-    return (r.mechanism, r.sampling_rate, r.num_rounds, r.delta, r.noise_multiplier, r.plan, r.clients,
-            r.participation)  # fmt: skip
+    """What a run's plan is, but its id: mechanism, ``q``, ``K``, delta, ``z``, account (a)'s plan (with the
+    node's virtual clients in it), banded MF's participation rule. Not ``clients``: a message may ask fewer."""
+    return (r.mechanism, r.sampling_rate, r.num_rounds, r.delta, r.noise_multiplier, r.plan, r.participation)
 
 
 def _plan(r: Release, names: Names) -> PlanKey:

@@ -10,6 +10,7 @@ composing the dp-accounting events directly, and, for banded MF, the strategy ma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -125,8 +126,8 @@ def test_checked_secure_aggregation_switches_account_b_to_the_cohorts_noise(tmp_
     for secure, z_seen in ((False, 2.0), (True, 4.0)):
         path = tmp_path / f"ledger-{secure}.json"
         for k in (1, 2, 3):
-            record_release({"privacy-ledger": str(path)}, 1, ins.__class__(**{**ins.__dict__, "server_round": k}),
-                           cfg, message_type="train", secure_aggregation=secure)  # fmt: skip
+            record_release({"privacy-ledger": str(path)}, 1, dataclasses.replace(ins, server_round=k), cfg,
+                           message_type="train", secure_aggregation=secure)  # fmt: skip
         assert _accounts(path)[SERVER] == pytest.approx(exact_gaussian_epsilon(z_seen / math.sqrt(3), DELTA), rel=1e-8)
 
 

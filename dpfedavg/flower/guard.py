@@ -24,8 +24,9 @@ A refused message is answered by `refusal()` (an error reply with code `REFUSED`
 rejection), and nothing else. A new rule goes here, once, for both apps: a check of a SecAgg+ stage's own
 parameters (the cohort, the threshold, who is dropped) in `_secure_content()`, which the project's ClientApp
 calls at every stage of the protocol (``dp_mod`` is called in the masked-vector stage only, so a stage check
-needs a mod around ``secaggplus_mod`` that asks the same function); a second account of the ledger in
-`_followed()`, the one place a release is charged.
+needs a mod around ``secaggplus_mod`` that asks the same function); what the ledger charges in
+`_followed()`, the one place a release is charged (`_secagg_checked()` says whether those stage checks ran, which
+moves the ledger's server account from the node's own noise share to the cohort's).
 """
 
 from __future__ import annotations

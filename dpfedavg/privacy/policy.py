@@ -111,9 +111,9 @@ class NodePolicy:
     allow_diagnostics:
         Whether the clean ``g`` may ever leave the node (default: not under a policy that demands noise).
     max_epsilon:
-        The node's budget: the largest epsilon of a run it takes part in (at the run's delta, over its
-        ``num-rounds``, by the run's accountant; the client computes it from ``z``, ``q``, ``K`` and ``delta``
-        itself), and of everything its privacy ledger records, composed (``dpfedavg.privacy.ledger``).
+        The budget of the privacy ledger's account against the server itself (what it sees of this node's
+        updates, `dpfedavg.privacy.node_accounts`); with ``allow-server-noise`` (the server trusted with the clean
+        update) and without ``max-epsilon-released``, the budget of the released account instead.
     allow_evaluate:
         Answer evaluate messages (``allow-evaluate``): their replies are the user's metrics of the node's data,
         un-noised (with ``dp_mod``; dpfedavg's own ClientApp answers none).
@@ -121,13 +121,13 @@ class NodePolicy:
         Accept the ``server`` placement (``allow-server-noise``): central DP, the clean clipped update goes to a
         server trusted to add the noise. Off, a policy that demands noise refuses it.
     max_epsilon_delta:
-        The delta the ledger's composed epsilon is read at (``None``: 1e-6, or the smallest delta of the runs it
-        records if smaller; never a delta the server chose above it).
+        The delta both of the ledger's accounts are read at (``None``: 1e-6; never a delta a run declares).
     privacy_ledger:
         The ledger file (``None``: ``dpfedavg.privacy.ledger.ledger_path``'s default in the node's home).
     max_epsilon_released:
-        The budget of the ledger's account (a), against those who see the released model (``None``:
-        ``max-epsilon``); ``max-epsilon`` bounds account (b), against the server (`dpfedavg.privacy.node_accounts`).
+        The budget of the ledger's account against those who see the released model (``None``: ``max-epsilon``),
+        and the largest epsilon of a run the node takes part in (at the run's delta, over its ``num-rounds``, by
+        the run's own mechanism; the client computes it from the run config itself).
     allow_virtual_clients:
         Answer runs with ``clients-per-node`` > 1 (several updates of this node's data per round, each charged).
     stated:

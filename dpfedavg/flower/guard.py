@@ -239,7 +239,7 @@ def _followed(
         followed = check_round(policy, ins, secure_round=secure_round, public=terms)
     record_release(
         node_config, train.run_id, followed, train.cfg, message_type=message_type,
-        secure_aggregation=secure_round and _secagg_checked(), clients=_clients(train),
+        secure_aggregation=secure_round and _secagg_checked(app, train), clients=_clients(train),
     )  # fmt: skip
     if app.own_handlers and followed.noise_seed != ins.noise_seed:
         logging.getLogger(app.logger).info("round %d: secure noise: the server's noise seed is not used",
@@ -247,11 +247,12 @@ def _followed(
     return followed
 
 
-def _secagg_checked() -> bool:
-    """Whether this SecAgg+ round's own parameters were checked by `_secure_content()` (a cohort of at least the
-    node's minimum, equal to the instructions' ``|S_k|``, consistent shares and threshold, nobody both active and
-    dropped), so that the server sees only the cohort's sum: the ledger's account (b) then counts the cohort's
-    noise instead of this node's share alone. No check on this branch: ``False``, the node's own share."""
+def _secagg_checked(app: NodeApp, train: TrainRequest) -> bool:
+    """Whether this SecAgg+ round's own parameters (run ``train.run_id``, the round of ``train.config``) were
+    checked by `_secure_content()` at the protocol's stages (a cohort of at least the node's minimum, equal to the
+    instructions' ``|S_k|``, consistent shares and threshold, nobody both active and dropped), so that the server
+    sees only the cohort's sum: the ledger's server account then counts the cohort's noise, ``z_own sqrt(|S_k|)``,
+    instead of this node's share alone. No stage is checked yet: ``False``, the node's own share."""
     return False
 
 

@@ -265,6 +265,23 @@ def test_a_banded_mf_node_answers_only_the_participation_pattern_its_epsilon_cov
             assert "(participation)" in verdict.reason
 
 
+def test_an_amplified_banded_mf_run_is_charged_its_sampled_steps(tmp_path) -> None:
+    """cyclic-poisson, n = 8, r = 1, b = 4: each client of the round's group is sampled with p = r b / n = 1/2, and
+    the run is ceil(K / b) = 2 Poisson-sampled Gaussians of sigma / (C ||c||_2) (Choquette-Choo et al. 2023,
+    Theorems 4-5), composed here by dp-accounting from the coefficients computed here."""
+    import dp_accounting
+
+    cfg = _cfg(**{"noise-mechanism": "banded-mf", "noise-placement": "server", "num-clients": 8,
+                  "clients-per-round": 1.0, "noise-multiplier": 1.5, "participation": "cyclic-poisson",
+                  "delta": DELTA})  # fmt: skip
+    path = tmp_path / "ledger.json"
+    node = {"allow-server-noise": True, "max-epsilon-released": 50.0, "privacy-ledger": str(path)}
+    assert _ask(node, cfg, 1, 2, cohort=1).route is Route.TRAIN
+    z_step = 1.5 / np.linalg.norm(_sqrt_prefix(4))
+    step = dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(z_step))
+    assert _accounts(path)[RELEASED] == pytest.approx(pld_epsilon(step, 2, DELTA), rel=5e-3)
+
+
 def test_a_banded_mf_run_above_the_nodes_budget_is_refused_at_its_first_round(tmp_path) -> None:
     cfg = _cfg(**{"noise-mechanism": "banded-mf", "noise-placement": "server", "clients-per-round": 1.0,
                   "noise-multiplier": 1.5, "delta": DELTA})  # fmt: skip

@@ -380,3 +380,36 @@ def test_the_resume_charges_are_the_same_from_the_file_alone(tmp_path) -> None:
     for suffix in (".state", ".state-wal", ".state-shm"):
         path.with_name(path.name + suffix).unlink(missing_ok=True)
     assert _accounts(path) == pytest.approx(before, rel=1e-9)
+
+
+@pytest.mark.parametrize("virtual", [False, True], ids=["one-client", "virtual-clients"])
+def test_a_state_behind_the_file_catches_up_on_a_resume_as_composing_from_scratch(tmp_path, virtual: bool) -> None:
+    """The state saw run 'exp1' (rounds 1-3); the file then got the resume's rounds 3-8 (another writer, or a crash
+    between the append and the state's commit): bringing the state up to date finds the earlier plan in it (with
+    virtual clients, a plan of its own), and gives what the file alone gives."""
+    import shutil
+
+    path = tmp_path / "ledger.json"
+    node = {"privacy-ledger": str(path), "allow-virtual-clients": True}
+    extra = {"num-clients": 8, "clients-per-node": 2} if virtual else {}
+    ids = [0, 1] if virtual else None
+    for k in range(1, 4):
+        assert _ask(node, _named(**extra), 1, k, ids=ids).route is Route.TRAIN
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    states = [path.with_name(path.name + suffix) for suffix in (".state", ".state-wal", ".state-shm")]
+    for state in states:
+        if state.exists():
+            shutil.copy2(state, saved / state.name)
+    for k in range(3, 9):
+        assert _ask(node, _named(resume=True, **extra), 2, k, ids=ids).route is Route.TRAIN
+    for state in states:
+        state.unlink(missing_ok=True)
+        if (saved / state.name).exists():
+            shutil.copy2(saved / state.name, state)
+    caught_up = _accounts(path)  # the old state, brought up to date from the file
+    for state in states:
+        state.unlink(missing_ok=True)
+    assert caught_up == pytest.approx(_accounts(path), rel=1e-9)
+    if not virtual:  # one plan of 8 rounds and one redone round, q = 1
+        assert caught_up[RELEASED] == pytest.approx(exact_gaussian_epsilon(6.0 / 3.0, DELTA), rel=2e-3)

@@ -253,6 +253,11 @@ def _plan(r: Release, names: Names) -> PlanKey:
     return (r.run_id, *_params(r))
 
 
+def _hashable(value: Any) -> Any:
+    """A plan key read back from JSON: its lists as tuples again (the key of a dict, as `_plan` makes it)."""
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
 def _plan_charge(r: Release) -> tuple[RoundEvent, int]:
     """Account (a)'s charge of a new plan: ``K x PoissonSampled(q, Gaussian(z))``, or the run's own (``plan``)."""
     assert r.sampling_rate is not None and r.num_rounds is not None
@@ -320,11 +325,6 @@ def charged_events(releases: list[Release]) -> list[tuple[RoundEvent, int]]:
         if r.mechanism != GAUSSIAN:
             plans.add(r, key)
     return events
-
-
-def server_account(releases: list[Release]) -> float:
-    """Account (b)'s ``mu^2`` for ``releases``: every release, at ``q = 1`` (its epsilon: ``gaussian_epsilon``)."""
-    return math.fsum(server_charge(r) for r in releases)
 
 
 @dataclass(frozen=True)
@@ -785,7 +785,7 @@ class _State:
     def name_plan(self, name: str, params: str) -> PlanKey | None:
         """The plan last charged under ``run-name`` ``name`` with these parameters (what a resume continues)."""
         row = self.db.execute("SELECT plan FROM names WHERE name = ? AND params = ?", (name, params)).fetchone()
-        return None if row is None else tuple(json.loads(row[0]))
+        return None if row is None else _hashable(json.loads(row[0]))
 
     def _add_plan(self, release: Release, plan: PlanKey) -> None:
         """Within the caller's transaction: round ``k`` of ``plan`` answered, and ``plan`` as its run name's."""

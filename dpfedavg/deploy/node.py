@@ -76,6 +76,10 @@ def _describe(run: _Run) -> str:
     else:
         plans = sorted({(r.sampling_rate, r.num_rounds, r.noise_multiplier, r.delta) for r in run.releases}, key=str)
         plan = "; ".join(f"q = {q:.4g}, num-rounds = {k}, z = {z:g}, run delta = {d:g}" for q, k, z, d in plans)
+        if first.mechanism != "poisson-sampled-gaussian":
+            plan += f" ({first.mechanism})"
+        if first.run_name is not None:  # a resume continues the plan of the run it names (privacy/node-ledger.md)
+            plan += f"; run-name {first.run_name!r}" + (", resumed" if first.resume else "")
     span = first.time[:19] if first.time[:19] == last.time[:19] else f"{first.time[:19]} .. {last.time[:19]}"
     return (
         f"run {run.run_id}: {len(rounds)} release{'s' if len(rounds) != 1 else ''} (rounds {_ranges(set(rounds))}"

@@ -330,6 +330,11 @@ def test_an_honest_resume_is_charged_one_plan_and_the_redone_rounds(tmp_path) ->
     # a second crash and resume: continues the same plan again
     assert _ask(node, _named(resume=True), 3, 8).route is Route.TRAIN
     assert _accounts(path)[RELEASED] == pytest.approx(exact_gaussian_epsilon(6.0 / math.sqrt(10), DELTA), rel=2e-3)
+    from dpfedavg.deploy.node import ledger_report
+
+    lines, _, _ = ledger_report(node)
+    assert lines[1].startswith("run 1: 5 releases (rounds 1-5)") and lines[1].count("run-name 'exp1'") == 1
+    assert lines[2].startswith("run 2: 4 releases (rounds 5-8)") and "run-name 'exp1', resumed" in lines[2]
 
 
 @pytest.mark.parametrize(

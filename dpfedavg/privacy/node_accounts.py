@@ -13,7 +13,8 @@ sensitivity ``m C`` (``z / m``) sampled with ``1 - (1 - q)^m``. Bounded by ``max
 **server** (account (b)): against the *server itself*, which sees what the node sends in each release: its own
 update with its own noise share (``z_own = s / C``, Alg. 1 line 10), with no amplification by sampling (the
 server chooses whom it asks), unless the release went through SecAgg+ whose parameters the node checked, where the
-server sees only the sum of the cohort's shares (``z_own sqrt(|S_k|)``). Every release is a Gaussian mechanism,
+server sees only the sum of the cohort's shares (``z_own sqrt(|S_k|)``, assuming the cohort's other members are
+honest nodes: a server that runs some of them can subtract their shares). Every release is a Gaussian mechanism,
 so the account is exactly one Gaussian: ``mu^2 = sum_i m_i / z_i^2`` (``(m_i / z_i)^2`` under checked SecAgg+:
 the ``m`` updates sit in one sum), composition of Gaussian mechanisms being exact (Dong, Roth and Su 2022,
 Corollary 3.3), read at delta by `gaussian_epsilon()`. Bounded by ``max-epsilon`` (unless

@@ -500,14 +500,14 @@ def test_a_secure_aggregation_round_is_charged_once_per_node(tmp_path) -> None:
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
     from dpfedavg.flower import server_app
-    from dpfedavg.server.run import plan_for
+    from dpfedavg.privacy.setup import PrivacySetup
 
     values = {"num-clients": 6, "clients-per-round": 4.0, "num-rounds": 2, "dim": 8, "seed": 5, "epsilon": 0.0,
               "noise-multiplier": 1.0, "clip": 20.0, "secure-aggregation": True, "checkpoint-every": 0,
               "output-dir": str(tmp_path), "run-name": "secagg"}  # fmt: skip
     cfg = _cfg(values)
     grid = InProcessGrid(client_app, cfg.num_clients, cfg.to_run_config(), node_config={"secure-noise": True})
-    server_app.run(grid, cfg, plan=plan_for(cfg))
+    server_app.run(grid, cfg, setup=PrivacySetup.resolve(cfg))
     masked = [
         m
         for m in grid.sent

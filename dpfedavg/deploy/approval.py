@@ -20,9 +20,18 @@ FAB hash, which the SuperLink also sends: those must match the approved bytes,
 and a folder of that name already installed must hold the same files
 (`check_install_target`).
 
-The wrapper relies on the signature of a private Flower function; it checks it
-when the SuperNode starts and refuses to start if Flower changed it, so the
-node fails closed rather than running unchecked code.
+Flower's private API, in this one place: Flower 1.41 offers no public way to do
+this. Its SuperNode checks a FAB only through ``--trusted-entities`` (which needs
+Flower's platform licence on the FAB), and its pull loop has no public hook; so
+the wrapper replaces ``start_client_internal._pull_and_store_message`` and
+answers a refused message the way that function answers a FAB that fails
+Flower's own verification, with ``start_client_internal._insert_message``
+(storing a message in the node's state needs its private message id; copying
+that function would copy Flower's internals). Both names and the wrapped
+function's parameters are `_FLOWER_PRIVATE` and `_HOOKED_PARAMETERS`, checked
+when the SuperNode starts: if Flower changed them it refuses to start, so the
+node fails closed rather than running unchecked code
+(``tests/test_round_guards.py`` allow-lists this module's private call).
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Flower 1.41's private functions of ``flwr.supernode.start_client_internal`` this module uses (see the docstring).
+_FLOWER_PRIVATE = ("_pull_and_store_message", "_insert_message")
 #: The parameters of Flower 1.41's ``_pull_and_store_message`` the wrapper uses.
 _HOOKED_PARAMETERS = ("state", "object_store", "receive", "get_run", "get_fab")
 #: ``flower-supernode`` options that would let an approved app pull code the approval does not cover.
@@ -198,7 +209,7 @@ def install_approval(approved: Iterable[str]) -> None:
     original = getattr(sci, "_pull_and_store_message", None)
     original = getattr(original, "__wrapped__", original)
     parameters = inspect.signature(original).parameters if callable(original) else {}
-    if not all(name in parameters for name in _HOOKED_PARAMETERS) or not hasattr(sci, "_insert_message"):
+    if not all(name in parameters for name in _HOOKED_PARAMETERS) or not all(hasattr(sci, n) for n in _FLOWER_PRIVATE):
         raise RuntimeError(
             "this Flower's SuperNode cannot be checked: flwr.supernode.start_client_internal."
             f"_pull_and_store_message({', '.join(_HOOKED_PARAMETERS)}, ...) and _insert_message are expected "

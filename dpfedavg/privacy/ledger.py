@@ -3,24 +3,30 @@
 A SuperNode with a privacy policy (any policy key in its ``--node-config``) or an explicit ``privacy-ledger`` keeps
 one JSON file (``ledger_path``) listing every update it released: run id, round, message type, mechanism,
 ``z``, ``q``, ``C``, the placement, its own noise std, the time (``Release``). Before an update leaves the node,
-``record_release`` composes the ledger with the new release and either appends it (write-ahead: the entry is
-on disk, fsynced, before the reply is built) or refuses the round when the composed epsilon would exceed the
-node's ``max-epsilon`` (a ``dpfedavg.privacy.policy.RoundRefused`` carrying the ledger's numbers).
+``record_release`` composes the ledger with the new release in two accounts
+(`dpfedavg.privacy.node_accounts`: against the server itself, ``max-epsilon``; against those who see the released
+model, ``max-epsilon-released``) and either appends it (write-ahead: the entry is on disk, fsynced, before the
+reply is built) or refuses the round when an account would pass its budget (a
+``dpfedavg.privacy.policy.RoundRefused`` carrying the ledger's numbers).
 
-What is charged (``charged_events``; the node cannot see the server's Poisson sampling, only what it is asked):
+The server account charges every release at the node's own noise share, unamplified (``server_charge``). What the
+released account charges (``charged_events``; the node cannot see the server's Poisson sampling, only what it is
+asked):
 
-* a client with a run config (the project's ClientApp), the first time it answers a run: the run's whole plan,
-  ``num-rounds`` x ``PoissonSampled(q, Gaussian(z))``, what the run itself accounts (Alg. 1: one sampled round per
-  ``k``); later rounds of the run cost nothing more;
+* a client with a run config (the project's ClientApp), the first time it answers a run: the run's own mechanism
+  as the run accounts it (``node_accounts.released_plan``: ``num-rounds`` x ``PoissonSampled(q, Gaussian(z))``,
+  Alg. 1's one sampled round per ``k``; banded MF's event; virtual clients' group); later rounds of the run cost
+  nothing more. A resume (``resume = true``, a new Flower run id) of a run charged under the same ``run-name`` and
+  plan is that run (`_plan`);
 * every further release of a ``(run, round)`` it already answered (a round redone after a crash, fresh noise):
-  one more ``PoissonSampled(q, Gaussian(z))``;
+  one more round of the plan (banded MF refuses it, and any participation its event does not cover);
 * a client without a run config (``dp_mod`` in a user's own app: no ``q``, no ``K``): every release one
   unamplified ``Gaussian(z)``.
 
 The charged events compose, in the order they were charged and each ``(event, count)`` as one self-composed
 privacy loss distribution, with the project's PLD (``dpfedavg.privacy.accountants``: its discretization, a
-pessimistic and so valid upper bound), and the epsilon is read at the node's delta (``ledger_delta``: the
-operator's, never a run's).
+pessimistic and so valid upper bound); the server account is one Gaussian, read exactly. Both are read at the
+node's delta (``ledger_delta``: the operator's, never a run's).
 
 The file (format ``/2``) is JSON Lines: a header line, then one line per release carrying a SHA-256 chained
 over every entry before it. A release is *appended* (``O_APPEND``, fsync) under an ``fcntl`` lock on a sidecar

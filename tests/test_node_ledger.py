@@ -447,6 +447,9 @@ def test_dp_mod_charges_each_release_as_an_unamplified_gaussian(tmp_path) -> Non
     assert _numbers(reason)["spent"] == pytest.approx(exact[3], rel=2e-3)
     assert _numbers(reason)["total"] == pytest.approx(exact[4], rel=2e-3)
     assert {r.mechanism for r in NodeLedger(path).read()} == {"gaussian"}
+    # the server account: each release at the node's own share z / 2, unamplified (3 answered)
+    server = NodeLedger(path).spent(NodePolicy(max_epsilon_delta=1e-5), "server")
+    assert server == pytest.approx(gaussian_epsilon(z / 2 / math.sqrt(3), 1e-5), rel=1e-8)
 
 
 # ------------------------------------------------------------------ the keys

@@ -143,6 +143,19 @@ def test_five_runs_against_max_epsilon_8_are_refused_once_the_composed_epsilon_w
     assert len(NodeLedger(path).read()) == 3 * cfg.num_rounds  # every release, none of the refused
 
 
+def test_through_the_client_app_max_epsilon_bounds_what_the_server_sees(tmp_path) -> None:
+    """The same runs with max-epsilon = 8 alone: the server account (the node's own share z / sqrt(4) = 1.25, every
+    release, unamplified) passes 8 at the fifth release: four answered, exactly as the Gaussian of 1.25 / sqrt(n)."""
+    cfg = _cfg(EXACT_RUNS)
+    assert gaussian_epsilon(1.25 / 2, 1e-5) < 8 - 0.3 and gaussian_epsilon(1.25 / math.sqrt(5), 1e-5) > 8 + 0.3
+    node = Node({"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(tmp_path / "ledger.json")})
+    replies = node.run(cfg, 1)
+    assert [r.has_error() for r in replies] == [False] * 4 + [True]
+    reason = replies[-1].error.reason
+    assert "(max-epsilon)" in reason and "server account" in reason
+    assert _numbers(reason)["total"] == pytest.approx(gaussian_epsilon(1.25 / math.sqrt(5), 1e-5), rel=1e-6)
+
+
 def test_a_redone_round_is_charged_one_more_sampled_round(tmp_path) -> None:
     """q = 1/2: rounds 1..5, then round 3 again (a resume after a crash): K + 1 sampled Gaussians, not K."""
     import dp_accounting

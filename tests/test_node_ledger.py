@@ -153,7 +153,7 @@ def test_through_the_client_app_max_epsilon_bounds_what_the_server_sees(tmp_path
     assert [r.has_error() for r in replies] == [False] * 4 + [True]
     reason = replies[-1].error.reason
     assert "(max-epsilon)" in reason and "server account" in reason
-    assert _numbers(reason)["total"] == pytest.approx(gaussian_epsilon(1.25 / math.sqrt(5), 1e-5), rel=1e-6)
+    assert _numbers(reason)["total"] == pytest.approx(gaussian_epsilon(1.25 / math.sqrt(5), 1e-5), rel=1e-3)  # 4 digits
 
 
 def test_a_redone_round_is_charged_one_more_sampled_round(tmp_path) -> None:

@@ -501,7 +501,7 @@ def test_divergence_of_virtual_clients_tells_the_server_nothing_under_a_policy()
         assert not reply.has_error(), reply.error.reason
         return reply
 
-    private = ask(STRICT)
+    private = ask({**STRICT, "allow-virtual-clients": True})  # refused without it (test_node_accounts.py)
     assert DIVERGED_CLIENT_IDS not in private.content["metrics"] and len(private.content[ARRAYS]) == 2
     noise = np.concatenate([a.numpy() for a in private.content[ARRAYS].values()])
     assert np.all(np.isfinite(noise)) and np.linalg.norm(noise) > 0

@@ -88,7 +88,8 @@ class _Attacker:
 
     def __init__(self, kind: str = "own", cohort_size: int = 3, node_config: dict | None = None, **run) -> None:
         self.cfg = _cfg(**run)
-        self.grid = InProcessGrid(_app(kind), 3, self.cfg.to_run_config(), node_config=POLICY | (node_config or {}))
+        config = POLICY | (node_config or {}) if node_config != {} else {}
+        self.grid = InProcessGrid(_app(kind), 3, self.cfg.to_run_config(), node_config=config)
         self.nodes = sorted(self.grid.contexts)
         server = DPServer(self.cfg, DIM)
         self.ins = server.instructions(1, cohort_size)  # the train instructions claim |S_k| = cohort_size
@@ -270,7 +271,7 @@ def test_the_attackers_reconstruction_is_exact_when_the_node_does_not_check(monk
     """The harness can fail: with the stage checks switched off, attacks (a) and (b) read the victim's vector
     exactly, as they did before the checks (72654f0)."""
     monkeypatch.setattr(guard_module, "_stage_refusal", lambda policy, checked: None)
-    monkeypatch.setattr(guard_module, "_check_cohort", lambda *args: None)
+    monkeypatch.setattr(guard_module, "_secagg_checked", lambda *args: True)
     for attack in (_attack_alone, _attack_both_lists):
         captured.clear()
         attacker = _Attacker()
@@ -282,7 +283,7 @@ def test_the_attackers_reconstruction_is_exact_when_the_node_does_not_check(monk
 @pytest.mark.parametrize(
     ("node_config", "sample", "nodes", "fragments"),
     [
-        ({}, 2, 2, ["secagg-min-cohort", "cohort of 2", "at least 3 (the default)"]),
+        (None, 2, 2, ["secagg-min-cohort", "cohort of 2", "at least 3 (the default)"]),
         ({"secagg-min-cohort": 5}, 3, 3, ["secagg-min-cohort", "cohort of 3", "at least 5"]),
         ({"secagg-min-cohort": "4"}, 3, 3, ["at least 4"]),
     ],
@@ -444,3 +445,24 @@ def test_an_honest_secure_aggregation_run_under_the_policy_sums_every_node(tmp_p
     out = server_app.run(grid, cfg).directory
     rows = list(csv.DictReader((out / "metrics.csv").open()))[1:]
     assert [(int(r["num_received"]), int(r["num_rejected"]), int(r["skipped"])) for r in rows] == [(4, 0, 0)] * 2
+
+
+# ------------------------------------------------------------------ the ledger's server account
+@pytest.mark.parametrize(("kind", "node_config", "checked"), [("own", None, True), ("checked", None, True),
+                                                              ("plain", {}, False)])  # fmt: skip
+def test_only_a_round_whose_stages_were_checked_is_charged_as_secure_aggregation(
+    monkeypatch, kind: str, node_config: dict | None, checked: bool
+) -> None:
+    """The ledger's server account counts the cohort's noise only for a SecAgg+ round whose stages the node checked;
+    dp_mod inside Flower's plain secaggplus_mod (no policy: answered, with a warning) is charged at its own share."""
+    charged: list[bool] = []
+    record_release = guard_module.record_release
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        charged.append(kwargs["secure_aggregation"])
+        return record_release(*args, **kwargs)
+
+    monkeypatch.setattr(guard_module, "record_release", spy)
+    attacker = _Attacker(kind, node_config=node_config)
+    attacker.honest_until_unmask()
+    assert charged == [checked] * 3

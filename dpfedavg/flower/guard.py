@@ -19,7 +19,7 @@ these, in this order, for both:
    threshold (a majority of a node's shares); the stages in order, each once (one unmask request per round,
    after the node's masked vector); in the unmask stage no node both active and dropped, and this node
    active; in the masked-vector stage the setup's cohort equal to the ``|S_k|`` the node's noise share is
-   computed for (`_check_cohort()`). The project's ClientApp checks every stage itself; a user's app has
+   computed for (`_secagg_checked()`). The project's ClientApp checks every stage itself; a user's app has
    ``checked_secaggplus_mod`` (`dpfedavg.flower.mod`) in place of Flower's ``secaggplus_mod``, and under a node
    policy ``dp_mod`` refuses a masked-vector stage whose earlier stages were not checked.
 3. **The round.** The instructions are read strictly and checked by the one rule set,
@@ -31,8 +31,9 @@ these, in this order, for both:
 A refused message is answered by `refusal()` (an error reply with code `REFUSED`: the server counts a
 rejection), and nothing else. A new rule goes here, once, for both apps: a check of a SecAgg+ stage's own
 parameters in `_stage_refusal()` (the project's ClientApp and ``checked_secaggplus_mod`` ask `guard()` at every
-stage of the protocol, with its `SecAggStage`); a second account of the ledger in `_followed()`, the one place
-a release is charged.
+stage of the protocol, with its `SecAggStage`); what the ledger charges in `_followed()`, the one place a release
+is charged (`_secagg_checked()` says whether those stage checks ran, which moves the ledger's server account from
+the node's own noise share to the cohort's).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core.types import RoundInstructions
-from dpfedavg.flower.protocol import REFUSED, instructions_from_config_record
+from dpfedavg.flower.protocol import CLIENT_IDS, REFUSED, instructions_from_config_record
 from dpfedavg.flower.runtime import route_logs_through_flower
 from dpfedavg.privacy.ledger import record_release
 from dpfedavg.privacy.policy import NodePolicy, PolicyError, PublicTerms, RoundRefused, check_round
@@ -377,12 +378,14 @@ def _unmask_refusal(configs: Mapping[str, Any], node_id: int, threshold: int) ->
     return None
 
 
-def _check_cohort(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, checked: SecAggStage | None) -> None:
-    """In the masked-vector stage: the setup's cohort must be the ``|S_k|`` this node's noise share is computed for.
+def _secagg_checked(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, checked: SecAggStage | None) -> bool:
+    """Whether this SecAgg+ round's stages were checked (`_stage_refusal()`), the setup's cohort being the ``|S_k|``
+    this node's noise share is computed for: the server then sees only the cohort's sum, and the ledger's server
+    account counts the cohort's noise, ``z_own sqrt(|S_k|)``, instead of this node's share alone.
 
-    ``RoundRefused`` otherwise (before the release is charged). A round whose earlier stages this node did not
-    check (Flower's own ``secaggplus_mod`` around ``dp_mod``) is refused under a node policy, and answered with a
-    warning without one.
+    In the masked-vector stage, before the release is charged: ``RoundRefused`` for another cohort, and for a
+    round whose earlier stages this node did not check (Flower's own ``secaggplus_mod`` around ``dp_mod``) under a
+    node policy; without one such a round is answered with a warning (``False``: the node's own share).
     """
     record = None if checked is None else checked.record
     if record is None or record.get(_LAST_STAGE) != Stage.SHARE_KEYS:
@@ -396,13 +399,14 @@ def _check_cohort(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, chec
             "%s: the SecAgg+ stages were not checked by this node (use checked_secaggplus_mod in place of "
             "secaggplus_mod)", app.name,
         )  # fmt: skip
-        return
+        return False
     cohort = int(record[Key.SAMPLE_NUMBER])
     if cohort != ins.cohort_size:
         raise RoundRefused(
             "SecAgg+ cohort", f"the SecAgg+ setup has {cohort} nodes (sample_num), the round's instructions |S_k| = "
             f"{ins.cohort_size}: this node's noise share is computed for |S_k|", policy=False, where="this node",
         )  # fmt: skip
+    return True
 
 
 def _followed(
@@ -427,13 +431,23 @@ def _followed(
     else:
         ins, terms = _public_round(train.config)
         followed = check_round(policy, ins, secure_round=secure_round, public=terms)
-    if secure_round:
-        _check_cohort(app, policy, followed, secagg)
-    record_release(node_config, train.run_id, followed, train.cfg, message_type=message_type)
+    checked = secure_round and _secagg_checked(app, policy, followed, secagg)
+    record_release(
+        node_config, train.run_id, followed, train.cfg, message_type=message_type, secure_aggregation=checked,
+        clients=_clients(train),
+    )  # fmt: skip
     if app.own_handlers and followed.noise_seed != ins.noise_seed:
         logging.getLogger(app.logger).info("round %d: secure noise: the server's noise seed is not used",
                                            ins.server_round)  # fmt: skip
     return followed
+
+
+def _clients(train: TrainRequest) -> int:
+    """The updates of this node's data the message asks for: its virtual clients (``clients-per-node`` > 1), else 1."""
+    if train.cfg is None or train.cfg.clients_per_node == 1 or train.config is None:
+        return 1
+    ids = train.config.get(CLIENT_IDS)
+    return max(1, len(ids)) if isinstance(ids, list | tuple) else train.cfg.clients_per_node
 
 
 def _public_round(config: Mapping[str, Any] | None) -> tuple[RoundInstructions, PublicTerms]:

@@ -172,8 +172,9 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         The ClientApp's context: its ``node_config`` holds the operator's privacy policy
         (`dpfedavg.privacy.policy`; e.g. ``secure-noise = true`` draws the noise from the OS CSPRNG whatever
         the server asks and never sends an un-noised update, ``min-noise-multiplier`` refuses rounds with less
-        noise). ``max-epsilon`` is the node's budget in its privacy ledger, which charges every release here as an
-        unamplified Gaussian(z) (your app's clients have no run config, so no q: ``dpfedavg.privacy.ledger``).
+        noise). Its privacy ledger charges every release here as an unamplified Gaussian: of z against those
+        who see the released model (``max-epsilon-released``; your app's clients have no run config, so no q),
+        of this node's own share against the server (``max-epsilon``; ``dpfedavg.privacy.ledger``).
     call_next:
         The user's handler (and any inner mods).
 

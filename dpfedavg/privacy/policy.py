@@ -63,6 +63,7 @@ __all__ = [
     "check_noise_demand",
     "check_round",
     "client_noise_std",
+    "noise_bound",
 ]
 
 #: ``--node-config`` key with which a SuperNode's owner makes its client draw noise from the OS CSPRNG whatever the
@@ -110,9 +111,9 @@ class NodePolicy:
     allow_diagnostics:
         Whether the clean ``g`` may ever leave the node (default: not under a policy that demands noise).
     max_epsilon:
-        The node's budget: the largest epsilon of a run it takes part in (at the run's delta, over its
-        ``num-rounds``, by the run's accountant; the client computes it from ``z``, ``q``, ``K`` and ``delta``
-        itself), and of everything its privacy ledger records, composed (``dpfedavg.privacy.ledger``).
+        The budget of the privacy ledger's account against the server itself (what it sees of this node's
+        updates, `dpfedavg.privacy.node_accounts`); with ``allow-server-noise`` (the server trusted with the clean
+        update) and without ``max-epsilon-released``, the budget of the released account instead.
     allow_evaluate:
         Answer evaluate messages (``allow-evaluate``): their replies are the user's metrics of the node's data,
         un-noised (with ``dp_mod``; dpfedavg's own ClientApp answers none).
@@ -120,10 +121,15 @@ class NodePolicy:
         Accept the ``server`` placement (``allow-server-noise``): central DP, the clean clipped update goes to a
         server trusted to add the noise. Off, a policy that demands noise refuses it.
     max_epsilon_delta:
-        The delta the ledger's composed epsilon is read at (``None``: 1e-6, or the smallest delta of the runs it
-        records if smaller; never a delta the server chose above it).
+        The delta both of the ledger's accounts are read at (``None``: 1e-6; never a delta a run declares).
     privacy_ledger:
         The ledger file (``None``: ``dpfedavg.privacy.ledger.ledger_path``'s default in the node's home).
+    max_epsilon_released:
+        The budget of the ledger's account against those who see the released model (``None``: ``max-epsilon``),
+        and the largest epsilon of a run the node takes part in (at the run's delta, over its ``num-rounds``, by
+        the run's own mechanism; the client computes it from the run config itself).
+    allow_virtual_clients:
+        Answer runs with ``clients-per-node`` > 1 (several updates of this node's data per round, each charged).
     secagg_min_cohort:
         The fewest nodes of a SecAgg+ round the node takes part in (``secagg-min-cohort``, default and least 3:
         in a cohort of 2 each node reads the other's vector from the sum, and a threshold above half of a node's
@@ -145,8 +151,27 @@ class NodePolicy:
     allow_server_noise: bool = False
     max_epsilon_delta: float | None = None
     privacy_ledger: str | None = None
+    max_epsilon_released: float | None = None
+    allow_virtual_clients: bool = False
     secagg_min_cohort: int = MIN_SECAGG_COHORT
     stated: tuple[str, ...] = ()
+
+    @property
+    def server_budget(self) -> float:
+        """The bound of the ledger's account (b), against the server itself: ``max-epsilon`` (none when
+        ``allow-server-noise = true``: the operator trusts the server with the clean update)."""
+        return math.inf if self.allow_server_noise else self.max_epsilon
+
+    @property
+    def released_budget(self) -> float:
+        """The bound of the ledger's account (a), against those who see the released model (and of each run's own
+        epsilon): ``max-epsilon-released``, else ``max-epsilon``."""
+        return self.max_epsilon if self.max_epsilon_released is None else self.max_epsilon_released
+
+    @property
+    def released_key(self) -> str:
+        """The key that states `released_budget`."""
+        return "max-epsilon" if self.max_epsilon_released is None else "max-epsilon-released"
 
     @property
     def diagnostics_allowed(self) -> bool:
@@ -266,11 +291,13 @@ POLICY_KEYS: dict[str, tuple[Any, str]] = {
     "allow-server-noise": (_flag, _FLAG),
     "max-epsilon-delta": (lambda v: _number(v, lambda x: 0 < x < 1), "a number in (0, 1)"),
     "privacy-ledger": (_ledger_file, "an absolute file path (or ~/...), one line"),
+    "max-epsilon-released": (lambda v: _number(v, lambda x: x > 0), _ABOVE_0),
+    "allow-virtual-clients": (_flag, _FLAG),
     "secagg-min-cohort": (_cohort, f"an integer >= {MIN_SECAGG_COHORT} (a SecAgg+ cohort of 2 shows each node the "
                                    "other's vector; a majority threshold of a node's shares needs 3)"),
 }
 #: The policy keys that state a floor on the noise (or a ceiling on what it hides): each promises noise.
-_FLOOR_KEYS = ("min-noise-multiplier", "min-update-noise-multiplier", "max-clip", "max-epsilon")
+_FLOOR_KEYS = ("min-noise-multiplier", "min-update-noise-multiplier", "max-clip", "max-epsilon", "max-epsilon-released")
 
 
 @lru_cache(maxsize=64)
@@ -280,6 +307,26 @@ def _run_epsilon(z: float, q: float, rounds: int, delta: float, accountant: str)
         return math.inf
     try:
         return epsilon_for(z, q, rounds, delta, accountant)
+    except AccountingRangeError:
+        return math.inf
+
+
+@lru_cache(maxsize=16)
+def _plan_epsilon(cfg: RunConfig, z: float) -> float:
+    """Epsilon at the run's delta of the run's own mechanism as the node charges it (`released_plan`, PLD)."""
+    from dpfedavg.privacy.accountants import _run_pld
+    from dpfedavg.privacy.node_accounts import released_plan
+
+    if not z > 0:
+        return math.inf
+    try:
+        charge = released_plan(cfg, z, cfg.clients_per_node)
+    except ValueError as err:
+        raise RoundRefused("noise-mechanism", str(err), policy=True) from None
+    if not charge.event.z:
+        return math.inf
+    try:
+        return float(_run_pld(charge.event, charge.count).get_epsilon_for_delta(cfg.delta))
     except AccountingRangeError:
         return math.inf
 
@@ -311,6 +358,14 @@ def client_noise_std(cfg: RunConfig, ins: RoundInstructions) -> tuple[float, flo
         bound = augmented_bound(ins.clip, ins.clip)  # z = 0: s = C (core.adaptive_clip.count_scale)
     placement = PLACEMENTS[cfg.noise_placement]
     return bound, placement.client_std(ins.noise_multiplier, bound, cfg.clients_per_round, ins.cohort_size)
+
+
+def noise_bound(ins: RoundInstructions, cfg: RunConfig | None = None) -> float:
+    """The norm bound of this client's vector in the round: ``C`` (``C_aug`` with adaptive clipping), from the run
+    config (`client_noise_std()`) or, without one (``dp_mod``), the server's count scale."""
+    if cfg is not None:
+        return client_noise_std(with_canaries(cfg), ins)[0]
+    return augmented_bound(ins.clip, ins.count_scale) if ins.count_scale > 0 else ins.clip
 
 
 def _count_stddev(cfg: RunConfig, ins: RoundInstructions) -> float:
@@ -391,13 +446,24 @@ def _check_policy(
             "min-noise-multiplier",
             f"the round's noise multiplier z = {ins.noise_multiplier:g} is below {policy.min_noise_multiplier:g}",
         )
-    if cfg is not None and math.isfinite(policy.max_epsilon):
-        eps = _run_epsilon(ins.noise_multiplier, cfg.sampling_rate, cfg.num_rounds, cfg.delta, cfg.accountant)
-        if eps > policy.max_epsilon:
+    if cfg is not None and cfg.clients_per_node > 1 and policy.active and not policy.allow_virtual_clients:
+        raise refuse(
+            "allow-virtual-clients",
+            f"the run config's clients-per-node = {cfg.clients_per_node} has this node answer for several clients, "
+            "each update of its data separately noised; this node answers as one client unless allow-virtual-clients "
+            "= true (then each client's update is charged to its ledger)",
+        )
+    if cfg is not None and math.isfinite(policy.released_budget):
+        if cfg.noise_mechanism == "independent" and cfg.clients_per_node == 1:
+            eps = _run_epsilon(ins.noise_multiplier, cfg.sampling_rate, cfg.num_rounds, cfg.delta, cfg.accountant)
+        else:
+            eps = _plan_epsilon(cfg, ins.noise_multiplier)
+        if eps > policy.released_budget:
             raise refuse(
-                "max-epsilon",
+                policy.released_key,
                 f"the run's epsilon at delta = {cfg.delta:g} over {cfg.num_rounds} rounds of z = "
-                f"{ins.noise_multiplier:g}, q = {cfg.sampling_rate:.4g} is {eps:.4g} > {policy.max_epsilon:g}",
+                f"{ins.noise_multiplier:g}, q = {cfg.sampling_rate:.4g} ({cfg.noise_mechanism} noise, "
+                f"clients-per-node = {cfg.clients_per_node}) is {eps:.4g} > {policy.released_budget:g}",
             )
 
 
@@ -502,7 +568,7 @@ def _public_noise_share(ins: RoundInstructions, terms: PublicTerms) -> tuple[flo
     private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
     if not private and z != 0:
         raise refuse("noise-multiplier", f"z = {z:g} with algorithm {ins.algorithm!r}, which has no bound to scale it")
-    bound = augmented_bound(ins.clip, ins.count_scale) if ins.count_scale > 0 else ins.clip
+    bound = noise_bound(ins)
     if private and not (math.isfinite(bound) and bound > 0):
         raise refuse("clip", f"C = {bound!r} is not a finite number > 0")
     rule = PLACEMENTS[placement]

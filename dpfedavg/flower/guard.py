@@ -32,8 +32,8 @@ A refused message is answered by `refusal()` (an error reply with code `REFUSED`
 rejection), and nothing else. A new rule goes here, once, for both apps: a check of a SecAgg+ stage's own
 parameters in `_stage_refusal()` (the project's ClientApp and ``checked_secaggplus_mod`` ask `guard()` at every
 stage of the protocol, with its `SecAggStage`); what the ledger charges in `_followed()`, the one place a release
-is charged (`_secagg_checked()` says whether those stage checks ran, which moves the ledger's server account from
-the node's own noise share to the cohort's).
+is charged (`_secagg_checked()` says whether those stage checks ran; the ledger records it, and its server
+account charges the node's own noise share either way).
 """
 
 from __future__ import annotations
@@ -380,8 +380,8 @@ def _unmask_refusal(configs: Mapping[str, Any], node_id: int, threshold: int) ->
 
 def _secagg_checked(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, checked: SecAggStage | None) -> bool:
     """Whether this SecAgg+ round's stages were checked (`_stage_refusal()`), the setup's cohort being the ``|S_k|``
-    this node's noise share is computed for: the server then sees only the cohort's sum, and the ledger's server
-    account counts the cohort's noise, ``z_own sqrt(|S_k|)``, instead of this node's share alone.
+    this node's noise share is computed for (recorded in the ledger's entry; its server account still charges this
+    node's own share: the server decides who is dropped, `dpfedavg.privacy.node_accounts`).
 
     In the masked-vector stage, before the release is charged: ``RoundRefused`` for another cohort, and for a
     round whose earlier stages this node did not check (Flower's own ``secaggplus_mod`` around ``dp_mod``) under a

@@ -298,7 +298,7 @@ def server_charge(r: Release) -> float:
     z = r.server_noise_multiplier
     if z is None:
         z = r.noise_std / r.clip if r.clip > 0 else 0.0
-    return server_mu2(z, r.clients, r.secure_aggregation)
+    return server_mu2(z, r.clients)
 
 
 class _Plans:
@@ -949,8 +949,8 @@ def record_release(
     instructions this client follows: its own noise std) and ``cfg`` (``None``: ``dp_mod``, charged as a Gaussian
     at ``q = 1``) to both accounts of the node's ledger (`dpfedavg.privacy.node_accounts`), or raises
     ``dpfedavg.privacy.policy.RoundRefused`` / ``LedgerError``. ``secure_aggregation``: the release goes through
-    SecAgg+ whose parameters the node checked (account (b) then counts the cohort's noise, not the node's share
-    alone); ``clients``: the node's virtual clients answering in this message (each update charged).
+    SecAgg+ whose parameters the node checked (recorded; account (b) still charges the node's own share, see
+    `dpfedavg.privacy.node_accounts`); ``clients``: the node's virtual clients answering in this message (each update charged).
     """
     if not keeps_ledger(node_config):
         return
@@ -993,7 +993,7 @@ def record_release(
         resume=bool(cfg.resume) if cfg is not None else False,
         plan=plan,
         clients=int(clients),
-        server_noise_multiplier=float(own * math.sqrt(ins.cohort_size) if secure else own),
+        server_noise_multiplier=float(own),  # no SecAgg+ credit: see dpfedavg.privacy.node_accounts
         secure_aggregation=secure,
         participation=participation,
     )

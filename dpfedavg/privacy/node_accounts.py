@@ -12,11 +12,14 @@ sensitivity ``m C`` (``z / m``) sampled with ``1 - (1 - q)^m``. Bounded by ``max
 
 **server** (account (b)): against the *server itself*, which sees what the node sends in each release: its own
 update with its own noise share (``z_own = s / C``, Alg. 1 line 10), with no amplification by sampling (the
-server chooses whom it asks), unless the release went through SecAgg+ whose parameters the node checked, where the
-server sees only the sum of the cohort's shares (``z_own sqrt(|S_k|)``, assuming the cohort's other members are
-honest nodes: a server that runs some of them can subtract their shares). Every release is a Gaussian mechanism,
-so the account is exactly one Gaussian: ``mu^2 = sum_i m_i / z_i^2`` (``(m_i / z_i)^2`` under checked SecAgg+:
-the ``m`` updates sit in one sum), composition of Gaussian mechanisms being exact (Dong, Roth and Su 2022,
+server chooses whom it asks), **SecAgg+ included**: even when the node checked every stage's parameters
+(`dpfedavg.flower.guard`), the server decides who is "dropped". With one consistent unmask list it can declare
+honest nodes dropped and read the sum of any threshold-sized subset containing this node, and the node cannot check
+that every node got the same lists (Flower's SecAgg+ has no consistency round), so a smaller subset may be read
+(``tests/test_secagg_stages.py``, the two-of-three test). No share of the other nodes' noise is therefore
+credited; a ledger entry still records whether the round's stages were checked (``secure_aggregation``). Every
+release is a Gaussian mechanism, so the account is exactly one Gaussian: ``mu^2 = sum_i m_i / z_i^2``,
+composition of Gaussian mechanisms being exact (Dong, Roth and Su 2022,
 Corollary 3.3), read at delta by `gaussian_epsilon()`. Bounded by ``max-epsilon`` (unless
 ``allow-server-noise = true``: the operator then trusts the server with the clean update).
 
@@ -65,14 +68,15 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     return float(brentq(excess, high / 2 if high > 1 else 0.0, high, xtol=1e-12, rtol=1e-12))
 
 
-def server_mu2(server_noise_multiplier: float, clients: int, secure: bool) -> float:
-    """What one release adds to account (b)'s ``mu^2``: ``m / z^2`` (``(m / z)^2`` in one checked SecAgg+ sum).
+def server_mu2(server_noise_multiplier: float, clients: int) -> float:
+    """What one release adds to account (b)'s ``mu^2``: ``m / z^2`` for ``m`` updates each with the node's own
+    noise multiplier ``z`` (in one SecAgg+ sum too: sensitivity ``m C``, noise ``sqrt(m) z C``).
 
     ``z = 0`` (no noise of the node's own): ``inf``.
     """
     if not server_noise_multiplier > 0:
         return math.inf
-    return (clients / server_noise_multiplier) ** 2 if secure else clients / server_noise_multiplier**2
+    return clients / server_noise_multiplier**2
 
 
 @dataclass(frozen=True)

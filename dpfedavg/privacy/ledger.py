@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core.dp import BOUNDS
+from dpfedavg.core.dp import is_private_algorithm
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.io.atomic import atomic_write_bytes
 from dpfedavg.privacy.accountants import AccountingRangeError, RoundEvent, _run_pld
@@ -959,7 +959,7 @@ def record_release(
         raise RoundRefused("noise-std", f"this client's noise std {ins.noise_std!r} is not a number >= 0", policy=False)
     if not (_is_int(clients) and clients >= 1):
         raise RoundRefused("clients-per-node", f"{clients!r} clients in one message (expected >= 1)", policy=False)
-    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    private = is_private_algorithm(ins.algorithm)
     z = ins.noise_multiplier
     if not (private and math.isfinite(z) and z >= 0):
         z = 0.0  # no noise the accountant can count: charged as a release without noise (epsilon = inf)

@@ -45,13 +45,14 @@ from typing import Any
 from dpfedavg.config import RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED, local_lr_at
 from dpfedavg.core.adaptive_clip import augmented_bound, auto_count_stddev, count_scale
-from dpfedavg.core.canaries import canary_federation_size, inserted_canaries
-from dpfedavg.core.dp import ALGORITHMS, BOUNDS
-from dpfedavg.core.mechanism import PLACEMENTS
+from dpfedavg.core.dp import ALGORITHMS, get_bound, is_private_algorithm
+from dpfedavg.core.mechanism import PLACEMENTS, NoisePlacement, get_placement
 from dpfedavg.core.types import RoundInstructions
+from dpfedavg.errors import ConfigError
 from dpfedavg.privacy.accountants import AccountingRangeError
 from dpfedavg.privacy.calibration import epsilon_for
 from dpfedavg.privacy.secure_aggregation import MIN_SECAGG_COHORT, SecAggSettings
+from dpfedavg.privacy.setup import FederationSize
 
 __all__ = [
     "NODE_SECURE_NOISE",
@@ -340,8 +341,7 @@ def with_canaries(cfg: RunConfig) -> RunConfig:
     """
     if not cfg.canary_clients:
         return cfg
-    inserted = int(inserted_canaries(cfg.seed, cfg.canary_clients).sum())
-    n, r = canary_federation_size(cfg.num_clients, cfg.clients_per_round, inserted)
+    n, r = FederationSize.of(cfg).sampled
     return cfg.replace(num_clients=n, clients_per_round=r)
 
 
@@ -352,11 +352,11 @@ def client_noise_std(cfg: RunConfig, ins: RoundInstructions) -> tuple[float, flo
     ``sigma_b``); ``s = placement.client_std(z, bound, r, |S_k|)``.
     """
     bound = ins.clip
-    if BOUNDS[cfg.algorithm].adaptive and ins.noise_multiplier > 0:
+    if get_bound(cfg.algorithm).adaptive and ins.noise_multiplier > 0:
         bound = augmented_bound(ins.clip, count_scale(ins.noise_multiplier, ins.clip, _count_stddev(cfg, ins)))
-    elif BOUNDS[cfg.algorithm].adaptive:
+    elif get_bound(cfg.algorithm).adaptive:
         bound = augmented_bound(ins.clip, ins.clip)  # z = 0: s = C (core.adaptive_clip.count_scale)
-    placement = PLACEMENTS[cfg.noise_placement]
+    placement = get_placement(cfg.noise_placement)
     return bound, placement.client_std(ins.noise_multiplier, bound, cfg.clients_per_round, ins.cohort_size)
 
 
@@ -389,7 +389,7 @@ def check_noise_demand(policy: NodePolicy, ins: RoundInstructions, placement: st
     if not policy.demands_noise:
         return
     rule = policy.floors[0]
-    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    private = is_private_algorithm(ins.algorithm)
     if not private:
         raise RoundRefused(
             rule, f"algorithm {ins.algorithm!r} sends the update without a bound or noise; this node's policy "
@@ -401,11 +401,7 @@ def check_noise_demand(policy: NodePolicy, ins: RoundInstructions, placement: st
             rule, f"the round's noise multiplier z = {z!r} is not a finite number > 0; this node's policy "
             f"({', '.join(policy.floors)}) never sends an un-noised update", policy=True,
         )  # fmt: skip
-    if placement not in PLACEMENTS:
-        raise RoundRefused(
-            "noise-placement", f"{placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}", policy=False
-        )
-    if not PLACEMENTS[placement].adds_client_noise and not policy.allow_server_noise:
+    if not _server_placement(placement).adds_client_noise and not policy.allow_server_noise:
         raise RoundRefused(
             "allow-server-noise",
             f"the {placement!r} placement has this client send its clean update for the server to noise; this "
@@ -437,7 +433,7 @@ def _check_policy(
             "allow-diagnostics", f"the server asks for the clean update (diagnostics), which this node never sends{why}"
         )
     check_noise_demand(policy, ins, placement)
-    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    private = is_private_algorithm(ins.algorithm)
     clip = ins.clip if private else math.inf
     if not clip <= policy.max_clip:  # also NaN
         raise refuse("max-clip", f"the round's C = {clip:g} exceeds this node's max-clip = {policy.max_clip:g}")
@@ -498,7 +494,7 @@ def _check_run_config(cfg: RunConfig, ins: RoundInstructions, secure_round: bool
     eta = local_lr_at(ins.server_round - 1, cfg.local_lr, cfg.lr_decay)
     if not _close(ins.local_lr, eta):
         raise refuse("local-lr", f"the server asks for eta_k = {ins.local_lr:g}, the run config gives {eta:g}")
-    bound = BOUNDS[cfg.algorithm]
+    bound = get_bound(cfg.algorithm)
     if bound.adaptive:
         low, high = cfg.clip_limits
         if not low * (1 - _RTOL) <= ins.clip <= high * (1 + _RTOL):
@@ -512,7 +508,7 @@ def _check_run_config(cfg: RunConfig, ins: RoundInstructions, secure_round: bool
             raise refuse("clip-count-stddev", f"count scale {ins.count_scale:g}; z, C_k and sigma_b give {expected:g}")
     elif ins.count_scale != 0:
         raise refuse("algorithm", f"a count scale {ins.count_scale:g} in a run without adaptive clipping")
-    if PLACEMENTS[cfg.noise_placement].clients_learn_cohort_size and not 1 <= ins.cohort_size <= cfg.num_clients:
+    if get_placement(cfg.noise_placement).clients_learn_cohort_size and not 1 <= ins.cohort_size <= cfg.num_clients:
         raise refuse(
             "num-clients", f"cohort size |S_k| = {ins.cohort_size} is outside 1..num-clients = {cfg.num_clients}"
         )
@@ -523,7 +519,7 @@ def _check_noise_multiplier(cfg: RunConfig, ins: RoundInstructions, refuse: Any)
     z = ins.noise_multiplier
     if not (math.isfinite(z) and z >= 0):
         raise refuse("noise-multiplier", f"z = {z!r} is not a number >= 0")
-    if not BOUNDS[cfg.algorithm].private:
+    if not get_bound(cfg.algorithm).private:
         if z != 0:
             raise refuse("noise-multiplier", f"z = {z:g} in a run without DP")
         return
@@ -558,20 +554,18 @@ def _public_noise_share(ins: RoundInstructions, terms: PublicTerms) -> tuple[flo
         return RoundRefused(rule, detail, policy=False)
 
     placement, clients_per_round = terms.placement, terms.clients_per_round
-    if placement not in PLACEMENTS:
-        raise refuse("noise-placement", f"{placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}")
+    rule = _server_placement(placement)
     if not (math.isfinite(clients_per_round) and clients_per_round > 0):
         raise refuse("clients-per-round", f"r = {clients_per_round!r} is not a finite number > 0")
     z = ins.noise_multiplier
     if not (math.isfinite(z) and z >= 0):
         raise refuse("noise-multiplier", f"z = {z!r} is not a finite number >= 0")
-    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    private = is_private_algorithm(ins.algorithm)
     if not private and z != 0:
         raise refuse("noise-multiplier", f"z = {z:g} with algorithm {ins.algorithm!r}, which has no bound to scale it")
     bound = noise_bound(ins)
     if private and not (math.isfinite(bound) and bound > 0):
         raise refuse("clip", f"C = {bound!r} is not a finite number > 0")
-    rule = PLACEMENTS[placement]
     if private and z > 0 and rule.clients_learn_cohort_size and ins.cohort_size < 1:
         raise refuse("cohort-size", f"|S_k| = {ins.cohort_size} with the {placement!r} placement (needs >= 1)")
     return bound, (rule.client_std(z, bound, clients_per_round, ins.cohort_size) if private else 0.0), private
@@ -614,7 +608,7 @@ def check_round(
     _check_policy(policy, cfg, ins, secure_round, placement)
     if cfg is not None:
         _check_run_config(cfg, ins, secure_round)
-        (bound, own), private = client_noise_std(cfg, ins), BOUNDS[cfg.algorithm].private
+        (bound, own), private = client_noise_std(cfg, ins), get_bound(cfg.algorithm).private
     else:
         bound, own, private = _public_noise_share(ins, public)  # type: ignore[arg-type]
     if not _close(ins.noise_std, own):
@@ -646,3 +640,13 @@ def check_round(
     secure = policy.demands_noise or (cfg is not None and cfg.secure_noise)
     seed = SECURE_NOISE_SEED if secure else ins.noise_seed
     return dataclasses.replace(ins, noise_std=own, noise_seed=seed)
+
+
+def _server_placement(name: str) -> NoisePlacement:
+    """The noise placement a server's message names, or `RoundRefused` naming the allowed ones."""
+    try:
+        return get_placement(name)
+    except ConfigError:
+        raise RoundRefused(
+            "noise-placement", f"{name!r} is not one of {', '.join(map(repr, PLACEMENTS))}", policy=False
+        ) from None

@@ -323,3 +323,21 @@ def test_run_flower_raises_with_one_line_when_flwr_run_exited_0_without_a_final_
     first = str(err.value).splitlines()[0]
     assert first.startswith("the run did not finish (flwr run exited 0): ") and "NOT FINISHED" in first
     assert ("no 'final' record" in first) == (written is not None)
+
+
+def test_the_server_app_names_a_wrong_simulation_size_in_one_line_before_writing_anything(
+    tmp_path, dpfedavg_log, monkeypatch
+):
+    from flwr.app import Context, RecordDict
+
+    from dpfedavg.flower import server_app
+
+    monkeypatch.setattr("dpfedavg.flower.federation.SETTLE_S", 0.2)  # one poll instead of ten (it sleeps for real)
+
+    cfg = _cfg(**{"output-dir": str(tmp_path / "out"), "run-name": "r", "clients-per-node": 5})
+    grid = SimulatedGrid(client_app, 3, cfg.to_run_config())
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_run_config())
+    server_app.main(grid, context)
+    (error,) = [r.getMessage() for r in dpfedavg_log if r.levelname == "ERROR"]
+    assert "num-supernodes=3" in error and 'num-supernodes=4"' in error and "\n" not in error
+    assert grid.sent == [] and not (tmp_path / "out").exists()

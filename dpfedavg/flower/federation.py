@@ -153,7 +153,7 @@ class Federation:
         timeout = self.cfg.node_wait_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         node_ids = self._wait_for_nodes(grid, 1, deadline)
-        self._check_simulation_size(grid)
+        self.check_simulation_size(grid)
         first = self._query_partitions(grid, node_ids[:1], deadline)
         ((pid, num_partitions),) = first.values()
         if num_partitions != n:
@@ -197,16 +197,20 @@ class Federation:
             )
         return mapping
 
-    def _check_simulation_size(self, grid: Grid) -> None:
-        """In a simulation, the federation's size before any node is asked (so before Ray has started).
+    def check_simulation_size(self, grid: Grid, first_node_wait: float = 0.0) -> None:
+        """In a simulation, the federation's size before any node is asked (before anything is written).
 
-        Flower's simulation registers all its SuperNodes at once, before it starts Ray and the ClientApps; the
-        count, once it stays the same for `SETTLE_S` (more nodes than the run needs: at once), is
-        ``num-supernodes``. The right count costs no wait; a wrong one is one error now
-        instead of after Ray's start-up and the first node's answer. A deployment is left to the partition-id
-        query and ``node-wait-timeout``.
+        Flower's simulation registers all its SuperNodes at once, before it starts the ClientApps (and Ray, which
+        starts alongside the ServerApp); the count, once it stays the same for `SETTLE_S` (more nodes than the run
+        needs: at once), is ``num-supernodes``. The right count costs no wait; a wrong one is one
+        `FederationError` now instead of after Ray's start-up and the first node's answer. A deployment (or no
+        node within ``first_node_wait`` seconds) is left to `discover()`: its SuperNodes may join later.
         """
-        count = simulated_node_count(grid)
+        count, waited = simulated_node_count(grid), 0.0
+        while count is None and waited < first_node_wait and not list(grid.get_node_ids()):
+            self._sleep(SETTLE_POLL_S)
+            waited += SETTLE_POLL_S
+            count = simulated_node_count(grid)
         if count is None or count == self.num_nodes:
             return
         stable = 0  # polls with the same count

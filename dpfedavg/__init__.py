@@ -9,7 +9,8 @@ Non-Lipschitz Objectives, and with Normalized Client Updates". The public API:
 * `Task` (what a task provides), `TorchTask` and `ArrayClients` (any ``torch.nn.Module``
   with your data);
 * `DPFedAvg` (the Flower strategy: dpfedavg's own apps, or keywords only in *your* ServerApp) with
-  `dp_mod()` (the mod for *your* ClientApp's train) and `TrainingStopped` (unusable replies stopped
+  `dp_mod()` (the mod for *your* ClientApp's train; under SecAgg+ inside `checked_secaggplus_mod()`, Flower's
+  ``secaggplus_mod`` behind the node's checks) and `TrainingStopped` (unusable replies stopped
   the run), and `InProcessGrid` (a Flower Grid in this process, to test a strategy in isolation);
 * `calibrate_noise_multiplier()` and `epsilon_for()` (the accountant, for planning).
 
@@ -40,6 +41,7 @@ _LAZY: dict[str, str] = {
     "ArrayClients": "dpfedavg.tasks.torch_task",
     "DPFedAvg": "dpfedavg.flower.app_strategy",
     "dp_mod": "dpfedavg.flower.mod",
+    "checked_secaggplus_mod": "dpfedavg.flower.mod",
     "TrainingStopped": "dpfedavg.server.health",
     "InProcessGrid": "dpfedavg.flower.testing",
     "calibrate_noise_multiplier": "dpfedavg.privacy.calibration",
@@ -58,6 +60,7 @@ __all__ = [
     "TrainingStopped",
     "__version__",
     "calibrate_noise_multiplier",
+    "checked_secaggplus_mod",
     "dp_mod",
     "epsilon_for",
     "load_run",
@@ -67,7 +70,7 @@ __all__ = [
 if TYPE_CHECKING:
     from dpfedavg.api import load_run, run
     from dpfedavg.flower.app_strategy import DPFedAvg
-    from dpfedavg.flower.mod import dp_mod
+    from dpfedavg.flower.mod import checked_secaggplus_mod, dp_mod
     from dpfedavg.flower.testing import InProcessGrid
     from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
     from dpfedavg.server.health import TrainingStopped

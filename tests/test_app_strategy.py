@@ -487,15 +487,16 @@ def test_the_noise_calibration_matches_the_budget_for_any_n() -> None:
 
 # ------------------------------------------------------------------ secure aggregation
 def _secure_app(order: str) -> ClientApp:
-    from flwr.client.mod import secaggplus_mod
+    from dpfedavg import checked_secaggplus_mod
 
     app = ClientApp()
-    app.train(mods=[secaggplus_mod, dp_mod] if order == "inside" else [dp_mod, secaggplus_mod])(numpy_train)
+    inside = [checked_secaggplus_mod, dp_mod]
+    app.train(mods=inside if order == "inside" else inside[::-1])(numpy_train)
     return app
 
 
 def test_dp_mod_inside_secaggplus_mod_gives_the_server_the_exact_sum_only() -> None:
-    """mods=[secaggplus_mod, dp_mod]: the server's w_1 is w_0 minus the sum of what each sampled client's dp_mod
+    """mods=[checked_secaggplus_mod, dp_mod]: the server's w_1 is w_0 minus the sum of what each sampled client's dp_mod
     encoded (replayed here), over r; no reply the server receives holds one of those vectors."""
     settings = {"algorithm": "clip", "clip": 0.5, "epsilon": 4.0, "delta": 1e-5, "clients_per_round": 4.0,
                 "secure_aggregation": True}  # fmt: skip
@@ -536,4 +537,4 @@ def test_dp_mod_outside_secaggplus_mod_is_refused_with_the_right_order() -> None
                         secure_aggregation=True)  # fmt: skip
     with pytest.raises(TrainingStopped) as stopped:
         strategy.start(grid=grid(_secure_app("outside"), 6), initial_arrays=initial_arrays(), num_rounds=3)
-    assert "mods=[secaggplus_mod, dp_mod]" in str(stopped.value)
+    assert "mods=[checked_secaggplus_mod, dp_mod]" in str(stopped.value)

@@ -236,6 +236,8 @@ def test_missing_dataset_through_the_server_app_is_one_error_line(tmp_path: Path
     from flwr.app import Context, RecordDict
 
     from dpfedavg.flower import server_app
+    from dpfedavg.flower.client_app import app as client_app
+    from dpfedavg.flower.testing import InProcessGrid
 
     _offline(monkeypatch)
     records: list[logging.LogRecord] = []
@@ -249,11 +251,14 @@ def test_missing_dataset_through_the_server_app_is_one_error_line(tmp_path: Path
             "cache-dir": str(tmp_path / "c"),
             "output-dir": str(tmp_path / "out"),
         }
-        server_app.main(grid=None, context=Context(1, 1, {}, RecordDict(), run_config))  # type: ignore[arg-type]
+        # a federation of the run's size (asked only how many nodes it has: the data error comes before any message)
+        grid = InProcessGrid(client_app, RunConfig.from_run_config(run_config).num_nodes, {})
+        server_app.main(grid=grid, context=Context(1, 1, {}, RecordDict(), run_config))
     finally:
         logging.getLogger("dpfedavg").removeHandler(handler)
     errors = [r for r in records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "uoft-cs/cifar100" in errors[0].getMessage()
+    assert grid.sent == []
 
 
 # ------------------------------------------------------------------ the model

@@ -171,7 +171,7 @@ def test_ledger_prints_each_run_and_the_spent_budget(tmp_path: Path) -> None:
     from scipy.stats import norm
 
     ledger = tmp_path / "ledger.json"
-    text = f"partition-id=0 num-partitions=4 max-epsilon=8.0 max-epsilon-delta=1e-5 privacy-ledger='{ledger}'"
+    text = f"partition-id=0 num-partitions=4 max-epsilon-released=8.0 max-epsilon-delta=1e-5 privacy-ledger='{ledger}'"
     from dpfedavg.deploy.node import parse_node_config
 
     _charge_runs(parse_node_config(text), [11, 12], [1, 2, 3, 4, 5])
@@ -188,11 +188,14 @@ def test_ledger_prints_each_run_and_the_spent_budget(tmp_path: Path) -> None:
         return norm.cdf(-eps * sigma + 1 / (2 * sigma)) - math.exp(eps) * norm.cdf(-eps * sigma - 1 / (2 * sigma))
 
     exact = brentq(lambda eps: delta_of(eps) - 1e-5, 0.0, 100.0)
-    spent = float(lines[-1].split()[2])
+    released, server = lines[-2:]  # the two accounts (privacy/node-ledger.md)
+    spent = float(released.split()[2])
     assert spent == pytest.approx(exact, rel=2e-3) and exact < 8
-    left = float(lines[-1].split(": ")[-1].split()[0])
-    assert lines[-1].endswith(" left") and "at delta 1e-05 (pld), of max-epsilon 8: " in lines[-1]
+    left = float(released.split(": ")[-1].split()[0])
+    assert released.endswith(" left")
+    assert "at delta 1e-05 (pld) against the released model, of max-epsilon-released 8: " in released
     assert left == pytest.approx(8 - spent, abs=1e-3)
+    assert "(exact Gaussian) against the server itself, no max-epsilon: this account records" in server
     code, out, _ = _run_cli(["ledger", "--node-config", text, "--last", "1"])
     assert code == 0 and "(the last 1 runs of 3)" in out and "run 11" not in out
     ledger.write_bytes(ledger.read_bytes().replace(b'"noise_multiplier": 2.5', b'"noise_multiplier": 25.0', 1))
@@ -229,7 +232,8 @@ def test_node_check_says_ready_or_names_the_cause(node: dict) -> None:
     code, out, err = _run_cli(node["argv"])
     assert code == 0, err
     assert out.startswith("SuperNode ready: policy: max-epsilon, max-epsilon-delta, privacy-ledger;")
-    assert f"ledger {node['ledger']} writable, epsilon 0 spent of max-epsilon 8" in out
+    spent = "epsilon spent: 0 released of max-epsilon 8, 0 server of max-epsilon 8"
+    assert f"ledger {node['ledger']} writable, {spent}" in out
 
     def not_ready(argv: list[str]) -> str:
         code, out, err = _run_cli(argv)

@@ -102,7 +102,7 @@ CASES = {
     "clip-diagnostics-diverged": ({"algorithm": "clip", "diagnostics": True}, True, None),
     "norm-minibatches": ({"algorithm": "norm", "local-batch-size": 2}, False, None),
     "adaptive-clip": ({"algorithm": "adaptive-clip", "clip-count-stddev": 2.0}, False, None),
-    "diverged-under-a-policy": ({"algorithm": "clip"}, True, {"allow-evaluate": True}),
+    "diverged-under-a-policy": ({"algorithm": "clip"}, True, {"allow-evaluate": True, "allow-virtual-clients": True}),
 }
 
 
@@ -159,7 +159,8 @@ def test_secure_noise_on_the_device_gives_each_client_its_own_os_seeded_generato
     calls: list[int] = []
     device_results = batched.device_client_results
     monkeypatch.setattr(batched, "device_client_results", lambda *a, **k: calls.append(1) or device_results(*a, **k))
-    secure, _, _ = _replies(cfg, monkeypatch, diverging=False, node_config={"secure-noise": True})
+    node_config = {"secure-noise": True, "allow-virtual-clients": True}  # a policy node answers for virtual clients
+    secure, _, _ = _replies(cfg, monkeypatch, diverging=False, node_config=node_config)
     assert len(calls) == cfg.num_nodes  # on the device pipeline
     assert len(handed) == NUM_CLIENTS  # one generator per client, none shared
     (train, *_) = [m for m in sent if m.metadata.message_type == MessageType.TRAIN]  # after the partition queries

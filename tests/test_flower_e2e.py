@@ -52,7 +52,7 @@ def _overrides(values: dict) -> str:
 
 def _run(superlink: LocalSuperLink, tmp_path: Path, name: str, values: dict, federation: str = SMALL_FED):
     values = {"output-dir": str(tmp_path), "run-name": name, **values}
-    result = superlink.flwr_run(_overrides(values), federation)
+    result = superlink.flwr_run(_overrides(values), federation, run_dir=tmp_path / name)
     return result, tmp_path / name
 
 
@@ -196,6 +196,7 @@ def test_wrong_number_of_supernodes_is_a_clear_error(superlink: LocalSuperLink, 
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "num-supernodes=10" in errors[0], result.stdout[-4000:]
     assert "Traceback" not in result.stdout
+    assert "the simulation has num-supernodes=3" in errors[0] and not run_dir.exists()  # before anything is written
 
 
 def test_digits_task_runs_offline_far_above_chance(superlink: LocalSuperLink, tmp_path: Path) -> None:

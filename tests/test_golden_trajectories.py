@@ -10,7 +10,7 @@ UNCHANGED, before and after the refactoring. Each case is a small seeded run (th
 * the Flower simulation in process (`dpfedavg.flower.server_app.main` with `dpfedavg.flower.client_app.app` on
   an `InProcessGrid`), plain, with SecAgg+ and with canary clients;
 * `dp_mod` in a Flower-quickstart-shaped app (a user's ClientApp train function, the public `DPFedAvg`), plain and
-  inside Flower's ``secaggplus_mod``;
+  inside ``checked_secaggplus_mod`` (Flower's ``secaggplus_mod`` behind the node's stage checks);
 * resumes (``resume=true``) reproduce the uninterrupted runs' constants: the Flower run killed in round 4 (its grid
   raises), the batched run killed in round 4 (its task's evaluation raises), and a batched run stopped after
   3 rounds and continued to 5.
@@ -294,12 +294,12 @@ def _user_train(msg: Message, context: Context) -> Message:
 
 
 def _dp_mod_app(out: Path, secure_aggregation: bool = False) -> dict[str, Any]:
-    """`dp_mod` around a user's train function (inside Flower's ``secaggplus_mod`` with secure aggregation), the
+    """`dp_mod` around a user's train function (inside ``checked_secaggplus_mod`` with secure aggregation), the
     public `DPFedAvg` (keywords) in the user's server code; evaluate_fn sees every round's float64 arrays."""
-    from flwr.client.mod import secaggplus_mod
+    from dpfedavg import checked_secaggplus_mod
 
     client = ClientApp()
-    client.train(mods=[secaggplus_mod, dp_mod] if secure_aggregation else [dp_mod])(_user_train)
+    client.train(mods=[checked_secaggplus_mod, dp_mod] if secure_aggregation else [dp_mod])(_user_train)
     strategy = DPFedAvg(algorithm="clip", clip=0.3, epsilon=4.0, delta=1e-5, clients_per_round=6.0, num_clients=10,
                         seed=3, secure_aggregation=secure_aggregation)  # fmt: skip
     seen: dict[int, bytes] = {}
@@ -442,12 +442,12 @@ GOLDEN: dict[str, Any] = {
         "epsilon": 7.422291022120223,
     },
     "flower-secagg": {
-        "w": ["2aefe74eec6211b3", "69b37272f6fb32a6", "5b688bffd55dfe76", "263a428bd0d9549f",
-            "4c9ddd0572f06468"],
-        "metrics": ["a632dbe1389e41e5", "3a73a6ece60de5d6", "650cdcaecede588f", "e7223a9a2f720a49",
-            "be4a8085ed60af73"],
-        "final": "017e8fe66bac25e3",
-        "summary": "ed6acc6ff79cb0dc",
+        "w": ["2aefe74eec6211b3", "69b37272f6fb32a6", "89419c99d5173f5d", "e0cd9228274a7099",
+            "06debcdbdd8c1200"],
+        "metrics": ["a632dbe1389e41e5", "3a73a6ece60de5d6", "4cd03d27765c69be", "9d7f8f4543f25e4f",
+            "d8711d444765c822"],
+        "final": "3d23a970823c8ba6",
+        "summary": "3cfffe5d0806828c",
         "epsilon": 6.676961876150524,
     },
     "flower-canaries": {

@@ -137,7 +137,7 @@ def test_inflated_cohort_size_is_refused_by_the_update_noise_floor() -> None:
 def test_max_epsilon_of_the_policy_is_checked_by_the_client() -> None:
     cfg = _cfg()  # calibrated for epsilon = 4
     _refused(_send(_grid(cfg, {**POLICY, "max-epsilon": 2.0}), _honest(cfg)), "max-epsilon")
-    at_run_delta = {**POLICY, "max-epsilon": 4.5, "max-epsilon-delta": 1e-5}  # without it: read at 1e-6
+    at_run_delta = {**POLICY, "max-epsilon-released": 4.5, "max-epsilon-delta": 1e-5}  # without it: read at 1e-6
     assert not _send(_grid(cfg, at_run_delta), _honest(cfg)).has_error()
 
 

@@ -13,13 +13,12 @@ import dataclasses
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import FitIns, ndarrays_to_parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 
-from dpfedavg import dp_mod
+from dpfedavg import checked_secaggplus_mod, dp_mod
 from dpfedavg.config import RunConfig
 from dpfedavg.flower.client_app import app as own_app
 from dpfedavg.flower.mod import ARRAY_KEYS, CLIENT_ID, public_parameters
@@ -67,7 +66,7 @@ def _user_query(msg: Message, context) -> Message:
 
 def user_app(level: str, secagg: bool = False) -> ClientApp:
     """A user's app: dp_mod app-level (``"app"``, the safe pattern) or on each train handler (``"handler"``)."""
-    outer = [secaggplus_mod, dp_mod] if secagg else [dp_mod]
+    outer = [checked_secaggplus_mod, dp_mod] if secagg else [dp_mod]
     app = ClientApp(mods=outer) if level == "app" else ClientApp()
     mods = [] if level == "app" else outer
     app.train(mods=mods)(_user_train)
@@ -224,7 +223,7 @@ def test_server_chosen_noise_is_refused_by_dp_mod(changes: dict, node_config: di
 
 
 def test_secagg_content_outside_the_protocol_is_refused_by_dp_mod() -> None:
-    """SecAgg+ content as ``train.default`` passes through Flower's secaggplus_mod: dp_mod must not answer it."""
+    """SecAgg+ content as ``train.default`` passes through (checked_)secaggplus_mod: dp_mod must not answer it."""
     cfg = RunConfig(**{**USER, "secure_aggregation": True, "delta": 1e-5, "secagg_clip_stds": 12.0})
     config = dict(_user_config())
     config.update(instructions_to_config_record(DPServer(cfg, USER_DIM).instructions(2, 5)))
@@ -501,7 +500,7 @@ def test_divergence_of_virtual_clients_tells_the_server_nothing_under_a_policy()
         assert not reply.has_error(), reply.error.reason
         return reply
 
-    private = ask(STRICT)
+    private = ask({**STRICT, "allow-virtual-clients": True})  # refused without it (test_node_accounts.py)
     assert DIVERGED_CLIENT_IDS not in private.content["metrics"] and len(private.content[ARRAYS]) == 2
     noise = np.concatenate([a.numpy() for a in private.content[ARRAYS].values()])
     assert np.all(np.isfinite(noise)) and np.linalg.norm(noise) > 0

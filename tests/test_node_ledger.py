@@ -114,7 +114,7 @@ def _restart() -> None:
 
 def _numbers(reason: str) -> dict[str, float]:
     spent = re.search(r"has spent epsilon ([0-9.e+-]+)", reason)
-    total = re.search(r"composed epsilon to ([0-9.e+-]+) > max-epsilon = ([0-9.e+-]+)", reason)
+    total = re.search(r"composed epsilon to ([0-9.e+-]+) > max-epsilon(?:-released)? = ([0-9.e+-]+)", reason)
     assert spent and total, reason
     return {"spent": float(spent[1]), "total": float(total[1]), "budget": float(total[2])}
 
@@ -124,7 +124,7 @@ def test_five_runs_against_max_epsilon_8_are_refused_once_the_composed_epsilon_w
     """Each run alone (epsilon 3.85) passes the node's max-epsilon = 8; composed, runs 4 and 5 are refused."""
     cfg = _cfg(EXACT_RUNS)
     path = tmp_path / "ledger.json"
-    node = Node({"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(path)})
+    node = Node({"max-epsilon-released": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(path)})
     answered = [_answered(node.run(cfg, run_id)) for run_id in range(1, 6)]
     assert answered == [True, True, True, False, False]
 
@@ -141,6 +141,19 @@ def test_five_runs_against_max_epsilon_8_are_refused_once_the_composed_epsilon_w
     alone = re.search(r"costs ([0-9.]+) on its own", reason)
     assert alone and float(alone[1]) == pytest.approx(exact[1], rel=2e-3)  # one run's plan
     assert len(NodeLedger(path).read()) == 3 * cfg.num_rounds  # every release, none of the refused
+
+
+def test_through_the_client_app_max_epsilon_bounds_what_the_server_sees(tmp_path) -> None:
+    """The same runs with max-epsilon = 8 alone: the server account (the node's own share z / sqrt(4) = 1.25, every
+    release, unamplified) passes 8 at the fifth release: four answered, exactly as the Gaussian of 1.25 / sqrt(n)."""
+    cfg = _cfg(EXACT_RUNS)
+    assert gaussian_epsilon(1.25 / 2, 1e-5) < 8 - 0.3 and gaussian_epsilon(1.25 / math.sqrt(5), 1e-5) > 8 + 0.3
+    node = Node({"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(tmp_path / "ledger.json")})
+    replies = node.run(cfg, 1)
+    assert [r.has_error() for r in replies] == [False] * 4 + [True]
+    reason = replies[-1].error.reason
+    assert "(max-epsilon)" in reason and "server account" in reason
+    assert _numbers(reason)["total"] == pytest.approx(gaussian_epsilon(1.25 / math.sqrt(5), 1e-5), rel=1e-3)  # 4 digits
 
 
 def test_a_redone_round_is_charged_one_more_sampled_round(tmp_path) -> None:
@@ -178,7 +191,7 @@ def test_a_server_declaring_delta_0_1_does_not_choose_the_delta_of_the_nodes_bud
     exact = {runs: gaussian_epsilon(2.5 / math.sqrt(5 * runs), 1e-6) for runs in (2, 3)}
     assert exact[2] < 8 - 1 and exact[3] > 8 + 0.1 and gaussian_epsilon(2.5 / math.sqrt(50), 0.1) < 8
     cfg = _cfg({**EXACT_RUNS, "delta": 0.1})
-    node = Node({"max-epsilon": 8.0, "privacy-ledger": str(tmp_path / "ledger.json")})
+    node = Node({"max-epsilon-released": 8.0, "privacy-ledger": str(tmp_path / "ledger.json")})
     assert [_answered(node.run(cfg, run_id)) for run_id in (1, 2)] == [True, True]
     refused = node.send(cfg, 3, 1)
     assert refused.has_error() and "max-epsilon" in refused.error.reason
@@ -192,7 +205,8 @@ def test_a_redone_round_past_the_budget_is_refused(tmp_path) -> None:
     cfg = _cfg(EXACT_RUNS)
     five, six = (gaussian_epsilon(2.5 / math.sqrt(k), 1e-5) for k in (5, 6))
     assert five < 4.05 - 0.15 and six > 4.05 + 0.15
-    node = Node({"max-epsilon": 4.05, "max-epsilon-delta": 1e-5, "privacy-ledger": str(tmp_path / "ledger.json")})
+    ledger = str(tmp_path / "ledger.json")
+    node = Node({"max-epsilon-released": 4.05, "max-epsilon-delta": 1e-5, "privacy-ledger": ledger})
     assert _answered(node.run(cfg, 7))
     redone = node.send(cfg, 7, 4)
     assert redone.has_error() and "max-epsilon" in redone.error.reason
@@ -202,7 +216,8 @@ def test_a_redone_round_past_the_budget_is_refused(tmp_path) -> None:
 def test_a_restarted_node_keeps_its_spent_budget(tmp_path) -> None:
     """Three runs, a restart (no process-level state, a new federation), and the fourth run is refused."""
     cfg = _cfg(EXACT_RUNS)
-    node_config = {"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "min-noise-multiplier": 1.0}  # the default ledger
+    # the default ledger
+    node_config = {"max-epsilon-released": 8.0, "max-epsilon-delta": 1e-5, "min-noise-multiplier": 1.0}
     for run_id in (11, 12, 13):
         assert _answered(Node(node_config).run(cfg, run_id))
     _restart()
@@ -429,7 +444,7 @@ def test_dp_mod_charges_each_release_as_an_unamplified_gaussian(tmp_path) -> Non
     exact = {n: gaussian_epsilon(z / math.sqrt(n), 1e-5) for n in (3, 4)}
     assert exact[3] < 8 - 0.5 and exact[4] > 8 + 0.5
     path = tmp_path / "ledger.json"
-    node = Node({"max-epsilon": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(path)}, _dp_mod_app())
+    node = Node({"max-epsilon-released": 8.0, "max-epsilon-delta": 1e-5, "privacy-ledger": str(path)}, _dp_mod_app())
     cfg = _cfg(EXACT_RUNS)
     replies = []
     for k in (1, 2, 3, 4):
@@ -445,6 +460,9 @@ def test_dp_mod_charges_each_release_as_an_unamplified_gaussian(tmp_path) -> Non
     assert _numbers(reason)["spent"] == pytest.approx(exact[3], rel=2e-3)
     assert _numbers(reason)["total"] == pytest.approx(exact[4], rel=2e-3)
     assert {r.mechanism for r in NodeLedger(path).read()} == {"gaussian"}
+    # the server account: each release at the node's own share z / 2, unamplified (3 answered)
+    server = NodeLedger(path).spent(NodePolicy(max_epsilon_delta=1e-5), "server")
+    assert server == pytest.approx(gaussian_epsilon(z / 2 / math.sqrt(3), 1e-5), rel=1e-8)
 
 
 # ------------------------------------------------------------------ the keys

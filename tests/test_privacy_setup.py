@@ -178,7 +178,7 @@ REGISTRIES = {
     "TASKS": "dpfedavg/tasks/__init__.py",
 }
 #: Modules still indexing a registry, converted in a follow-up (each line is a lookup to replace).
-NOT_YET_CONVERTED = {"dpfedavg/privacy/policy.py", "dpfedavg/privacy/ledger.py"}
+NOT_YET_CONVERTED: set[str] = set()
 
 
 def _registry_name(node: ast.AST) -> str | None:

@@ -108,7 +108,7 @@ def test_flwr_run_on_the_cluster_uses_both_nodes(cluster: LoopbackRayCluster, tm
               "noise-multiplier": 1.0, "output-dir": str(tmp_path), "run-name": "fl"}  # fmt: skip
     overrides = " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
     with LocalSuperLink(tmp_path / "link", ray_address=cluster.address) as link:
-        result = link.flwr_run(overrides, "num-supernodes=10 client-resources-num-cpus=1")
+        result = link.flwr_run(overrides, "num-supernodes=10 client-resources-num-cpus=1", run_dir=tmp_path / "fl")
     assert link.leftover_pids() == []
     assert (tmp_path / "fl" / "model.npz").exists(), result.stdout[-4000:]
     # the simulation attached to the cluster: its ClientApp actors ran on both nodes (one CPU each)

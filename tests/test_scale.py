@@ -30,7 +30,7 @@ def test_5000_client_simulation_registers_every_client_and_counts_every_reply(tm
     cfg = RunConfig.from_run_config({"num-clients": n, "clients-per-round": q * n, "clients-per-node": m})
     assert (m, cfg.num_nodes) == (250, 20)
     with LocalSuperLink(tmp_path / "superlink") as link:
-        result = link.flwr_run(values, federation_config(cfg), timeout=1200)
+        result = link.flwr_run(values, federation_config(cfg), timeout=1200, run_dir=tmp_path / "scale")
     assert link.leftover_pids() == []
     assert f"All {n} clients registered on 20 SuperNodes" in result.stdout, result.stdout[-3000:]
     run_dir = tmp_path / "scale"

@@ -30,10 +30,12 @@ import psutil
 
 from dpfedavg.deploy.credentials import Credentials, generate_credentials, generate_supernode_key
 from dpfedavg.engines.local_superlink import (
+    StartupTimeout,
     copy_app,
     free_port,
     leftover_pids,
     processes_with_home,
+    retry_startup_once,
     scripts_first_path,
     stop_processes,
 )
@@ -54,7 +56,7 @@ def _wait_for_port(port: int, timeout: float, proc: subprocess.Popen, log: Path)
                 return
         except OSError:
             time.sleep(0.2)
-    raise TimeoutError(f"nothing listened on port {port} within {timeout}s; see {log}")
+    raise StartupTimeout(f"nothing listened on port {port} within {timeout:g}s; see {log}")
 
 
 class LoopbackFederation:
@@ -125,6 +127,15 @@ class LoopbackFederation:
     def start(self, timeout: float = 60.0) -> None:
         """Credentials, the SuperLink, key registration and the SuperNodes."""
         self.creds = generate_credentials(self.workdir / "creds", ["127.0.0.1", "localhost"], self.num_supernodes)
+        retry_startup_once(lambda: self._start_superlink(timeout), "the SuperLink", before_retry=self._stop_superlink)
+        for i in range(self.num_supernodes):
+            self.node_ids[i] = self.register(self.creds.public_key(i))
+        for i in range(self.num_supernodes):
+            self.supernodes[i] = self.start_supernode(i, self.creds.supernode_keys[i])
+
+    def _start_superlink(self, timeout: float) -> None:
+        """The SuperLink on ``self.port`` with TLS and SuperNode authentication, and the ``remote`` connection."""
+        assert self.creds is not None
         (self.home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
             f'address = "127.0.0.1:{self.port}"\nroot-certificates = "{self.creds.ca_cert}"\n'
@@ -143,10 +154,14 @@ class LoopbackFederation:
             ],
         )  # fmt: skip
         _wait_for_port(self.port, timeout, self.superlink, self._log("superlink"))
-        for i in range(self.num_supernodes):
-            self.node_ids[i] = self.register(self.creds.public_key(i))
-        for i in range(self.num_supernodes):
-            self.supernodes[i] = self.start_supernode(i, self.creds.supernode_keys[i])
+
+    def _stop_superlink(self) -> None:
+        """Stop a SuperLink that did not start in time and pick a new port (a fresh database) for the next."""
+        if self.superlink is not None:
+            self._remember_descendants()
+            stop_processes({pid: p for pid, p in self._known.items() if p.is_running()})
+        (self.workdir / "state.db").unlink(missing_ok=True)
+        self.port = free_port()
 
     def register(self, public_key: Path) -> int:
         """``flwr supernode register <key> remote``; returns the node id the SuperLink assigned."""

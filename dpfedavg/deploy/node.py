@@ -32,6 +32,7 @@ from dpfedavg.privacy.ledger import (
     ledger_delta,
     ledger_path,
 )
+from dpfedavg.privacy.node_accounts import RELEASED, SERVER
 from dpfedavg.privacy.policy import NodePolicy
 
 __all__ = ["NodeNotReady", "ledger_report", "node_readiness", "parse_node_config"]
@@ -75,6 +76,10 @@ def _describe(run: _Run) -> str:
     else:
         plans = sorted({(r.sampling_rate, r.num_rounds, r.noise_multiplier, r.delta) for r in run.releases}, key=str)
         plan = "; ".join(f"q = {q:.4g}, num-rounds = {k}, z = {z:g}, run delta = {d:g}" for q, k, z, d in plans)
+        if first.mechanism != "poisson-sampled-gaussian":
+            plan += f" ({first.mechanism})"
+        if first.run_name is not None:  # a resume continues the plan of the run it names (privacy/node-ledger.md)
+            plan += f"; run-name {first.run_name!r}" + (", resumed" if first.resume else "")
     span = first.time[:19] if first.time[:19] == last.time[:19] else f"{first.time[:19]} .. {last.time[:19]}"
     return (
         f"run {run.run_id}: {len(rounds)} release{'s' if len(rounds) != 1 else ''} (rounds {_ranges(set(rounds))}"
@@ -104,7 +109,7 @@ def ledger_report(node_config: Mapping[str, Any], *, last: int | None = None) ->
         return [f"this node config has no policy key: the node keeps no ledger (it would be {path})"], 0.0, policy
     ledger = NodeLedger(path)
     releases = ledger.read()
-    spent = ledger.spent(policy) if releases else 0.0
+    spent = ledger.accounts(policy) if releases else {RELEASED: 0.0, SERVER: 0.0}
     runs = _runs(releases)
     lines = [f"privacy ledger {path}: {len(releases)} releases in {len(runs)} runs"]
     shown = runs if last is None else runs[-last:] if last else []
@@ -112,14 +117,18 @@ def ledger_report(node_config: Mapping[str, Any], *, last: int | None = None) ->
         lines.append(f"(the last {len(shown)} runs of {len(runs)})")
     lines += [_describe(run) for run in shown]
     delta = ledger_delta(policy)
-    if policy.max_epsilon == float("inf"):
-        budget = "no max-epsilon: the ledger records, never refuses"
-    else:
-        left = policy.max_epsilon - spent
-        rest = f"{left:.4g} left" if left > 0 else "SPENT, every run is refused"
-        budget = f"of max-epsilon {policy.max_epsilon:g}: {rest}"
-    lines.append(f"spent epsilon {spent:.4g} at delta {delta:g} ({LEDGER_ACCOUNTANT}), {budget}")
-    return lines, spent, policy
+    for account, key, bound, how, against in (
+        (RELEASED, policy.released_key, policy.released_budget, LEDGER_ACCOUNTANT, "the released model"),
+        (SERVER, "max-epsilon", policy.server_budget, "exact Gaussian", "the server itself"),
+    ):
+        if bound == float("inf"):
+            budget = f"no {key}: this account records, never refuses"
+        else:
+            left = bound - spent[account]
+            rest = f"{left:.4g} left" if left > 0 else "SPENT, every run is refused"
+            budget = f"of {key} {bound:g}: {rest}"
+        lines.append(f"spent epsilon {spent[account]:.4g} at delta {delta:g} ({how}) against {against}, {budget}")
+    return lines, spent[RELEASED], policy
 
 
 def _credentials(root_certificates: Path, private_key: Path) -> str:
@@ -161,14 +170,19 @@ def _ledger_ready(node_config: Mapping[str, Any], policy: NodePolicy) -> str:
         raise NodeNotReady(f"privacy-ledger {path}: its folder cannot be made ({err})") from None
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise NodeNotReady(f"privacy-ledger {path} is not writable by this user: every round would be refused")
-    spent = NodeLedger(path).spent(policy)  # reads and checks every entry, and writes its state
-    if spent >= policy.max_epsilon:
-        raise NodeNotReady(
-            f"privacy-ledger {path} has spent epsilon {spent:.4g} >= max-epsilon = {policy.max_epsilon:g}: every "
-            "run would be refused"
-        )
-    budget = "" if policy.max_epsilon == float("inf") else f" of max-epsilon {policy.max_epsilon:g}"
-    return f"ledger {path} writable, epsilon {spent:.4g} spent{budget}"
+    spent = NodeLedger(path).accounts(policy)  # reads and checks every entry, and writes its state
+    said = []
+    for account, key, bound in (
+        (RELEASED, policy.released_key, policy.released_budget),
+        (SERVER, "max-epsilon", policy.server_budget),
+    ):
+        if spent[account] >= bound:
+            raise NodeNotReady(
+                f"privacy-ledger {path} has spent epsilon {spent[account]:.4g} in its {account} account >= {key} = "
+                f"{bound:g}: every run would be refused"
+            )
+        said.append(f"{spent[account]:.4g} {account}" + ("" if bound == float("inf") else f" of {key} {bound:g}"))
+    return f"ledger {path} writable, epsilon spent: {', '.join(said)}"
 
 
 def node_readiness(

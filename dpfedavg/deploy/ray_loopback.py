@@ -24,7 +24,15 @@ from pathlib import Path
 
 import psutil
 
-from dpfedavg.engines.local_superlink import free_port, leftover_pids, stop_processes
+from dpfedavg.engines.local_superlink import (
+    RAY_STARTUP_ENV,
+    StartupTimeout,
+    free_port,
+    leftover_pids,
+    retry_startup_once,
+    startup_failure,
+    stop_processes,
+)
 
 __all__ = ["LoopbackRayCluster"]
 
@@ -47,6 +55,7 @@ class LoopbackRayCluster:
             RAY_health_check_period_ms="1000",
             RAY_health_check_timeout_ms="1000",
             RAY_health_check_failure_threshold="3",
+            **{key: os.environ.get(key, value) for key, value in RAY_STARTUP_ENV.items()},
             **(extra_env or {}),
         )
         self.env.pop("RAY_ADDRESS", None)
@@ -66,7 +75,28 @@ class LoopbackRayCluster:
         return [f"{k}={v}" for k, v in ports.items()]
 
     def _start_node(self, index: int, head: bool, timeout: float) -> None:
+        """``ray start`` for node ``index``; one that timed out starting (Ray's fixed 30 s) is started once more."""
+        retry_startup_once(
+            lambda: self._start_node_once(index, head, timeout), f"Ray node {index}", before_retry=self._drop_node
+        )
+
+    def _drop_node(self) -> None:
+        """Stop the last node started (every process of it, by PID) and forget it, for a second start."""
+        index = len(self.nodes) - 1
+        self.remember()
+        stop_processes(self._trees.pop(index))
+        try:
+            self.nodes.pop().wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        if index == 0:  # the head: a new port, in case the first one's is still held
+            self.port = free_port()
+            self.address = f"127.0.0.1:{self.port}"
+
+    def _start_node_once(self, index: int, head: bool, timeout: float) -> None:
         temp = self.root / f"n{index}"
+        if temp.exists():  # a second start: a fresh folder
+            temp = self.root / f"n{index}r"
         temp.mkdir()
         command = [str(BIN / "ray"), "start", "--block", f"--num-cpus={self.num_cpus}", "--num-gpus=0",
                    f"--temp-dir={temp}", "--disable-usage-stats", *self._ports()]  # fmt: skip
@@ -97,7 +127,8 @@ class LoopbackRayCluster:
             self.remember()
             if proc.poll() is not None:
                 log = (self.root / f"node{count - 1}.log").read_text()[-3000:]
-                raise RuntimeError(f"ray start exited with {proc.returncode}:\n{log}")
+                error = StartupTimeout if startup_failure(log) else RuntimeError
+                raise error(f"ray start exited with {proc.returncode}: {startup_failure(log) or ''}\n{log}")
             try:
                 out = subprocess.run([sys.executable, "-c", probe, self.address], env=self.env, capture_output=True,
                                      text=True, timeout=30)  # fmt: skip
@@ -108,7 +139,7 @@ class LoopbackRayCluster:
                 pass
             time.sleep(1.0)
         log = (self.root / f"node{count - 1}.log").read_text()[-3000:]
-        raise RuntimeError(f"the Ray cluster did not reach {count} nodes within {timeout}s:\n{log}")
+        raise StartupTimeout(f"the Ray cluster did not reach {count} nodes within {timeout:g}s:\n{log}")
 
     def start(self, timeout: float = 90.0) -> LoopbackRayCluster:
         try:

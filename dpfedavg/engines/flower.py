@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dpfedavg.config import RunConfig
+from dpfedavg.deploy.status import run_status
 from dpfedavg.engines.local_superlink import LocalSuperLink
 
 __all__ = [
@@ -54,13 +55,21 @@ def run_flower(cfg: RunConfig, superlink: LocalSuperLink, *, num_cpus: int = 1, 
     Raises
     ------
     RuntimeError
-        If the run wrote no final results; the message holds the end of its log.
+        If the run did not finish (no ``final`` record in its ``config.json``: `flwr run` exits 0 even then);
+        the first line says why (`dpfedavg.deploy.status.run_status()`), then the end of its log.
     """
     if not cfg.run_name:
         raise ValueError("run_flower needs cfg.run_name to find the run's results")
-    result = superlink.flwr_run(run_config_overrides(cfg), federation_config(cfg, num_cpus), timeout=timeout)
     run_dir = Path(cfg.output_dir).expanduser().resolve() / cfg.run_name
+    result = superlink.flwr_run(
+        run_config_overrides(cfg), federation_config(cfg, num_cpus), timeout=timeout, run_dir=run_dir
+    )
     config = run_dir / "config.json"
     if not config.exists() or "final" not in json.loads(config.read_text()):
-        raise RuntimeError(f"flwr run wrote no final results to {run_dir}:\n{result.stdout[-3000:]}")
+        # `flwr run --stream` exits 0 whatever happened to the run: the `final` record says that it finished
+        why = run_status(run_dir).line if run_dir.is_dir() else f"{run_dir} NOT FINISHED: the run made no folder"
+        raise RuntimeError(
+            f"the run did not finish (flwr run exited {result.returncode}): {why}\n"
+            f"the end of flwr run's output:\n{result.stdout[-3000:]}"
+        )
     return run_dir

@@ -9,10 +9,16 @@ stops every process it started (SuperLink, SuperExec, simulation, Ray) by PID.
 Used by the Flower engine of ``run_sim.py``, the end-to-end tests and the
 benchmarks; needs the source checkout (``flwr run`` builds the app from it)
 and ``psutil``.
+
+A loaded machine can be too slow for Flower's and Ray's start-up waits (Flower's CLI gives its local
+SuperLink 15 s; Ray 2.55 gives a node a fixed 30 s in ``ray/_private/node.py``, which no setting changes).
+`retry_startup_once()` runs such a start-up again, once, with a WARNING naming the cause; only a start-up
+failure (`STARTUP_FAILURES`, `StartupTimeout`) is retried, never a run that failed or a wrong result.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -21,7 +27,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import psutil  # noqa: I001 - optional dependency of the Flower engine
 
@@ -30,6 +38,61 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 #: What the app needs from the checkout: Flower's config and the package (the FAB's `.py` and `.toml` files).
 APP_FILES = ("pyproject.toml", "README.md", "LICENSE")
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: What Flower and Ray print when they did not start in time (a loaded machine), as opposed to a run that failed.
+STARTUP_FAILURES = (
+    # Flower's CLI: its local SuperLink's 15 s. Also when this module's SuperLink runs but is busy: the CLI probes
+    # it with a 0.4 s timeout (flwr/cli/constant.py), then tries to start one of its own on the same port.
+    "Failed to start local SuperLink within",
+    # Ray: "The current node timed out during startup", a node's fixed 30 s (ray/_private/node.py). Not a bare
+    # "node timed out": a results folder so named, echoed in a healthy run's log, was taken for one.
+    "node timed out during startup",
+)
+#: Ray's wait for a raylet to register with its GCS (Ray's C++ side; the Python side's 30 s is fixed). Set for the
+#: processes started here unless the environment sets it; it only matters on a machine too slow for the default.
+RAY_STARTUP_ENV = {"RAY_raylet_start_wait_time_s": "120"}
+
+
+class StartupTimeout(TimeoutError):
+    """Flower or Ray did not start within its wait: `retry_startup_once()` tries once more."""
+
+
+def startup_failure(text: str) -> str | None:
+    """The first line of ``text`` that says Flower or Ray did not start in time (`STARTUP_FAILURES`), else None."""
+    for line in text.splitlines():
+        if any(message in line for message in STARTUP_FAILURES):
+            return line.strip()
+    return None
+
+
+def retry_startup_once(
+    attempt: Callable[[], T],
+    what: str,
+    *,
+    failure: Callable[[T], str | None] = lambda result: None,
+    before_retry: Callable[[], None] = lambda: None,
+) -> T:
+    """``attempt()``, and once more if it was a start-up that timed out, with a WARNING line naming the cause.
+
+    A start-up timed out when ``attempt()`` raises `StartupTimeout` or ``failure(result)`` names a cause (e.g.
+    `startup_failure()` of a command's output). Anything else (another exception, a result without such a
+    cause) is returned or raised as it is, and the second attempt's outcome is final. ``before_retry()`` cleans
+    up what the first attempt left (processes, a half-written run folder).
+    """
+    try:
+        result = attempt()
+    except StartupTimeout as err:
+        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+    else:
+        cause = failure(result)
+        if cause is None:
+            return result
+    logger.warning("%s did not start in time (%s); retrying once (a loaded machine?)", what, cause)
+    before_retry()
+    return attempt()
 
 
 def copy_app(dest: Path) -> Path:
@@ -109,6 +172,10 @@ def leftover_pids(known: dict[int, psutil.Process]) -> list[int]:
 class LocalSuperLink:
     """A private simulation SuperLink for tests."""
 
+    #: Seconds `flwr_run()` lets `flwr run --stream` end by itself after its output said that Flower or Ray did not
+    #: start in time (the CLI can then wait for the dead simulation's log forever); then it is stopped and retried.
+    startup_failure_grace_s = 15.0
+
     def __init__(
         self, workdir: Path, *, runtime_dependency_install: bool = False, ray_address: str | None = None
     ) -> None:
@@ -132,6 +199,8 @@ class LocalSuperLink:
             PYTHONUNBUFFERED="1",
             PATH=scripts_first_path(),
         )
+        for key, value in RAY_STARTUP_ENV.items():
+            self.env.setdefault(key, value)
         if not runtime_dependency_install:
             self.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
         # The simulation's ray.init() attaches to RAY_ADDRESS when it is set (Flower 1.41 has no
@@ -145,6 +214,18 @@ class LocalSuperLink:
         self._runs = 0
 
     def start(self, timeout: float = 60.0) -> None:
+        """Start the SuperLink and wait until it answers; a start that timed out is retried once (new ports)."""
+        retry_startup_once(lambda: self._start_once(timeout), "the local SuperLink", before_retry=self._fresh_start)
+
+    def _fresh_start(self) -> None:
+        """New ports and Ray folder for a second start (`stop()` removed the first one's)."""
+        self.ray_tmp.mkdir(parents=True, exist_ok=True)
+        self.http_port, self.control_port = free_port(), free_port()
+        self.env.update(
+            FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(self.http_port), FLWR_LOCAL_CONTROL_API_PORT=str(self.control_port)
+        )
+
+    def _start_once(self, timeout: float) -> None:
         command = [
             str(BIN / "flower-superlink"),
             "--insecure",
@@ -182,7 +263,7 @@ class LocalSuperLink:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"flower-superlink did not become healthy within {timeout}s; see {self.log_path}")
+        raise StartupTimeout(f"flower-superlink did not become healthy within {timeout:g}s; see {self.log_path}")
 
     def _remember_descendants(self) -> None:
         if self.process is None:
@@ -195,13 +276,21 @@ class LocalSuperLink:
             pass
 
     def flwr_run(
-        self, run_config: str = "", federation_config: str = "", timeout: float = 600.0, app: Path | None = None
+        self,
+        run_config: str = "",
+        federation_config: str = "",
+        timeout: float = 600.0,
+        app: Path | None = None,
+        run_dir: Path | None = None,
     ) -> subprocess.CompletedProcess:
         """`flwr run <app> --stream` with the given overrides; returns the finished CLI process.
 
         ``app``: the Flower app's folder (default: dpfedavg's own apps, copied once into this SuperLink's
         work folder by `copy_app()` so that the CLI does not walk the checkout's ``.venv``).
         Refuses to start when this SuperLink is down: the CLI would then start a detached SuperLink of its own.
+        A run whose output says that Flower or Ray did not start in time (`STARTUP_FAILURES`) is run once more
+        (`retry_startup_once()`); ``run_dir``, the run's results folder, is removed before that if this call
+        made it (the failed start may have written its first files there).
         """
         if self.process is None or self.process.poll() is not None:
             raise RuntimeError(f"this local SuperLink is not running (see {self.log_path}); start() it first")
@@ -212,6 +301,20 @@ class LocalSuperLink:
             command += ["--run-config", run_config]
         if federation_config:
             command += ["--federation-config", federation_config]
+        existed = run_dir is not None and Path(run_dir).exists()
+
+        def clean() -> None:
+            if run_dir is not None and not existed:
+                shutil.rmtree(run_dir, ignore_errors=True)
+
+        return retry_startup_once(
+            lambda: self._flwr_run_once(command, timeout),
+            "flwr run's simulation (Flower's local SuperLink or Ray)",
+            failure=lambda result: startup_failure(result.stdout),
+            before_retry=clean,
+        )
+
+    def _flwr_run_once(self, command: list[str], timeout: float) -> subprocess.CompletedProcess:
         # The CLI's output goes to a file: a pipe that is only read at the end would fill up
         # (64 KiB) on a long run and block `flwr run` forever.
         self._runs += 1
@@ -219,15 +322,28 @@ class LocalSuperLink:
         with log_path.open("w") as log:
             proc = subprocess.Popen(command, env=self.env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + timeout
+            failed_at: float | None = None
+            seen, tail = 0, ""
             while proc.poll() is None:
                 self._remember_descendants()  # Ray workers may be re-parented once the run ends
-                if time.monotonic() > deadline:
+                if failed_at is None:  # only the new output is read (a long run's log is not read again each time)
+                    with log_path.open("rb") as new_output:
+                        new_output.seek(seen)
+                        data = new_output.read()
+                    seen, chunk = seen + len(data), data.decode(errors="replace")
+                    if startup_failure(tail + chunk):
+                        failed_at = time.monotonic()  # the simulation died starting Ray: `--stream` may wait forever
+                    tail = (tail + chunk)[-200:]
+                dead = failed_at is not None and time.monotonic() > failed_at + self.startup_failure_grace_s
+                if time.monotonic() > deadline or dead:
                     proc.kill()
                     proc.wait()
-                    out = log_path.read_text()
+                    out = log_path.read_text(errors="replace")
+                    if failed_at is not None:
+                        return subprocess.CompletedProcess(command, proc.returncode, out, "")
                     raise TimeoutError(f"flwr run did not finish within {timeout}s:\n{out[-5000:]}")
                 time.sleep(0.5)
-        out = log_path.read_text()
+        out = log_path.read_text(errors="replace")
         return subprocess.CompletedProcess(command, proc.returncode, out, "")
 
     def stop(self) -> None:

@@ -242,7 +242,7 @@ class DPFedAvg(RunStrategy):
             logger.warning("\t├── algorithm 'none': FedAvg without DP (no clipping, no noise, no epsilon)")
         if cfg.secure_aggregation:
             logger.info(
-                "\t├── Secure aggregation: SecAgg+ (ClientApp mods=[secaggplus_mod, dp_mod]); the server sees the sum"
+                "\t├── Secure aggregation: SecAgg+ (ClientApp mods=[checked_secaggplus_mod, dp_mod]); the server sees the sum"
             )
         logger.info(
             "\t├── Fail fast: a round whose every sampled reply is unusable, or more than %g of them over 5 rounds",

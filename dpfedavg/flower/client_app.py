@@ -21,14 +21,25 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import parameters_to_ndarrays
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import GradFn, LocalTrainingDiverged, client_round_update
 from dpfedavg.core.local import ClientUpdate, zero_updates
 from dpfedavg.core.types import ClientResult, RoundInstructions
-from dpfedavg.flower.guard import BYPASSED, CLIENT_APP, Route, TrainRequest, guard, refusal
+from dpfedavg.flower.guard import (
+    BYPASSED,
+    CLIENT_APP,
+    Route,
+    SecAggStage,
+    TrainRequest,
+    guard,
+    note_stage,
+    refusal,
+    secagg_stage_of,
+    secagg_stage_within,
+)
 from dpfedavg.flower.guard import node_policy as _node_policy
 from dpfedavg.flower.protocol import (
     ARRAYS,
@@ -75,7 +86,7 @@ app = ClientApp(mods=[node_guard])
 
 
 def checked_round(
-    msg: Message, context: Context, cfg: RunConfig, config: object, *, secagg_stage: str | None = None
+    msg: Message, context: Context, cfg: RunConfig, config: object, *, secagg: SecAggStage | None = None
 ) -> tuple[RoundInstructions | None, Message | None]:
     """The round's instructions as this client follows them (the guard's, checked and charged), or the refusal.
 
@@ -83,8 +94,9 @@ def checked_round(
     the ledger: write-ahead, refused past ``max-epsilon``).
     """
     request = TrainRequest(config, context.run_id, cfg)  # type: ignore[arg-type]
-    verdict = guard(CLIENT_APP, msg.metadata.message_type, context.node_config, secagg_stage=secagg_stage,
-                    train=request)  # fmt: skip
+    stage = None if secagg is None else secagg.stage
+    verdict = guard(CLIENT_APP, msg.metadata.message_type, context.node_config, secagg_stage=stage, train=request,
+                    secagg=secagg)  # fmt: skip
     if verdict.route is Route.REFUSE:
         return None, refusal(msg, verdict.reason, CLIENT_APP)
     return verdict.instructions, None
@@ -147,12 +159,22 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
     policy and the run config: a refused round is an error reply (the protocol then treats this node as
     dropped out), not a masked vector. SecAgg+ content in a ``train.<action>`` message (which ``secaggplus_mod``
     would pass through unmasked) is refused, and the plain train handler never answers SecAgg+ content.
+    Every stage's own parameters (the cohort, the shares, the threshold, who is dropped, the stages' order) are
+    checked by the guard before ``secaggplus_mod`` sees the stage (`dpfedavg.flower.guard`), and in the
+    masked-vector stage the setup's cohort against the round's ``|S_k|``.
     """
-    configs = msg.content.config_records.get(RECORD_KEY_CONFIGS) if not msg.has_error() else None
-    if configs is None:
+    checked = secagg_stage_of(msg, context)
+    if checked is None:
         return call_next(msg, context)
-    stage = str(configs.get(Key.STAGE))
-    verdict = guard(CLIENT_APP, msg.metadata.message_type, context.node_config, secagg_stage=stage)
+    reply = _secure_stage(msg, context, checked)
+    note_stage(context, checked, reply)
+    return reply
+
+
+def _secure_stage(msg: Message, context: Context, checked: SecAggStage) -> Message:
+    """One SecAgg+ stage, checked: a refusal, ``secaggplus_mod``'s reply, or in the masked-vector stage the vector."""
+    verdict = guard(CLIENT_APP, msg.metadata.message_type, context.node_config, secagg_stage=checked.stage,
+                    secagg=checked)  # fmt: skip
     if verdict.route is Route.REFUSE:
         return refusal(msg, verdict.reason, CLIENT_APP)
     if verdict.route is Route.PROTOCOL:
@@ -161,7 +183,7 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
     cfg = _run_config(context)
     client_id, _ = _partition(context)
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
-    ins, refused = checked_round(msg, context, cfg, fitins.config, secagg_stage=stage)
+    ins, refused = checked_round(msg, context, cfg, fitins.config, secagg=checked)
     if refused is not None:
         return refused
 
@@ -205,8 +227,9 @@ def train(msg: Message, context: Context) -> Message:
     setup_app_process()
     cfg = _run_config(context)
     client_id, _ = _partition(context)
-    bypassed = BYPASSED if RECORD_KEY_CONFIGS in msg.content.config_records else None
-    ins, refused = checked_round(msg, context, cfg, msg.content.config_records.get(CONFIG), secagg_stage=bypassed)
+    secure_content = RECORD_KEY_CONFIGS in msg.content.config_records
+    bypassed = secagg_stage_within(msg, context, BYPASSED) if secure_content else None
+    ins, refused = checked_round(msg, context, cfg, msg.content.config_records.get(CONFIG), secagg=bypassed)
     if refused is not None:
         return refused
     try:

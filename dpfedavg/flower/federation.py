@@ -26,6 +26,27 @@ __all__ = ["Federation", "FederationError"]
 
 logger = logging.getLogger(__name__)
 
+#: A node whose heartbeat interval is at least this never sends heartbeats: Flower's simulation registers its
+#: ``num-supernodes`` nodes so (``HEARTBEAT_INTERVAL_INF``, 1e300), all at once, before Ray starts; a deployed
+#: SuperNode has a finite interval and may connect at any time within ``node-wait-timeout``.
+SIMULATED_HEARTBEAT_S = 1e299
+#: Seconds the node count of a simulation must stay the same (polled every `SETTLE_POLL_S`) before a count below
+#: the run's is taken as the federation's size (Flower registers the nodes in one loop, well under this).
+SETTLE_S = 2.0
+SETTLE_POLL_S = 0.2
+
+
+def simulated_node_count(grid: Grid) -> int | None:
+    """The number of nodes on ``grid`` if they are all simulated (`SIMULATED_HEARTBEAT_S`), else None.
+
+    ``Grid.get_nodes()`` is Flower's public API; a Grid that reports no heartbeat intervals (0.0, the default)
+    is never taken for a simulation.
+    """
+    nodes = list(grid.get_nodes())
+    if nodes and all(info.heartbeat_interval >= SIMULATED_HEARTBEAT_S for info in nodes):
+        return len(nodes)
+    return None
+
 
 def registration_order(grid: Grid, node_ids: list[int]) -> list[int]:
     """``node_ids`` in the order the SuperNodes registered (``Grid.get_nodes``' ``registered_at``), then by id.
@@ -132,6 +153,7 @@ class Federation:
         timeout = self.cfg.node_wait_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         node_ids = self._wait_for_nodes(grid, 1, deadline)
+        self.check_simulation_size(grid)
         first = self._query_partitions(grid, node_ids[:1], deadline)
         ((pid, num_partitions),) = first.values()
         if num_partitions != n:
@@ -174,6 +196,38 @@ class Federation:
                 self.discovery_seconds,
             )
         return mapping
+
+    def check_simulation_size(self, grid: Grid, first_node_wait: float = 0.0) -> None:
+        """In a simulation, the federation's size before any node is asked (before anything is written).
+
+        Flower's simulation registers all its SuperNodes at once, before it starts the ClientApps (and Ray, which
+        starts alongside the ServerApp); the count, once it stays the same for `SETTLE_S` (more nodes than the run
+        needs: at once), is ``num-supernodes``. The right count costs no wait; a wrong one is one
+        `FederationError` now instead of after Ray's start-up and the first node's answer. A deployment (or no
+        node within ``first_node_wait`` seconds) is left to `discover()`: its SuperNodes may join later.
+        """
+        count, waited = simulated_node_count(grid), 0.0
+        while count is None and waited < first_node_wait and not list(grid.get_node_ids()):
+            self._sleep(SETTLE_POLL_S)
+            waited += SETTLE_POLL_S
+            count = simulated_node_count(grid)
+        if count is None or count == self.num_nodes:
+            return
+        stable = 0  # polls with the same count
+        while count < self.num_nodes and stable < round(SETTLE_S / SETTLE_POLL_S):  # too few: unless still registering
+            self._sleep(SETTLE_POLL_S)
+            now = simulated_node_count(grid)
+            if now is None:
+                return
+            stable, count = (stable + 1 if now == count else 0), now
+        if count == self.num_nodes:
+            return
+        n, m, nodes = self.cfg.num_clients, self.clients_per_node, self.num_nodes
+        raise FederationError(
+            f"the simulation has num-supernodes={count} but num-clients={n} with clients-per-node={m} needs "
+            f"ceil({n} / {m}) = {nodes} SuperNodes: start it with --federation-config \"num-supernodes={nodes}\""
+            f", or set clients-per-node so that ceil(num-clients / clients-per-node) is {count}"
+        )
 
     def _wait_for_nodes(self, grid: Grid, count: int, deadline: float) -> list[int]:
         last_log = 0.0

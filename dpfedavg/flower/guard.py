@@ -13,7 +13,15 @@ these, in this order, for both:
    lets the user's other handlers answer without a policy and, under one, refuses every other message
    (``evaluate*`` unless ``allow-evaluate = true``: its reply is the user's metrics of the node's data).
 2. **SecAgg+.** SecAgg+ content is answered only in a ``train`` message inside Flower's protocol, in its
-   masked-vector stage, whose vector ``secaggplus_mod`` masks; the protocol's other stages train nothing.
+   masked-vector stage, whose vector ``secaggplus_mod`` masks; the protocol's other stages train nothing. Every
+   stage's own parameters are checked before ``secaggplus_mod`` sees it, so before any secret leaves the node
+   (`SecAggStage`, `_stage_refusal()`): the setup's cohort (at least ``secagg-min-cohort``), share count and
+   threshold (a majority of a node's shares); the stages in order, each once (one unmask request per round,
+   after the node's masked vector); in the unmask stage no node both active and dropped, and this node
+   active; in the masked-vector stage the setup's cohort equal to the ``|S_k|`` the node's noise share is
+   computed for (`_secagg_checked()`). The project's ClientApp checks every stage itself; a user's app has
+   ``checked_secaggplus_mod`` (`dpfedavg.flower.mod`) in place of Flower's ``secaggplus_mod``, and under a node
+   policy ``dp_mod`` refuses a masked-vector stage whose earlier stages were not checked.
 3. **The round.** The instructions are read strictly and checked by the one rule set,
    `dpfedavg.privacy.policy.check_round()` (the node's policy, then the run config or the train config's
    public terms, the client's own noise share, the SecAgg+ grid).
@@ -22,27 +30,27 @@ these, in this order, for both:
 
 A refused message is answered by `refusal()` (an error reply with code `REFUSED`: the server counts a
 rejection), and nothing else. A new rule goes here, once, for both apps: a check of a SecAgg+ stage's own
-parameters (the cohort, the threshold, who is dropped) in `_secure_content()`, which the project's ClientApp
-calls at every stage of the protocol (``dp_mod`` is called in the masked-vector stage only, so a stage check
-needs a mod around ``secaggplus_mod`` that asks the same function); a second account of the ledger in
-`_followed()`, the one place a release is charged.
+parameters in `_stage_refusal()` (the project's ClientApp and ``checked_secaggplus_mod`` ask `guard()` at every
+stage of the protocol, with its `SecAggStage`); what the ledger charges in `_followed()`, the one place a release
+is charged (`_secagg_checked()` says whether those stage checks ran; the ledger records it, and its server
+account charges the node's own noise share either way).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from functools import lru_cache
 from typing import Any
 
-from flwr.app import Error, Message, MessageType
-from flwr.common.secure_aggregation.secaggplus_constants import Stage
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core.types import RoundInstructions
-from dpfedavg.flower.protocol import REFUSED, instructions_from_config_record
+from dpfedavg.flower.protocol import CLIENT_IDS, REFUSED, instructions_from_config_record
 from dpfedavg.flower.runtime import route_logs_through_flower
 from dpfedavg.privacy.ledger import record_release
 from dpfedavg.privacy.policy import NodePolicy, PolicyError, PublicTerms, RoundRefused, check_round
@@ -53,11 +61,15 @@ __all__ = [
     "DP_MOD",
     "NodeApp",
     "Route",
+    "SecAggStage",
     "TrainRequest",
     "Verdict",
     "guard",
     "node_policy",
+    "note_stage",
     "refusal",
+    "secagg_stage_of",
+    "secagg_stage_within",
 ]
 
 #: The SecAgg+ "stage" of content that did not come through the protocol's masked-vector stage.
@@ -68,6 +80,15 @@ PARTITION_QUERY = (MessageType.QUERY, f"{MessageType.QUERY}.default")
 #: Train-config keys of ``dp_mod``'s public terms (`PublicTerms`): the noise placement and the expected cohort ``r``.
 NOISE_PLACEMENT = "noise-placement"
 CLIENTS_PER_ROUND = "clients-per-round"
+#: The node's own record of the SecAgg+ protocol it is in (a ``ConfigRecord`` in ``context.state``, written by
+#: `note_stage()` only): the last stage it answered and the setup's cohort, share count and threshold it admitted.
+SECAGG_RECORD = "dpfedavg.secagg-stages"
+_LAST_STAGE = "stage"
+#: The setup stage's parameters the node checks and keeps (Flower's keys).
+_SETUP_KEYS = (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD)
+#: The stage each SecAgg+ stage must follow (the setup may come at any time: a new round of the protocol).
+_AFTER = {Stage.SHARE_KEYS: Stage.SETUP, Stage.COLLECT_MASKED_VECTORS: Stage.SHARE_KEYS,
+          Stage.UNMASK: Stage.COLLECT_MASKED_VECTORS}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -120,6 +141,52 @@ class TrainRequest:
     cfg: RunConfig | None = None
 
 
+@dataclass(frozen=True)
+class SecAggStage:
+    """A SecAgg+ stage message as the node checks it (`secagg_stage_of()`).
+
+    ``stage``: Flower's stage name (`BYPASSED` for content outside the protocol); ``configs``: the stage's
+    parameters (Flower's keys), ``None`` inside ``secaggplus_mod``, which has taken them (``dp_mod``: only the
+    record is read there); ``node_id``: this node's id; ``record``: the node's record of the stages it answered
+    so far (`SECAGG_RECORD`; ``None``: none since the last refusal).
+    """
+
+    stage: str
+    configs: Mapping[str, Any] | None
+    node_id: int
+    record: Mapping[str, Any] | None
+
+
+def secagg_stage_of(msg: Message, context: Context) -> SecAggStage | None:
+    """The SecAgg+ stage ``msg`` holds, or ``None`` without SecAgg+ content (or for an error message)."""
+    configs = None if msg.has_error() else msg.content.config_records.get(RECORD_KEY_CONFIGS)
+    if configs is None:
+        return None
+    return replace(secagg_stage_within(msg, context, str(configs.get(Key.STAGE))), configs=dict(configs))
+
+
+def secagg_stage_within(msg: Message, context: Context, stage: str) -> SecAggStage:
+    """The SecAgg+ ``stage`` a train handler is called in (``secaggplus_mod`` has taken the stage's configs), or
+    `BYPASSED`: only the node's record of the protocol is read."""
+    record = context.state.config_records.get(SECAGG_RECORD)
+    return SecAggStage(stage, None, int(msg.metadata.dst_node_id), None if record is None else dict(record))
+
+
+def note_stage(context: Context, checked: SecAggStage, reply: Message) -> None:
+    """Record a stage the node answered through ``secaggplus_mod``; after a refusal or error, forget the protocol.
+
+    Every SecAgg+ stage message an app checked with `guard()` ends here, whatever its reply: a node that refused
+    or failed a stage answers no later stage of that round (a new setup starts a new one).
+    """
+    if reply.has_error() or checked.configs is None:
+        context.state.config_records.pop(SECAGG_RECORD, None)
+        return
+    kept = dict(checked.record or {})
+    if checked.stage == Stage.SETUP:
+        kept = {key: checked.configs[key] for key in _SETUP_KEYS}
+    context.state.config_records[SECAGG_RECORD] = ConfigRecord({**kept, _LAST_STAGE: checked.stage})
+
+
 def node_policy(node_config: Mapping[str, Any]) -> NodePolicy:
     """This SuperNode's policy, from its ``--node-config`` (`dpfedavg.privacy.policy`); ``PolicyError`` if bad."""
     return _policy(tuple(sorted(node_config.items())))
@@ -137,6 +204,7 @@ def guard(
     *,
     secagg_stage: str | None = None,
     train: TrainRequest | None = None,
+    secagg: SecAggStage | None = None,
 ) -> Verdict:
     """The node's one rule set (the module docstring's four steps), applied to what the app knows of a message.
 
@@ -144,7 +212,9 @@ def guard(
     ClientApp wraps ``secaggplus_mod`` and reads it), `Stage.COLLECT_MASKED_VECTORS` when ``dp_mod`` is called by
     ``secaggplus_mod`` in that stage, or `BYPASSED` (content that did not come through it). ``train``: the
     round to check and charge; without it the verdict says only whether the message may go on (the apps ask
-    before they set anything up, then again with the round).
+    before they set anything up, then again with the round). ``secagg``: the SecAgg+ stage message with the node's
+    record of the protocol (`secagg_stage_of()`): its parameters are checked when it has them (before
+    ``secaggplus_mod``), the setup's cohort against the round's ``|S_k|`` in the masked-vector stage.
 
     Raises ``ValueError`` for a ``dp_mod`` train config that is not DPFedAvg's (an error reply, not a refusal).
     """
@@ -166,13 +236,13 @@ def guard(
     if category != MessageType.TRAIN:
         return Verdict(Route.ANSWER)
     if secagg_stage is not None:
-        refused = _secure_content(app, message_type, secagg_stage)
+        refused = _secure_content(app, message_type, secagg_stage, secagg, node_config)
         if refused is not None:
             return refused
     if train is None:
         return Verdict(Route.TRAIN)
     try:
-        ins = _followed(app, message_type, node_config, train, secure_round=secagg_stage is not None)
+        ins = _followed(app, message_type, node_config, train, secure_round=secagg_stage is not None, secagg=secagg)
     except (RoundRefused, PolicyError) as err:
         return _refuse(str(err))
     if secagg_stage is not None and ins.secagg_step <= 0:  # dp_mod (the run config's grid: check_round); charged
@@ -197,14 +267,18 @@ def _not_answered(message_type: str, category: str, policy: NodePolicy) -> str:
     )
 
 
-def _secure_content(app: NodeApp, message_type: str, stage: str) -> Verdict | None:
+def _secure_content(
+    app: NodeApp, message_type: str, stage: str, checked: SecAggStage | None, node_config: Mapping[str, Any]
+) -> Verdict | None:
     """SecAgg+ content is answered only by a ``train`` message in the protocol's masked-vector stage.
 
-    The project's ClientApp wraps ``secaggplus_mod``: the protocol's other stages go to it alone (they train
-    nothing). ``dp_mod`` is called by ``secaggplus_mod``, only in that stage: anything else bypassed the protocol
-    (``secaggplus_mod`` passes a ``train.<action>`` message through unmasked).
+    The project's ClientApp wraps ``secaggplus_mod``, and so does ``checked_secaggplus_mod``: each stage's
+    parameters are checked (`_stage_refusal()`), the protocol's other stages go to ``secaggplus_mod`` alone
+    (they train nothing). ``dp_mod`` is called by ``secaggplus_mod``, only in that stage: anything else
+    bypassed the protocol (``secaggplus_mod`` passes a ``train.<action>`` message through unmasked).
     """
-    if app.own_handlers:
+    before_secaggplus = checked is not None and checked.configs is not None
+    if app.own_handlers or before_secaggplus:
         if stage == BYPASSED:
             return _refuse("refused: SecAgg+ content outside the protocol's masked-vector stage")
         if message_type != MessageType.TRAIN:
@@ -212,6 +286,10 @@ def _secure_content(app: NodeApp, message_type: str, stage: str) -> Verdict | No
                 f"refused: a {message_type!r} message with SecAgg+ content; SecAgg+ rounds are answered only as "
                 "'train' messages inside the protocol, whose masked-vector stage masks the vector"
             )
+        if before_secaggplus:
+            reason = _stage_refusal(node_policy(node_config), checked)  # type: ignore[arg-type]
+            if reason is not None:
+                return _refuse(reason)
         return None if stage == Stage.COLLECT_MASKED_VECTORS else Verdict(Route.PROTOCOL)
     if message_type != MessageType.TRAIN or stage != Stage.COLLECT_MASKED_VECTORS:
         return _refuse(
@@ -221,10 +299,127 @@ def _secure_content(app: NodeApp, message_type: str, stage: str) -> Verdict | No
     return None
 
 
+def _stage_refusal(policy: NodePolicy, checked: SecAggStage) -> str | None:
+    """Why the node refuses a SecAgg+ stage message before ``secaggplus_mod`` sees it, or ``None``.
+
+    Flower's SecAgg+ (Bell et al. 2020, on Bonawitz et al. 2017) protects a node's vector only if the server
+    follows it: with a cohort of one, or one share and threshold 1, or a node listed both active and dropped
+    in the unmask stage, the server rebuilds the node's mask seed and key and reads its vector (issue 46). The
+    node's rules, each before the stage's secret leaves it: the setup's cohort ``sample_num >=
+    secagg-min-cohort``, ``3 <= share_num <= sample_num`` and a majority threshold ``share_num / 2 < threshold
+    <= share_num`` (an honest node then hands over at most one of a neighbour's two secrets); the stages in
+    order, each once per round (`_AFTER`: one unmask request, after this node's masked vector); the public keys
+    of at most ``share_num`` and at least ``threshold`` neighbours; in the unmask stage no node listed twice or
+    both active and dropped, this node among the active and at least ``threshold`` active.
+    """
+    configs, stage = checked.configs or {}, checked.stage
+    if stage == Stage.SETUP:
+        return _setup_refusal(policy, configs)
+    if stage not in _AFTER:
+        return f"refused (SecAgg+ stage): unknown stage {stage!r}; expected one of {', '.join(Stage.all())}"
+    record = checked.record or {}
+    last = record.get(_LAST_STAGE)
+    if last != _AFTER[stage]:
+        after = f"after the {last!r} stage" if last else "without a setup stage this node admitted"
+        if stage == Stage.UNMASK:
+            return (f"refused (SecAgg+ unmask): an unmask request {after}; this node answers one unmask request "
+                    "per round, after its masked vector (a second one could ask for the other secret of a node)")
+        return f"refused (SecAgg+ stage): a {stage!r} stage {after}; expected it after {_AFTER[stage]!r}"
+    shares, threshold = int(record[Key.SHARE_NUMBER]), int(record[Key.THRESHOLD])
+    if stage == Stage.SHARE_KEYS:
+        keys = len([key for key in configs if key != Key.STAGE])
+        if not threshold <= keys <= shares:
+            return (f"refused (SecAgg+ shares): the public keys of {keys} nodes, with share_num = {shares} and "
+                    f"threshold = {threshold}: expected between threshold and share_num")
+    if stage == Stage.UNMASK:
+        return _unmask_refusal(configs, checked.node_id, threshold)
+    return None
+
+
+def _setup_refusal(policy: NodePolicy, configs: Mapping[str, Any]) -> str | None:
+    """The setup stage's cohort, share count and threshold (`_stage_refusal()`)."""
+    values = {key: configs.get(key) for key in _SETUP_KEYS}
+    if any(type(v) is not int for v in values.values()):  # bool is not a count
+        return f"refused (SecAgg+ setup): {values} must be integers (sample_num, share_num, threshold)"
+    cohort, shares, threshold = (int(values[key]) for key in _SETUP_KEYS)  # type: ignore[call-overload]
+    if cohort < policy.secagg_min_cohort:
+        default = "" if "secagg-min-cohort" in policy.stated else " (the default)"
+        return str(RoundRefused(
+            "secagg-min-cohort", f"a SecAgg+ cohort of {cohort} nodes (sample_num); this node takes part in cohorts of "
+            f"at least {policy.secagg_min_cohort}{default} (in a smaller one the sum shows what this node sent)",
+            policy=True,
+        ))  # fmt: skip
+    if not 3 <= shares <= cohort:
+        return (f"refused (SecAgg+ shares): share_num = {shares} with sample_num = {cohort}: expected 3 <= share_num "
+                "<= sample_num (a node's keys are shared with at least two other nodes of the cohort)")
+    if not shares < 2 * threshold <= 2 * shares:
+        return (f"refused (SecAgg+ threshold): threshold = {threshold} with share_num = {shares}: expected "
+                f"share_num / 2 < threshold <= share_num (a majority of a node's shares, so that no server can rebuild "
+                "both its mask seed and its key)")
+    return None
+
+
+def _unmask_refusal(configs: Mapping[str, Any], node_id: int, threshold: int) -> str | None:
+    """The unmask stage's lists: nobody twice, nobody active and dropped, this node active (`_stage_refusal()`)."""
+    active, dropped = configs.get(Key.ACTIVE_NODE_ID_LIST), configs.get(Key.DEAD_NODE_ID_LIST)
+    if not isinstance(active, list) or not isinstance(dropped, list):
+        return "refused (SecAgg+ unmask): the active and dropped node lists are missing"
+    both = sorted(set(active) & set(dropped), key=str)
+    if both:
+        return (f"refused (SecAgg+ unmask): node(s) {both} listed both active and dropped: the server would receive "
+                "the shares of both their mask seed and their key, and read their vectors")
+    if len(set(active)) != len(active) or len(set(dropped)) != len(dropped):
+        return "refused (SecAgg+ unmask): a node is listed twice"
+    if node_id not in active:
+        return (f"refused (SecAgg+ unmask): this node ({node_id}) is not listed active, yet it sent its masked vector "
+                "and is asked to unmask")
+    if len(active) < threshold:
+        return f"refused (SecAgg+ unmask): {len(active)} active neighbours, below the threshold {threshold}"
+    return None
+
+
+def _secagg_checked(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, checked: SecAggStage | None) -> bool:
+    """Whether this SecAgg+ round's stages were checked (`_stage_refusal()`), the setup's cohort being the ``|S_k|``
+    this node's noise share is computed for (recorded in the ledger's entry; its server account still charges this
+    node's own share: the server decides who is dropped, `dpfedavg.privacy.node_accounts`).
+
+    In the masked-vector stage, before the release is charged: ``RoundRefused`` for another cohort, and for a
+    round whose earlier stages this node did not check (Flower's own ``secaggplus_mod`` around ``dp_mod``) under a
+    node policy; without one such a round is answered with a warning (``False``: the node's own share).
+    """
+    record = None if checked is None else checked.record
+    if record is None or record.get(_LAST_STAGE) != Stage.SHARE_KEYS:
+        if app.own_handlers or policy.active:
+            raise RoundRefused(
+                "SecAgg+ stages", "this node did not check the protocol's stages before its masked vector (use "
+                "ClientApp(mods=[checked_secaggplus_mod, dp_mod]), not Flower's secaggplus_mod, under a node policy)",
+                policy=False, where="this node",
+            )  # fmt: skip
+        logging.getLogger(app.logger).warning(
+            "%s: the SecAgg+ stages were not checked by this node (use checked_secaggplus_mod in place of "
+            "secaggplus_mod)", app.name,
+        )  # fmt: skip
+        return False
+    cohort = int(record[Key.SAMPLE_NUMBER])
+    if cohort != ins.cohort_size:
+        raise RoundRefused(
+            "SecAgg+ cohort", f"the SecAgg+ setup has {cohort} nodes (sample_num), the round's instructions |S_k| = "
+            f"{ins.cohort_size}: this node's noise share is computed for |S_k|", policy=False, where="this node",
+        )  # fmt: skip
+    return True
+
+
 def _followed(
-    app: NodeApp, message_type: str, node_config: Mapping[str, Any], train: TrainRequest, *, secure_round: bool
+    app: NodeApp,
+    message_type: str,
+    node_config: Mapping[str, Any],
+    train: TrainRequest,
+    *,
+    secure_round: bool,
+    secagg: SecAggStage | None = None,
 ) -> RoundInstructions:
-    """The round's instructions read strictly, checked (`check_round()`) and charged to the node's ledger."""
+    """The round's instructions read strictly, checked (`check_round()`, the SecAgg+ cohort) and charged to the
+    node's ledger."""
     policy = node_policy(node_config)
     if app.own_handlers:
         try:
@@ -236,11 +431,23 @@ def _followed(
     else:
         ins, terms = _public_round(train.config)
         followed = check_round(policy, ins, secure_round=secure_round, public=terms)
-    record_release(node_config, train.run_id, followed, train.cfg, message_type=message_type)
+    checked = secure_round and _secagg_checked(app, policy, followed, secagg)
+    record_release(
+        node_config, train.run_id, followed, train.cfg, message_type=message_type, secure_aggregation=checked,
+        clients=_clients(train),
+    )  # fmt: skip
     if app.own_handlers and followed.noise_seed != ins.noise_seed:
         logging.getLogger(app.logger).info("round %d: secure noise: the server's noise seed is not used",
                                            ins.server_round)  # fmt: skip
     return followed
+
+
+def _clients(train: TrainRequest) -> int:
+    """The updates of this node's data the message asks for: its virtual clients (``clients-per-node`` > 1), else 1."""
+    if train.cfg is None or train.cfg.clients_per_node == 1 or train.config is None:
+        return 1
+    ids = train.config.get(CLIENT_IDS)
+    return max(1, len(ids)) if isinstance(ids, list | tuple) else train.cfg.clients_per_node
 
 
 def _public_round(config: Mapping[str, Any] | None) -> tuple[RoundInstructions, PublicTerms]:

@@ -43,8 +43,13 @@ policy they go straight to the user's handlers. A ``dp_mod`` both at the app lev
 privatises once (the outer one). A numpy-only client (no gradients, any update rule that returns new weights)
 works the same way.
 
-**Secure aggregation.** Under Flower's SecAgg+ the mod goes *inside* Flower's mod,
-``@app.train(mods=[secaggplus_mod, dp_mod])``: ``secaggplus_mod`` runs the protocol's stages and calls
+**Secure aggregation.** Under Flower's SecAgg+ the mod goes *inside* ``checked_secaggplus_mod``, this module's
+wrapper of Flower's ``secaggplus_mod`` that has the node's guard check every stage's own parameters first (the
+cohort, share count and threshold of the setup, the stages' order, one unmask request per round, nobody both
+active and dropped: `dpfedavg.flower.guard`), ``ClientApp(mods=[checked_secaggplus_mod, dp_mod])`` or
+``@app.train(mods=[checked_secaggplus_mod, dp_mod])``. Under a node policy a masked-vector stage whose earlier
+stages were not checked (Flower's plain ``secaggplus_mod``) is refused. ``secaggplus_mod`` runs the protocol's
+stages and calls
 ``dp_mod`` once, in its masked-vector stage, with the round's instructions in the legacy ``FitIns``
 layout; ``dp_mod`` rebuilds the user's ``ArrayRecord`` (the server sends the keys), calls the user's
 function, encodes ``g + zeta`` on the round's grid (discrete Gaussian noise) and returns it for
@@ -66,6 +71,7 @@ from contextvars import ContextVar
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import parameters_to_ndarrays
 from flwr.common.constant import ErrorCode
@@ -84,11 +90,15 @@ from dpfedavg.flower.guard import (
     DP_MOD,
     NOISE_PLACEMENT,
     Route,
+    SecAggStage,
     TrainRequest,
     Verdict,
     guard,
     node_policy,
+    note_stage,
     refusal,
+    secagg_stage_of,
+    secagg_stage_within,
 )
 from dpfedavg.flower.protocol import (
     ARRAYS,
@@ -101,7 +111,15 @@ from dpfedavg.flower.protocol import (
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
 
-__all__ = ["ARRAY_KEYS", "CLIENT_ID", "CLIENTS_PER_ROUND", "NOISE_PLACEMENT", "dp_mod", "public_parameters"]
+__all__ = [
+    "ARRAY_KEYS",
+    "CLIENT_ID",
+    "CLIENTS_PER_ROUND",
+    "NOISE_PLACEMENT",
+    "checked_secaggplus_mod",
+    "dp_mod",
+    "public_parameters",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +132,16 @@ ARRAY_KEYS = "array-keys"
 #: parameters a client computes its own noise share from (with ``z``, ``C`` and ``|S_k|`` of the instructions).
 
 _NAME = "dp_mod"
+
+
+class _AnsweredInside(Exception):
+    """``dp_mod``'s error reply (a refusal) in ``secaggplus_mod``'s masked-vector stage, which masks whatever it gets
+    and cannot pass an error reply on: `checked_secaggplus_mod` answers with the reply; Flower's plain mod turns the
+    exception into an error reply with its reason."""
+
+    def __init__(self, reply: Message) -> None:
+        super().__init__(reply.error.reason)
+        self.reply = reply
 #: Set while a ``dp_mod`` handles a message: an inner ``dp_mod`` (app-level and per-handler) passes it on.
 _HANDLING: ContextVar[bool] = ContextVar("dp_mod_handling", default=False)
 
@@ -132,7 +160,7 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
     ``train.<action>``) is privatised; evaluate, query and any other message goes to the user's handler
     without a node policy, and is refused under one (evaluate unless ``allow-evaluate = true``).
     It should be the last mod to touch the arrays (the innermost one); under SecAgg+ it goes inside
-    Flower's mod: ``mods=[secaggplus_mod, dp_mod]``.
+    `checked_secaggplus_mod` (Flower's mod behind the node's stage checks): ``mods=[checked_secaggplus_mod, dp_mod]``.
 
     Parameters
     ----------
@@ -144,8 +172,9 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         The ClientApp's context: its ``node_config`` holds the operator's privacy policy
         (`dpfedavg.privacy.policy`; e.g. ``secure-noise = true`` draws the noise from the OS CSPRNG whatever
         the server asks and never sends an un-noised update, ``min-noise-multiplier`` refuses rounds with less
-        noise). ``max-epsilon`` is the node's budget in its privacy ledger, which charges every release here as an
-        unamplified Gaussian(z) (your app's clients have no run config, so no q: ``dpfedavg.privacy.ledger``).
+        noise). Its privacy ledger charges every release here as an unamplified Gaussian: of z against those
+        who see the released model (``max-epsilon-released``; your app's clients have no run config, so no q),
+        of this node's own share against the server (``max-epsilon``; ``dpfedavg.privacy.ledger``).
     call_next:
         The user's handler (and any inner mods).
 
@@ -166,6 +195,36 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         _HANDLING.reset(token)
 
 
+def checked_secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower's ``secaggplus_mod`` behind the node's guard: use it in place of ``secaggplus_mod`` with ``dp_mod``.
+
+    Each SecAgg+ stage message is checked by the node's one guard (`dpfedavg.flower.guard.guard()`, the rules the
+    project's ClientApp applies too) before ``secaggplus_mod`` sees it, so before any of the node's secrets
+    leaves it: the setup's cohort (at least the node policy's ``secagg-min-cohort``, default 3), share count and
+    threshold (a majority of a node's shares); the stages in order, one unmask request per round, after the
+    node's masked vector; in the unmask stage nobody both active and dropped, and this node active. In the
+    masked-vector stage ``dp_mod`` (inside) checks the setup's cohort against the round's ``|S_k|``. A refused
+    stage is a refusal (the server counts a rejection) and ends the node's part in that round. Every other
+    message goes to ``secaggplus_mod`` unchanged (it passes them on).
+
+    ``ClientApp(mods=[checked_secaggplus_mod, dp_mod])``, or ``@app.train(mods=[checked_secaggplus_mod, dp_mod])``.
+    """
+    checked = secagg_stage_of(msg, context) if msg.metadata.message_type == MessageType.TRAIN else None
+    if checked is None:
+        return secaggplus_mod(msg, context, call_next)
+    verdict = guard(DP_MOD, msg.metadata.message_type, context.node_config, secagg_stage=checked.stage,
+                    secagg=checked)  # fmt: skip
+    if verdict.route is Route.REFUSE:
+        reply = refusal(msg, verdict.reason, DP_MOD)
+    else:
+        try:
+            reply = secaggplus_mod(msg, context, call_next)
+        except _AnsweredInside as answered:  # dp_mod refused the round in the masked-vector stage
+            reply = answered.reply
+    note_stage(context, checked, reply)
+    return reply
+
+
 def _answer(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """The one place every message through ``dp_mod`` is answered: privatised (train), let through or refused
     (`dpfedavg.flower.guard.guard()`, the node's one guard)."""
@@ -180,7 +239,11 @@ def _answer(msg: Message, context: Context, call_next: ClientAppCallable) -> Mes
 def _train(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """A train message of any action: Alg. 1 / 2 lines 4-10 on the user's reply, or a refusal."""
     if RECORD_KEY_CONFIGS in msg.content.config_records:
-        return _secure_train(msg, context, call_next)
+        inside = SecAggKey.STAGE not in msg.content.config_records[RECORD_KEY_CONFIGS]
+        reply = _secure_train(msg, context, call_next)
+        if reply.has_error() and inside and _in_masked_vector_stage(msg, context):
+            raise _AnsweredInside(reply)  # secaggplus_mod cannot pass an error reply on
+        return reply
     content = msg.content
     if len(content.array_records) != 1 or len(content.config_records) != 1:
         return _error(
@@ -190,7 +253,7 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
         )
     config = next(iter(content.config_records.values()))
     try:
-        verdict = _round(config, context, msg, secagg_stage=None)
+        verdict = _round(config, context, msg, secagg=None)
         if verdict.route is Route.REFUSE:
             return refusal(msg, verdict.reason, DP_MOD)
         received = next(iter(content.array_records.values()))
@@ -201,14 +264,16 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
     return _privatised(msg, context, call_next(msg, context), layout, received, verdict.instructions, config)
 
 
-def _round(config: ConfigRecord, context: Context, msg: Message, *, secagg_stage: str | None) -> Verdict:
+def _round(config: ConfigRecord, context: Context, msg: Message, *, secagg: SecAggStage | None) -> Verdict:
     """The guard's verdict on a train message's round (checked against the node's policy and charged).
 
-    Every train message ``dp_mod`` answers passes here (plain and SecAgg+). ``ValueError`` saying which key is
-    missing (the strategy is not DPFedAvg's).
+    Every train message ``dp_mod`` answers passes here (plain and SecAgg+: ``secagg`` is the stage, with the
+    node's record of the protocol). ``ValueError`` saying which key is missing (the strategy is not DPFedAvg's).
     """
     request = TrainRequest(config, context.run_id)
-    return guard(DP_MOD, msg.metadata.message_type, context.node_config, secagg_stage=secagg_stage, train=request)
+    stage = None if secagg is None else secagg.stage
+    return guard(DP_MOD, msg.metadata.message_type, context.node_config, secagg_stage=stage, train=request,
+                 secagg=secagg)  # fmt: skip
 
 
 def _privatised(
@@ -306,10 +371,11 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
         return _error(
             msg,
             "a SecAgg+ message reached dp_mod before secaggplus_mod: put dp_mod inside it, "
-            "@app.train(mods=[secaggplus_mod, dp_mod])",
+            "@app.train(mods=[checked_secaggplus_mod, dp_mod])",
         )
-    stage = Stage.COLLECT_MASKED_VECTORS if _in_masked_vector_stage(msg, context) else BYPASSED
-    admitted = guard(DP_MOD, msg.metadata.message_type, context.node_config, secagg_stage=stage)
+    inside = Stage.COLLECT_MASKED_VECTORS if _in_masked_vector_stage(msg, context) else BYPASSED
+    stage = secagg_stage_within(msg, context, inside)
+    admitted = guard(DP_MOD, msg.metadata.message_type, context.node_config, secagg_stage=stage.stage)
     if admitted.route is Route.REFUSE:
         return refusal(msg, admitted.reason, DP_MOD)
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
@@ -322,7 +388,7 @@ def _secure_train(msg: Message, context: Context, call_next: ClientAppCallable) 
     if not isinstance(keys, list) or len(keys) != len(arrays):
         return _error(msg, f"the SecAgg+ train config has no {ARRAY_KEYS!r} for its {len(arrays)} arrays")
     try:
-        verdict = _round(config, context, msg, secagg_stage=stage)
+        verdict = _round(config, context, msg, secagg=stage)
         if verdict.route is Route.REFUSE:
             return refusal(msg, verdict.reason, DP_MOD)
         received = ArrayRecord(

@@ -41,6 +41,7 @@ from flwr.serverapp import Grid
 from dpfedavg.core import SecAggGrid
 from dpfedavg.core.types import Vector
 from dpfedavg.flower.protocol import REFUSED
+from dpfedavg.privacy.secure_aggregation import MIN_SECAGG_COHORT
 
 __all__ = ["HALTED", "SecureSum", "secure_sum", "workflow_for"]
 
@@ -199,12 +200,13 @@ def secure_sum(
     ``w`` is the flat model, or a list of arrays (a user's model, `dpfedavg.flower.app_strategy`).
 
     Returns a `SecureSum` whose ``total`` is ``None`` when the protocol
-    halted (fewer than two clients, survivors below the reconstruction
+    halted (fewer than three clients, survivors below the reconstruction
     threshold, or a reply Flower's workflow could not process): the server
     then learned nothing.
     """
-    if len(node_ids) < 2:
-        return SecureSum(None, errors=[f"secure aggregation needs at least 2 clients, {len(node_ids)} sampled"])
+    if len(node_ids) < MIN_SECAGG_COHORT:  # the nodes refuse it (dpfedavg.flower.guard)
+        return SecureSum(None, errors=[f"secure aggregation needs at least {MIN_SECAGG_COHORT} clients, "
+                                       f"{len(node_ids)} sampled"])  # fmt: skip
     parameters = ndarrays_to_parameters(list(w) if isinstance(w, list) else [np.asarray(w)])
     config = dict(train_config)
     adapter = _OneRound({nid: FitIns(parameters, config) for nid in node_ids})  # type: ignore[arg-type]

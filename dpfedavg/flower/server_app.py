@@ -11,7 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.engines.batched import recording
 from dpfedavg.errors import ResultsError
-from dpfedavg.flower.federation import FederationError
+from dpfedavg.flower.federation import SETTLE_S, Federation, FederationError
 from dpfedavg.flower.protocol import from_array_record, to_array_record
 from dpfedavg.flower.runtime import setup_app_process
 from dpfedavg.flower.strategy import RunStrategy
@@ -79,8 +79,14 @@ def main(grid: Grid, context: Context) -> None:
         check_run_directory(cfg)  # a reused run-name: one error before the calibration
         resolve_task(cfg.task)  # a misspelled task: one error before the calibration
         setup = PrivacySetup.resolve(cfg)
+        # a simulation of the wrong size: one error before the run's folder is made (Flower registers its nodes
+        # just after this thread starts, so wait a little for the first)
+        Federation(cfg).check_simulation_size(grid, first_node_wait=SETTLE_S)
     except ConfigError as err:
         logger.error("%s", err)
+        return
+    except FederationError as err:
+        logger.error("federation does not match the run: %s", err)
         return
     try:
         run(grid, cfg, run_id=context.run_id, setup=setup)

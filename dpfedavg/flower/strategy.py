@@ -350,7 +350,7 @@ class RunStrategy(Strategy):
 
         Flower's hook, for driving the strategy round by round (tests, a custom loop);
         `start()` runs the same opening through `dpfedavg.server.loop.run_rounds()`. A round a
-        rule closed at once (secure aggregation with fewer than two clients) sends nothing, and
+        rule closed at once (secure aggregation with fewer than three clients) sends nothing, and
         `aggregate_train()` then returns its model. Secure-aggregation rounds run only in `start()`.
         """
         self.before_rounds(grid)

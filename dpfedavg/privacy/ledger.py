@@ -3,24 +3,30 @@
 A SuperNode with a privacy policy (any policy key in its ``--node-config``) or an explicit ``privacy-ledger`` keeps
 one JSON file (``ledger_path``) listing every update it released: run id, round, message type, mechanism,
 ``z``, ``q``, ``C``, the placement, its own noise std, the time (``Release``). Before an update leaves the node,
-``record_release`` composes the ledger with the new release and either appends it (write-ahead: the entry is
-on disk, fsynced, before the reply is built) or refuses the round when the composed epsilon would exceed the
-node's ``max-epsilon`` (a ``dpfedavg.privacy.policy.RoundRefused`` carrying the ledger's numbers).
+``record_release`` composes the ledger with the new release in two accounts
+(`dpfedavg.privacy.node_accounts`: against the server itself, ``max-epsilon``; against those who see the released
+model, ``max-epsilon-released``) and either appends it (write-ahead: the entry is on disk, fsynced, before the
+reply is built) or refuses the round when an account would pass its budget (a
+``dpfedavg.privacy.policy.RoundRefused`` carrying the ledger's numbers).
 
-What is charged (``charged_events``; the node cannot see the server's Poisson sampling, only what it is asked):
+The server account charges every release at the node's own noise share, unamplified (``server_charge``). What the
+released account charges (``charged_events``; the node cannot see the server's Poisson sampling, only what it is
+asked):
 
-* a client with a run config (the project's ClientApp), the first time it answers a run: the run's whole plan,
-  ``num-rounds`` x ``PoissonSampled(q, Gaussian(z))``, what the run itself accounts (Alg. 1: one sampled round per
-  ``k``); later rounds of the run cost nothing more;
+* a client with a run config (the project's ClientApp), the first time it answers a run: the run's own mechanism
+  as the run accounts it (``node_accounts.released_plan``: ``num-rounds`` x ``PoissonSampled(q, Gaussian(z))``,
+  Alg. 1's one sampled round per ``k``; banded MF's event; virtual clients' group); later rounds of the run cost
+  nothing more. A resume (``resume = true``, a new Flower run id) of a run charged under the same ``run-name`` and
+  plan is that run (`_plan`);
 * every further release of a ``(run, round)`` it already answered (a round redone after a crash, fresh noise):
-  one more ``PoissonSampled(q, Gaussian(z))``;
+  one more round of the plan (banded MF refuses it, and any participation its event does not cover);
 * a client without a run config (``dp_mod`` in a user's own app: no ``q``, no ``K``): every release one
   unamplified ``Gaussian(z)``.
 
 The charged events compose, in the order they were charged and each ``(event, count)`` as one self-composed
 privacy loss distribution, with the project's PLD (``dpfedavg.privacy.accountants``: its discretization, a
-pessimistic and so valid upper bound), and the epsilon is read at the node's delta (``ledger_delta``: the
-operator's, never a run's).
+pessimistic and so valid upper bound); the server account is one Gaussian, read exactly. Both are read at the
+node's delta (``ledger_delta``: the operator's, never a run's).
 
 The file (format ``/2``) is JSON Lines: a header line, then one line per release carrying a SHA-256 chained
 over every entry before it. A release is *appended* (``O_APPEND``, fsync) under an ``fcntl`` lock on a sidecar
@@ -60,11 +66,19 @@ from typing import Any
 import numpy as np
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core.dp import BOUNDS
+from dpfedavg.core.dp import is_private_algorithm
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.io.atomic import atomic_write_bytes
 from dpfedavg.privacy.accountants import AccountingRangeError, RoundEvent, _run_pld
-from dpfedavg.privacy.policy import NODE_IDENTITY_KEYS, NodePolicy, PolicyError, RoundRefused
+from dpfedavg.privacy.node_accounts import (
+    RELEASED,
+    SERVER,
+    check_participation,
+    gaussian_epsilon,
+    released_plan,
+    server_mu2,
+)
+from dpfedavg.privacy.policy import NODE_IDENTITY_KEYS, NodePolicy, PolicyError, RoundRefused, noise_bound
 
 __all__ = [
     "DEFAULT_DELTA",
@@ -94,6 +108,12 @@ _GENESIS = hashlib.sha256(LEDGER_FORMAT.encode()).hexdigest()
 #: Mechanism names of the entries.
 POISSON_GAUSSIAN = "poisson-sampled-gaussian"
 GAUSSIAN = "gaussian"
+BANDED_MF = "banded-mf"
+#: The entry fields added within format ``/2`` and their defaults (an entry without them has these values).
+_OPTIONAL: dict[str, Any] = {
+    "run_name": None, "resume": False, "plan": None, "clients": 1, "server_noise_multiplier": None,
+    "secure_aggregation": False, "participation": None,
+}  # fmt: skip
 
 
 class LedgerError(PolicyError):
@@ -136,20 +156,38 @@ class Release:
     placement: str | None
     noise_std: float
     time: str
+    run_name: str | None = None
+    resume: bool = False
+    plan: tuple[float, float, int] | None = None
+    clients: int = 1
+    server_noise_multiplier: float | None = None
+    secure_aggregation: bool = False
+    participation: tuple[str, int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The entry's JSON: the fields added after format ``/2`` began only where they differ from their default
+        (so an entry written before them reads, and chains, as it was written)."""
+        entry = dataclasses.asdict(self)
+        for name in _OPTIONAL:
+            if entry[name] == _OPTIONAL[name]:
+                del entry[name]
+        for name in ("plan", "participation"):
+            if entry.get(name) is not None:
+                entry[name] = list(entry[name])
+        return entry
 
     @classmethod
     def from_json(cls, entry: Any, where: str) -> Release:
         """One entry, with every field checked (``LedgerError`` naming the entry and the field)."""
-        if not isinstance(entry, dict) or set(entry) != {f.name for f in dataclasses.fields(cls)}:
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(entry, dict) or not names - set(_OPTIONAL) <= set(entry) <= names:
             raise LedgerError(f"{where} is not a ledger entry (expected the fields of {cls.__name__})")
+        entry = {**_OPTIONAL, **entry}
         checks = {
             "run_id": lambda v: _is_int(v),
             "server_round": lambda v: _is_int(v) and v >= 1,
             "message_type": lambda v: isinstance(v, str),
-            "mechanism": lambda v: v in (POISSON_GAUSSIAN, GAUSSIAN),
+            "mechanism": lambda v: v in (POISSON_GAUSSIAN, GAUSSIAN, BANDED_MF),
             "noise_multiplier": lambda v: _is_number(v) and v >= 0,
             "sampling_rate": lambda v: v is None or (_is_number(v) and 0 < v <= 1),
             "num_rounds": lambda v: v is None or (_is_int(v) and v >= 1),
@@ -158,15 +196,34 @@ class Release:
             "placement": lambda v: v is None or isinstance(v, str),
             "noise_std": lambda v: _is_number(v) and v >= 0,
             "time": lambda v: isinstance(v, str),
-        }
+            "run_name": lambda v: v is None or (isinstance(v, str) and v != ""),
+            "resume": lambda v: isinstance(v, bool),
+            "plan": lambda v: v is None or (
+                isinstance(v, list) and len(v) == 3 and _is_number(v[0]) and 0 < v[0] <= 1 and _is_number(v[1])
+                and v[1] >= 0 and _is_int(v[2]) and v[2] >= 1
+            ),
+            "clients": lambda v: _is_int(v) and v >= 1,
+            "server_noise_multiplier": lambda v: v is None or (_is_number(v) and v >= 0),
+            "secure_aggregation": lambda v: isinstance(v, bool),
+            "participation": lambda v: v is None or (
+                isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and _is_int(v[1]) and v[1] >= 1
+                and _is_int(v[2]) and v[2] >= 1
+            ),
+        }  # fmt: skip
         for name, check in checks.items():
             if not check(entry[name]):
                 raise LedgerError(f"{where}: field {name!r} = {entry[name]!r} is not valid")
+        if entry["plan"] is not None:
+            entry["plan"] = (float(entry["plan"][0]), float(entry["plan"][1]), int(entry["plan"][2]))
+        if entry["participation"] is not None:
+            entry["participation"] = tuple(entry["participation"])
         release = cls(**entry)
-        if (release.mechanism == POISSON_GAUSSIAN) != (
-            release.sampling_rate is not None and release.num_rounds is not None
-        ):
+        if (release.mechanism != GAUSSIAN) != (release.sampling_rate is not None and release.num_rounds is not None):
             raise LedgerError(f"{where}: mechanism {release.mechanism!r} does not match its q and num-rounds")
+        if (release.mechanism == BANDED_MF and release.plan is None) or (
+            release.mechanism == GAUSSIAN and release.plan is not None
+        ):
+            raise LedgerError(f"{where}: mechanism {release.mechanism!r} does not match its plan")
         return release
 
 
@@ -178,47 +235,101 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-#: A plan: the releases of one run charged as ``K x PoissonSampled(q, Gaussian(z))`` once.
-PlanKey = tuple[int, float, int, float | None, float]
+#: A plan: the releases of one run charged its plan once (``_params`` after the run id it was first charged for).
+PlanKey = tuple[Any, ...]
+#: ``(run-name, the plan's parameters)`` -> the plan a resume of that run continues.
+Names = Callable[[str, str], PlanKey | None]
 
 
-def _plan(r: Release) -> PlanKey:
+def _params(r: Release) -> tuple[Any, ...]:
+    """What a run's plan is, but its id: mechanism, ``q``, ``K``, delta, ``z``, account (a)'s plan (with the
+    node's virtual clients in it), banded MF's participation rule. Not ``clients``: a message may ask fewer."""
+    return (r.mechanism, r.sampling_rate, r.num_rounds, r.delta, r.noise_multiplier, r.plan, r.participation)
+
+
+def _plan(r: Release, names: Names) -> PlanKey:
+    """The plan release ``r`` belongs to: its run's (by run id), or, for a resume (``resume = true``) of a run the
+    node charged under the same ``run-name`` with the same parameters, that run's plan (issue 47: a resume gets a
+    new Flower run id, and is not a new run). A resume of a name the node never charged, or with another plan, is
+    a new plan."""
+    if r.resume and r.run_name is not None:
+        earlier = names(r.run_name, json.dumps(_params(r)))
+        if earlier is not None:
+            return earlier
+    return (r.run_id, *_params(r))
+
+
+def _hashable(value: Any) -> Any:
+    """A plan key read back from JSON: its lists as tuples again (the key of a dict, as `_plan` makes it)."""
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def _plan_charge(r: Release) -> tuple[RoundEvent, int]:
+    """Account (a)'s charge of a new plan: ``K x PoissonSampled(q, Gaussian(z))``, or the run's own (``plan``)."""
     assert r.sampling_rate is not None and r.num_rounds is not None
-    return (r.run_id, r.sampling_rate, r.num_rounds, r.delta, r.noise_multiplier)
+    if r.plan is not None:
+        return RoundEvent(r.plan[0], r.plan[1]), r.plan[2]
+    return RoundEvent(r.sampling_rate, r.noise_multiplier), r.num_rounds
 
 
-def _charge(r: Release, rounds_of: Callable[[PlanKey], set[int] | None]) -> tuple[RoundEvent, int] | None:
-    """What release ``r`` adds to the ledger, given the rounds already answered per plan (``None``: a new plan).
+def _charge(r: Release, rounds: set[int] | None) -> tuple[RoundEvent, int] | None:
+    """What release ``r`` adds to account (a), given the rounds its plan answered already (``None``: a new plan).
 
-    A new plan: its whole plan ``K x PoissonSampled(q, Gaussian(z))``; a round of the plan answered before: one
-    more ``PoissonSampled(q, Gaussian(z))``; another round of a charged plan: nothing. Without a run config
-    (``gaussian``): one ``Gaussian(z)``.
+    A new plan: its whole plan; a round of the plan answered before: one more round of it (banded MF, whose
+    analysis covers no redone round and which the node refuses: its whole plan again); another round of a
+    charged plan: nothing. Without a run config (``gaussian``): one ``Gaussian(z)``.
     """
     if r.mechanism == GAUSSIAN:
         return RoundEvent(1.0, r.noise_multiplier), 1
-    assert r.sampling_rate is not None and r.num_rounds is not None
-    event = RoundEvent(r.sampling_rate, r.noise_multiplier)
-    rounds = rounds_of(_plan(r))
+    event, count = _plan_charge(r)
     if rounds is None:
-        return event, r.num_rounds
-    return (event, 1) if r.server_round in rounds else None
+        return event, count
+    if r.server_round not in rounds:
+        return None
+    return (event, count) if r.mechanism == BANDED_MF else (event, 1)
+
+
+def server_charge(r: Release) -> float:
+    """What release ``r`` adds to account (b)'s ``mu^2`` (`dpfedavg.privacy.node_accounts.server_mu2`).
+
+    An entry written before the field: the node's own std over the entry's ``C`` (``C_k``: with adaptive
+    clipping below ``C_aug``, so a larger ``mu``).
+    """
+    z = r.server_noise_multiplier
+    if z is None:
+        z = r.noise_std / r.clip if r.clip > 0 else 0.0
+    return server_mu2(z, r.clients)
+
+
+class _Plans:
+    """Rounds answered per plan and the plan of each run name, in memory (``charged_events``)."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[PlanKey, set[int]] = {}
+        self.names: dict[tuple[str, str], PlanKey] = {}
+
+    def add(self, r: Release, key: PlanKey) -> None:
+        self.rounds.setdefault(key, set()).add(r.server_round)
+        if r.run_name is not None:
+            self.names[(r.run_name, json.dumps(_params(r)))] = key
 
 
 def charged_events(releases: list[Release]) -> list[tuple[RoundEvent, int]]:
-    """The accountant's events for ``releases``, in the order they were charged: ``(event, count)`` pairs.
+    """Account (a)'s events for ``releases``, in the order they were charged: ``(event, count)`` pairs.
 
-    A client with a run config: each run (entries with the same run id, ``q``, ``K``, delta and ``z``) is charged
-    its plan ``K x PoissonSampled(q, Gaussian(z))`` once, and each release of a round beyond its first one more
-    ``PoissonSampled(q, Gaussian(z))``. Without a run config (``gaussian``): each release one ``Gaussian(z)``.
+    A client with a run config: each run (entries with the same run id and plan, or a resume of it: `_plan`) is
+    charged its plan once, and each release of a round beyond its first one more round. Without a run config
+    (``gaussian``): each release one ``Gaussian(z)``.
     """
     events: list[tuple[RoundEvent, int]] = []
-    seen: dict[PlanKey, set[int]] = {}
+    plans = _Plans()
     for r in releases:
-        charge = _charge(r, seen.get)
+        key = _plan(r, lambda name, params: plans.names.get((name, params)))
+        charge = _charge(r, plans.rounds.get(key) if r.mechanism != GAUSSIAN else None)
         if charge is not None:
             events.append(charge)
         if r.mechanism != GAUSSIAN:
-            seen.setdefault(_plan(r), set()).add(r.server_round)
+            plans.add(r, key)
     return events
 
 
@@ -513,50 +624,80 @@ class NodeLedger:
             finally:
                 state.close()
 
-    def spent(self, policy: NodePolicy) -> float:
-        """The epsilon the recorded releases compose to, at ``ledger_delta``."""
+    def spent(self, policy: NodePolicy, account: str = RELEASED) -> float:
+        """The epsilon of one account (`RELEASED`: (a), `SERVER`: (b)) of the recorded releases, at ``ledger_delta``."""
+        return self.accounts(policy)[account]
+
+    def accounts(self, policy: NodePolicy) -> dict[str, float]:
+        """Both accounts' epsilon at ``ledger_delta`` (`dpfedavg.privacy.node_accounts`)."""
+        delta = ledger_delta(policy)
         with self._synced() as state:
-            return state.epsilon(ledger_delta(policy))
+            return {RELEASED: state.epsilon(delta), SERVER: gaussian_epsilon(math.sqrt(state.server_mu2()), delta)}
 
-    def charge(self, release: Release, policy: NodePolicy) -> float:
-        """Append ``release`` unless the composed epsilon would exceed ``max-epsilon``; the epsilon after it.
+    def charge(self, release: Release, policy: NodePolicy) -> dict[str, float]:
+        """Append ``release`` unless an account's epsilon would exceed its budget; both accounts after it.
 
-        Raises ``dpfedavg.privacy.policy.RoundRefused`` (rule ``max-epsilon``) with the ledger's numbers,
-        or ``LedgerError``. The entry is durable on disk when this returns.
+        Account (a) (`RELEASED`) against ``max-epsilon-released`` (default ``max-epsilon``), account (b)
+        (`SERVER`) against ``max-epsilon`` (none with ``allow-server-noise = true``). Raises
+        ``dpfedavg.privacy.policy.RoundRefused`` naming the key, with the ledger's numbers, or ``LedgerError``.
+        The entry is durable on disk when this returns.
         """
         delta = ledger_delta(policy)
         with self._synced() as state:
-            added = _charge(release, state.rounds)
+            key = None if release.mechanism == GAUSSIAN else _plan(release, state.name_plan)
+            rounds = None if key is None else state.rounds(key)
+            if release.mechanism == BANDED_MF and rounds is not None and release.participation is not None:
+                broken = check_participation(release.participation, rounds, release.server_round)
+                if broken is not None:
+                    raise RoundRefused(
+                        "participation", f"banded-MF run {release.run_id}: {broken}; its epsilon covers no other "
+                        "pattern", policy=False,
+                    )  # fmt: skip
+            added = _charge(release, rounds)
             after = None if added is None else state.composition().then(*added, run_pld=state.run_pld)
             total = state.epsilon(delta) if after is None else after.epsilon(delta)
-            if total > policy.max_epsilon:
-                spent = state.epsilon(delta)
+            mu2 = state.server_mu2() + server_charge(release)
+            server = gaussian_epsilon(math.sqrt(mu2), delta)
+            if total > policy.released_budget:
                 alone = Composition().then(*added, run_pld=state.run_pld).epsilon(delta) if added else 0.0
-                raise RoundRefused(
-                    "max-epsilon",
-                    f"this node's privacy ledger {self.path} has spent epsilon {spent:.4g}; this release "
-                    f"(run {release.run_id}, round {release.server_round}) costs {alone:.4g} on its own and would "
-                    f"bring the composed epsilon to {total:.4g} > max-epsilon = {policy.max_epsilon:g} "
-                    f"(delta = {delta:g}, {LEDGER_ACCOUNTANT} accountant)",
-                    policy=True,
-                )
+                self._refuse(release, policy.released_key, "released", state.epsilon(delta), alone, total,
+                             policy.released_budget, delta)  # fmt: skip
+            if server > policy.server_budget:
+                spent = gaussian_epsilon(math.sqrt(state.server_mu2()), delta)
+                alone = gaussian_epsilon(math.sqrt(server_charge(release)), delta)
+                self._refuse(release, "max-epsilon", "server", spent, alone, server, policy.server_budget, delta)
             entries, head, size = state.position()
             self._append(release, head, size)
-            state.record(release, _link(head, release.to_json()), after, (delta, total), os.stat(self.path))
+            state.record(release, key, _link(head, release.to_json()), after, (delta, total), mu2, os.stat(self.path))
         logger.info(
-            "privacy ledger %s: run %d round %d recorded, epsilon %.4g at delta %g",
-            self.path, release.run_id, release.server_round, total, delta,
+            "privacy ledger %s: run %d round %d recorded, epsilon %.4g (released) and %.4g (server) at delta %g",
+            self.path, release.run_id, release.server_round, total, server, delta,
         )  # fmt: skip
-        return total
+        return {RELEASED: total, SERVER: server}
+
+    def _refuse(
+        self, release: Release, rule: str, account: str, spent: float, alone: float, total: float, budget: float,
+        delta: float,
+    ) -> None:  # fmt: skip
+        what = {"released": "against those who see the released model", "server": "against the server itself"}
+        raise RoundRefused(
+            rule,
+            f"this node's privacy ledger {self.path} has spent epsilon {spent:.4g} in its {account} account "
+            f"({what[account]}); this release (run {release.run_id}, round {release.server_round}) costs {alone:.4g} "
+            f"on its own and would bring the composed epsilon to {total:.4g} > {rule} = {budget:g} "
+            f"(delta = {delta:g}, {LEDGER_ACCOUNTANT if account == 'released' else 'exact Gaussian'} accountant)",
+            policy=True,
+        )
 
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value);
 CREATE TABLE IF NOT EXISTS plans (plan TEXT, round INTEGER, PRIMARY KEY (plan, round)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS names (name TEXT, params TEXT, plan TEXT, PRIMARY KEY (name, params)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS pld (name TEXT, side TEXT, discretization REAL, lower_loss INTEGER, probs BLOB,
                                 infinity_mass REAL, pessimistic INTEGER, PRIMARY KEY (name, side));
 """
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 #: How many plans' PLDs (``K`` rounds of one ``q`` and ``z``) the state keeps: building one costs tens of ms.
 _RUN_PLDS = 32
 #: Linux's id of this boot: a state written in this boot survives any crash of a process (SQLite is atomic against
@@ -621,7 +762,7 @@ class _State:
 
     def reset(self) -> None:
         self.db.execute("BEGIN IMMEDIATE")
-        for table in ("meta", "plans", "pld"):
+        for table in ("meta", "plans", "names", "pld"):
             self.db.execute(f"DELETE FROM {table}")  # noqa: S608 - fixed names
         self._set({"version": _STATE_VERSION, "boot": _boot_id()})
         self.db.execute("COMMIT")
@@ -646,6 +787,25 @@ class _State:
     def rounds(self, plan: PlanKey) -> set[int] | None:
         rows = self.db.execute("SELECT round FROM plans WHERE plan = ?", (json.dumps(plan),)).fetchall()
         return {r for (r,) in rows} if rows else None
+
+    def name_plan(self, name: str, params: str) -> PlanKey | None:
+        """The plan last charged under ``run-name`` ``name`` with these parameters (what a resume continues)."""
+        row = self.db.execute("SELECT plan FROM names WHERE name = ? AND params = ?", (name, params)).fetchone()
+        return None if row is None else _hashable(json.loads(row[0]))
+
+    def _add_plan(self, release: Release, plan: PlanKey) -> None:
+        """Within the caller's transaction: round ``k`` of ``plan`` answered, and ``plan`` as its run name's."""
+        self.db.execute("INSERT OR IGNORE INTO plans VALUES (?, ?)", (json.dumps(plan), release.server_round))
+        if release.run_name is not None:
+            row = (release.run_name, json.dumps(_params(release)), json.dumps(plan))
+            self.db.execute("INSERT OR REPLACE INTO names VALUES (?, ?, ?)", row)
+
+    def server_mu2(self) -> float:
+        """Account (b)'s ``mu^2`` (``inf``: a release without noise of the node's own)."""
+        return math.inf if self._meta("server_infinite", 0) else float(self._meta("server_mu2", 0.0))
+
+    def _set_server(self, mu2: float) -> None:
+        self._set({"server_infinite": int(not math.isfinite(mu2)), "server_mu2": mu2 if math.isfinite(mu2) else 0.0})
 
     def _load(self, name: str) -> Any:
         """The PLD stored as ``name`` (``None`` if there is none)."""
@@ -718,18 +878,20 @@ class _State:
     def record(
         self,
         release: Release,
+        plan: PlanKey | None,
         head: str,
         composition: Composition | None,
         epsilon: tuple[float, float],
+        server_mu2: float,
         stat: os.stat_result,
     ) -> None:
-        """One appended release: its round, the new composition (``None``: unchanged) and its ``(delta, epsilon)``,
-        and where the file now ends."""
+        """One appended release: its round of ``plan``, account (a)'s new composition (``None``: unchanged) and its
+        ``(delta, epsilon)``, account (b)'s ``mu^2``, and where the file now ends."""
         entries, _, _ = self.position()
         self.db.execute("BEGIN IMMEDIATE")
-        if release.mechanism != GAUSSIAN:
-            row = (json.dumps(_plan(release)), release.server_round)
-            self.db.execute("INSERT OR IGNORE INTO plans VALUES (?, ?)", row)
+        if plan is not None:
+            self._add_plan(release, plan)
+        self._set_server(server_mu2)
         if composition is not None:
             self._store(composition, epsilon)
         self._set({"entries": entries + 1, "head": head, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
@@ -739,26 +901,33 @@ class _State:
     def catch_up(self, scan: _Scan, covered: int, stat: os.stat_result) -> None:
         """Fold the entries ``scan`` holds beyond the ``covered`` first into the state (one transaction)."""
         composition = self.composition()
-        new = scan.releases[covered:]
+        mu2 = self.server_mu2()
+        plans = _Plans()  # the new entries' plans, over the state's
         changed = False
-        seen: dict[PlanKey, set[int] | None] = {}
-        for r in new:
+
+        def names(name: str, params: str) -> PlanKey | None:
+            return plans.names.get((name, params)) or self.name_plan(name, params)
+
+        for r in scan.releases[covered:]:
+            mu2 += server_charge(r)
             if r.mechanism == GAUSSIAN:
-                added = _charge(r, lambda _: None)
+                added = _charge(r, None)
             else:
-                key = _plan(r)
-                if key not in seen:
-                    seen[key] = self.rounds(key)
-                added = _charge(r, seen.get)
-                seen[key] = (seen[key] or set()) | {r.server_round}
+                key = _plan(r, names)
+                if key not in plans.rounds:
+                    plans.rounds[key] = self.rounds(key) or set()
+                added = _charge(r, plans.rounds[key] or None)
+                plans.add(r, key)
             if added is not None:
                 composition, changed = composition.then(*added, run_pld=self.run_pld), True
         self.db.execute("BEGIN IMMEDIATE")
-        for key, rounds in seen.items():
-            rows = [(json.dumps(key), k) for k in rounds or ()]
-            self.db.executemany("INSERT OR IGNORE INTO plans VALUES (?, ?)", rows)
+        for key, rounds in plans.rounds.items():
+            self.db.executemany("INSERT OR IGNORE INTO plans VALUES (?, ?)", [(json.dumps(key), k) for k in rounds])
+        for (name, params), key in plans.names.items():
+            self.db.execute("INSERT OR REPLACE INTO names VALUES (?, ?, ?)", (name, params, json.dumps(key)))
         if changed:
             self._store(composition)
+        self._set_server(mu2)
         self._set({"version": _STATE_VERSION, "entries": len(scan.releases), "head": scan.head, "size": scan.size,
                    "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino, "boot": _boot_id()})  # fmt: skip
         self.db.execute("COMMIT")
@@ -771,28 +940,47 @@ def record_release(
     cfg: RunConfig | None,
     *,
     message_type: str,
+    secure_aggregation: bool = False,
+    clients: int = 1,
 ) -> None:
     """The node's hook, called after the round's checks and before anything is computed or sent.
 
     Does nothing for a node without a policy (no ledger). Otherwise charges the release described by ``ins`` (the
     instructions this client follows: its own noise std) and ``cfg`` (``None``: ``dp_mod``, charged as a Gaussian
-    at ``q = 1``) to the node's ledger, or raises ``dpfedavg.privacy.policy.RoundRefused`` /
-    ``LedgerError``.
+    at ``q = 1``) to both accounts of the node's ledger (`dpfedavg.privacy.node_accounts`), or raises
+    ``dpfedavg.privacy.policy.RoundRefused`` / ``LedgerError``. ``secure_aggregation``: the release goes through
+    SecAgg+ whose parameters the node checked (recorded; account (b) still charges the node's own share, see
+    `dpfedavg.privacy.node_accounts`); ``clients``: the node's virtual clients answering in this message (each update charged).
     """
     if not keeps_ledger(node_config):
         return
     policy = NodePolicy.from_node_config(node_config)
     if not (math.isfinite(ins.noise_std) and ins.noise_std >= 0):
         raise RoundRefused("noise-std", f"this client's noise std {ins.noise_std!r} is not a number >= 0", policy=False)
-    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    if not (_is_int(clients) and clients >= 1):
+        raise RoundRefused("clients-per-node", f"{clients!r} clients in one message (expected >= 1)", policy=False)
+    private = is_private_algorithm(ins.algorithm)
     z = ins.noise_multiplier
     if not (private and math.isfinite(z) and z >= 0):
         z = 0.0  # no noise the accountant can count: charged as a release without noise (epsilon = inf)
+    bound = noise_bound(ins, cfg) if private else 0.0
+    own = ins.noise_std / bound if bound > 0 and math.isfinite(bound) else 0.0
+    secure = bool(secure_aggregation) and ins.cohort_size >= 1
+    plan, participation, mechanism = None, None, POISSON_GAUSSIAN if cfg is not None else GAUSSIAN
+    if cfg is not None:
+        hosted = cfg.clients_per_node  # the plan: every round may ask each client the node hosts
+        if cfg.noise_mechanism != "independent" or hosted > 1:
+            try:
+                charge = released_plan(cfg, z, hosted)
+            except ValueError as err:
+                raise RoundRefused("noise-mechanism", str(err), policy=True) from None
+            plan, participation = (charge.event.q, float(charge.event.z or 0.0), charge.count), charge.participation
+            mechanism = BANDED_MF if not charge.redo else POISSON_GAUSSIAN
     release = Release(
         run_id=int(run_id),
         server_round=int(ins.server_round),
         message_type=str(message_type),
-        mechanism=POISSON_GAUSSIAN if cfg is not None else GAUSSIAN,
+        mechanism=mechanism,
         noise_multiplier=float(z),
         sampling_rate=float(cfg.sampling_rate) if cfg is not None else None,
         num_rounds=int(cfg.num_rounds) if cfg is not None else None,
@@ -801,5 +989,12 @@ def record_release(
         placement=cfg.noise_placement if cfg is not None else None,
         noise_std=float(ins.noise_std),
         time=datetime.now(UTC).isoformat(timespec="microseconds"),
+        run_name=(cfg.run_name or None) if cfg is not None else None,
+        resume=bool(cfg.resume) if cfg is not None else False,
+        plan=plan,
+        clients=int(clients),
+        server_noise_multiplier=float(own),  # no SecAgg+ credit: see dpfedavg.privacy.node_accounts
+        secure_aggregation=secure,
+        participation=participation,
     )
     NodeLedger(ledger_path(node_config, policy)).charge(release, policy)

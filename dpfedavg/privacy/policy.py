@@ -45,13 +45,14 @@ from typing import Any
 from dpfedavg.config import RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED, local_lr_at
 from dpfedavg.core.adaptive_clip import augmented_bound, auto_count_stddev, count_scale
-from dpfedavg.core.canaries import canary_federation_size, inserted_canaries
-from dpfedavg.core.dp import ALGORITHMS, BOUNDS
-from dpfedavg.core.mechanism import PLACEMENTS
+from dpfedavg.core.dp import ALGORITHMS, get_bound, is_private_algorithm
+from dpfedavg.core.mechanism import PLACEMENTS, NoisePlacement, get_placement
 from dpfedavg.core.types import RoundInstructions
+from dpfedavg.errors import ConfigError
 from dpfedavg.privacy.accountants import AccountingRangeError
 from dpfedavg.privacy.calibration import epsilon_for
-from dpfedavg.privacy.secure_aggregation import SecAggSettings
+from dpfedavg.privacy.secure_aggregation import MIN_SECAGG_COHORT, SecAggSettings
+from dpfedavg.privacy.setup import FederationSize
 
 __all__ = [
     "NODE_SECURE_NOISE",
@@ -63,6 +64,7 @@ __all__ = [
     "check_noise_demand",
     "check_round",
     "client_noise_std",
+    "noise_bound",
 ]
 
 #: ``--node-config`` key with which a SuperNode's owner makes its client draw noise from the OS CSPRNG whatever the
@@ -81,8 +83,8 @@ class PolicyError(ValueError):
 class RoundRefused(Exception):
     """This round breaks a rule: ``rule`` is the policy key or the run-config key it breaks."""
 
-    def __init__(self, rule: str, detail: str, *, policy: bool) -> None:
-        where = "this node's policy" if policy else "the run config"
+    def __init__(self, rule: str, detail: str, *, policy: bool, where: str | None = None) -> None:
+        where = where or ("this node's policy" if policy else "the run config")
         super().__init__(f"refused by {where} ({rule}): {detail}")
         self.rule = rule
 
@@ -110,9 +112,9 @@ class NodePolicy:
     allow_diagnostics:
         Whether the clean ``g`` may ever leave the node (default: not under a policy that demands noise).
     max_epsilon:
-        The node's budget: the largest epsilon of a run it takes part in (at the run's delta, over its
-        ``num-rounds``, by the run's accountant; the client computes it from ``z``, ``q``, ``K`` and ``delta``
-        itself), and of everything its privacy ledger records, composed (``dpfedavg.privacy.ledger``).
+        The budget of the privacy ledger's account against the server itself (what it sees of this node's
+        updates, `dpfedavg.privacy.node_accounts`); with ``allow-server-noise`` (the server trusted with the clean
+        update) and without ``max-epsilon-released``, the budget of the released account instead.
     allow_evaluate:
         Answer evaluate messages (``allow-evaluate``): their replies are the user's metrics of the node's data,
         un-noised (with ``dp_mod``; dpfedavg's own ClientApp answers none).
@@ -120,10 +122,20 @@ class NodePolicy:
         Accept the ``server`` placement (``allow-server-noise``): central DP, the clean clipped update goes to a
         server trusted to add the noise. Off, a policy that demands noise refuses it.
     max_epsilon_delta:
-        The delta the ledger's composed epsilon is read at (``None``: 1e-6, or the smallest delta of the runs it
-        records if smaller; never a delta the server chose above it).
+        The delta both of the ledger's accounts are read at (``None``: 1e-6; never a delta a run declares).
     privacy_ledger:
         The ledger file (``None``: ``dpfedavg.privacy.ledger.ledger_path``'s default in the node's home).
+    max_epsilon_released:
+        The budget of the ledger's account against those who see the released model (``None``: ``max-epsilon``),
+        and the largest epsilon of a run the node takes part in (at the run's delta, over its ``num-rounds``, by
+        the run's own mechanism; the client computes it from the run config itself).
+    allow_virtual_clients:
+        Answer runs with ``clients-per-node`` > 1 (several updates of this node's data per round, each charged).
+    secagg_min_cohort:
+        The fewest nodes of a SecAgg+ round the node takes part in (``secagg-min-cohort``, default and least 3:
+        in a cohort of 2 each node reads the other's vector from the sum, and a threshold above half of a node's
+        shares, which keeps a server from rebuilding both its mask seed and its key, needs 3). Checked, with the
+        protocol's other parameters, before any secret leaves the node (`dpfedavg.flower.guard`).
     stated:
         The policy keys the node config names (an empty tuple: no policy).
     """
@@ -140,7 +152,27 @@ class NodePolicy:
     allow_server_noise: bool = False
     max_epsilon_delta: float | None = None
     privacy_ledger: str | None = None
+    max_epsilon_released: float | None = None
+    allow_virtual_clients: bool = False
+    secagg_min_cohort: int = MIN_SECAGG_COHORT
     stated: tuple[str, ...] = ()
+
+    @property
+    def server_budget(self) -> float:
+        """The bound of the ledger's account (b), against the server itself: ``max-epsilon`` (none when
+        ``allow-server-noise = true``: the operator trusts the server with the clean update)."""
+        return math.inf if self.allow_server_noise else self.max_epsilon
+
+    @property
+    def released_budget(self) -> float:
+        """The bound of the ledger's account (a), against those who see the released model (and of each run's own
+        epsilon): ``max-epsilon-released``, else ``max-epsilon``."""
+        return self.max_epsilon if self.max_epsilon_released is None else self.max_epsilon_released
+
+    @property
+    def released_key(self) -> str:
+        """The key that states `released_budget`."""
+        return "max-epsilon" if self.max_epsilon_released is None else "max-epsilon-released"
 
     @property
     def diagnostics_allowed(self) -> bool:
@@ -228,6 +260,15 @@ def _algorithms(value: Any) -> tuple[str, ...] | None:
     return names if names and all(name in ALGORITHMS for name in names) else None
 
 
+def _cohort(value: Any) -> int | None:
+    """An integer >= `MIN_SECAGG_COHORT` (an int, or a string of decimal digits); ``None`` for anything else."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if value >= MIN_SECAGG_COHORT else None
+
+
 def _ledger_file(value: Any) -> str | None:
     if not isinstance(value, str) or not value.strip() or any(ord(c) < 32 for c in value):
         return None
@@ -251,9 +292,13 @@ POLICY_KEYS: dict[str, tuple[Any, str]] = {
     "allow-server-noise": (_flag, _FLAG),
     "max-epsilon-delta": (lambda v: _number(v, lambda x: 0 < x < 1), "a number in (0, 1)"),
     "privacy-ledger": (_ledger_file, "an absolute file path (or ~/...), one line"),
+    "max-epsilon-released": (lambda v: _number(v, lambda x: x > 0), _ABOVE_0),
+    "allow-virtual-clients": (_flag, _FLAG),
+    "secagg-min-cohort": (_cohort, f"an integer >= {MIN_SECAGG_COHORT} (a SecAgg+ cohort of 2 shows each node the "
+                                   "other's vector; a majority threshold of a node's shares needs 3)"),
 }
 #: The policy keys that state a floor on the noise (or a ceiling on what it hides): each promises noise.
-_FLOOR_KEYS = ("min-noise-multiplier", "min-update-noise-multiplier", "max-clip", "max-epsilon")
+_FLOOR_KEYS = ("min-noise-multiplier", "min-update-noise-multiplier", "max-clip", "max-epsilon", "max-epsilon-released")
 
 
 @lru_cache(maxsize=64)
@@ -267,6 +312,26 @@ def _run_epsilon(z: float, q: float, rounds: int, delta: float, accountant: str)
         return math.inf
 
 
+@lru_cache(maxsize=16)
+def _plan_epsilon(cfg: RunConfig, z: float) -> float:
+    """Epsilon at the run's delta of the run's own mechanism as the node charges it (`released_plan`, PLD)."""
+    from dpfedavg.privacy.accountants import _run_pld
+    from dpfedavg.privacy.node_accounts import released_plan
+
+    if not z > 0:
+        return math.inf
+    try:
+        charge = released_plan(cfg, z, cfg.clients_per_node)
+    except ValueError as err:
+        raise RoundRefused("noise-mechanism", str(err), policy=True) from None
+    if not charge.event.z:
+        return math.inf
+    try:
+        return float(_run_pld(charge.event, charge.count).get_epsilon_for_delta(cfg.delta))
+    except AccountingRangeError:
+        return math.inf
+
+
 @lru_cache(maxsize=8)
 def with_canaries(cfg: RunConfig) -> RunConfig:
     """The federation the server samples from: ``n`` plus the inserted canaries (``canary-clients``), same ``q``.
@@ -276,8 +341,7 @@ def with_canaries(cfg: RunConfig) -> RunConfig:
     """
     if not cfg.canary_clients:
         return cfg
-    inserted = int(inserted_canaries(cfg.seed, cfg.canary_clients).sum())
-    n, r = canary_federation_size(cfg.num_clients, cfg.clients_per_round, inserted)
+    n, r = FederationSize.of(cfg).sampled
     return cfg.replace(num_clients=n, clients_per_round=r)
 
 
@@ -288,12 +352,20 @@ def client_noise_std(cfg: RunConfig, ins: RoundInstructions) -> tuple[float, flo
     ``sigma_b``); ``s = placement.client_std(z, bound, r, |S_k|)``.
     """
     bound = ins.clip
-    if BOUNDS[cfg.algorithm].adaptive and ins.noise_multiplier > 0:
+    if get_bound(cfg.algorithm).adaptive and ins.noise_multiplier > 0:
         bound = augmented_bound(ins.clip, count_scale(ins.noise_multiplier, ins.clip, _count_stddev(cfg, ins)))
-    elif BOUNDS[cfg.algorithm].adaptive:
+    elif get_bound(cfg.algorithm).adaptive:
         bound = augmented_bound(ins.clip, ins.clip)  # z = 0: s = C (core.adaptive_clip.count_scale)
-    placement = PLACEMENTS[cfg.noise_placement]
+    placement = get_placement(cfg.noise_placement)
     return bound, placement.client_std(ins.noise_multiplier, bound, cfg.clients_per_round, ins.cohort_size)
+
+
+def noise_bound(ins: RoundInstructions, cfg: RunConfig | None = None) -> float:
+    """The norm bound of this client's vector in the round: ``C`` (``C_aug`` with adaptive clipping), from the run
+    config (`client_noise_std()`) or, without one (``dp_mod``), the server's count scale."""
+    if cfg is not None:
+        return client_noise_std(with_canaries(cfg), ins)[0]
+    return augmented_bound(ins.clip, ins.count_scale) if ins.count_scale > 0 else ins.clip
 
 
 def _count_stddev(cfg: RunConfig, ins: RoundInstructions) -> float:
@@ -317,7 +389,7 @@ def check_noise_demand(policy: NodePolicy, ins: RoundInstructions, placement: st
     if not policy.demands_noise:
         return
     rule = policy.floors[0]
-    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    private = is_private_algorithm(ins.algorithm)
     if not private:
         raise RoundRefused(
             rule, f"algorithm {ins.algorithm!r} sends the update without a bound or noise; this node's policy "
@@ -329,11 +401,7 @@ def check_noise_demand(policy: NodePolicy, ins: RoundInstructions, placement: st
             rule, f"the round's noise multiplier z = {z!r} is not a finite number > 0; this node's policy "
             f"({', '.join(policy.floors)}) never sends an un-noised update", policy=True,
         )  # fmt: skip
-    if placement not in PLACEMENTS:
-        raise RoundRefused(
-            "noise-placement", f"{placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}", policy=False
-        )
-    if not PLACEMENTS[placement].adds_client_noise and not policy.allow_server_noise:
+    if not _server_placement(placement).adds_client_noise and not policy.allow_server_noise:
         raise RoundRefused(
             "allow-server-noise",
             f"the {placement!r} placement has this client send its clean update for the server to noise; this "
@@ -365,7 +433,7 @@ def _check_policy(
             "allow-diagnostics", f"the server asks for the clean update (diagnostics), which this node never sends{why}"
         )
     check_noise_demand(policy, ins, placement)
-    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    private = is_private_algorithm(ins.algorithm)
     clip = ins.clip if private else math.inf
     if not clip <= policy.max_clip:  # also NaN
         raise refuse("max-clip", f"the round's C = {clip:g} exceeds this node's max-clip = {policy.max_clip:g}")
@@ -374,13 +442,24 @@ def _check_policy(
             "min-noise-multiplier",
             f"the round's noise multiplier z = {ins.noise_multiplier:g} is below {policy.min_noise_multiplier:g}",
         )
-    if cfg is not None and math.isfinite(policy.max_epsilon):
-        eps = _run_epsilon(ins.noise_multiplier, cfg.sampling_rate, cfg.num_rounds, cfg.delta, cfg.accountant)
-        if eps > policy.max_epsilon:
+    if cfg is not None and cfg.clients_per_node > 1 and policy.active and not policy.allow_virtual_clients:
+        raise refuse(
+            "allow-virtual-clients",
+            f"the run config's clients-per-node = {cfg.clients_per_node} has this node answer for several clients, "
+            "each update of its data separately noised; this node answers as one client unless allow-virtual-clients "
+            "= true (then each client's update is charged to its ledger)",
+        )
+    if cfg is not None and math.isfinite(policy.released_budget):
+        if cfg.noise_mechanism == "independent" and cfg.clients_per_node == 1:
+            eps = _run_epsilon(ins.noise_multiplier, cfg.sampling_rate, cfg.num_rounds, cfg.delta, cfg.accountant)
+        else:
+            eps = _plan_epsilon(cfg, ins.noise_multiplier)
+        if eps > policy.released_budget:
             raise refuse(
-                "max-epsilon",
+                policy.released_key,
                 f"the run's epsilon at delta = {cfg.delta:g} over {cfg.num_rounds} rounds of z = "
-                f"{ins.noise_multiplier:g}, q = {cfg.sampling_rate:.4g} is {eps:.4g} > {policy.max_epsilon:g}",
+                f"{ins.noise_multiplier:g}, q = {cfg.sampling_rate:.4g} ({cfg.noise_mechanism} noise, "
+                f"clients-per-node = {cfg.clients_per_node}) is {eps:.4g} > {policy.released_budget:g}",
             )
 
 
@@ -415,7 +494,7 @@ def _check_run_config(cfg: RunConfig, ins: RoundInstructions, secure_round: bool
     eta = local_lr_at(ins.server_round - 1, cfg.local_lr, cfg.lr_decay)
     if not _close(ins.local_lr, eta):
         raise refuse("local-lr", f"the server asks for eta_k = {ins.local_lr:g}, the run config gives {eta:g}")
-    bound = BOUNDS[cfg.algorithm]
+    bound = get_bound(cfg.algorithm)
     if bound.adaptive:
         low, high = cfg.clip_limits
         if not low * (1 - _RTOL) <= ins.clip <= high * (1 + _RTOL):
@@ -429,7 +508,7 @@ def _check_run_config(cfg: RunConfig, ins: RoundInstructions, secure_round: bool
             raise refuse("clip-count-stddev", f"count scale {ins.count_scale:g}; z, C_k and sigma_b give {expected:g}")
     elif ins.count_scale != 0:
         raise refuse("algorithm", f"a count scale {ins.count_scale:g} in a run without adaptive clipping")
-    if PLACEMENTS[cfg.noise_placement].clients_learn_cohort_size and not 1 <= ins.cohort_size <= cfg.num_clients:
+    if get_placement(cfg.noise_placement).clients_learn_cohort_size and not 1 <= ins.cohort_size <= cfg.num_clients:
         raise refuse(
             "num-clients", f"cohort size |S_k| = {ins.cohort_size} is outside 1..num-clients = {cfg.num_clients}"
         )
@@ -440,7 +519,7 @@ def _check_noise_multiplier(cfg: RunConfig, ins: RoundInstructions, refuse: Any)
     z = ins.noise_multiplier
     if not (math.isfinite(z) and z >= 0):
         raise refuse("noise-multiplier", f"z = {z!r} is not a number >= 0")
-    if not BOUNDS[cfg.algorithm].private:
+    if not get_bound(cfg.algorithm).private:
         if z != 0:
             raise refuse("noise-multiplier", f"z = {z:g} in a run without DP")
         return
@@ -475,20 +554,18 @@ def _public_noise_share(ins: RoundInstructions, terms: PublicTerms) -> tuple[flo
         return RoundRefused(rule, detail, policy=False)
 
     placement, clients_per_round = terms.placement, terms.clients_per_round
-    if placement not in PLACEMENTS:
-        raise refuse("noise-placement", f"{placement!r} is not one of {', '.join(map(repr, PLACEMENTS))}")
+    rule = _server_placement(placement)
     if not (math.isfinite(clients_per_round) and clients_per_round > 0):
         raise refuse("clients-per-round", f"r = {clients_per_round!r} is not a finite number > 0")
     z = ins.noise_multiplier
     if not (math.isfinite(z) and z >= 0):
         raise refuse("noise-multiplier", f"z = {z!r} is not a finite number >= 0")
-    private = BOUNDS.get(ins.algorithm) is not None and BOUNDS[ins.algorithm].private
+    private = is_private_algorithm(ins.algorithm)
     if not private and z != 0:
         raise refuse("noise-multiplier", f"z = {z:g} with algorithm {ins.algorithm!r}, which has no bound to scale it")
-    bound = augmented_bound(ins.clip, ins.count_scale) if ins.count_scale > 0 else ins.clip
+    bound = noise_bound(ins)
     if private and not (math.isfinite(bound) and bound > 0):
         raise refuse("clip", f"C = {bound!r} is not a finite number > 0")
-    rule = PLACEMENTS[placement]
     if private and z > 0 and rule.clients_learn_cohort_size and ins.cohort_size < 1:
         raise refuse("cohort-size", f"|S_k| = {ins.cohort_size} with the {placement!r} placement (needs >= 1)")
     return bound, (rule.client_std(z, bound, clients_per_round, ins.cohort_size) if private else 0.0), private
@@ -531,7 +608,7 @@ def check_round(
     _check_policy(policy, cfg, ins, secure_round, placement)
     if cfg is not None:
         _check_run_config(cfg, ins, secure_round)
-        (bound, own), private = client_noise_std(cfg, ins), BOUNDS[cfg.algorithm].private
+        (bound, own), private = client_noise_std(cfg, ins), get_bound(cfg.algorithm).private
     else:
         bound, own, private = _public_noise_share(ins, public)  # type: ignore[arg-type]
     if not _close(ins.noise_std, own):
@@ -563,3 +640,13 @@ def check_round(
     secure = policy.demands_noise or (cfg is not None and cfg.secure_noise)
     seed = SECURE_NOISE_SEED if secure else ins.noise_seed
     return dataclasses.replace(ins, noise_std=own, noise_seed=seed)
+
+
+def _server_placement(name: str) -> NoisePlacement:
+    """The noise placement a server's message names, or `RoundRefused` naming the allowed ones."""
+    try:
+        return get_placement(name)
+    except ConfigError:
+        raise RoundRefused(
+            "noise-placement", f"{name!r} is not one of {', '.join(map(repr, PLACEMENTS))}", policy=False
+        ) from None

@@ -38,6 +38,7 @@ from dpfedavg.errors import ConfigError
 __all__ = [
     "MAX_DELTA_SLACK",
     "MAX_TAU_SLACK",
+    "MIN_SECAGG_COHORT",
     "SecAggRelease",
     "SecAggSettings",
     "check_privacy_terms",
@@ -50,6 +51,11 @@ __all__ = [
 #: clipping slack ``(1 + e^eps) p`` relative to delta.
 MAX_TAU_SLACK = 1e-6
 MAX_DELTA_SLACK = 1e-3
+#: The fewest clients of a SecAgg+ round: the server skips smaller rounds, and a node refuses them (its policy's
+#: ``secagg-min-cohort`` defaults to this and cannot go below it). In a cohort of 2 each client reads the other's
+#: vector from the sum; a threshold above half of a client's shares (so that no server rebuilds both its mask
+#: seed and its key) needs 3.
+MIN_SECAGG_COHORT = 3
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ iterate, per-round statistics) and runs one round in two halves:
 * `DPServer.begin_round()`: the rules every round obeys, in one place (the stop before a round
   that would exceed ``max-epsilon``; with ``secure-noise``, the round's line of the write-ahead record
   of releases, on disk before anything of the round leaves the server, ``dpfedavg.server.releases``;
-  the secure-aggregation round with fewer than two sampled clients, whose sum would be that client's
-  update, closed at once without contacting anyone), Poisson sampling (line 3), ``w_{k~}`` by
+  the secure-aggregation round with fewer than three sampled clients, whose sum would show a client's
+  update to the other, closed at once without contacting anyone), Poisson sampling (line 3), ``w_{k~}`` by
   reservoir sampling (line 13), and what the sampled clients must do (``RoundInstructions``);
 * `DPServer.close_round()`: from the round's `RoundReplies`, sum the clients' ``g + zeta`` (in client-id
   order; or take the sum a runner formed), add the server's share of the noise (all of it for ``server``
@@ -57,7 +57,7 @@ from dpfedavg.io.checkpoint import ServerState
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.accountants import RoundEvent
 from dpfedavg.privacy.guarantee import describe_adaptive_clipping, describe_privacy
-from dpfedavg.privacy.secure_aggregation import SecAggRelease, check_privacy_terms, describe
+from dpfedavg.privacy.secure_aggregation import MIN_SECAGG_COHORT, SecAggRelease, check_privacy_terms, describe
 from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.releases import ReleaseLog
 from dpfedavg.server.round import RoundRecord, RoundReplies
@@ -412,8 +412,8 @@ class DPServer:
         self._w, self._round, self._num_sampled = w, server_round, len(clients)
         if not len(clients):
             logger.warning("Round %d: %s selected no client", server_round, self.noise_mechanism.name)
-        if self.secagg is not None and len(clients) < 2:  # a sum of one is that client's update
-            reason = f"secure aggregation needs at least 2 clients, {len(clients)} sampled"
+        if self.secagg is not None and len(clients) < MIN_SECAGG_COHORT:  # the nodes refuse it (guard.py)
+            reason = f"secure aggregation needs at least {MIN_SECAGG_COHORT} clients, {len(clients)} sampled"
             return RoundStart(clients, None, self.close_round(server_round, RoundReplies(halted=reason)))
         return RoundStart(clients, self.instructions(server_round, len(clients)))
 

@@ -1,7 +1,7 @@
 """The one round loop of every engine (Alg. 1 / Alg. 2, lines 2-13), without Flower.
 
 Each round: `DPServer.begin_round()` (the rules every round obeys: the privacy budget, the
-secure-aggregation round with fewer than two clients; Poisson sampling, ``k~``), a `ClientRunner`
+secure-aggregation round with fewer than three clients; Poisson sampling, ``k~``), a `ClientRunner`
 brings back the sampled clients' replies as one frozen `RoundReplies` (Flower messages, SecAgg+, or a
 block of clients in-process), `DPServer.close_round()` closes the round into one frozen `RoundRecord`,
 and the loop passes that record on: ``on_round_end`` (evaluation, ``metrics.csv``, checkpoint), then

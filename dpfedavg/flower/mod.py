@@ -7,7 +7,7 @@ unchanged train function into one sampled client of Alg. 1 / Alg. 2 (Das et al.,
 
 1. it hands the user's function the message as it arrived: the global model ``w_k`` in the user's
    own ``ArrayRecord`` (any keys, shapes and dtypes) and the round's ``ConfigRecord`` (the user's
-   keys, plus the round's instructions that `AppDPFedAvg` adds);
+   keys, plus the round's instructions that `DPFedAvg` adds);
 2. it takes the user's reply, checks that its arrays are the model's (same keys and shapes), and
    computes the update as the **pseudo-gradient in the arrays' own units**,
    ``u = w_k - w_new`` over all floating arrays, flattened in sorted key order

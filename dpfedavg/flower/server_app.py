@@ -15,11 +15,10 @@ from dpfedavg.flower.federation import SETTLE_S, Federation, FederationError
 from dpfedavg.flower.protocol import from_array_record, to_array_record
 from dpfedavg.flower.runtime import setup_app_process
 from dpfedavg.flower.strategy import RunStrategy
-from dpfedavg.io.results import check_output_dir
+from dpfedavg.io.results import RunResult, check_output_dir, check_run_directory
 from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.health import TrainingStopped
 from dpfedavg.server.run import prepare_run
-from dpfedavg.server.session import RunResult, check_run_directory
 from dpfedavg.tasks import resolve_task
 from dpfedavg.tasks.errors import DataUnavailableError
 

@@ -280,3 +280,27 @@ def test_noise_laws_add_what_they_account() -> None:
     assert law.name == "discrete-gaussian"
     np.testing.assert_array_equal(y, np.round(y / grid.step) * grid.step)
     assert np.all(np.abs(y) <= grid.clipping_range) and abs(np.std(y - 0.01) - 0.05) < 0.01
+
+
+def test_client_normals_are_each_clients_own_draws_on_one_reused_pool(monkeypatch) -> None:
+    """Long rows are drawn on the process's one noise pool, short rows on the caller's thread; same values."""
+    from dpfedavg.core import pipeline
+    from dpfedavg.core.seeding import noise_rng
+
+    ids = np.array([3, 17, 4, 250, 9])
+
+    def reference(dim: int) -> np.ndarray:
+        return np.stack([noise_rng(12345, int(i)).standard_normal(dim) for i in ids])
+
+    monkeypatch.setattr(pipeline, "cpu_share", lambda: 4)
+    long = pipeline.NOISE_THREAD_MIN_DIM
+    assert pipeline.noise_threads(len(ids), long) == 4 and pipeline.noise_threads(len(ids), 200) == 1
+    np.testing.assert_array_equal(pipeline.client_normals(12345, ids, long), reference(long))
+    pool = pipeline._noise_pool()
+    np.testing.assert_array_equal(pipeline.client_normals(12345, ids[::-1], long), reference(long)[::-1])
+    assert pipeline._noise_pool() is pool  # one pool for the process, never one per call
+    monkeypatch.setattr(pipeline, "_noise_pool", lambda: pytest.fail("a pool for rows of 200"))
+    np.testing.assert_array_equal(pipeline.client_normals(12345, ids, 200), reference(200))
+    monkeypatch.setattr(pipeline, "cpu_share", lambda: 1)  # a Flower app process, or one CPU
+    assert pipeline.noise_threads(len(ids), long) == 1
+    np.testing.assert_array_equal(pipeline.client_normals(12345, ids, long), reference(long))

@@ -14,7 +14,8 @@ the block crosses to the host as one array (`BlockRows.to_host()`).
 The noise is each client's own stream ``noise_rng(noise_seed, i)`` (`client_normals()`): the same
 standard normals `dpfedavg.core.noise.GaussianLaw.add()` draws for that client, added by the same function
 (`dpfedavg.core.noise.add_gaussian()`), so ``g + std * z`` here is, element for element, what the ClientApp sends. The rows are drawn on the host (numpy's
-generators) and reach the device as one array per block. A numpy ``u`` runs the same code in numpy.
+generators, their states set for the whole block at once by `dpfedavg.core.seed_rows`) and reach the device
+as one array per block. A numpy ``u`` runs the same code in numpy.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from dpfedavg.core.arrays import astype, concat, namespace, to_host
 from dpfedavg.core.local import bound_block
 from dpfedavg.core.noise import GaussianLaw, add_gaussian, round_noise_law
-from dpfedavg.core.seeding import noise_rng
+from dpfedavg.core.seed_rows import fill_noise_rows
 from dpfedavg.core.threads import cpu_share
 from dpfedavg.core.types import ClientResult, RoundInstructions
 
@@ -50,10 +51,10 @@ __all__ = [
 
 #: Threads drawing a block's noise rows, at most (and at most the process's `cpu_share()`).
 NOISE_THREADS = 4
-#: Rows at least this long are drawn on several threads. A row's cost is creating the client's generator
-#: (about 10 us, holding the GIL) plus filling it (about 9 ns per value, the GIL released): at d = 200
-#: threads only add their overhead (CPU per 100 rows: 1.08 ms on one thread, 1.37 ms with a pool created
-#: per call); from about 10^4 values the fill is 90 % of a row (docs/development/benchmarks.md).
+#: Rows at least this long are drawn on several threads. A row's cost is setting the client's generator
+#: state (a few us, holding the GIL; `dpfedavg.core.seed_rows`) plus filling it (about 9 ns per value, the
+#: GIL released): at d = 200 threads only add their overhead (CPU per 100 rows: 1.08 ms on one thread,
+#: 1.37 ms with a pool created per call); from about 10^4 values the fill is 90 % of a row.
 NOISE_THREAD_MIN_DIM = 10_000
 
 _pool: ThreadPoolExecutor | None = None
@@ -95,9 +96,8 @@ def client_normals(noise_seed: int, client_ids: Sequence[int] | np.ndarray, dim:
     """
     out = np.empty((len(client_ids), dim))
 
-    def fill(rows: range) -> None:
-        for row in rows:  # in place: the generator writes the row (the values of standard_normal(dim))
-            noise_rng(noise_seed, int(client_ids[row])).standard_normal(dim, out=out[row])
+    def fill(rows: range) -> None:  # in place: each client's generator state writes its row (seed_rows)
+        fill_noise_rows(noise_seed, client_ids, out, rows)
 
     threads = noise_threads(len(client_ids), dim)
     if threads <= 1:

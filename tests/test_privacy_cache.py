@@ -1,4 +1,4 @@
-"""The privacy cache (`dpfedavg.privacy.cache`): one parse per process, batched writes, no key lost between processes."""
+"""The privacy cache (`dpfedavg.privacy.cache`): one parse per process, batched writes, no key lost across processes."""
 
 from __future__ import annotations
 
@@ -117,7 +117,8 @@ def test_two_worker_processes_write_every_key_at_exit_and_lose_none(start: str, 
         sys.path.insert(0, {str(tmp_path)!r})
         import cache_worker
         if __name__ == "__main__":
-            workers = [multiprocessing.get_context({start!r}).Process(target=cache_worker.run, args=(j,)) for j in (1, 2)]
+            context = multiprocessing.get_context({start!r})
+            workers = [context.Process(target=cache_worker.run, args=(j,)) for j in (1, 2)]
             for w in workers:
                 w.start()
             for w in workers:

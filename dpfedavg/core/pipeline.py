@@ -13,9 +13,9 @@ the block crosses to the host as one array (`BlockRows.to_host()`).
 
 The noise is each client's own stream ``noise_rng(noise_seed, i)`` (`client_normals()`): the same
 standard normals `dpfedavg.core.noise.GaussianLaw.add()` draws for that client, added by the same function
-(`dpfedavg.core.noise.add_gaussian()`), so ``g + std * z`` here is, element for element, what the ClientApp sends. The rows are drawn on the host (numpy's
-generators, their states set for the whole block at once by `dpfedavg.core.seed_rows`) and reach the device
-as one array per block. A numpy ``u`` runs the same code in numpy.
+(`dpfedavg.core.noise.add_gaussian()`), so ``g + std * z`` here is, element for element, what the ClientApp
+sends. The rows are drawn on the host (numpy's generators, their states set for the whole block at once by
+`dpfedavg.core.seed_rows`) and reach the device as one array per block. A numpy ``u`` runs the same code in numpy.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ epsilon = 5 (PLD), as ``bench_engines.py``; the same run with ``clip`` and with 
 2. The part that differs, alone (median and min; the min is the least disturbed by other load):
    the client pipeline (``private_block_update`` on a block of r
    clients: clip, the count coordinate, the noise) and the server's close of the round
-   (``DPServer.finish_round``), interleaved ``--micro`` times; medians.
+   (``DPServer.close_round``), interleaved ``--micro`` times; medians.
 
     python benchmarks/bench_adaptive_clip.py [--clients 3000] [--rounds 12] [--repeats 4] [--micro 30]
 """
@@ -72,6 +72,7 @@ def _micro(variants: dict, repeats: int) -> dict[str, tuple[float, float]]:
     from dpfedavg.core.noise import round_noise_law
     from dpfedavg.core.types import ClientResult
     from dpfedavg.server.dp_server import DPServer
+    from dpfedavg.server.round import RoundReplies
 
     dim = 785 * 10
     out: dict[str, list[float]] = {name: [] for name in variants}
@@ -84,13 +85,13 @@ def _micro(variants: dict, repeats: int) -> dict[str, tuple[float, float]]:
     for k in range(1, repeats + 1):
         for name, server in servers.items():
             t0 = time.perf_counter()
-            clients, ins = server.begin_round(k, np.zeros(dim))
+            clients, ins, _ = server.begin_round(k, np.zeros(dim))
             m = min(len(clients), r)
             ups = private_block_update(u[:m], algorithm=ins.algorithm, clip=ins.clip, noise_std=ins.noise_std,
                                        rngs=[noise_rng(ins.noise_seed, int(c)) for c in clients[:m]],
                                        law=round_noise_law(ins), count_scale=ins.count_scale)  # fmt: skip
             res = [ClientResult(int(c), x.noisy, x.update_norm, None) for c, x in zip(clients[:m], ups, strict=True)]
-            server.finish_round(k, res)
+            server.close_round(k, RoundReplies(tuple(res)))
             out[name].append(time.perf_counter() - t0)
     return {name: (statistics.median(v), min(v)) for name, v in out.items()}
 

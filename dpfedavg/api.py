@@ -8,7 +8,7 @@ From a notebook or a script::
 
 ``task=`` takes a `Task` (for instance a `TorchTask` around
 your own ``nn.Module``) or a factory ``factory(cfg) -> Task``; without it the task ``config.task`` names
-is built. The run writes the same files as ``python -m dpfedavg.run`` and ``flwr run``
+is built. The run writes the same files as ``python -m dpfedavg`` and ``flwr run``
 (``metrics.csv``, ``config.json``, ``model.npz``, ``metrics.png`` with matplotlib) and gives the same
 trajectory for the same seed.
 

@@ -26,17 +26,18 @@ import difflib
 import functools
 import math
 import re
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dpfedavg.core.adaptive_clip import DEFAULT_CLIP_LR, DEFAULT_TARGET_QUANTILE
-from dpfedavg.core.dp import BOUNDS
-from dpfedavg.core.mechanism import PLACEMENTS
+from dpfedavg.core.dp import BOUNDS, get_bound
+from dpfedavg.core.mechanism import PLACEMENTS, get_placement
 from dpfedavg.errors import ConfigError
 from dpfedavg.privacy.accountants import ACCOUNTANTS
 from dpfedavg.privacy.calibration import MAX_NOISE_MULTIPLIER
-from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
+from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS, get_noise_mechanism
 from dpfedavg.privacy.secure_aggregation import SecAggSettings
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "Option",
     "RunConfig",
     "non_negative",
+    "parse_run_config",
     "positive",
 ]
 
@@ -180,7 +182,7 @@ class RunConfig:
 
     task: str = option("quadratic", "-", "objective and data: a registered task or a user's 'module:factory' / '/path/file.py:factory'", "a task name", lambda x: bool(x.strip()), trajectory=True)  # noqa: E501
     algorithm: str = option("norm", "-", "clip = DP-FedAvg (Alg. 1), norm = DP-NormFedAvg (Alg. 2), none = FedAvg without DP, adaptive-clip = DP-FedAvg with C_k following a quantile of the update norms (Andrew et al. 2021)", choices=tuple(BOUNDS), privacy=True)  # noqa: E501
-    num_rounds: int = option(200, "K", "communication rounds (the paper's §4.4 uses 500; 200 keeps the README's first command short)", f"an integer in [1, {MAX_ROUNDS}]", lambda x: 1 <= x <= MAX_ROUNDS)  # noqa: E501
+    num_rounds: int = option(200, "K", "communication rounds (the paper's §4.4 uses 500)", f"an integer in [1, {MAX_ROUNDS}]", lambda x: 1 <= x <= MAX_ROUNDS)  # noqa: E501
     local_steps: int = option(20, "E", "local full-batch gradient steps per round", "an integer >= 1", lambda x: x >= 1, trajectory=True)  # noqa: E501
     local_lr: float = option(0.003, "eta_0", "initial local learning rate", "a float > 0", positive, trajectory=True)
     lr_decay: float = option(1.0, "gamma", "eta_k = eta_0 * gamma^k", "a float in (0, 1]", lambda x: positive(x) and x <= 1, trajectory=True)  # noqa: E501
@@ -326,7 +328,7 @@ class RunConfig:
                 "set epsilon (z is calibrated) or noise-multiplier (fixed z, reported epsilon) — "
                 "for a fixed z pass epsilon=0"
             )
-        if self.epsilon == 0 and self.noise_multiplier is None and BOUNDS[self.algorithm].private:
+        if self.epsilon == 0 and self.noise_multiplier is None and get_bound(self.algorithm).private:
             errors.append(
                 f"'epsilon' = 0 with 'noise-multiplier' = {NOISE_MULTIPLIER_AUTO!r} and 'algorithm' = "
                 f"{self.algorithm!r}: there is no target to calibrate the noise for, so the run would train WITHOUT "
@@ -353,10 +355,11 @@ class RunConfig:
                 f"'clients-per-node' = {self.clients_per_node} exceeds 'num-clients' = {self.num_clients}: "
                 "expected 1 <= clients-per-node <= num-clients (num-clients = one SuperNode for every client)"
             )
-        participation = PLACEMENTS[self.noise_placement].participation_error(self.num_clients, self.clients_per_round)
+        placement = get_placement(self.noise_placement)
+        participation = placement.participation_error(self.num_clients, self.clients_per_round)
         if participation:
             errors.append(f"'noise-placement' = {self.noise_placement!r} {participation}")
-        mechanism_errors = NOISE_MECHANISMS[self.noise_mechanism].config_errors(self)
+        mechanism_errors = get_noise_mechanism(self.noise_mechanism).config_errors(self)
         errors.extend(mechanism_errors)
         if self.resume and not self.run_name:
             errors.append(
@@ -368,8 +371,8 @@ class RunConfig:
         if self.secure_aggregation and not mechanism_errors:
             errors.extend(
                 SecAggSettings.from_config(self).config_errors(
-                    placement=PLACEMENTS[self.noise_placement],
-                    bound=BOUNDS[self.algorithm],
+                    placement=placement,
+                    bound=get_bound(self.algorithm),
                     num_clients=self.num_clients,
                     clients_per_node=self.clients_per_node,
                     diagnostics=self.diagnostics,
@@ -471,3 +474,27 @@ def _coerce(opt: Option, value: Any) -> tuple[Any, str | None]:
     if opt.check is not None and not opt.check(value):
         return None, f"'{opt.key}' = {value!r}: expected {opt.allowed}"
     return value, None
+
+
+_PAIR = re.compile(r"""\s*([A-Za-z0-9_.-]+)\s*=\s*("[^"]*"|'[^']*'|[^\s"']+)\s*""")
+
+
+def parse_run_config(text: str) -> dict[str, Any]:
+    """``"a=1 b='x' c=true"`` -> ``{"a": 1, "b": "x", "c": True}`` (each value parsed as TOML)."""
+    out: dict[str, Any] = {}
+    pos = 0
+    while pos < len(text):
+        if not text[pos:].strip():
+            break
+        match = _PAIR.match(text, pos)
+        if match is None:
+            raise ValueError(f"cannot parse the run config at {text[pos:]!r}: expected key=value (strings in quotes)")
+        key, value = match.groups()
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(
+                f"run config {key}={value}: not a TOML value ({err}); quote strings: {key}='...'"
+            ) from None
+        pos = match.end()
+    return out

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -160,3 +162,23 @@ def dp_log(caplog):
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture(scope="session")
+def base_install(tmp_path_factory) -> Path:
+    """The Python of a venv with ``pip install -e .`` and no extras (what the README's install gives).
+
+    Made with uv (a dependency of flwr, and what ``flwr run`` uses for every run), from the same uv cache the
+    ``flwr run`` tests fill; built once per session and worker: mark its tests ``xdist_group("base-install")``
+    so they share one worker.
+    """
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+    assert uv, "uv comes with flwr"
+    venv = tmp_path_factory.mktemp("base-install") / "base"
+    subprocess.run([uv, "venv", "-q", "-p", sys.executable, str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([uv, "pip", "install", "-q", "--python", str(python), "-e", str(root)], check=True, timeout=600)
+    missing = subprocess.run([str(python), "-c", "import torch"], capture_output=True)
+    assert missing.returncode != 0  # the base install really lacks the optional packages
+    return python

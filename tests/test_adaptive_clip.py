@@ -31,6 +31,7 @@ from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.io.checkpoint import load_checkpoint
 from dpfedavg.server.dp_server import DPServer
+from dpfedavg.server.round import RoundReplies
 from dpfedavg.server.run import plan_for
 
 
@@ -103,7 +104,7 @@ def _released(placement: str, secagg: bool, rounds: int) -> tuple[np.ndarray, np
                                        rngs=[noise_rng(ins.noise_seed, i) for i in range(r)],
                                        law=round_noise_law(ins), count_scale=ins.count_scale)  # fmt: skip
         results = [ClientResult(i, up.noisy, up.update_norm, None) for i, up in enumerate(updates)]
-        w_new = server.finish_round(k, results)
+        w_new = server.close_round(k, RoundReplies(tuple(results))).w
         b.append(server.history[k].frac_unclipped)
         noise.append(-w_new * r / server.history[k].beta - clean_sum)  # w_1 = 0 - beta (sum / r)
     return np.array(b), np.concatenate(noise), server, 13

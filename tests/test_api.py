@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,7 +98,7 @@ def test_a_notebook_script_with_public_names_equals_the_command_line(tmp_path: P
     assert nb.returncode == 0, nb.stderr[-3000:]
     result = json.loads(nb.stdout.strip().splitlines()[-1])
     cli = subprocess.run(
-        [sys.executable, "-m", "dpfedavg.run", "--run-config", f"{CLI_CONFIG} output-dir='{out}'"],
+        [sys.executable, "-m", "dpfedavg", "--run-config", f"{CLI_CONFIG} output-dir='{out}'"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr[-3000:]
@@ -126,20 +125,13 @@ def test_run_takes_overrides_and_refuses_bad_ones_before_anything_is_written(tmp
 
 
 @pytest.mark.slow
-def test_the_base_install_runs_the_api_and_the_command_line(tmp_path: Path) -> None:
-    """``pip install -e .`` without extras is enough for ``run(...)`` and ``python -m dpfedavg.run``.
+@pytest.mark.xdist_group("base-install")  # with the other tests of conftest.base_install
+def test_the_base_install_runs_the_api_and_the_command_line(tmp_path: Path, base_install: Path) -> None:
+    """``pip install -e .`` without extras is enough for ``run(...)`` and ``python -m dpfedavg``.
 
-    The environment is made with uv (a dependency of flwr, and what ``flwr run`` uses for every run),
-    from the same uv cache the ``flwr run`` tests fill; the optional packages (torch, flwr-datasets) are absent.
+    The venv (`conftest.base_install`) lacks the optional packages (torch, flwr-datasets).
     """
-    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
-    assert uv, "uv comes with flwr"
-    venv = tmp_path / "base"
-    subprocess.run([uv, "venv", "-q", "-p", sys.executable, str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    subprocess.run([uv, "pip", "install", "-q", "--python", str(python), "-e", str(ROOT)], check=True, timeout=600)
-    missing = subprocess.run([str(python), "-c", "import torch"], capture_output=True)
-    assert missing.returncode != 0  # the base install really lacks the optional packages
+    python = base_install
     out = tmp_path / "outputs"
     script = (
         "import sys; from dpfedavg import RunConfig, TorchTask, run; "
@@ -148,7 +140,7 @@ def test_the_base_install_runs_the_api_and_the_command_line(tmp_path: Path) -> N
     api = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=300)
     assert api.returncode == 0 and "Traceback" not in api.stderr, api.stderr[-3000:]
     cli = subprocess.run(
-        [str(python), "-m", "dpfedavg.run", "--progress",
+        [str(python), "-m", "dpfedavg", "--progress",
          "--run-config", f"num-rounds=3 dim=20 output-dir='{out}' run-name='cli'"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -158,12 +150,13 @@ def test_the_base_install_runs_the_api_and_the_command_line(tmp_path: Path) -> N
 
 
 def test_dpfedavg_run_is_the_api_function_even_after_the_command_line_module_is_imported(tmp_path: Path) -> None:
-    """``import dpfedavg.run`` (the command line's module) binds ``dpfedavg.run`` to it; calling it still runs."""
-    import importlib
+    """The command line is ``python -m dpfedavg`` (``dpfedavg.__main__``): no submodule shadows the ``run`` function."""
+    import importlib.util
 
     import dpfedavg
 
-    importlib.import_module("dpfedavg.run")
+    importlib.import_module("dpfedavg.__main__")
+    assert importlib.util.find_spec("dpfedavg.run") is None  # one name, one meaning
     cfg = dpfedavg.RunConfig.from_run_config(
         {"num-rounds": 2, "num-clients": 4, "clients-per-round": 4.0, "dim": 5, "output-dir": str(tmp_path)}
     )

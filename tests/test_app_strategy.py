@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -357,18 +358,17 @@ def test_replies_that_are_mostly_unusable_stop_the_run_after_the_window() -> Non
             for k, b in enumerate(bad)
         }
 
-    assert health.verdict(1, rounds([4]), {}) is not None  # every reply unusable: at once
-    assert health.verdict(1, rounds([0], sampled=0), {}) is None  # nobody sampled: nothing to judge
-    assert health.verdict(1, rounds([0], sampled=4, dropped=4), {}) is None  # dropouts are not failures
-    assert health.verdict(4, rounds([3, 3, 3, 3]), {}) is None  # the window is not full yet
-    verdict = health.verdict(5, rounds([3, 3, 3, 3, 0]), {})
+    assert health.verdict(1, rounds([4])) is not None  # every reply unusable: at once
+    assert health.verdict(1, rounds([0], sampled=0)) is None  # nobody sampled: nothing to judge
+    assert health.verdict(1, rounds([0], sampled=4, dropped=4)) is None  # dropouts are not failures
+    assert health.verdict(4, rounds([3, 3, 3, 3])) is None  # the window is not full yet
+    verdict = health.verdict(5, rounds([3, 3, 3, 3, 0]))
     assert verdict is not None and "12 of 20" in verdict and "commonest reason (12 of 12)" in verdict
     assert "dp_mod" in verdict
-    assert health.verdict(5, rounds([2, 2, 2, 2, 2]), {}) is None  # exactly half: tolerated
-    mixed = rounds([1])
-    mixed[1].num_failed = 3  # 1 rejected + 3 failed of 4: the failures' reason is the commonest
-    failures = {1: ["dp_mod: local training diverged: the returned arrays have NaN/Inf"] * 3}
-    verdict = health.verdict(1, mixed, failures)
+    assert health.verdict(5, rounds([2, 2, 2, 2, 2])) is None  # exactly half: tolerated
+    failures = ["dp_mod: local training diverged: the returned arrays have NaN/Inf"] * 3
+    mixed = {1: replace(rounds([1])[1], num_failed=3, failed_reasons=failures)}  # 1 rejected + 3 failed of 4
+    verdict = health.verdict(1, mixed)  # the failures' reason is the commonest
     assert "commonest reason (3 of 4)" in verdict and "lower the ClientApp's learning rate" in verdict
 
 
@@ -507,7 +507,7 @@ def test_dp_mod_inside_secaggplus_mod_gives_the_server_the_exact_sum_only() -> N
     assert stats.num_received == stats.num_sampled >= 2
     # replay round 1: the same server opens the same round; each sampled node's dp_mod on the plain message
     layout = ArrayLayout.of(initial_arrays())
-    replay = DPServer(strategy.cfg, layout.dim, plan=strategy.plan)
+    replay = DPServer(strategy.cfg, layout.dim, setup=strategy.server.setup)
     opened = replay.begin_round(1, layout.flatten(initial_arrays()))
     nodes = sorted(spy.get_node_ids())
     config = instructions_to_config_record(opened.instructions)

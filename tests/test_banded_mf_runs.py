@@ -20,11 +20,12 @@ from scipy.stats import norm
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.flower import server_app
+from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.protocol import CLIENT_IDS, CONFIG, to_array_record
-from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.io.checkpoint import load_checkpoint
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.run import plan_for
 
 BANDED = {"noise-mechanism": "banded-mf", "noise-placement": "server"}
@@ -157,7 +158,7 @@ def test_min_separation_asks_only_connected_rested_clients(tmp_path: Path) -> No
 def test_a_reply_from_outside_the_cohort_is_rejected(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "rogue", **BANDED)
     grid = InProcessGrid(client_app, 12, cfg.to_run_config(), shuffle_replies=False)
-    strategy = DPFedAvg(cfg, 12, plan=plan_for(cfg))
+    strategy = DPFedAvg(cfg, 12, setup=PrivacySetup.resolve(cfg))
     w0 = np.zeros(12)
     messages = list(strategy.configure_train(1, to_array_record(w0), ConfigRecord(), grid))
     cohort = {strategy.federation.partition_of_node[m.metadata.dst_node_id] for m in messages}

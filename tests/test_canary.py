@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 import pytest
+from legacy_placement import StdForVariance
 from log_records import package_records
 from scipy import integrate, stats
 
@@ -19,7 +20,6 @@ from dpfedavg.privacy.canary import (
     CanaryScores,
     CanarySet,
     GaussianFit,
-    StdForVariance,
     epsilon_two_gaussians,
     gaussian_fit_band,
     gaussian_fit_epsilon,
@@ -315,12 +315,13 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
 
     from dpfedavg.config import RunConfig
     from dpfedavg.io.results import read_metrics
-    from dpfedavg.run import main, parse_run_config
+    from dpfedavg.__main__ import main
+    from dpfedavg.config import parse_run_config
 
     blocks = page_blocks(ROOT / "docs/privacy/auditing-a-run.md")
     (block,) = [b for b in blocks if b.kind == "run-by"]
     argv = shlex.split(block.source.strip())
-    assert argv[:3] == ["python", "-m", "dpfedavg.run"]
+    assert argv[:3] == ["python", "-m", "dpfedavg"]
     monkeypatch.chdir(tmp_path)
     with package_records(logging.INFO) as records:
         assert main(argv[3:]) == 0
@@ -357,7 +358,7 @@ def test_audit_of_a_correct_run_is_consistent_with_the_accountant(tmp_path, monk
 def test_audit_flags_a_broken_mechanism_in_the_same_run(tmp_path, monkeypatch):
     """Clients add std zC/|S_k| instead of zC/sqrt(|S_k|): the accountant still reports epsilon = 1; in the same
     run the one-run lower bound (95% confidence) is above it (by 25%) and both estimates above 5 epsilon."""
-    from dpfedavg.api import run  # not dpfedavg.run: importing the CLI module dpfedavg.run shadows it
+    from dpfedavg import run
     from dpfedavg.core import mechanism
 
     base = mechanism.PLACEMENTS["client-calibrated"]
@@ -403,13 +404,13 @@ class _UntouchableGrid:
 
 
 def test_secure_aggregation_with_canaries_is_one_error_before_start_up(tmp_path, dpfedavg_log, capsys):
-    """flwr run's ServerApp and python -m dpfedavg.run: one error naming both keys and SecAgg+'s discrete noise as the
+    """flwr run's ServerApp and python -m dpfedavg: one error naming both keys and SecAgg+'s discrete noise as the
     reason, the grid never touched, nothing written."""
     from flwr.app import Context, RecordDict
 
     from dpfedavg.config import RunConfig
     from dpfedavg.flower import server_app
-    from dpfedavg.run import main
+    from dpfedavg.__main__ import main
 
     values = {"secure-aggregation": True, "noise-placement": "client-calibrated", "canary-clients": 10}
     run_config = RunConfig(output_dir=str(tmp_path)).to_run_config() | values
@@ -435,10 +436,12 @@ def test_flower_engine_refuses_canaries_before_any_start_up(tmp_path):
 
 
 def test_canaries_leave_q_z_and_epsilon_unchanged(tmp_path):
-    from dpfedavg.server.run import canary_federation, plan_for
+    from dpfedavg.privacy.setup import FederationSize
+    from dpfedavg.server.run import plan_for
 
     cfg = _run_cfg(tmp_path, num_clients=100, clients_per_round=10.0)
-    fed = canary_federation(cfg, 37)
+    n, r = FederationSize(cfg.num_clients, cfg.clients_per_round, 37).sampled
+    fed = cfg.replace(num_clients=n, clients_per_round=r)
     assert (fed.num_clients, fed.clients_per_round) == (137, pytest.approx(13.7))
     assert fed.sampling_rate == pytest.approx(cfg.sampling_rate, rel=1e-15)
     assert plan_for(fed).noise_multiplier == pytest.approx(plan_for(cfg).noise_multiplier, rel=1e-9)

@@ -132,7 +132,7 @@ def test_user_error_through_the_server_app_is_one_error_line(values: dict, tmp_p
 @pytest.mark.timeout(120)
 def test_user_error_through_the_cli_is_one_line_and_exit_2(tmp_path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "dpfedavg.run", "--run-config",
+        [sys.executable, "-m", "dpfedavg", "--run-config",
          f"epsilon=0.01 num-rounds=100000 clients-per-round=50.0 output-dir='{tmp_path}'"],
         capture_output=True, text=True, timeout=110, check=False,
     )  # fmt: skip

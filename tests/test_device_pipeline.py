@@ -1,7 +1,7 @@
 """The batched engine's device pipeline (issue 37): local steps, bound, noise and sum on the task's device.
 
 The device round (`dpfedavg.engines.batched.device_round_sums()`) is checked against the client-by-client
-path every other engine takes (`client_results()` -> `round_block_update()` -> `DPServer.finish_round()`):
+path every other engine takes (`client_results()` -> `round_block_update()` -> `DPServer.close_round()`):
 the same trajectory to 1e-12 (float64; the sums are formed per block instead of client by client, so they
 agree to the rounding of a sum). And a round must not copy a block or a client's vector to the host: a
 `torch.overrides.TorchFunctionMode` records every call that moves data off the device.
@@ -107,11 +107,11 @@ def test_a_round_copies_no_block_and_no_client_to_the_host(tmp_path: Path, monke
     rounds: dict[int, list[list[tuple[int, ...]]]] = {}
     run_round = InProcessRunner.run_round
 
-    def watched(self, server, server_round, clients, w, ins):
+    def watched(self, server_round, clients, w, ins):
         with _HostCopies() as mode:
-            w_new = run_round(self, server, server_round, clients, w, ins)
+            replies = run_round(self, server_round, clients, w, ins)
         rounds.setdefault(block_elements, []).append(mode.shapes)
-        return w_new
+        return replies
 
     monkeypatch.setattr(InProcessRunner, "run_round", watched)
     for block_elements in (NUM_CLIENTS * DIM, 3 * DIM):  # one block a round; blocks of 3 clients

@@ -11,7 +11,8 @@ Blocks are found with Sybil's Markdown lexer (``tests/doc_blocks.py``), one test
 * ``.no-test reason="..."``: a reason is given, and what can be checked without running is: every
   ``flwr run`` carries its ``--federation-config`` (unless it names a SuperLink connection), with
   ``num-supernodes`` = ceil(num-clients / clients-per-node), and a run config that validates and
-  whose privacy plan holds; every ``python -m dpfedavg.run`` run config validates; every
+  whose privacy plan holds; every ``python -m dpfedavg`` run config validates; every
+  ``python -m dpfedavg.check`` line passes (its app ``.`` is the clone); every
   ``run_sim.py`` line parses; ``runs="N"`` is the sweep's number of runs (computed, not run), and
   the page says ``N runs``.
 
@@ -184,12 +185,28 @@ def _check_flwr_run(argv: list[str], where: str) -> None:
     )
 
 
-def _check_statically(block: Block, monkeypatch, tmp_path: Path) -> None:
+def _check_check_line(argv: list[str], where: str, monkeypatch, capsys) -> None:
+    """A ``python -m dpfedavg.check`` line passes its own check: the app ``.`` / ``"$DPFEDAVG"`` is this clone; a
+    user's ``module:factory`` task, which lives on the reader's machine, is not imported."""
+    import dpfedavg.tasks
+    from dpfedavg.check import main
+
+    args = [str(ROOT) if a in (".", "$DPFEDAVG") else a for a in argv[3:]]
+    real = dpfedavg.tasks.resolve_task
+    monkeypatch.setattr(dpfedavg.tasks, "resolve_task", lambda spec: None if ":" in spec else real(spec))
+    code = main(args)
+    out, err = capsys.readouterr()
+    assert code == 0, f"{where}: {' '.join(argv)}: {err}"
+
+
+def _check_statically(block: Block, monkeypatch, tmp_path: Path, capsys) -> None:
     counts = []
     for argv in commands(block):
         if argv[:2] == ["flwr", "run"]:
             _check_flwr_run(argv, block.where)
-        elif argv[:3] == ["python", "-m", "dpfedavg.run"]:
+        elif argv[:3] == ["python", "-m", "dpfedavg.check"]:
+            _check_check_line(argv, block.where, monkeypatch, capsys)
+        elif argv[:3] == ["python", "-m", "dpfedavg"]:
             _validate_run_config(_option(argv, "--run-config") or "", block.where)
         elif argv[:2] == ["python", "run_sim.py"]:
             runs = _run_sim_line(argv[2:], monkeypatch, tmp_path)
@@ -202,7 +219,7 @@ def _check_statically(block: Block, monkeypatch, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=_id)
-def test_doc_block(block: Block, page_dirs, monkeypatch, tmp_path) -> None:
+def test_doc_block(block: Block, page_dirs, monkeypatch, tmp_path, capsys) -> None:
     is_readme_contract = block.page == "README.md" and block is next(b for b in BLOCKS if b.page == "README.md")
     if block.kind == "run-by":
         test = block.attrs.get("test", "")
@@ -213,7 +230,7 @@ def test_doc_block(block: Block, page_dirs, monkeypatch, tmp_path) -> None:
     elif block.kind == "no-test" or is_readme_contract:
         assert is_readme_contract or block.attrs.get("reason", "").strip(), f"{block.where}: no-test without a reason"
         if block.is_shell:
-            _check_statically(block, monkeypatch, tmp_path)
+            _check_statically(block, monkeypatch, tmp_path, capsys)
     elif block.is_shell:
         _run_bash(block, page_dirs(block.page)[0])
     else:
@@ -231,7 +248,7 @@ def test_every_block_says_how_it_is_tested() -> None:
     assert bad == []
 
 
-def test_the_static_checks_catch_stale_commands(monkeypatch, tmp_path) -> None:
+def test_the_static_checks_catch_stale_commands(monkeypatch, tmp_path, capsys) -> None:
     """An unknown key, a missing federation config, a wrong SuperNode count, a bad run_sim flag,
     a stated run count that is wrong: each fails."""
 
@@ -246,8 +263,12 @@ def test_the_static_checks_catch_stale_commands(monkeypatch, tmp_path) -> None:
         block(f"flwr run . --stream {fed} --run-config \"algorithm='adaptive-clip' clip-count-stddev=0.1\""),
         block("python run_sim.py synthetic --no-such-flag"),
         block("python run_sim.py synthetic --algorithms clip norm", runs="107"),
+        block('python -m dpfedavg.check . --federation-config "num-supernodes=7" --run-config "num-clients=10"'),
+        block('python -m dpfedavg.check . --run-config "num-round=3"'),
     ]
     for b in bad:
         with pytest.raises(AssertionError):
-            _check_statically(b, monkeypatch, tmp_path)
-    _check_statically(block(f'flwr run . --stream {fed} --run-config "num-rounds=3"'), monkeypatch, tmp_path)
+            _check_statically(b, monkeypatch, tmp_path, capsys)
+    _check_statically(block(f'flwr run . --stream {fed} --run-config "num-rounds=3"'), monkeypatch, tmp_path, capsys)
+    good_check = block(f'python -m dpfedavg.check . {fed} --run-config "num-rounds=3"')
+    _check_statically(good_check, monkeypatch, tmp_path, capsys)

@@ -20,6 +20,7 @@ The blocks of every page are run or checked by ``tests/test_doc_blocks.py``.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import re
 import shutil
 import subprocess
@@ -106,6 +107,23 @@ def test_mkdocs_build_strict(site: Path) -> None:
     page = (site / "reference" / "configuration" / "index.html").read_text()
     for opt in OPTIONS:
         assert f'id="{opt.key}"' in page, opt.key
+
+
+def test_the_site_renders_math_and_diagrams(site: Path) -> None:
+    """Formulas reach MathJax as arithmatex spans (inline and display), MathJax and its configuration are
+    loaded, and the Mermaid fences become diagrams the theme draws: at least four (a round, who sees what, a
+    deployment's hosts and keys, the node's checks)."""
+    round_page = (site / "explanation" / "one-round" / "index.html").read_text()
+    assert '<span class="arithmatex">' in round_page and '<div class="arithmatex">' in round_page
+    assert "assets/mathjax.js" in round_page and "mathjax@3" in round_page
+    diagrams = {
+        page.relative_to(site).as_posix(): page.read_text().count('<pre class="mermaid">')
+        for page in site.rglob("*.html")
+    }
+    assert sum(diagrams.values()) >= 4, diagrams
+    for page in ("explanation/one-round/index.html", "privacy/index.html", "how-to/deploy/index.html"):
+        assert diagrams[page] >= 1, page
+    assert "```mermaid" not in "".join(p.read_text() for p in site.rglob("*.html"))
 
 
 class _Text(HTMLParser):
@@ -213,6 +231,22 @@ def test_the_configuration_reference_is_generated_from_the_options() -> None:
     assert table.count("\n") == len(OPTIONS) + 1  # header, rule, one row per key
 
 
+def test_the_configuration_keys_are_grouped_each_key_once() -> None:
+    hook = _hook()
+    groups = hook.option_groups()
+    assert [title for title, _, _ in groups][:5] == ["Training", "Privacy", "Federation", "Output", "Deployment"]
+    keys = [opt.key for _, _, options in groups for opt in options]
+    assert sorted(keys) == sorted(opt.key for opt in OPTIONS) and len(keys) == len(set(keys))
+    page = hook.options_tables()
+    assert [line for line in page.splitlines() if line.startswith("### ")] == [f"### {t}" for t, _, _ in groups]
+    assert page.count("| key | default | meaning |") == len(groups)
+    assert "docs: " not in page and "README" not in page  # pointers are links, no notes for maintainers
+    with pytest.raises(ValueError, match="in no group"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(hook, "OPTION_GROUPS", hook.OPTION_GROUPS[1:])
+            hook.option_groups()
+
+
 def test_an_unknown_generated_part_fails_the_build() -> None:
     with pytest.raises(ValueError, match="unknown generated part"):
         _hook().expand("text\n<!-- generated: no-such-part -->\n")
@@ -240,7 +274,7 @@ def test_every_command_has_a_section_on_the_command_line_page() -> None:
     assert "<!-- generated: help" not in page  # no raw --help dumps
 
 
-@pytest.mark.parametrize("command", [("dpfedavg.run",), ("run_sim.py", "table1"), ("dpfedavg.deploy", "supernode")])
+@pytest.mark.parametrize("command", [("dpfedavg",), ("run_sim.py", "table1"), ("dpfedavg.deploy", "supernode")])
 def test_the_flags_table_lists_every_flag_of_the_parser(command: tuple[str, ...]) -> None:
     hook = _hook()
     table = hook.cli_reference(*command)
@@ -279,6 +313,27 @@ def test_the_performance_numbers_are_the_measurement_logs() -> None:
         values += [v for row in m.rows for cell in row for v in re.findall(r"\d+\.\d+x?", cell)]
         assert [v for v in values if v not in sections] == [], name
         assert "<svg" in performance.generate(name)
+
+
+# ------------------------------------------------------------------ long pages start with a summary
+#: Pages that are not guides: the reference, the logs, and the architecture page (drawn by its own maintainers).
+NOT_GUIDES = ("reference/", "development/", "results/", "changelog.md", "architecture.md")
+
+
+def _prose_words(text: str) -> int:
+    return len(re.sub(r"^```.*?^```", "", text, flags=re.M | re.S).split())
+
+
+@pytest.mark.parametrize("path", sorted(DOCS.rglob("*.md")), ids=lambda p: p.relative_to(DOCS).as_posix())
+def test_every_long_guide_page_starts_with_a_summary_of_at_most_five_lines(path: Path) -> None:
+    rel = path.relative_to(DOCS).as_posix()
+    text = path.read_text()
+    if rel.startswith(NOT_GUIDES) or _prose_words(text) <= 800:
+        return
+    lines = text.splitlines()
+    assert lines[0].startswith("# ") and lines[2] == '!!! abstract "In short"', f"{rel}: no summary under the title"
+    body = list(itertools.takewhile(lambda line: line.startswith("    "), lines[3:]))
+    assert 1 <= len(body) <= 5, f"{rel}: the summary has {len(body)} lines"
 
 
 # ------------------------------------------------------------------ user pages speak to users

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 import urllib.request
 import zipfile
@@ -330,7 +331,15 @@ def test_the_package_is_ready_to_publish(dpfedavg_dist: Path) -> None:
     assert check.returncode == 0, check.stdout + check.stderr
     with zipfile.ZipFile(out / built[0]) as wheel:
         metadata = wheel.read(f"dpfedavg-{version}.dist-info/METADATA").decode()
+        generator = wheel.read(f"dpfedavg-{version}.dist-info/WHEEL").decode()
         names = wheel.namelist()
+    # the build backend is not capped: uv built it with the newest hatchling the index has, which by default writes
+    # Metadata-Version 2.5 (twine 6 with the packaging < 26 that flwr pins cannot read it); pyproject asks for 2.4
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"] == ["hatchling>=1.27"]
+    assert metadata.startswith("Metadata-Version: 2.4\n") and "Generator: hatchling " in generator
+    with tarfile.open(out / built[1]) as sdist:
+        pkg_info = sdist.extractfile(f"dpfedavg-{version}/PKG-INFO").read().decode()
+    assert pkg_info.startswith("Metadata-Version: 2.4\n")
     for field in ("Summary", "License-Expression", "Requires-Python", "Author", "Keywords"):
         assert f"\n{field}: " in metadata, field
     assert metadata.count("\nClassifier: ") == len(project["classifiers"]) >= 8

@@ -194,12 +194,33 @@ def test_supernode_hook_answers_an_unapproved_fab_with_an_error_and_never_stores
     assert "version '0.9'" in deliver(fab_bytes, version="0.9")
     assert len(stored) == 1  # Flower never got (so never stored nor ran) any of them
     # the folder the ClientApp would install into and load from already holds other files
+    from flwr.cli.install import install_from_fab
+
     folder = get_project_dir("dpfedavg/numpyexample", "1.0.0", sha)
-    shutil.copytree(app, folder)
-    assert deliver(fab_bytes) is None and len(stored) == 2  # the same files (as Flower installs them): fine
-    (folder / "numpyexample" / "client_app.py").write_text("import os\n")
-    assert f"{folder} already holds another app" in deliver(fab_bytes)
-    assert len(stored) == 2
+    assert install_from_fab(fab_bytes, None, skip_prompt=True) == folder  # as Flower installs it
+    cache = folder / "numpyexample" / "__pycache__"
+    cache.mkdir()
+    (cache / "client_app.cpython-311.pyc").write_bytes(b"planted")  # Python's cache: removed, rewritten from source
+    assert deliver(fab_bytes) is None and len(stored) == 2  # the same files: fine
+    assert not cache.exists()
+    planted = {  # each is imported before (or instead of) the approved client_app.py
+        "numpyexample/client_app.cpython-311-x86_64-linux-gnu.so": "files not in the FAB: ",
+        "numpyexample/client_app.pyc": "files not in the FAB: ",
+        "numpyexample/client_app.py": "changed: ",
+    }
+    for name, why in planted.items():
+        original = (folder / name).read_bytes() if (folder / name).exists() else None
+        (folder / name).write_bytes(b"import os\n")
+        reason = deliver(fab_bytes)
+        assert f"{folder} already holds another app" in reason and f"{why}{name}" in reason, reason
+        if original is None:
+            (folder / name).unlink()
+        else:
+            (folder / name).write_bytes(original)
+    (folder / "numpyexample" / "link.py").symlink_to(folder / "pyproject.toml")
+    assert "symbolic link numpyexample/link.py" in deliver(fab_bytes)
+    (folder / "numpyexample" / "link.py").unlink()
+    assert deliver(fab_bytes) is None and len(stored) == 3
 
 
 def test_supernode_hook_fails_closed_on_an_unknown_flower(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ from dpfedavg.config import RunConfig  # noqa: E402
 from dpfedavg.core import seeding  # noqa: E402
 from dpfedavg.engines import batched  # noqa: E402
 from dpfedavg.flower import client_app  # noqa: E402
+from dpfedavg.flower.app_strategy import DPFedAvg  # noqa: E402
 from dpfedavg.flower.protocol import (  # noqa: E402
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -39,7 +40,6 @@ from dpfedavg.flower.protocol import (  # noqa: E402
     instructions_from_config_record,
     to_array_record,
 )
-from dpfedavg.flower.strategy import DPFedAvg  # noqa: E402
 from dpfedavg.flower.testing import InProcessGrid  # noqa: E402
 from dpfedavg.tasks.torch_task import TorchTask  # noqa: E402
 

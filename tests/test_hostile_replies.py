@@ -245,14 +245,17 @@ def test_secure_sum_one_client_could_not_have_produced_is_skipped(tmp_path: Path
     """Under SecAgg+ the server sees only the sum: a sum no N honest clients can produce (norm beyond
     N C + s sqrt(N) (sqrt(d) + t)) skips the round (noise only), with the reason in the log."""
     from dpfedavg.flower.secure_aggregation import SecureSum
-    from dpfedavg.flower.strategy import DPFedAvg
+    from dpfedavg.flower.app_strategy import DPFedAvg
+    from dpfedavg.flower.strategy import FlowerRunner
 
     cfg = _cfg(tmp_path, **{"secure-aggregation": True, "epsilon": 0.0, "noise-multiplier": 1.0})
     strategy = DPFedAvg(cfg, dim=DIM)
     start = strategy.server.begin_round(1, np.zeros(DIM))
-    strategy._sampled = {i: [int(c)] for i, c in enumerate(start.clients)}
-    poisoned = SecureSum(np.full(DIM, 1e6), contributors=list(strategy._sampled))
-    arrays, _ = strategy._aggregate_secure(1, poisoned)
-    assert strategy.history[1].skipped == 1
+    runner = FlowerRunner(strategy, strategy.edge, None, ConfigRecord(), 1.0)  # type: ignore[arg-type]
+    runner.sampled = {i: [int(c)] for i, c in enumerate(start.clients)}
+    runner.num_sampled = len(start.clients)
+    poisoned = SecureSum(np.full(DIM, 1e6), contributors=list(runner.sampled))
+    record = strategy.server.close_round(1, runner.secure_replies(1, poisoned))
+    assert strategy.history[1].skipped == 1 and record.stats.skipped == 1
     assert "implausible" in " ".join(r.getMessage() for r in dpfedavg_log)
-    assert np.abs(arrays["w"].numpy()).max() < 10
+    assert np.abs(record.w).max() < 10

@@ -246,7 +246,10 @@ def test_the_guide_runs_across_four_hosts(hosts: Hosts, tmp_path: Path) -> None:
         """A SuperNode with a key nobody registered, beside a run whose C = 1000 breaks the nodes' max-clip = 100."""
         intruder = as_script(client_blocks[0], client=1, server=server, clients=clients)
         intruder = intruder.replace("keys/supernode_$I", "keys/intruder").replace("$((9094 + I))", "9099")
-        assert "keys/intruder" in intruder
+        # the SuperLink refuses it with Flower's 305, which the supervisor retries (a restarted node's SuperLink may
+        # still hold its dead process): no retry here, so it exits with Flower's status
+        intruder = intruder.replace("dpfedavg.deploy supernode ", "dpfedavg.deploy supernode --activation-timeout 0 ")
+        assert "keys/intruder" in intruder and "--activation-timeout 0" in intruder
         intruder = "python -m dpfedavg.deploy supernode-key ~/dpfedavg-creds/keys/intruder\n" + intruder
         bg.start("intruder", intruder, tmp_path / "client-1" / "shell", env("client-1"), net.prefix("client-1"))
         run = re.sub(r"run-name='[^']+'", "run-name='refused'", run_block)

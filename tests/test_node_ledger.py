@@ -110,7 +110,6 @@ def _restart() -> None:
     guard_module._policy.cache_clear()
     client_app_module._config.cache_clear()
     policy_module._run_epsilon.cache_clear()
-    ledger_module._epsilon.cache_clear()
 
 
 def _numbers(reason: str) -> dict[str, float]:
@@ -222,26 +221,141 @@ def test_a_restarted_node_keeps_its_spent_budget(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------ the file
-@pytest.mark.parametrize("damage", ["garbage", "entry-removed", "not-a-ledger"])
+DAMAGES = ["garbage", "entry-changed", "entry-removed", "last-entry-removed", "cut-short", "not-a-ledger"]
+
+
+def _damage(path: Path, damage: str) -> None:
+    """Edit the ledger as a careless hand (or a failing disk) would; the file keeps its other bytes."""
+    header, *lines = path.read_bytes().splitlines(keepends=True)
+    if damage == "garbage":
+        lines[2] = b"{not json\n"
+    elif damage == "entry-changed":  # a valid line with a lower z: the chain no longer matches
+        item = json.loads(lines[2])
+        item["entry"]["noise_multiplier"] = 100.0
+        lines[2] = (json.dumps(item) + "\n").encode()
+    elif damage == "entry-removed":
+        del lines[2]
+    elif damage == "last-entry-removed":  # the chain of what is left is valid: only the state knows
+        del lines[-1]
+    elif damage == "cut-short":
+        lines[-1] = lines[-1][:-40]
+    else:
+        header, lines = json.dumps({"entries": []}).encode(), []
+    path.write_bytes(header + b"".join(lines))
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_corrupt_ledger_is_one_clear_error_never_an_empty_ledger(tmp_path, damage: str) -> None:
     cfg = _cfg(EXACT_RUNS)
     path = tmp_path / "ledger.json"
     node = Node({"privacy-ledger": str(path)})
     assert _answered(node.run(cfg, 1))
-    data = json.loads(path.read_text())
-    if damage == "garbage":
-        path.write_bytes(path.read_bytes()[:-40])
-    elif damage == "entry-removed":
-        data["entries"].pop()
-        path.write_text(json.dumps(data))
-    else:
-        path.write_text(json.dumps({"entries": []}))
+    _damage(path, damage)
     damaged = path.read_bytes()
     reply = node.send(cfg, 2, 1)
     assert reply.has_error()
-    expected = {"garbage": "is corrupt", "entry-removed": "was edited", "not-a-ledger": "is not a"}[damage]
+    expected = {"garbage": "is corrupt", "not-a-ledger": "is not a"}.get(damage, "was edited")
     assert f"privacy-ledger {path} {expected}" in reply.error.reason
     assert path.read_bytes() == damaged  # left as it was, not reset
+    if damage in ("last-entry-removed", "cut-short"):
+        assert "this node had recorded 5" in reply.error.reason
+
+
+def test_the_state_is_a_cache_the_file_alone_gives_the_same_budget(tmp_path) -> None:
+    """Deleted, or garbage, ``<ledger>.state`` is rebuilt from the file: the same spent epsilon, to the bit."""
+    path = tmp_path / "ledger.json"
+    node = Node({"privacy-ledger": str(path)})
+    for run_id in (1, 2):
+        assert _answered(node.run(_cfg(SAMPLED_RUN), run_id))
+    policy = NodePolicy(max_epsilon_delta=1e-5)
+    spent = NodeLedger(path).spent(policy)
+    state = path.with_name(path.name + ".state")
+    assert state.exists()
+    for damage in ("delete", "garbage"):
+        for suffix in ("", "-wal", "-shm"):
+            state.with_name(state.name + suffix).unlink(missing_ok=True)
+        if damage == "garbage":
+            state.write_bytes(b"not a database" * 100)
+        assert NodeLedger(path).spent(policy) == spent
+
+
+def _v1_ledger(path: Path, releases: list[Release]) -> None:
+    """A ledger as the format-1 code wrote it: one JSON object, a SHA-256 of all entries."""
+    entries = [r.to_json() for r in releases]
+    digest = ledger_module._checksum(entries)
+    data = {"format": "dpfedavg-node-privacy-ledger/1", "entries": entries, "sha256": digest}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def test_a_format_1_ledger_is_read_and_converted_by_its_next_release(tmp_path) -> None:
+    cfg = _cfg(SAMPLED_RUN)
+    new = tmp_path / "new.json"
+    node = Node({"privacy-ledger": str(new)})
+    assert _answered(node.run(cfg, 1))
+    releases = NodeLedger(new).read()
+    old = tmp_path / "old.json"
+    _v1_ledger(old, releases)
+    policy = NodePolicy(max_epsilon_delta=1e-5)
+    assert NodeLedger(old).read() == releases
+    assert NodeLedger(old).spent(policy) == NodeLedger(new).spent(policy)
+    assert json.loads(old.read_text().splitlines()[0]) == {"format": "dpfedavg-node-privacy-ledger/2"}  # converted
+    for path in (old, new):
+        assert _answered([Node({"privacy-ledger": str(path)}).send(cfg, 2, 1)])
+    assert NodeLedger(old).spent(policy) == NodeLedger(new).spent(policy)
+    assert len(NodeLedger(old).read()) == len(releases) + 1
+    edited = tmp_path / "edited.json"
+    _v1_ledger(edited, releases)
+    edited.write_text(edited.read_text().replace('"noise_multiplier": 1.0', '"noise_multiplier": 9.0', 1))
+    with pytest.raises(ledger_module.LedgerError, match="was edited: its checksum"):
+        NodeLedger(edited).read()
+
+
+def test_the_running_composition_equals_dp_accountings_from_scratch(tmp_path) -> None:
+    """Runs of varying q and z, redone rounds and dp_mod releases, charged one by one into the running composition
+    (a new ClientApp process each time: no process-level cache): the node's epsilon equals dp-accounting's
+    PLDAccountant composing the same charges from scratch (a plan is K self-composed sampled Gaussians)."""
+    import dp_accounting
+
+    path = tmp_path / "ledger.json"
+    policy = NodePolicy(max_epsilon_delta=1e-5)
+    plans = [(1, 0.5, 1.0, 5), (2, 0.25, 1.5, 8), (3, 0.5, 1.0, 5), (4, 1.0, 3.0, 4)]
+    expected = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+    ledger = NodeLedger(path)
+
+    def release(run_id: int, k: int, q: float | None, z: float, rounds: int | None) -> Release:
+        return Release(run_id, k, "train", "poisson-sampled-gaussian" if q else "gaussian", z, q, rounds,
+                       1e-5 if q else None, 1.0, None, z, "2026-11-28T00:00:00+00:00")  # fmt: skip
+
+    def gaussian(q: float, z: float) -> dp_accounting.DpEvent:
+        event = dp_accounting.GaussianDpEvent(z)
+        return event if q == 1.0 else dp_accounting.PoissonSampledDpEvent(q, event)
+
+    for run_id, q, z, rounds in plans:
+        for k in (1, 2):
+            ledger.charge(release(run_id, k, q, z, rounds), policy)
+        expected.compose(dp_accounting.SelfComposedDpEvent(gaussian(q, z), rounds))
+    ledger.charge(release(2, 1, 0.25, 1.5, 8), policy)  # round 1 of run 2 again: one more round
+    expected.compose(gaussian(0.25, 1.5))
+    ledger.charge(release(9, 1, None, 4.0, None), policy)  # dp_mod: one unamplified Gaussian
+    expected.compose(dp_accounting.GaussianDpEvent(4.0))
+    spent = NodeLedger(path).spent(policy)
+    assert spent == pytest.approx(expected.get_epsilon(1e-5), rel=1e-9)
+    ledger_module._State.remove(ledger.state_path)  # and composing the file from scratch gives it again
+    assert NodeLedger(path).spent(policy) == pytest.approx(spent, rel=1e-12)
+
+
+def test_a_run_declaring_a_tiny_delta_does_not_move_the_nodes_reading_delta(tmp_path) -> None:
+    """Issue 46: one cheap run at delta = 1e-12 moved the delta every later run is read at (spent 4.31 -> 6.42).
+    The node's budget is read at its own delta (10^-6 without max-epsilon-delta): exactly the Gaussian's."""
+    path = tmp_path / "ledger.json"
+    node = Node({"max-epsilon": 100.0, "privacy-ledger": str(path)})
+    assert _answered(node.run(_cfg(EXACT_RUNS), 1))
+    before = NodeLedger(path).spent(NodePolicy())
+    assert _answered(node.run(_cfg({**EXACT_RUNS, "delta": 1e-12, "noise-multiplier": 50.0}), 2))
+    after = NodeLedger(path).spent(NodePolicy())
+    exact = gaussian_epsilon(1 / math.sqrt(5 / 2.5**2 + 5 / 50.0**2), 1e-6)
+    assert after == pytest.approx(exact, rel=2e-3) and after < before + 0.1
+    assert gaussian_epsilon(1 / math.sqrt(5 / 2.5**2 + 5 / 50.0**2), 1e-12) > after + 2  # what it was read at
 
 
 def test_the_ledger_entry_is_on_disk_before_the_update_is_computed(tmp_path, monkeypatch) -> None:
@@ -262,11 +376,19 @@ def test_a_failed_ledger_write_sends_no_update(tmp_path, monkeypatch) -> None:
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ledger_module, "atomic_write_bytes", full_disk)
     path = tmp_path / "ledger.json"
-    reply = Node({"privacy-ledger": str(path)}).send(_cfg(EXACT_RUNS), 1, 1)
-    assert reply.has_error() and f"privacy-ledger {path} cannot be written" in reply.error.reason
-    assert "nothing is sent" in reply.error.reason
+    node = Node({"privacy-ledger": str(path)})
+    assert _answered([node.send(_cfg(EXACT_RUNS), 1, 1)])
+    before = path.read_bytes()
+    monkeypatch.setattr(ledger_module, "_write_at", full_disk)
+    for run_id, ledger in ((2, path), (1, tmp_path / "new.json")):  # an append, and a new file's first entry
+        reply = Node({"privacy-ledger": str(ledger)}).send(_cfg(EXACT_RUNS), run_id, 1)
+        assert reply.has_error() and f"privacy-ledger {ledger} cannot be written" in reply.error.reason
+        assert "nothing is sent" in reply.error.reason
+    assert path.read_bytes() == before  # no half line
+    monkeypatch.undo()
+    assert _answered([node.send(_cfg(EXACT_RUNS), 2, 1)])  # space again: the next release is appended
+    assert [r.run_id for r in NodeLedger(path).read()] == [1, 2]
 
 
 def test_concurrent_client_processes_lose_no_entry(tmp_path) -> None:
@@ -376,14 +498,14 @@ def test_a_secure_aggregation_round_is_charged_once_per_node(tmp_path) -> None:
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
     from dpfedavg.flower import server_app
-    from dpfedavg.server.run import plan_for
+    from dpfedavg.privacy.setup import PrivacySetup
 
     values = {"num-clients": 6, "clients-per-round": 4.0, "num-rounds": 2, "dim": 8, "seed": 5, "epsilon": 0.0,
               "noise-multiplier": 1.0, "clip": 20.0, "secure-aggregation": True, "checkpoint-every": 0,
               "output-dir": str(tmp_path), "run-name": "secagg"}  # fmt: skip
     cfg = _cfg(values)
     grid = InProcessGrid(client_app, cfg.num_clients, cfg.to_run_config(), node_config={"secure-noise": True})
-    server_app.run(grid, cfg, plan=plan_for(cfg))
+    server_app.run(grid, cfg, setup=PrivacySetup.resolve(cfg))
     masked = [
         m
         for m in grid.sent

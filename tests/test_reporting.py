@@ -219,7 +219,7 @@ def test_a_missing_data_dir_is_one_line_before_any_download(tmp_path: Path, monk
     missing = tmp_path / "no-such-folder"
     with pytest.raises(ConfigError, match=r"'data-dir' = .*no-such-folder.* does not exist.*fashion_mnist"):
         datasets.prepare_dataset("fmnist", data_dir=missing, cache_dir=tmp_path / "cache")
-    cli = importlib.import_module("dpfedavg.run")  # the command line (the package's run is the Python API)
+    cli = importlib.import_module("dpfedavg.__main__")  # the command line
     code = cli.main(["--run-config", f"task='fmnist' data-dir='{missing}' cache-dir='{tmp_path / 'cache'}' "
                      f"output-dir='{tmp_path / 'out'}'"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()

@@ -194,11 +194,11 @@ def _can_mount_tmpfs(where: Path) -> bool:
 _FILL_AND_RESUME = """
 set -u
 mount -t tmpfs -o size=64k tmpfs "$MNT"
-"$PY" -m dpfedavg.run --run-config "$RC" --run-config "output-dir='$MNT'" >"$OUT/out1" 2>"$OUT/err1"
+"$PY" -m dpfedavg --run-config "$RC" --run-config "output-dir='$MNT'" >"$OUT/out1" 2>"$OUT/err1"
 echo $? >"$OUT/rc1"
 mkdir -p "$OUT/after-full" && cp -a "$MNT/." "$OUT/after-full/"
 mount -o remount,size=16m "$MNT"
-"$PY" -m dpfedavg.run --run-config "$RC" --run-config "output-dir='$MNT' resume=true" >"$OUT/out2" 2>"$OUT/err2"
+"$PY" -m dpfedavg --run-config "$RC" --run-config "output-dir='$MNT' resume=true" >"$OUT/out2" 2>"$OUT/err2"
 echo $? >"$OUT/rc2"
 mkdir -p "$OUT/final" && cp -a "$MNT/." "$OUT/final/"
 """

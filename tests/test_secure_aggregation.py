@@ -24,11 +24,12 @@ from dpfedavg.core.secagg import (
 )
 from dpfedavg.engines.batched import run_batched
 from dpfedavg.flower import server_app
+from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.secure_aggregation import workflow_for
-from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid
-from dpfedavg.server.run import plan_for
+from dpfedavg.privacy.setup import PrivacySetup
+from dpfedavg.server.dp_server import DPServer
 from dpfedavg.tasks import build_task
 
 # ------------------------------------------------------------------ encoding
@@ -168,7 +169,7 @@ def _survivors_model(cfg: RunConfig, in_sum: set[int], beta: float) -> np.ndarra
     after unmasking from its seeded stream.
     """
     task = build_task(cfg)
-    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_for(cfg))
+    strategy = DPFedAvg(cfg, dim=task.dim, setup=PrivacySetup.resolve(cfg))
     w0 = task.initial_weights()
     clients, ins, _ = strategy.server.begin_round(1, w0)
     total = sum(
@@ -183,7 +184,7 @@ def _survivors_model(cfg: RunConfig, in_sum: set[int], beta: float) -> np.ndarra
 def _run_flower(cfg: RunConfig, tmp_path, name: str, client=client_app, **grid_kwargs):
     cfg = cfg.replace(output_dir=str(tmp_path), run_name=name)
     grid = InProcessGrid(client, cfg.num_clients, cfg.to_run_config(), **grid_kwargs)
-    return server_app.run(grid, cfg, plan=plan_for(cfg)).directory, grid
+    return server_app.run(grid, cfg, setup=PrivacySetup.resolve(cfg)).directory, grid
 
 
 def test_secure_aggregate_equals_the_plain_sum_of_the_encoded_updates(tmp_path) -> None:
@@ -234,14 +235,17 @@ def _arrays_in(msg: Message) -> list[np.ndarray]:
 def test_the_server_never_receives_an_individual_unmasked_update(tmp_path, monkeypatch) -> None:
     cfg = _cfg(**{"num-rounds": 2, "dim": 16})
     # the per-client aggregation path must not be used at all
-    monkeypatch.setattr(
-        "dpfedavg.server.dp_server.DPServer.finish_round",
-        lambda *a, **k: pytest.fail("finish_round (per-client updates) called under secure aggregation"),
-    )
+    close_round = DPServer.close_round
+
+    def sums_only(server, server_round, replies):  # noqa: ANN001, ANN202
+        assert not replies.results, "per-client updates reached the server under secure aggregation"
+        return close_round(server, server_round, replies)
+
+    monkeypatch.setattr(DPServer, "close_round", sums_only)
     out, grid = _run_flower(cfg, tmp_path, "spy")
     assert (out / "model.npz").exists()
     task = build_task(cfg)
-    strategy = DPFedAvg(cfg, dim=task.dim, plan=plan_for(cfg))
+    strategy = DPFedAvg(cfg, dim=task.dim, setup=PrivacySetup.resolve(cfg))
     # recompute what every sampled client encoded in round 1 (seeded noise: the test can replay it)
     w0 = task.initial_weights()
     clients, ins, _ = strategy.server.begin_round(1, w0)

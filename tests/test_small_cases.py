@@ -32,6 +32,7 @@ from dpfedavg.flower import server_app
 from dpfedavg.flower.app_strategy import AppDPFedAvg
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.testing import InProcessGrid
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.run import plan_for
 from dpfedavg.tasks import build_task, resolve_task
 
@@ -148,7 +149,7 @@ def _refuse_to_calibrate(cfg):
 def test_output_dir_under_a_file_is_one_error_line_before_start(tmp_path: Path, dpfedavg_log, monkeypatch) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file")
-    monkeypatch.setattr(server_app, "plan_for", _refuse_to_calibrate)
+    monkeypatch.setattr(PrivacySetup, "resolve", staticmethod(_refuse_to_calibrate))
     _main({**QUADRATIC, "output-dir": str(blocker / "outputs")})
     message = _one_error_line(dpfedavg_log)
     assert f"'output-dir' = {str(blocker / 'outputs')!r}" in message and "is not a folder" in message, message
@@ -167,7 +168,7 @@ def test_output_dir_under_a_file_is_a_config_error_in_the_batched_engine(tmp_pat
 def test_read_only_output_dir_is_one_error_line_before_start(tmp_path: Path, dpfedavg_log, monkeypatch) -> None:
     out = tmp_path / "ro"
     out.mkdir(mode=0o500)
-    monkeypatch.setattr(server_app, "plan_for", _refuse_to_calibrate)
+    monkeypatch.setattr(PrivacySetup, "resolve", staticmethod(_refuse_to_calibrate))
     try:
         _main({**QUADRATIC, "output-dir": str(out)})
     finally:
@@ -184,7 +185,7 @@ def test_read_only_file_system_is_one_error_line_before_start(tmp_path: Path, dp
         raise OSError(30, "Read-only file system")
 
     monkeypatch.setattr("dpfedavg.io.results.tempfile.mkstemp", read_only)
-    monkeypatch.setattr(server_app, "plan_for", _refuse_to_calibrate)
+    monkeypatch.setattr(PrivacySetup, "resolve", staticmethod(_refuse_to_calibrate))
     _main({**QUADRATIC, "output-dir": str(tmp_path / "out")})
     message = _one_error_line(dpfedavg_log)
     assert "'output-dir'" in message and "Read-only file system" in message, message
@@ -227,7 +228,7 @@ def test_reply_from_an_unsampled_node_is_rejected_and_hides_no_dropout(tmp_path:
         return client_app(msg, context)
 
     grid = _UnaskedReplyGrid(silent_partition_0, 6, cfg.to_run_config())
-    out = server_app.run(grid, cfg, plan=plan_for(cfg)).directory
+    out = server_app.run(grid, cfg, setup=PrivacySetup.resolve(cfg)).directory
     rows = list(csv.DictReader((out / "metrics.csv").open()))[1:]
     node_0 = next(nid for nid, ctx in grid.contexts.items() if ctx.node_config["partition-id"] == 0)
     assert len(grid.asked) == len(rows) == 6  # every round sent TRAIN messages (the seed's cohorts are not empty)

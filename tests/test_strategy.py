@@ -14,6 +14,7 @@ from reference import run_reference_for
 from dpfedavg.config import RunConfig
 from dpfedavg.core import Stream, make_rng, poisson_sample, round_noise_seed
 from dpfedavg.flower import server_app
+from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.protocol import (
@@ -25,9 +26,8 @@ from dpfedavg.flower.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid, superlink_unavailable_reply
-from dpfedavg.server.run import plan_for
+from dpfedavg.privacy.setup import PrivacySetup
 
 DIM = 6
 
@@ -301,9 +301,9 @@ CASES = {
 def test_in_process_run_matches_numpy_reference(case: str, tmp_path) -> None:
     values = {"num-clients": 12, "num-rounds": 6, "dim": 30, "seed": 3, "epsilon": 0.0, **CASES[case]}
     cfg = RunConfig.from_run_config({"output-dir": str(tmp_path), "run-name": case, **values})
-    plan = plan_for(cfg)
-    out = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg, plan=plan).directory
-    ref = run_reference_for(cfg, plan.noise_multiplier)
+    setup = PrivacySetup.resolve(cfg)
+    out = server_app.run(InProcessGrid(client_app, 12, cfg.to_run_config()), cfg, setup=setup).directory
+    ref = run_reference_for(cfg, setup.plan.noise_multiplier)
     model = np.load(out / "model.npz")
     np.testing.assert_allclose(model["w_final"], ref.w_final, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(model["w_random_iterate"], ref.w_random_iterate, rtol=1e-6, atol=1e-9)

@@ -391,7 +391,8 @@ def test_torchvision_resnet18_is_preferred_when_it_imports(monkeypatch: pytest.M
 
 
 def test_run_config_strings_parse_as_flwr_run_does() -> None:
-    from dpfedavg.run import main, parse_run_config
+    from dpfedavg.__main__ import main
+    from dpfedavg.config import parse_run_config
 
     assert parse_run_config("task='/a b/m.py:f' num-clients=20 clients-per-round=20.0 diagnostics=true") == {
         "task": "/a b/m.py:f",
@@ -410,7 +411,7 @@ def test_torch_task_modules_import_without_loading_torch() -> None:
     code = (
         "import sys\n"
         "import dpfedavg.config, dpfedavg.tasks, dpfedavg.tasks.torch_task, dpfedavg.tasks.torch_examples\n"
-        "import dpfedavg.run\n"
+        "import dpfedavg.__main__\n"
         "import dpfedavg.engines.batched\n"
         "assert 'torch' not in sys.modules and 'flwr' not in sys.modules, 'torch or flwr imported'\n"
     )
@@ -435,7 +436,7 @@ def test_own_model_tutorial_is_one_module_then_commands() -> None:
     assert "def make_task(cfg)" in module[0].source and "TorchTask(" in module[0].source
     commands = [line for b in blocks if b.is_shell for line in b.source.splitlines() if not line.startswith("#")]
     assert any(c.startswith('flwr run "$DPFEDAVG"') for c in commands)
-    assert any(c.startswith("python -m dpfedavg.run") for c in commands)
+    assert any(c.startswith("python -m dpfedavg") for c in commands)
     assert any("load_into" in b.source for b in blocks if b.is_python), "loading w_final into the model is shown"
 
 

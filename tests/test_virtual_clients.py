@@ -14,6 +14,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, 
 
 from dpfedavg.config import ConfigError, RunConfig
 from dpfedavg.flower import server_app
+from dpfedavg.flower.app_strategy import DPFedAvg
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.client_app import hosted_clients
 from dpfedavg.flower.federation import FederationError
@@ -27,7 +28,6 @@ from dpfedavg.flower.protocol import (
     instructions_to_config_record,
     to_array_record,
 )
-from dpfedavg.flower.strategy import DPFedAvg
 from dpfedavg.flower.testing import InProcessGrid, superlink_unavailable_reply
 
 CASES = {

@@ -2,12 +2,13 @@
 
 A page asks for a part with an HTML comment on a line of its own:
 
-* `<!-- generated: options -->`: the table of every run_config key, from `dpfedavg.config.OPTIONS`
-  (key, paper symbol, default, allowed values, meaning), so the configuration reference cannot drift;
+* `<!-- generated: options -->`: a table per group (`OPTION_GROUPS`: training, privacy, federation, output,
+  deployment, task-specific) of every run_config key, from `dpfedavg.config.OPTIONS` (key, paper symbol,
+  default, allowed values, meaning), so the configuration reference cannot drift;
 * `<!-- generated: metrics-columns -->`: `metrics.csv`'s columns, in order (`RoundStats.columns`);
 * `<!-- generated: cli PROGRAM [SUBCOMMAND] -->`: the usage line and a table of the flags (or of the
-  subcommands) of `run_sim.py`, `python -m dpfedavg.run` or `python -m dpfedavg.deploy`, read from the
-  program's own argparse parser;
+  subcommands) of `run_sim.py`, `python -m dpfedavg.check`, `python -m dpfedavg` or
+  `python -m dpfedavg.deploy`, read from the program's own argparse parser;
 * `<!-- generated: test-files -->`: every `tests/test_*.py` with the first line of its docstring;
 * `<!-- generated: layout -->`: every module of the package with the first line of its docstring;
 * `<!-- generated: performance NAME -->`: a table and a chart of one set of measurements (`performance.py`).
@@ -44,8 +45,92 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def options_table() -> str:
-    """The Markdown table of every run_config key, from `dpfedavg.config.OPTIONS`.
+#: The configuration reference's groups: (heading, what the keys are for, the keys in the page's order). Every key of
+#: `dpfedavg.config.OPTIONS` is in exactly one group; a key in none (or two) fails the build.
+OPTION_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (
+        "Training",
+        "The task and the optimization: what every run sets first.",
+        ("task", "num-rounds", "local-steps", "local-lr", "lr-decay", "server-lr", "server-momentum", "seed"),
+    ),
+    (
+        "Privacy",
+        "The bound on each update, the noise and its accounting, the mode, the audit.",
+        (
+            "algorithm", "clip", "epsilon", "delta", "noise-multiplier", "accountant", "max-epsilon",
+            "noise-placement", "secure-noise", "diagnostics", "noise-mechanism", "bands", "participation",
+            "max-participations", "strategy-coefficients", "target-quantile", "clip-lr", "clip-count-stddev",
+            "clip-range-factor", "canary-clients",
+        ),
+    ),
+    (
+        "Federation",
+        "Who takes part: the clients, the expected cohort, the clients each SuperNode hosts.",
+        ("num-clients", "clients-per-round", "clients-per-node"),
+    ),
+    (
+        "Output",
+        "Where the results go, what is written and how a run resumes.",
+        ("output-dir", "run-name", "eval-every", "save-trajectory", "checkpoint-every", "resume"),
+    ),
+    (
+        "Deployment",
+        "Waiting for SuperNodes and replies, failing fast, secure aggregation.",
+        (
+            "node-wait-timeout", "round-timeout", "max-failed-fraction", "secure-aggregation",
+            "secagg-quantization-bits", "secagg-modulus-bits", "secagg-clip-stds", "secagg-num-shares",
+            "secagg-reconstruction-threshold", "secagg-timeout",
+        ),
+    ),
+    (
+        "Task-specific",
+        "Read only by the tasks named in each row (the quadratic, the real-data and the torch tasks).",
+        (
+            "init", "dim", "data-dir", "cache-dir", "data-seed", "weight-decay", "feature-image-size", "backend",
+            "device", "torch-dtype", "local-batch-size",
+        ),
+    ),
+)  # fmt: skip
+
+_DOCS_PATH = re.compile(r"\(?docs: ([\w/.-]+\.md)\)?")
+
+
+def _page_title(rel: str) -> str:
+    """The first heading of ``docs/<rel>``."""
+    text = (ROOT / "docs" / rel).read_text()
+    return next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), rel)
+
+
+def _help(text: str) -> str:
+    """A key's help for the page: a ``docs: page.md`` pointer becomes a link to that page, under its title."""
+    return _DOCS_PATH.sub(lambda m: f"(see [{_page_title(m.group(1))}](../{m.group(1)}))", _cell(text))
+
+
+def option_groups() -> list[tuple[str, str, list[Any]]]:
+    """`OPTION_GROUPS` with the options themselves; raises if a key is in no group or in two."""
+    from dpfedavg.config import OPTIONS
+
+    by_key = {opt.key: opt for opt in OPTIONS}
+    listed = [key for _, _, keys in OPTION_GROUPS for key in keys]
+    missing = sorted(set(by_key) - set(listed))
+    twice = sorted({key for key in listed if listed.count(key) > 1})
+    unknown = sorted(set(listed) - set(by_key))
+    if missing or twice or unknown:
+        raise ValueError(f"OPTION_GROUPS: keys in no group {missing}, in two {twice}, unknown {unknown}")
+    return [(title, intro, [by_key[key] for key in keys]) for title, intro, keys in OPTION_GROUPS]
+
+
+def options_tables() -> str:
+    """The configuration reference: one heading and table per group of `option_groups()`."""
+    parts = []
+    for title, intro, options in option_groups():
+        parts += [f"### {title}", "", intro, "", '<div class="dp-options" markdown>', "", options_table(options), "",
+                  "</div>", ""]  # fmt: skip
+    return "\n".join(parts)
+
+
+def options_table(options: Any = None) -> str:
+    """The Markdown table of run_config keys (default: every key of `dpfedavg.config.OPTIONS`, in order).
 
     Three columns, so that it reads at the page's normal width: the key (with the paper's symbol
     under it), the default, and the meaning followed by the allowed values.
@@ -56,7 +141,7 @@ def options_table() -> str:
         "| key | default | meaning |",
         "|---|---|---|",
     ]
-    for opt in OPTIONS:
+    for opt in OPTIONS if options is None else options:
         if opt.choices:
             allowed = ", ".join(f"`{_toml(c)}`" for c in opt.choices)
         elif opt.allowed:
@@ -66,7 +151,7 @@ def options_table() -> str:
         symbol = "" if opt.symbol in ("", "-") else f"<br>*{_cell(opt.symbol)}*"
         rows.append(
             f'| <span id="{opt.key}"></span>`{opt.key}`{symbol} | `{_toml(opt.default)}` '
-            f"| {_cell(opt.help)}<br>**Allowed:** {allowed} |"
+            f"| {_help(opt.help)}<br>**Allowed:** {allowed} |"
         )
     return "\n".join(rows)
 
@@ -85,7 +170,7 @@ def _load_run_sim() -> Any:
     return module
 
 
-PROGRAMS = ("dpfedavg.run", "run_sim.py", "dpfedavg.deploy")
+PROGRAMS = ("dpfedavg.check", "dpfedavg", "run_sim.py", "dpfedavg.deploy")
 
 
 class _Parsed(Exception):
@@ -99,8 +184,12 @@ class _Parsed(Exception):
 def _main_of(program: str) -> Any:
     if program == "run_sim.py":
         return _load_run_sim().main
-    if program == "dpfedavg.run":
-        from dpfedavg.run import main
+    if program == "dpfedavg":
+        from dpfedavg.__main__ import main
+
+        return main
+    if program == "dpfedavg.check":
+        from dpfedavg.check import main
 
         return main
     if program == "dpfedavg.deploy":
@@ -277,7 +366,7 @@ def generate(what: str) -> str:
     """The Markdown for one marker."""
     words = shlex.split(what)
     if words == ["options"]:
-        return options_table()
+        return options_tables()
     if words == ["metrics-columns"]:
         return metrics_columns()
     if words == ["test-files"]:

@@ -1,6 +1,6 @@
 """Canary clients: clients whose update is ``C c_j``, through the pipeline every client uses.
 
-The server samples the canaries like any client (``q = r / n``, ``dpfedavg.server.run.canary_federation``);
+The server samples the canaries like any client (``q = r / n``, ``dpfedavg.privacy.setup.FederationSize``);
 client ``n + i`` is the ``i``-th inserted canary (``dpfedavg.privacy.canary.CanarySet``). Its local
 "training" is the fixed update ``u = C_k c_j``; the rest is ``dpfedavg.core.private_block_update``, the same
 bound (Alg. 1 line 9 / Alg. 2's normalisation) and the same noise law with the client's own generator

@@ -15,12 +15,14 @@ import numpy as np
 
 from dpfedavg.core.arrays import as_array_like, copy, namespace, row_norms
 from dpfedavg.core.types import Vector
+from dpfedavg.errors import ConfigError, lookup
 
 __all__ = [
     "ALGORITHMS",
     "BOUNDS",
     "SensitivityBound",
     "get_bound",
+    "is_private_algorithm",
     "clip",
     "normalize",
     "bound_sensitivity",
@@ -118,11 +120,17 @@ ALGORITHMS: tuple[str, ...] = tuple(BOUNDS)
 
 
 def get_bound(algorithm: str) -> SensitivityBound:
-    """The `SensitivityBound` of ``algorithm``; ``ValueError`` naming the allowed ones."""
+    """The `SensitivityBound` of ``algorithm``: the one lookup of `BOUNDS` (`ConfigError` naming the allowed ones)."""
+    return lookup(BOUNDS, algorithm, key="algorithm", what="algorithm")
+
+
+def is_private_algorithm(algorithm: str) -> bool:
+    """Whether ``algorithm`` names a private bound; ``False`` for a name that is none (a node reading a server's
+    instructions treats an unknown algorithm as one that sends its update without a bound or noise)."""
     try:
-        return BOUNDS[algorithm]
-    except KeyError:
-        raise ValueError(f"unknown algorithm {algorithm!r}; allowed: {', '.join(map(repr, BOUNDS))}") from None
+        return get_bound(algorithm).private
+    except ConfigError:
+        return False
 
 
 def bound_sensitivity(u: Vector, algorithm: str, c: float) -> Vector:

@@ -11,7 +11,7 @@ import numpy as np
 from dpfedavg.core.adaptive_clip import augmented_bound, count_coordinate
 from dpfedavg.core.arrays import astype, namespace, row_norms
 from dpfedavg.core.dp import bound_sensitivity, get_bound
-from dpfedavg.core.noise import NOISE_LAWS, GaussianLaw, NoiseLaw, round_noise_law
+from dpfedavg.core.noise import NoiseLaw, noise_law, round_noise_law
 from dpfedavg.core.seeding import noise_rng
 from dpfedavg.core.types import GradFn, RoundInstructions, Vector
 
@@ -201,7 +201,7 @@ def private_block_update(
     g, count, norms, finite = block.g, block.count, block.norms, block.finite
     # each row becomes (g_i, s (b_i - 1/2)), one row at a time (no (B, d + 1) copy of the block)
     bound = augmented_bound(clip, count_scale) if count is not None else clip
-    law = law if law is not None else NOISE_LAWS[GaussianLaw.name]
+    law = law if law is not None else noise_law(secure_aggregation=False)
     out: list[ClientUpdate | None] = []
     for row, rng in enumerate(rngs):
         if not finite[row]:

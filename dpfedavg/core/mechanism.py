@@ -33,6 +33,7 @@ import numpy as np
 from dpfedavg.core.dp import gaussian_noise
 from dpfedavg.core.noise import GaussianLaw
 from dpfedavg.core.types import Vector
+from dpfedavg.errors import lookup
 
 __all__ = ["Neighbouring", "NoisePlacement", "PLACEMENTS", "get_placement", "released_sum"]
 
@@ -165,11 +166,8 @@ PLACEMENTS: dict[str, NoisePlacement] = {p.name: p for p in (CLIENT_CALIBRATED, 
 
 
 def get_placement(name: str) -> NoisePlacement:
-    """The placement called ``name``; ``ValueError`` naming the allowed ones."""
-    try:
-        return PLACEMENTS[name]
-    except KeyError:
-        raise ValueError(f"unknown noise placement {name!r}; allowed: {', '.join(PLACEMENTS)}") from None
+    """The placement called ``name``: the one lookup of `PLACEMENTS` (`ConfigError` naming the allowed ones)."""
+    return lookup(PLACEMENTS, name, key="noise-placement", what="noise placement")
 
 
 def released_sum(

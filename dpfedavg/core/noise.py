@@ -147,7 +147,10 @@ NOISE_LAWS: dict[str, NoiseLaw] = {GaussianLaw.name: GaussianLaw(), DiscreteGaus
 
 
 def noise_law(secure_aggregation: bool) -> NoiseLaw:
-    """The run's law: ``discrete-gaussian`` under secure aggregation, ``gaussian`` otherwise."""
+    """The run's law: ``discrete-gaussian`` under secure aggregation, ``gaussian`` otherwise.
+
+    The one lookup of `NOISE_LAWS` (a run names its law through ``secure-aggregation``, not by name).
+    """
     return NOISE_LAWS[DiscreteGaussianLaw.name if secure_aggregation else GaussianLaw.name]
 
 
@@ -159,7 +162,7 @@ def round_noise_law(ins: RoundInstructions) -> NoiseLaw:
     so it is 0 here).
     """
     if ins.secagg_step <= 0:
-        return NOISE_LAWS[GaussianLaw.name]
+        return noise_law(secure_aggregation=False)
     levels = round(2 * ins.secagg_range / ins.secagg_step)
     grid = SecAggGrid(step=ins.secagg_step, clipping_range=ins.secagg_range, levels=levels, modulus=0)
     return DiscreteGaussianLaw(grid)

@@ -23,10 +23,19 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import zipfile
 from pathlib import Path
 
-__all__ = ["AppHashError", "app_hash", "build_fab", "fab_app_hash", "folder_app_hash", "parse_app_hash"]
+__all__ = [
+    "AppHashError",
+    "app_hash",
+    "build_fab",
+    "check_installed_folder",
+    "fab_app_hash",
+    "folder_app_hash",
+    "parse_app_hash",
+]
 
 #: Versioned, so that a later definition can never collide with this one.
 DOMAIN_TAG = b"dpfedavg app hash v1\n"
@@ -137,6 +146,54 @@ def build_fab(folder: Path) -> bytes:
 def folder_app_hash(folder: Path) -> str:
     """The app hash of an app folder: that of the FAB Flower's ``flwr build`` makes of it."""
     return fab_app_hash(build_fab(folder))
+
+
+#: What Flower's install leaves out of the app folder: the FAB's own metadata.
+_FAB_METADATA = ".info/"
+
+
+def check_installed_folder(folder: Path, fab: bytes) -> None:
+    """``AppHashError`` unless ``folder`` holds exactly the FAB's files, as Flower installs them, and nothing else.
+
+    Every file Python may import counts: an extension module or a sourceless ``.pyc`` beside the approved sources
+    is imported before them, and a ``__pycache__`` ``.pyc`` whose header matches a source is run instead of it.
+    So the whole folder is walked (no build rules, no ``.gitignore``), a symbolic link is refused, and the
+    ``__pycache__`` folders are removed first: they are Python's cache of the approved sources, which the
+    ClientApp writes as it imports them and writes again from the sources after this.
+    """
+    folder = Path(folder)
+    with zipfile.ZipFile(io.BytesIO(fab)) as archive:
+        expected = {
+            entry.filename: hashlib.sha256(archive.read(entry)).hexdigest()
+            for entry in archive.infolist()
+            if not entry.is_dir() and not entry.filename.startswith(_FAB_METADATA)
+        }
+    found: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        here = Path(dirpath)
+        for name in [d for d in dirnames if d == "__pycache__"]:
+            cache = here / name
+            if cache.is_symlink():
+                raise AppHashError(f"{folder} holds a symbolic link {cache.relative_to(folder)}")
+            shutil.rmtree(cache)
+            dirnames.remove(name)
+        for name in [*dirnames, *filenames]:
+            path = here / name
+            if path.is_symlink():
+                raise AppHashError(f"{folder} holds a symbolic link {path.relative_to(folder).as_posix()}")
+        for name in filenames:
+            path = here / name
+            found[path.relative_to(folder).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    extra = sorted(set(found) - set(expected))
+    changed = sorted(name for name in set(found) & set(expected) if found[name] != expected[name])
+    missing = sorted(set(expected) - set(found))
+    if extra or changed or missing:
+        what = "; ".join(
+            f"{label} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+            for label, names in (("files not in the FAB:", extra), ("changed:", changed), ("missing:", missing))
+            if names
+        )
+        raise AppHashError(f"{folder} does not hold exactly the approved FAB's files ({what})")
 
 
 def app_hash(path: Path) -> str:

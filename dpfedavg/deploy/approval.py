@@ -20,9 +20,18 @@ FAB hash, which the SuperLink also sends: those must match the approved bytes,
 and a folder of that name already installed must hold the same files
 (`check_install_target`).
 
-The wrapper relies on the signature of a private Flower function; it checks it
-when the SuperNode starts and refuses to start if Flower changed it, so the
-node fails closed rather than running unchecked code.
+Flower's private API, in this one place: Flower 1.41 offers no public way to do
+this. Its SuperNode checks a FAB only through ``--trusted-entities`` (which needs
+Flower's platform licence on the FAB), and its pull loop has no public hook; so
+the wrapper replaces ``start_client_internal._pull_and_store_message`` and
+answers a refused message the way that function answers a FAB that fails
+Flower's own verification, with ``start_client_internal._insert_message``
+(storing a message in the node's state needs its private message id; copying
+that function would copy Flower's internals). Both names and the wrapped
+function's parameters are `_FLOWER_PRIVATE` and `_HOOKED_PARAMETERS`, checked
+when the SuperNode starts: if Flower changed them it refuses to start, so the
+node fails closed rather than running unchecked code
+(``tests/test_round_guards.py`` allow-lists this module's private call).
 """
 
 from __future__ import annotations
@@ -35,12 +44,21 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from dpfedavg.deploy.app_hash import AppHashError, fab_app_hash, folder_app_hash
+from dpfedavg.deploy.app_hash import AppHashError, check_installed_folder, fab_app_hash
 
-__all__ = ["UnapprovedAppError", "check_fab", "check_install_target", "install_approval", "run_supernode"]
+__all__ = [
+    "UnapprovedAppError",
+    "check_fab",
+    "check_install_target",
+    "check_options",
+    "install_approval",
+    "run_supernode",
+]
 
 logger = logging.getLogger(__name__)
 
+#: Flower 1.41's private functions of ``flwr.supernode.start_client_internal`` this module uses (see the docstring).
+_FLOWER_PRIVATE = ("_pull_and_store_message", "_insert_message")
 #: The parameters of Flower 1.41's ``_pull_and_store_message`` the wrapper uses.
 _HOOKED_PARAMETERS = ("state", "object_store", "receive", "get_run", "get_fab")
 #: ``flower-supernode`` options that would let an approved app pull code the approval does not cover.
@@ -119,14 +137,12 @@ def check_install_target(content: bytes, fab_hash: str, requested_hash: str, fab
     folder = get_project_dir(fab_id, fab_version, actual)
     if folder.exists():
         try:
-            installed = folder_app_hash(folder)
-        except AppHashError as err:
-            installed = f"none ({err})"
-        if installed != fab_app_hash(content):
+            check_installed_folder(folder, content)  # every file Python may import, __pycache__ included
+        except (AppHashError, OSError) as err:
             raise UnapprovedAppError(
-                f"FAB {actual[:12]} refused: {folder} already holds another app (app hash {installed}), which "
-                "the ClientApp would load instead; remove that folder"
-            )
+                f"FAB {actual[:12]} refused: {folder} already holds another app, which the ClientApp would load "
+                f"instead ({err}); remove that folder"
+            ) from None
 
 
 def _guard(original: Callable[..., Any], approved: frozenset[str]) -> Callable[..., Any]:
@@ -193,13 +209,22 @@ def install_approval(approved: Iterable[str]) -> None:
     original = getattr(sci, "_pull_and_store_message", None)
     original = getattr(original, "__wrapped__", original)
     parameters = inspect.signature(original).parameters if callable(original) else {}
-    if not all(name in parameters for name in _HOOKED_PARAMETERS) or not hasattr(sci, "_insert_message"):
+    if not all(name in parameters for name in _HOOKED_PARAMETERS) or not all(hasattr(sci, n) for n in _FLOWER_PRIVATE):
         raise RuntimeError(
             "this Flower's SuperNode cannot be checked: flwr.supernode.start_client_internal."
             f"_pull_and_store_message({', '.join(_HOOKED_PARAMETERS)}, ...) and _insert_message are expected "
             "(Flower 1.41); refusing to start a SuperNode that would run unapproved apps"
         )
     sci._pull_and_store_message = _guard(original, approved)
+
+
+def check_options(flower_args: list[str]) -> None:
+    """``ValueError`` if ``flower_args`` holds an option of `REFUSED_OPTIONS` or a prefix of one."""
+    for arg in flower_args:
+        name = arg.split("=", 1)[0]
+        for option, why in REFUSED_OPTIONS.items():
+            if len(name) > 2 and name.startswith("--") and option.startswith(name):  # argparse: any unique prefix
+                raise ValueError(f"{option} is not allowed with approved apps (given as {arg!r}): {why}")
 
 
 def run_supernode(approved: Iterable[str], flower_args: list[str]) -> None:
@@ -211,11 +236,7 @@ def run_supernode(approved: Iterable[str], flower_args: list[str]) -> None:
         If ``flower_args`` holds an option listed in `REFUSED_OPTIONS` or a prefix of one (argparse takes any
         unique prefix of an option), or ``approved`` is empty.
     """
-    for arg in flower_args:
-        name = arg.split("=", 1)[0]
-        for option, why in REFUSED_OPTIONS.items():
-            if len(name) > 2 and name.startswith("--") and option.startswith(name):  # argparse: any unique prefix
-                raise ValueError(f"{option} is not allowed with approved apps (given as {arg!r}): {why}")
+    check_options(flower_args)
     install_approval(approved)
     from flwr.supernode.cli import flower_supernode
 

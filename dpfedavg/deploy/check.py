@@ -18,12 +18,14 @@ Each failure is one line naming the likely cause and the fix. Exit status: 0 rea
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import ssl
+import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 from cryptography import x509
 
 from dpfedavg.deploy.credentials import missing_server_names
@@ -33,6 +35,8 @@ __all__ = ["NotReady", "Readiness", "check_superlink", "parse_address"]
 #: The address the SuperExec of ``flower-superlink --host 0.0.0.0`` (the guide's) dials; ``--host ::`` would dial
 #: ``::1``, which ``python -m dpfedavg.deploy credentials`` also puts in the certificate.
 SUPEREXEC_NAMES = ("127.0.0.1",)
+#: Where Linux lists its processes (elsewhere ``ps`` does).
+PROC = Path("/proc")
 
 
 class NotReady(Exception):
@@ -59,34 +63,58 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def _is_local(host: str) -> bool:
-    """Whether ``host`` is an address of this machine (so the SuperLink's processes are visible here)."""
+    """Whether ``host`` is an address of this machine (so the SuperLink's processes are visible here).
+
+    An address is this machine's when a socket can bind to it (no ``psutil``: the base install lacks it).
+    """
     try:
-        infos = socket.getaddrinfo(host, None)
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except OSError:
         return False
-    wanted = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
-    if any(ip.is_loopback for ip in wanted):
-        return True
-    mine = {
-        ipaddress.ip_address(a.address.split("%")[0])
-        for addrs in psutil.net_if_addrs().values()
-        for a in addrs
-        if a.family in (socket.AF_INET, socket.AF_INET6)
-    }
-    return bool(wanted & mine)
+    for family, _, _, _, sockaddr in infos:
+        ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+        if ip.is_loopback:
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _command_lines() -> Iterator[tuple[int, list[str]]]:
+    """``(pid, argv)`` of this machine's live processes: ``/proc`` on Linux, else ``ps`` (macOS)."""
+    if PROC.is_dir():
+        for entry in PROC.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                raw = (entry / "cmdline").read_bytes()  # empty for a zombie
+            except OSError:
+                continue
+            if raw:
+                yield int(entry.name), raw.rstrip(b"\0").decode(errors="replace").split("\0")
+        return
+    listing = subprocess.run(
+        ["ps", "-axww", "-o", "pid=,stat=,command="], capture_output=True, text=True, check=True,
+        env={**os.environ, "LC_ALL": "C"},
+    )  # fmt: skip
+    for line in listing.stdout.splitlines():
+        pid, stat, *argv = line.split()
+        if not stat.startswith("Z"):
+            yield int(pid), argv
 
 
 def _superexec_for(port: int) -> int | None:
     """The PID of a live ``flower-superexec`` whose Runtime API address ends in ``:port``, else None."""
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            cmd = proc.info["cmdline"] or []
-            if proc.status() == psutil.STATUS_ZOMBIE or not any(Path(c).name == "flower-superexec" for c in cmd[:2]):
-                continue
-            if "--runtime-api-address" in cmd and cmd[cmd.index("--runtime-api-address") + 1].endswith(f":{port}"):
-                return proc.info["pid"]
-        except (psutil.Error, IndexError):
+    for pid, cmd in _command_lines():
+        if not any(Path(c).name == "flower-superexec" for c in cmd[:2]) or "--runtime-api-address" not in cmd:
             continue
+        i = cmd.index("--runtime-api-address")
+        if i + 1 < len(cmd) and cmd[i + 1].endswith(f":{port}"):
+            return pid
     return None
 
 

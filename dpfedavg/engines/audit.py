@@ -11,9 +11,10 @@ from dpfedavg.io.audit_plot import write_audit_plot, write_audit_scores
 from dpfedavg.privacy.canary import CanaryAudit, CanaryScores, CanarySet
 
 if TYPE_CHECKING:
+    from dpfedavg.server.round import RoundRecord
     from dpfedavg.server.session import RunResult, RunSession
 
-__all__ = ["canary_scores", "finish_audited", "log_interim_audit"]
+__all__ = ["AuditedSession", "canary_scores", "finish_audited", "log_interim_audit"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +37,16 @@ def finish_audited(
     keywords of ``RunSession.finish`` (the Flower engine's ``failed``).
     """
     server, cfg = session.server, session.cfg
+    federation = server.setup.federation
     audit = CanaryAudit.of(scores, delta=server.plan.delta)
     epsilon = server.epsilon
     session.audit = {
         **audit.summary(),
         "epsilon_accountant": epsilon,
-        "num_clients": cfg.num_clients,
-        "federation_clients": server.cfg.num_clients,
+        "num_clients": federation.num_clients,
+        "federation_clients": federation.sampled_clients,
         "q": cfg.sampling_rate,
-        "expected_cohort": server.cfg.clients_per_round,
+        "expected_cohort": federation.sampled_cohort,
         "rounds_observed": scores.rounds,
     }
     result = session.finish(w_final, stopped_before_round=stopped_before_round, **finish)
@@ -69,3 +71,25 @@ def log_interim_audit(session: RunSession, scores: CanaryScores, server_round: i
     from dpfedavg.server.session import audit_text
 
     logger.info("Round %d: canary audit so far: %s", server_round, audit_text(audit.summary()))
+
+
+class AuditedSession:
+    """A run's recording with the canary audit around it (every engine's: `dpfedavg.engines.batched.recording()`).
+
+    Each closed round's model is scored (`CanaryScores.observe`), the session records the round, the interim
+    audit is logged every ``checkpoint-every`` rounds (`log_interim_audit()`), and `finish()` audits the run
+    before the session finishes it (`finish_audited()`).
+    """
+
+    def __init__(self, session: RunSession, canaries: CanarySet, w0: Vector) -> None:
+        self.session = session
+        self.scores = canary_scores(session, canaries, w0)
+
+    def end_round(self, record: RoundRecord) -> dict[str, float]:
+        self.scores.observe(record.w)
+        metrics = self.session.end_round(record)
+        log_interim_audit(self.session, self.scores, record.round)
+        return metrics
+
+    def finish(self, w_final: Vector, stopped_before_round: int | None = None, **finish: Any) -> RunResult:
+        return finish_audited(self.session, self.scores, w_final, stopped_before_round, **finish)

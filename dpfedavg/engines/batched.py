@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -32,14 +32,16 @@ from dpfedavg.core import client_update, round_block_update
 from dpfedavg.core.canaries import canary_results, canary_updates
 from dpfedavg.core.pipeline import HostSums, block_rows, round_block_sum
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
+from dpfedavg.server.round import RoundRecord, RoundReplies
 from dpfedavg.tasks import Task, task_hooks
 
 if TYPE_CHECKING:  # the server side is imported by run_batched: a ClientApp that computes blocks needs none of it
-    from dpfedavg.privacy.plan import PrivacyPlan
-    from dpfedavg.server.dp_server import DPServer
-    from dpfedavg.server.session import RunResult
+    from dpfedavg.engines.audit import AuditedSession
+    from dpfedavg.privacy.canary import CanarySet
+    from dpfedavg.privacy.setup import PrivacySetup
+    from dpfedavg.server.session import RunResult, RunSession
 
-__all__ = ["run_batched", "client_results", "device_client_results", "device_round_sums", "runs_on_device"]
+__all__ = ["run_batched", "recording", "client_results", "device_client_results", "device_round_sums", "runs_on_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +232,7 @@ def run_batched(
     cfg: RunConfig,
     *,
     task: Task | Callable[[RunConfig], Task] | None = None,
-    plan: PrivacyPlan | None = None,
+    setup: PrivacySetup | None = None,
     run_id: int | str = "batched",
     progress: bool = False,
     on_round=None,
@@ -244,8 +246,8 @@ def run_batched(
     ----------
     task:
         A Task, or a factory called with ``cfg``; ``None`` builds the task ``cfg.task`` names.
-    plan:
-        The privacy plan, when the caller already has it (a sweep calibrates once for many cells).
+    setup:
+        The run's privacy set-up, when the caller resolved it already (`PrivacySetup.resolve()`).
     progress:
         Show a progress bar over rounds.
     on_round:
@@ -265,35 +267,35 @@ def run_batched(
     from dpfedavg.server.loop import run_rounds
     from dpfedavg.server.run import prepare_run
 
-    run = prepare_run(cfg, task=task, plan=plan, run_id=run_id, engine=engine, inserts_canaries=True)
+    run = prepare_run(cfg, task=task, setup=setup, run_id=run_id, engine=engine, inserts_canaries=True)
     if threads is None:  # a torch task's steps use torch's own threads: blocks in parallel only contend (benchmarks)
         threads = 1 if task_hooks(run.task).parallel_steps else (os.cpu_count() or 1)
     session, w, first_round = run.session, run.w, run.first_round
     if on_round is not None and first_round == 1:
         on_round(0, w)
 
-    scores = None
-    if run.canaries is not None:  # scipy.stats is imported only by runs with canaries
-        from dpfedavg.engines.audit import canary_scores, finish_audited, log_interim_audit
+    recorder = recording(session, run.canaries, w)
 
-        scores = canary_scores(session, run.canaries, w)
-
-    def record(server_round: int, w_new: Vector) -> None:
-        if scores is not None:
-            scores.observe(w_new)
-        session.end_round(server_round, w_new)
-        if scores is not None:
-            log_interim_audit(session, scores, server_round)
+    def record(closed: RoundRecord) -> None:
+        recorder.end_round(closed)
         if on_round is not None:
-            on_round(server_round, w_new)
+            on_round(closed.round, closed.w)
 
     rounds = tqdm(range(first_round, cfg.num_rounds + 1), desc=cfg.run_name or "rounds", disable=not progress)
     canaries = run.canaries.inserted_directions if run.canaries is not None else None
     runner = InProcessRunner(run.task, client_results_fn, threads, canaries=canaries)
     result = run_rounds(run.server, runner, w, rounds, on_round_end=record)
-    if scores is None:
-        return session.finish(result.w, stopped_before_round=result.stopped_before_round)
-    return finish_audited(session, scores, result.w, result.stopped_before_round)
+    return recorder.finish(result.w, stopped_before_round=result.stopped_before_round)
+
+
+def recording(session: RunSession, canaries: CanarySet | None, w0: Vector) -> RunSession | AuditedSession:
+    """How a run records its closed rounds and finishes: its session, or the canary audit around it
+    (`dpfedavg.engines.audit.AuditedSession`; scipy.stats is imported only by runs with canaries)."""
+    if canaries is None:
+        return session
+    from dpfedavg.engines.audit import AuditedSession
+
+    return AuditedSession(session, canaries, w0)
 
 
 class InProcessRunner:
@@ -316,26 +318,25 @@ class InProcessRunner:
         """Whether this round runs through the device pipeline (`device_round_sums()`)."""
         return runs_on_device(self.task, ins) and self.client_results_fn is client_results
 
-    def run_round(
-        self, server: DPServer, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions
-    ) -> Vector:
+    def run_round(self, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions) -> RoundReplies:
         if self._on_device(ins):
             sums = device_round_sums(self.task, clients, w, ins, keep_clean=ins.diagnostics, canaries=self.canaries)
             ok = sums.finite
             failed = [int(c) for c in clients[~ok]]
             for client_id in failed:
                 logger.warning("Round %d: client %d: local training diverged (NaN/Inf)", server_round, client_id)
-            w_new = server.finish_round_block(server_round, sums.noisy, sums.norms[ok], sums.clean,
-                                              num_failed=len(failed))  # fmt: skip
-        else:
-            failed = []
-            n = self.task.num_clients
-            real = clients[clients < n] if self.canaries is not None else clients
-            results = list(self.client_results_fn(self.task, real, w, ins, failed=failed, threads=self.threads))
-            if self.canaries is not None:  # canary ids follow every real id: the sum stays in client-id order
-                results.extend(canary_results(self.canaries, clients[clients >= n], n, ins))
-            w_new = server.finish_round(server_round, results, num_failed=len(failed))
-        server.history[server_round].failed_reasons.extend(
-            f"client {c}: local training diverged (NaN/Inf)" for c in failed
-        )
-        return w_new
+            norms = sums.norms[ok]
+            return RoundReplies(total=sums.noisy, num_summed=len(norms), norms=norms, clean_total=sums.clean,
+                                num_failed=len(failed), failed_reasons=diverged(failed))  # fmt: skip
+        failed = []
+        n = self.task.num_clients
+        real = clients[clients < n] if self.canaries is not None else clients
+        results = list(self.client_results_fn(self.task, real, w, ins, failed=failed, threads=self.threads))
+        if self.canaries is not None:  # canary ids follow every real id: the sum stays in client-id order
+            results.extend(canary_results(self.canaries, clients[clients >= n], n, ins))
+        return RoundReplies(tuple(results), num_failed=len(failed), failed_reasons=diverged(failed))
+
+
+def diverged(clients: Iterable[int]) -> tuple[str, ...]:
+    """The failure reasons of clients whose local training diverged (what fail-fast reports)."""
+    return tuple(f"client {c}: local training diverged (NaN/Inf)" for c in clients)

@@ -42,7 +42,8 @@ from dpfedavg.config import RunConfig
 from dpfedavg.core.runs import RunSums, released_sums, shared_standard_normals
 from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.engines.allocator import keep_freed_memory
-from dpfedavg.engines.batched import BLOCK_ELEMENTS
+from dpfedavg.engines.batched import BLOCK_ELEMENTS, diverged
+from dpfedavg.server.round import RoundRecord, RoundReplies
 from dpfedavg.tasks import Task, build_task, task_hooks
 
 __all__ = ["RUN_KEYS", "BatchError", "batch_key", "run_batch", "task_reason", "unbatchable_reason"]
@@ -127,6 +128,13 @@ class _Run:
     w: Vector
     stopped_before_round: int | None = None
     directory: Path | None = None
+    #: The run's last closed round (`DPServer.close_round()`), recorded by its session.
+    closed: RoundRecord | None = None
+
+    def close(self, server_round: int, replies: RoundReplies) -> None:
+        """Close the run's open round (the one way: `DPServer.close_round()`) and move to ``w_{k+1}``."""
+        self.closed = self.server.close_round(server_round, replies)
+        self.w = self.closed.w
 
     @property
     def active(self) -> bool:
@@ -166,7 +174,8 @@ def run_batch(
 
 def _open_runs(cfgs: Sequence[RunConfig]) -> tuple[Task, list[_Run]]:
     """Check that ``cfgs`` can share a batch and assemble each run; the batch's shared task and its runs."""
-    from dpfedavg.server.run import plan_for, prepare_run
+    from dpfedavg.privacy.setup import PrivacySetup
+    from dpfedavg.server.run import prepare_run
 
     tasks = [build_task(cfg) for cfg in cfgs]
     for cfg, task in zip(cfgs, tasks, strict=True):
@@ -186,12 +195,12 @@ def _open_runs(cfgs: Sequence[RunConfig]) -> tuple[Task, list[_Run]]:
     if len(dims) != 1:
         raise BatchError(f"the runs' models differ in size ({sorted(dims)}): they cannot share a batch")
     order = sorted(range(len(cfgs)), key=lambda i: cfgs[i].algorithm)  # one algorithm's runs are contiguous
-    plans = [plan_for(cfg) for cfg in cfgs]  # every run's ConfigError before any run's folder is made
+    setups = [PrivacySetup.resolve(cfg) for cfg in cfgs]  # every run's ConfigError before any run's folder is made
     runs: list[_Run] = []
     for i in order:
         cfg, task = cfgs[i], tasks[i]
         view = _Evaluations(task, shared)
-        prepared = prepare_run(cfg, task=view, plan=plans[i], run_id="batched", engine="batched")
+        prepared = prepare_run(cfg, task=view, setup=setups[i], run_id="batched", engine="batched")
         if prepared.first_round != 1:
             raise BatchError(f"run {cfg.run_name!r} resumed from a checkpoint: it cannot join a batch")
         runs.append(_Run(prepared.cfg, prepared.server, prepared.session, view, prepared.w))
@@ -229,7 +238,8 @@ def _run_batch(
             _round(shared, server_round, local_steps, group)
         _evaluate(evaluate_runs, server_round, [run for run, _, _ in opened])
         for run, _, _ in opened:
-            run.session.record_round(server_round, run.w)
+            assert run.closed is not None and run.closed.round == server_round
+            run.session.record_round(server_round, run.w, run.closed.stats)  # no checkpoint: a cell reruns whole
     for run in runs:
         if run.active:
             _finish(run, on_run_done)
@@ -260,7 +270,7 @@ def _round(task: Task, server_round: int, local_steps: int, group: list) -> None
     clients = group[0][1]
     if not len(clients):  # nobody sampled: every run releases its server's noise alone
         for run, _, _ in group:
-            run.w = run.server.finish_round(server_round, [])
+            run.close(server_round, RoundReplies())
         return
     instructions = [ins for _, _, ins in group]
     algorithms = [ins.algorithm for ins in instructions]
@@ -283,9 +293,10 @@ def _round(task: Task, server_round: int, local_steps: int, group: list) -> None
         for client_id in sums.failed[r]:
             logger.warning("%s: round %d: client %d: local training diverged (NaN/Inf)", run.cfg.run_name,
                            server_round, client_id)  # fmt: skip
-        run.w = run.server.finish_round_block(
-            server_round, sums.noisy[r], sums.update_norms(r), sums.clean[r], num_failed=len(sums.failed[r])
-        )
+        norms = sums.update_norms(r)
+        run.close(server_round, RoundReplies(total=sums.noisy[r], num_summed=len(norms), norms=norms,
+                                             clean_total=sums.clean[r], num_failed=len(sums.failed[r]),
+                                             failed_reasons=diverged(sums.failed[r])))  # fmt: skip
 
 
 def _evaluate(evaluate_runs: Callable | None, server_round: int, runs: list[_Run]) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dpfedavg.core.dp import BOUNDS
+from dpfedavg.core.dp import get_bound
 from dpfedavg.experiments import PAPER_ALGORITHMS
 from dpfedavg.experiments.adaptive import ADAPTIVE, adaptive_values, clip_curves
 from dpfedavg.experiments.sweep import Cell, make_cell, run_cells, split_run_options
@@ -145,8 +145,8 @@ def collect(cells: Sequence[Cell], dataset: str, path: Path) -> list[dict]:
             {
                 "dataset": dataset,
                 "algorithm": cfg.algorithm,
-                "epsilon": cfg.epsilon if BOUNDS[cfg.algorithm].private else float("inf"),
-                "C": cfg.clip if BOUNDS[cfg.algorithm].private else float("nan"),
+                "epsilon": cfg.epsilon if get_bound(cfg.algorithm).private else float("inf"),
+                "C": cfg.clip if get_bound(cfg.algorithm).private else float("nan"),
                 "eta0": cfg.local_lr,
                 "seed": cfg.seed,
                 "last5_test_accuracy": saved["final"]["last5_test_accuracy"],
@@ -244,7 +244,7 @@ def curve_cells(out: Path, cells: Sequence[Cell], best: dict, seeds: int) -> lis
     by_key = {(c.cfg.algorithm, c.cfg.epsilon, c.cfg.clip, c.cfg.local_lr, c.cfg.seed): c for c in cells}
     curves = []
     for (alg, eps), (_, _, c, lr, _) in sorted(best.items()):
-        if not BOUNDS[alg].private:
+        if not get_bound(alg).private:
             continue
         for seed in range(seeds):
             cell = by_key[(alg, eps, c, lr, seed)]

@@ -1,7 +1,7 @@
 """DPFedAvg in *your* Flower app: your ServerApp, your model's arrays, your ClientApp's train wrapped in ``dp_mod``.
 
-`AppDPFedAvg` is what ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, clients_per_round=10, ...)``
-(keywords only) and ``DPFedAvg.from_run_config(context.run_config)`` build. It takes the place of Flower's
+`DPFedAvg` is built from keywords, ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, clients_per_round=10, ...)``,
+or by ``DPFedAvg.from_run_config(context.run_config)``. It takes the place of Flower's
 ``FedAvg`` in a ServerApp that calls ``strategy.start(grid=..., initial_arrays=ArrayRecord(model.state_dict()),
 num_rounds=..., evaluate_fn=...)``:
 
@@ -35,41 +35,37 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from dpfedavg.config import OPTIONS, RunConfig
-from dpfedavg.core.types import RoundInstructions, Vector
+from dpfedavg.core.types import Vector
 from dpfedavg.errors import ConfigError
 from dpfedavg.flower.arrays import ArrayLayout
 from dpfedavg.flower.client_metrics import average_client_metrics
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.mod import ARRAY_KEYS, CLIENT_ID, public_parameters
 from dpfedavg.flower.protocol import (
-    ARRAYS,
-    CONFIG,
     METRICS,
     NUM_EXAMPLES,
     PARTITION_ID,
     UPDATE_NORM,
     instructions_to_config_record,
     parse_train_reply,
-    to_array_record,
 )
-from dpfedavg.flower.replies import UNAVAILABLE_CODES
 from dpfedavg.flower.runtime import route_logs_through_flower
-from dpfedavg.flower.secure_aggregation import HALTED, SecureSum
-from dpfedavg.flower.strategy import DPFedAvg as FlowerDPFedAvg
-from dpfedavg.flower.strategy import FlowerRunner, log_privacy_plan
+from dpfedavg.flower.strategy import FlowerRunner, RunStrategy, log_privacy_plan
+from dpfedavg.io.metrics import RoundStats
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, stopped
 from dpfedavg.server.loop import run_rounds
-from dpfedavg.server.run import plan_for
+from dpfedavg.server.round import RoundRecord
 
 __all__ = ["APP_KEYS", "AppDPFedAvg", "AppSettings", "DPFedAvg"]
 
@@ -163,7 +159,7 @@ assert set(_VALID) | set(_NOT_HERE) == {opt.key for opt in OPTIONS} | set(STRATE
 
 
 class AppSettings:
-    """The validated keyword settings of `AppDPFedAvg` (kebab-case keys), before ``n`` and ``K`` are known.
+    """The validated keyword settings of your app's `DPFedAvg` (kebab-case keys), before ``n`` and ``K`` are known.
 
     Parameters
     ----------
@@ -218,9 +214,10 @@ class AppSettings:
         self.num_clients: int | None = options.get("num-clients")
         self.num_rounds: int | None = options.get("num-rounds")
         # the values themselves, checked by the run config with placeholders for what start() will know
-        self.config(self.num_clients or self._placeholder_clients(), self.num_rounds or _FLOWER_ROUNDS)
+        self.config(self.num_clients or self.placeholder_clients(), self.num_rounds or _FLOWER_ROUNDS)
 
-    def _placeholder_clients(self) -> int:
+    def placeholder_clients(self) -> int:
+        """A stand-in ``n`` for checking the values before `start()` knows the SuperNodes (from ``r``, or 1000)."""
         r = self.options.get("clients-per-round")
         if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0:
             return max(1, math.ceil(r))
@@ -235,54 +232,63 @@ class AppSettings:
         return RunConfig.from_run_config(values)
 
 
-class DPFedAvg(FlowerDPFedAvg):
+class DPFedAvg(RunStrategy):
     """DP-FedAvg (``algorithm="clip"``, Alg. 1) or DP-NormFedAvg (``"norm"``, Alg. 2) as a Flower strategy.
 
-    Two ways to build it:
+    One class, two ways to build it:
 
     * in **your** ServerApp, keywords only: ``DPFedAvg(algorithm="norm", clip=1.0, epsilon=5.0, delta=1e-5,
-      clients_per_round=10, ...)`` or ``DPFedAvg.from_run_config(context.run_config)`` give an
-      `AppDPFedAvg`, which works on your model's ``ArrayRecord`` with your ClientApp's train wrapped
-      in `dpfedavg.dp_mod()`;
-    * for dpfedavg's own apps: ``DPFedAvg(cfg, dim)`` (or ``server=``), the strategy of
-      `dpfedavg.flower.strategy` on the flat model ``w``.
-    """
-
-    def __new__(cls, cfg: RunConfig | None = None, *args: Any, **kwargs: Any) -> DPFedAvg:  # noqa: D102
-        if cls is DPFedAvg and cfg is None and not args and kwargs.get("server") is None:
-            return super().__new__(AppDPFedAvg)
-        return super().__new__(cls)
-
-    @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any], prefix: str = "dpfedavg", **overrides: Any) -> AppDPFedAvg:
-        """The strategy for your own app from the ``dpfedavg.*`` keys of ``context.run_config``.
-
-        See `AppDPFedAvg.from_run_config()`.
-        """
-        return AppDPFedAvg.from_run_config(run_config, prefix, **overrides)
-
-
-class AppDPFedAvg(DPFedAvg):
-    """DP-FedAvg / DP-NormFedAvg for your own Flower app (see the module docstring).
-
-    Build it with ``DPFedAvg(**settings)`` or ``DPFedAvg.from_run_config(context.run_config)``.
+      clients_per_round=10, ...)`` or ``DPFedAvg.from_run_config(context.run_config)``: the strategy works on
+      your model's ``ArrayRecord`` with your ClientApp's train wrapped in `dpfedavg.dp_mod()` (see the module
+      docstring; what travels is `UserArrays`);
+    * for dpfedavg's own apps: ``DPFedAvg(cfg, dim)`` (or ``server=``), `RunStrategy` on the flat model ``w``.
 
     Parameters
     ----------
+    cfg, dim, setup, server, canaries:
+        dpfedavg's own apps: see `RunStrategy`.
     **settings:
-        dpfedavg's keys in snake_case (``algorithm``, ``clip``, ``epsilon``, ``delta``, ``clients_per_round``
-        or ``fraction_train``, ``num_clients``, ``noise_multiplier``, ``accountant``, ``max_epsilon``,
-        ``noise_placement``, ``seed``, ``secure_noise``, ``server_lr``, ``server_momentum``,
+        Your app: dpfedavg's keys in snake_case (``algorithm``, ``clip``, ``epsilon``, ``delta``,
+        ``clients_per_round`` or ``fraction_train``, ``num_clients``, ``noise_multiplier``, ``accountant``,
+        ``max_epsilon``, ``noise_placement``, ``seed``, ``secure_noise``, ``server_lr``, ``server_momentum``,
         ``secure_aggregation``, ...: `APP_KEYS`) and ``max_failed_fraction``. ``clip`` and the sampling
         rate are required; ``server_lr`` defaults to 1.
     """
 
     #: Without ``num_clients``: seconds the number of connected SuperNodes must stay the same before round 1.
     settle_seconds: float = 1.0
+    #: Your app's settings; ``None`` for dpfedavg's own apps (built from ``cfg``).
+    settings: AppSettings | None = None
 
-    def __init__(self, *, sleep: Callable[[float], None] = time.sleep, **settings: Any) -> None:
-        options = {k.replace("_", "-"): v for k, v in settings.items()}
-        self._configure(AppSettings(options, lambda key: key.replace("-", "_")), sleep)
+    def __init__(
+        self,
+        cfg: RunConfig | None = None,
+        dim: int | None = None,
+        *,
+        setup: PrivacySetup | None = None,
+        server: DPServer | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        canaries: np.ndarray | None = None,
+        app_settings: AppSettings | None = None,
+        **settings: Any,
+    ) -> None:
+        if cfg is not None or server is not None:
+            if settings or app_settings is not None:
+                raise TypeError(
+                    f"DPFedAvg(cfg, ...) is dpfedavg's own apps' strategy: the settings {sorted(settings)} are for "
+                    "your app's DPFedAvg(**settings), which takes no cfg"
+                )
+            own = {"setup": setup, "server": server, "sleep": sleep, "canaries": canaries}
+            super().__init__(cfg, dim, **own)  # type: ignore[arg-type]
+            return
+        if dim is not None or setup is not None or canaries is not None:
+            raise TypeError("DPFedAvg(**settings) for your app takes keywords only (dim, setup and canaries need cfg)")
+        if app_settings is None:
+            options = {k.replace("_", "-"): v for k, v in settings.items()}
+            app_settings = AppSettings(options, lambda key: key.replace("-", "_"))
+        elif settings:
+            raise TypeError("DPFedAvg(app_settings=...) takes no other settings")
+        self._configure(app_settings, sleep)
 
     def _configure(self, settings: AppSettings, sleep: Callable[[float], None]) -> None:
         self.settings = settings
@@ -297,18 +303,16 @@ class AppDPFedAvg(DPFedAvg):
         self.population: list[int] = []
         self.stopped_before_round: int | None = None
         self.timings: dict[int, dict[str, float]] = {}
-        self._initial: ArrayRecord | None = None
-        self._sampled: dict[int, list[int]] = {}
-        self._closed: dict[int, Vector] = {}
-        self._failures: dict[int, list[str]] = {}
-        self._client_metrics: dict[int, dict[str, float]] = {}
+        self._closed: dict[int, RoundRecord] = {}
+        self._hook_runner = None
+        #: What travels in a round's messages: the user's arrays and one client id per node (set by start()).
+        self.edge: UserArrays | None = None  # type: ignore[assignment]
         #: Round -> why clients' own metrics were left out of its average (``dpfedavg.flower.client_metrics``).
         self.client_metrics_rejected: dict[int, list[str]] = {}
-        self._newcomers: set[int] = set()
         self._num_rounds = 0
 
     @classmethod
-    def from_run_config(cls, run_config: Mapping[str, Any], prefix: str = "dpfedavg", **overrides: Any) -> AppDPFedAvg:
+    def from_run_config(cls, run_config: Mapping[str, Any], prefix: str = "dpfedavg", **overrides: Any) -> DPFedAvg:
         """The strategy from the ``<prefix>.<key>`` entries of ``context.run_config`` (and keyword ``overrides``).
 
         In ``pyproject.toml`` these are the keys of the ``[tool.flwr.app.config.dpfedavg]`` table, beside the
@@ -345,9 +349,7 @@ class AppDPFedAvg(DPFedAvg):
                 prefix,
                 prefix,
             )
-        strategy = cls.__new__(cls)
-        strategy._configure(settings, time.sleep)
-        return strategy
+        return cls(app_settings=settings)
 
     # ------------------------------------------------------------------ set-up
     def _rounds(self, num_rounds: int | None) -> int:
@@ -402,21 +404,22 @@ class AppDPFedAvg(DPFedAvg):
             self.layout = ArrayLayout.of(initial_arrays)
         except ValueError as err:
             raise ConfigError(f"invalid initial_arrays: {err}") from None
-        probe = self.settings.config(self.settings.num_clients or self.settings._placeholder_clients(), rounds)
+        probe = self.settings.config(self.settings.num_clients or self.settings.placeholder_clients(), rounds)
         self.population = self._wait_for_population(grid, probe.node_wait_timeout)
         cfg = self.settings.config(len(self.population), rounds)
         self.cfg, self._num_rounds = cfg, rounds
-        self.server = DPServer(cfg, self.layout.dim, plan=plan_for(cfg))
+        setup = PrivacySetup.resolve(cfg)
+        self.server = DPServer(cfg, self.layout.dim, setup=setup, represent=self.layout.round_trip)
         self.dim = self.layout.dim
-        self._initial = initial_arrays
-
-    def _user_arrays(self, w: Vector) -> ArrayRecord:
-        assert self.layout is not None and self._initial is not None
-        return self.layout.unflatten(w, self._initial)
+        self.edge = UserArrays(
+            self.server, cfg, self.layout, initial_arrays, self.population, rounds, self.client_metrics_rejected
+        )
 
     # ------------------------------------------------------------------ info
     def summary(self) -> None:
         """Log the set-up as Flower's strategies do (called by `start()`)."""
+        if self.settings is None:  # dpfedavg's own apps
+            return super().summary()
         cfg, plan, layout = self.cfg, self.plan, self.layout
         assert cfg is not None and layout is not None
         logger.info("\t├── Number of rounds: %d", self._num_rounds)
@@ -465,6 +468,7 @@ class AppDPFedAvg(DPFedAvg):
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        **resume: Any,
     ) -> Result:
         """Run ``num_rounds`` rounds of DP-FedAvg / DP-NormFedAvg on ``initial_arrays``; Flower's ``Result``.
 
@@ -485,12 +489,18 @@ class AppDPFedAvg(DPFedAvg):
             The clients' replies were unusable (see `ReplyHealth`); its ``result``
             holds what the run had, its message the reason, the fix and the epsilon spent.
         """
+        if self.settings is None:  # dpfedavg's own apps (first_round, on_round_end: `RunStrategy.start()`)
+            return super().start(
+                grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn, **resume
+            )
+        if resume:
+            raise TypeError(f"start() got {sorted(resume)}: those are for DPFedAvg(cfg, ...) of dpfedavg's own apps")
         route_logs_through_flower()
         clock = time.perf_counter()
         train_config = ConfigRecord() if train_config is None else train_config
         self._setup(grid, initial_arrays, num_rounds)
         round_keys = {
-            *instructions_to_config_record(self._probe_instructions()),
+            *instructions_to_config_record(self.server.instructions(1, 1)),
             *public_parameters(self.cfg),
             CLIENT_ID,
         }
@@ -508,15 +518,18 @@ class AppDPFedAvg(DPFedAvg):
             logger.info("Initial global evaluation results: %s", metrics)
             if metrics is not None:
                 result.evaluate_metrics_serverapp[0] = metrics
-        runner = FlowerRunner(self, grid, train_config, self.cfg.round_timeout if timeout is None else timeout)
+        timeout = self.cfg.round_timeout if timeout is None else timeout
+        runner = FlowerRunner(self, self.edge, grid, train_config, timeout)
         w0 = self.layout.flatten(initial_arrays)  # type: ignore[union-attr]
+        edge = self.edge
+        assert edge is not None
 
-        def record(server_round: int, w: Vector) -> None:
-            result.arrays = self._user_arrays(w)
-            self._log_round(server_round)
-            stats = self.history[server_round]
-            dp_stats = {k: v for k, v in stats.as_metrics().items() if k != "eta"}  # eta_k: dpfedavg's own clients
-            metrics = {**self._client_metrics.pop(server_round, {}), **dp_stats}
+        def record(closed: RoundRecord) -> None:
+            server_round = closed.round
+            result.arrays = edge.arrays(closed.w)
+            self._log_round(closed.stats)
+            dp_stats = {k: v for k, v in closed.stats.as_metrics().items() if k != "eta"}  # eta_k: dpfedavg's clients
+            metrics = {**edge.client_metrics.pop(server_round, {}), **dp_stats}
             result.train_metrics_clientapp[server_round] = MetricRecord(metrics)
             self.timings[server_round] = runner.timings.pop(server_round, {})
             self._stop_if_unhealthy(server_round, result)
@@ -545,11 +558,7 @@ class AppDPFedAvg(DPFedAvg):
             f"{self.plan.accountant} accountant"
         )
 
-    def _probe_instructions(self) -> RoundInstructions:
-        return self.server.instructions(1, 1)
-
-    def _log_round(self, server_round: int) -> None:
-        stats = self.history[server_round]
+    def _log_round(self, stats: RoundStats) -> None:
         if self.server.adaptive is not None:
             clipped = f"C_k={stats.clip:.4g}, released unclipped fraction b_k={stats.frac_unclipped:.3g}"
         elif not self.server.bound.private:
@@ -571,7 +580,7 @@ class AppDPFedAvg(DPFedAvg):
         )
 
     def _stop_if_unhealthy(self, server_round: int, result: Result) -> None:
-        verdict = self.health.verdict(server_round, self.history, self._failures)
+        verdict = self.health.verdict(server_round, self.history)
         if verdict is None:
             return
         epsilon = self.epsilon if self.plan.dp else math.inf
@@ -580,24 +589,70 @@ class AppDPFedAvg(DPFedAvg):
         stop.result = result
         raise stop
 
-    # ------------------------------------------------------------------ one round
-    def _prepare_round(
-        self, server_round: int, clients: np.ndarray, instructions: RoundInstructions, config: ConfigRecord, grid: Grid
-    ) -> ConfigRecord:
+    # ------------------------------------------------------------------ Flower's hooks, round by round
+    def before_rounds(self, grid: Grid) -> None:
+        """Your app: rounds run after `start()` set the run up (`start()` runs every round; the hooks work after it
+        too). dpfedavg's own apps: the nodes discovered."""
+        if self.settings is None:
+            return super().before_rounds(grid)
+        self._require_setup()
+
+    def available(self, grid: Grid) -> list[int] | None:
+        """Your app: every SuperNode of the population is a candidate (its mechanisms do not select among them)."""
+        return super().available(grid) if self.settings is None else None
+
+    def _require_setup(self) -> None:
+        if self.server is None:
+            raise RuntimeError(
+                "DPFedAvg runs its rounds in start(grid, initial_arrays, num_rounds=...), which calibrates the noise "
+                "for num_rounds first"
+            )
+
+
+class UserArrays:
+    """What a user's app puts in a round's messages (`FlowerRunner`'s edge; dpfedavg's own apps: `FlatModel`).
+
+    The user's ``ArrayRecord`` (`ArrayLayout`: its floating arrays are ``w``), one client per SuperNode (client id
+    ``i`` is ``population[i]``, named by ``client-id`` in its message), the run's public parameters (``dp_mod``
+    computes its own noise std from them), SecAgg+ over every array, and the clients' own metrics kept per round
+    (`client_metrics`; averaged by ``num-examples`` as FedAvg does).
+    """
+
+    #: A SecAgg+ round that halted on the clients' errors counts them as failed, so that fail fast sees them.
+    secagg_errors_fail = True
+
+    def __init__(
+        self,
+        server: DPServer,
+        cfg: RunConfig,
+        layout: ArrayLayout,
+        initial: ArrayRecord,
+        population: list[int],
+        num_rounds: int,
+        rejected_metrics: dict[int, list[str]],
+    ) -> None:
+        self.server, self.cfg, self.layout, self.initial = server, cfg, layout, initial
+        self.population, self.num_rounds = population, num_rounds
+        self.newcomers: set[int] = set()
+        #: Round -> the clients' own metrics, averaged (taken by the strategy's round record).
+        self.client_metrics: dict[int, dict[str, float]] = {}
+        self.rejected_metrics = rejected_metrics
+
+    def nodes(self, server_round: int, clients: np.ndarray, grid: Grid) -> dict[int, list[int]]:
         """Map the sampled client ids to their SuperNodes (connected ones; the others are dropouts)."""
         logger.info("")
-        logger.info("[ROUND %d/%d]", server_round, self._num_rounds)
+        logger.info("[ROUND %d/%d]", server_round, self.num_rounds)
         online = set(int(n) for n in grid.get_node_ids())
-        self._sampled, offline = {}, []
+        sampled, offline = {}, []
         for client in sorted(int(c) for c in clients):
             node = self.population[client]
             if node in online:
-                self._sampled[node] = [client]
+                sampled[node] = [client]
             else:
                 offline.append(client)
-        newcomers = online - set(self.population) - self._newcomers
+        newcomers = online - set(self.population) - self.newcomers
         if newcomers:
-            self._newcomers |= newcomers
+            self.newcomers |= newcomers
             logger.warning(
                 "%d SuperNodes connected after the start (%s): they are not part of the sampled population "
                 "(n=%d), so they are never sampled",
@@ -613,114 +668,55 @@ class AppDPFedAvg(DPFedAvg):
         )
         if offline:
             logger.warning("Round %d: %d sampled clients are not connected (dropouts)", server_round, len(offline))
-        train_config = ConfigRecord(dict(config))
-        for key, value in instructions_to_config_record(instructions).items():
-            train_config[key] = value
-        for key, value in public_parameters(self.cfg).items():  # dp_mod computes its own noise std from these
-            train_config[key] = value
-        return train_config
+        return sampled
 
-    def _round_messages(self, w: Vector, train_config: ConfigRecord) -> list[Message]:
-        """One TRAIN message per sampled, connected SuperNode: the user's arrays (w_k), the config, a client id."""
-        arrays = self._user_arrays(w)
-        messages = []
-        for node in sorted(self._sampled):
-            config = ConfigRecord({**train_config, CLIENT_ID: self._sampled[node][0]})
-            record = RecordDict({ARRAYS: arrays, CONFIG: config})
-            messages.append(Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node))
-        return messages
+    def run_keys(self) -> dict[str, object]:
+        """The run's public parameters: dp_mod computes its own noise std from these."""
+        return dict(public_parameters(self.cfg))
 
-    def _finish_from_replies(self, server_round: int, replies: Iterable[Message]) -> Vector:
-        """Close the round from the replies; also keep the failures' reasons and the clients' own metrics."""
-        replies = list(replies)
-        self._failures[server_round] = [
-            msg.error.reason
-            for msg in replies
-            if msg.has_error() and msg.error.code not in UNAVAILABLE_CODES and msg.metadata.src_node_id in self._sampled
-        ]
-        self._client_metrics[server_round] = self._aggregate_client_metrics(server_round, replies)
-        w_new = super()._finish_from_replies(server_round, replies)
-        return self.layout.round_trip(w_new)  # type: ignore[union-attr]
+    def flatten(self, arrays: ArrayRecord) -> Vector:
+        return self.layout.flatten(arrays)
 
-    def _aggregate_client_metrics(self, server_round: int, replies: list[Message]) -> dict[str, float]:
+    def arrays(self, w: Vector) -> ArrayRecord:
+        return self.layout.unflatten(w, self.initial)
+
+    def node_keys(self, clients: list[int]) -> dict[str, object]:
+        return {CLIENT_ID: clients[0]}
+
+    def secagg_payload(self, w: Vector, config: ConfigRecord) -> tuple[object, ConfigRecord]:
+        """SecAgg+ with the user's arrays (all of them, in the layout's order, keys in the config) as ``FitIns``."""
+        arrays = self.arrays(w)
+        config = ConfigRecord({**config, ARRAY_KEYS: json.dumps(list(self.layout.keys))})
+        return [arrays[key].numpy() for key in self.layout.keys], config
+
+    def observe(self, server_round: int, replies: list[Message], sampled: dict[int, list[int]]) -> None:
         """The clients' own metrics of the usable replies, averaged weighted by ``num-examples`` (as FedAvg does).
 
         A client whose ``num-examples`` or a metric is not plausible is left out, with the reason logged and kept in
-        ``client_metrics_rejected`` (the rules: ``dpfedavg.flower.client_metrics``).
+        ``rejected_metrics`` (the rules: ``dpfedavg.flower.client_metrics``).
         """
-        bound = self.server.sensitivity if self.server.bound.private else float("inf")
         clients: list[tuple[str, dict[str, Any]]] = []
         for msg in replies:
             src = msg.metadata.src_node_id
-            if msg.has_error() or src not in self._sampled:
+            if msg.has_error() or src not in sampled or not self._usable(msg):
                 continue
-            try:
-                parse_train_reply(msg.content, self.server.release_dim, diagnostics=self.cfg.diagnostics, clip=bound)
-            except ValueError:
-                continue
-            clients.append((f"node {src} (client {self._sampled[src][0]})", dict(msg.content[METRICS])))
+            clients.append((f"node {src} (client {sampled[src][0]})", dict(msg.content[METRICS])))
         out, rejected = average_client_metrics(clients, NUM_EXAMPLES, skip=frozenset({UPDATE_NORM, PARTITION_ID}))
         for reason in rejected:
             logger.warning("Round %d: clients' metrics: %s", server_round, reason)
         if rejected:
-            self.client_metrics_rejected[server_round] = rejected
-        return out
+            self.rejected_metrics[server_round] = rejected
+        self.client_metrics[server_round] = out
 
-    # ------------------------------------------------------------------ secure aggregation
-    def _run_secure_aggregation(
-        self, server_round: int, w: Vector, train_config: ConfigRecord, grid: Grid, timeout: float
-    ) -> SecureSum:
-        """SecAgg+ with the user's arrays (all of them, in the layout's order, keys in the config) as ``FitIns``."""
-        arrays = self._user_arrays(w)
-        assert self.layout is not None
-        config = ConfigRecord({**train_config, ARRAY_KEYS: json.dumps(list(self.layout.keys))})
-        payload = [arrays[key].numpy() for key in self.layout.keys]
-        return super()._run_secure_aggregation(server_round, payload, config, grid, timeout)  # type: ignore[arg-type]
+    def _usable(self, msg: Message) -> bool:
+        server = self.server
+        bound = server.sensitivity if server.bound.private else float("inf")
+        try:
+            parse_train_reply(msg.content, server.release_dim, diagnostics=self.cfg.diagnostics, clip=bound)
+        except ValueError:
+            return False
+        return True
 
-    def _aggregate_secure(self, server_round: int, outcome: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
-        """Close a SecAgg+ round; a round that halted on the clients' errors counts them as failed (fail fast)."""
-        arrays, metrics = super()._aggregate_secure(server_round, outcome)
-        failed = [e for e in outcome.errors if e != HALTED]
-        stats = self.history[server_round]
-        if outcome.total is None and failed:
-            stats.num_failed = min(stats.num_sampled, len(failed))
-            stats.num_dropped = stats.num_sampled - stats.num_failed
-            self._failures[server_round] = failed
-        w = self.layout.round_trip(arrays[next(iter(arrays))].numpy())  # type: ignore[union-attr]
-        return to_array_record(w), metrics
 
-    # ------------------------------------------------------------------ Flower's hooks, round by round
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Flower's hook on the user's arrays (after `start()` set the run up; `start()` runs every round)."""
-        self._require_setup()
-        if self.cfg.secure_aggregation:
-            raise RuntimeError("secure-aggregation rounds run through Flower's SecAgg+ workflow: use start()")
-        opened = self.server.begin_round(server_round, self.layout.flatten(arrays))  # type: ignore[union-attr]
-        if opened.closed:
-            assert opened.w is not None
-            self._closed[server_round] = opened.w
-            return []
-        assert opened.instructions is not None
-        train_config = self._prepare_round(server_round, opened.clients, opened.instructions, config, grid)
-        w = self.layout.flatten(arrays)  # type: ignore[union-attr]
-        return self._round_messages(w, train_config) if self._sampled else []
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Flower's hook: the user's arrays for ``w_{k+1}`` and the round's statistics."""
-        self._require_setup()
-        if server_round in self._closed:
-            w = self._closed.pop(server_round)
-        else:
-            w = self._finish_from_replies(server_round, replies)
-        return self._user_arrays(w), MetricRecord(self.history[server_round].as_metrics())
-
-    def _require_setup(self) -> None:
-        if self.server is None:
-            raise RuntimeError(
-                "DPFedAvg runs its rounds in start(grid, initial_arrays, num_rounds=...), which calibrates the noise "
-                "for num_rounds first"
-            )
+#: The name the docs used for `DPFedAvg` built from keywords: the same class.
+AppDPFedAvg = DPFedAvg

@@ -3,7 +3,8 @@
 The message-level checks are `dpfedavg.flower.protocol`'s (`parse_train_reply()`
 for a SuperNode that is one client, `parse_block_reply()` for a SuperNode
 hosting a block of virtual clients); this module turns the replies of one round into per-client
-results and counts for `dpfedavg.server.dp_server.DPServer.finish_round()`:
+results, counts and reasons, one frozen `dpfedavg.server.round.RoundReplies` for
+`dpfedavg.server.dp_server.DPServer.close_round()`:
 
 * a reply that passes the checks: one `ClientResult` per client;
 * a malformed update (any record type in any place, dtype, shape, NaN/Inf, bytes that do not parse, a list
@@ -37,8 +38,9 @@ from flwr.common.constant import ErrorCode
 from dpfedavg.core.types import ClientResult
 from dpfedavg.flower.protocol import REFUSED, parse_block_reply, parse_train_reply
 from dpfedavg.privacy.plausibility import ReplyLimits
+from dpfedavg.server.round import RoundReplies
 
-__all__ = ["RoundReplies", "collect_replies"]
+__all__ = ["collect_replies"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,8 @@ UNAVAILABLE_CODES = frozenset({ErrorCode.NODE_UNAVAILABLE, ErrorCode.REPLY_MESSA
 
 
 @dataclass
-class RoundReplies:
-    """The round's per-client outcome: results in ascending client id, failure and rejection counts."""
+class _Collected:
+    """The round's per-client outcome while it is read (frozen into `RoundReplies` at the end)."""
 
     results: list[ClientResult] = field(default_factory=list)
     num_failed: int = 0
@@ -87,7 +89,7 @@ def collect_replies(
     limits:
         The plausibility bounds of one client's ``g + zeta`` (``None`` without a sensitivity bound).
     """
-    out = RoundReplies()
+    out = _Collected()
     replied: set[int] = set()
     unavailable = 0
     for msg in replies:
@@ -129,11 +131,18 @@ def collect_replies(
     if unavailable:
         logger.warning("Round %d: %d sampled nodes became unavailable (dropouts)", server_round, unavailable)
     out.results.sort(key=lambda result: result.client_id)  # fixed summation order
-    return out
+    return RoundReplies(
+        tuple(out.results),
+        num_failed=out.num_failed,
+        num_rejected=out.num_rejected,
+        num_unexpected=out.num_unexpected,
+        failed_reasons=tuple(out.failures),
+        rejected_reasons=tuple(out.reasons),
+    )
 
 
 def _take(
-    out: RoundReplies,
+    out: _Collected,
     server_round: int,
     msg: Message,
     clients: Sequence[int],
@@ -184,13 +193,13 @@ def _take(
         )
 
 
-def _reject(out: RoundReplies, server_round: int, node: int, reason: str, count: int) -> None:
+def _reject(out: _Collected, server_round: int, node: int, reason: str, count: int) -> None:
     out.num_rejected += count
     out.reasons.append(reason)
     logger.warning("Round %d: rejected reply from node %d: %s", server_round, node, reason)
 
 
-def _reject_unexpected(out: RoundReplies, server_round: int, node: int, reason: str) -> None:
+def _reject_unexpected(out: _Collected, server_round: int, node: int, reason: str) -> None:
     out.num_unexpected += 1
     out.reasons.append(reason)
     logger.warning("Round %d: rejected reply from node %d: %s", server_round, node, reason)

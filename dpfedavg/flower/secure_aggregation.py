@@ -138,19 +138,26 @@ class _SecAggPlus(SecAggPlusWorkflow):
     in every stage and checks the exact sum).
     """
 
-    #: The error replies and exceptions of the last round's stages (Flower keeps them in its own state).
+    #: The error replies and exceptions of the last round's stages before unmasking (Flower keeps them in the
+    #: workflow's state, which it does not return): read after each of those stages, through its public method.
     failures: list[str] = []
 
-    def _check_threshold(self, state) -> bool:  # noqa: ANN001 - Flower's signature; called after every stage
+    def _kept(self, state, ok: bool) -> bool:  # noqa: ANN001 - Flower's WorkflowState
         self.failures = [str(f) for f in state.failures]
-        return super()._check_threshold(state)
+        return ok
+
+    def setup_stage(self, grid, context, state) -> bool:  # noqa: ANN001 - Flower's signature
+        return self._kept(state, super().setup_stage(grid, context, state))
 
     def share_keys_stage(self, grid, context, state) -> bool:  # noqa: ANN001 - Flower's signature
-        ok = super().share_keys_stage(grid, context, state)
+        ok = self._kept(state, super().share_keys_stage(grid, context, state))
         shared = set(state.active_node_ids)
         state.sampled_node_ids = shared
         state.nid_to_neighbours = {nid: nbrs & shared for nid, nbrs in state.nid_to_neighbours.items() if nid in shared}
         return ok
+
+    def collect_masked_vectors_stage(self, grid, context, state) -> bool:  # noqa: ANN001 - Flower's signature
+        return self._kept(state, super().collect_masked_vectors_stage(grid, context, state))
 
 
 def workflow_for(

@@ -9,16 +9,16 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from dpfedavg.config import ConfigError, RunConfig
-from dpfedavg.core.types import Vector
+from dpfedavg.engines.batched import recording
 from dpfedavg.errors import ResultsError
 from dpfedavg.flower.federation import FederationError
 from dpfedavg.flower.protocol import from_array_record, to_array_record
 from dpfedavg.flower.runtime import setup_app_process
-from dpfedavg.flower.strategy import DPFedAvg
+from dpfedavg.flower.strategy import RunStrategy
 from dpfedavg.io.results import check_output_dir
-from dpfedavg.privacy.plan import PrivacyPlan
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.health import TrainingStopped
-from dpfedavg.server.run import plan_for, prepare_run
+from dpfedavg.server.run import prepare_run
 from dpfedavg.server.session import RunResult, check_run_directory
 from dpfedavg.tasks import resolve_task
 from dpfedavg.tasks.errors import DataUnavailableError
@@ -28,54 +28,39 @@ logger = logging.getLogger(__name__)
 app = ServerApp()
 
 
-def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", plan: PrivacyPlan | None = None) -> RunResult:
+def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", setup: PrivacySetup | None = None) -> RunResult:
     """Train with the Flower strategy on ``grid`` and write results (`dpfedavg.server.run.prepare_run()`).
 
     Raises `ConfigError` (from the task, the privacy plan or the server) before anything is written, and
     `TrainingStopped` (after the results are written) when the run stopped
     because its clients' replies were unusable.
     """
-    prepared = prepare_run(cfg, plan=plan, run_id=run_id, engine="flower", inserts_canaries=True)
+    prepared = prepare_run(cfg, setup=setup, run_id=run_id, engine="flower", inserts_canaries=True)
     session, canaries = prepared.session, prepared.canaries
-    strategy = DPFedAvg(
+    strategy = RunStrategy(
         cfg, server=prepared.server, canaries=canaries.inserted_directions if canaries is not None else None
     )
     session.description["privacy"]["reply_checks"] = strategy.describe_reply_checks()
-    on_round_end, scores = session.end_round, None
-    if canaries is not None:  # the canary audit (scipy.stats only for such runs)
-        from dpfedavg.engines.audit import canary_scores, log_interim_audit
-
-        scores = canary_scores(session, canaries, prepared.w)
-
-        def on_round_end(server_round: int, w: Vector) -> dict[str, float]:
-            scores.observe(w)
-            metrics = session.end_round(server_round, w)
-            log_interim_audit(session, scores, server_round)
-            return metrics
-
+    recorder = recording(session, canaries, prepared.w)  # the session, or the canary audit around it
     result = strategy.start(
         grid=grid,
         initial_arrays=to_array_record(prepared.w),
         first_round=prepared.first_round,
-        on_round_end=on_round_end,
+        on_round_end=recorder.end_round,
     )
     w_final = from_array_record(result.arrays) if result.arrays is not None else prepared.w
     session.description["timing"] = timing_summary(strategy)
     failed = strategy.failed
-    finish = dict(stopped_before_round=strategy.stopped_before_round, failed=str(failed) if failed else None)
-    if scores is not None:
-        from dpfedavg.engines.audit import finish_audited
-
-        outcome = finish_audited(session, scores, w_final, **finish)
-    else:
-        outcome = session.finish(w_final, **finish)
+    outcome = recorder.finish(
+        w_final, stopped_before_round=strategy.stopped_before_round, failed=str(failed) if failed else None
+    )
     if failed is not None:
         failed.result = outcome
         raise failed
     return outcome
 
 
-def timing_summary(strategy: DPFedAvg) -> dict[str, float | None]:
+def timing_summary(strategy: RunStrategy) -> dict[str, float | None]:
     """Median seconds per round in each phase, and the discovery time (for ``config.json``)."""
     out: dict[str, float | None] = {"discovery_s": strategy.discovery_seconds}
     if strategy.timings:
@@ -93,12 +78,12 @@ def main(grid: Grid, context: Context) -> None:
         check_output_dir(cfg.output_dir, cfg.run_name)  # a read-only output-dir: one error, not a traceback later
         check_run_directory(cfg)  # a reused run-name: one error before the calibration
         resolve_task(cfg.task)  # a misspelled task: one error before the calibration
-        plan = plan_for(cfg)
+        setup = PrivacySetup.resolve(cfg)
     except ConfigError as err:
         logger.error("%s", err)
         return
     try:
-        run(grid, cfg, run_id=context.run_id, plan=plan)
+        run(grid, cfg, run_id=context.run_id, setup=setup)
     except FederationError as err:
         logger.error("federation does not match the run: %s", err)
     except (ConfigError, DataUnavailableError, ResultsError, TrainingStopped) as err:

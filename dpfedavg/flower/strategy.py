@@ -1,6 +1,6 @@
 """DP-FedAvg / DP-NormFedAvg as a Flower (Message API) strategy.
 
-`DPFedAvg` implements Flower's public `Strategy`
+`RunStrategy` (the public `dpfedavg.DPFedAvg`) implements Flower's public `Strategy`
 hooks. It differs from Flower's ``FedAvg`` where FedAvg is wrong for user-level DP:
 
 * sampling: ``FedAvg`` draws a fixed-size ``random.sample`` of nodes; Alg. 1
@@ -20,9 +20,11 @@ hands the checked results to the server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -42,7 +44,7 @@ from dpfedavg.flower.protocol import (
     to_array_record,
 )
 from dpfedavg.flower.replies import collect_replies
-from dpfedavg.flower.secure_aggregation import SecureSum, secure_sum, workflow_for
+from dpfedavg.flower.secure_aggregation import HALTED, SecureSum, secure_sum, workflow_for
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.privacy.plausibility import (
@@ -51,11 +53,13 @@ from dpfedavg.privacy.plausibility import (
     false_rejection_probability,
     reply_limits,
 )
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, TrainingStopped
 from dpfedavg.server.loop import run_rounds
+from dpfedavg.server.round import RoundRecord, RoundReplies
 
-__all__ = ["DPFedAvg", "FlowerRunner", "log_privacy_plan"]
+__all__ = ["FlatModel", "FlowerRunner", "RunStrategy", "log_privacy_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +84,12 @@ def log_privacy_plan(cfg: RunConfig, plan: PrivacyPlan, sigma: float) -> None:
         logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
 
 
-class DPFedAvg(Strategy):
+class RunStrategy(Strategy):
     """DP-FedAvg (``algorithm='clip'``, Alg. 1), DP-NormFedAvg (``'norm'``, Alg. 2) or FedAvg (``'none'``).
 
-    This class runs dpfedavg's own ServerApp and ClientApp (a flat model ``w``). The public
-    `dpfedavg.DPFedAvg` (`app_strategy`) is this class, plus its keyword form for *your* app.
+    The Flower strategy of dpfedavg's own ServerApp and ClientApp (a flat model ``w``). The one public class,
+    `dpfedavg.DPFedAvg` (`dpfedavg.flower.app_strategy.DPFedAvg`), is this strategy built from ``(cfg, dim)``,
+    or from keywords for *your* app.
 
     Parameters
     ----------
@@ -93,11 +98,11 @@ class DPFedAvg(Strategy):
         C, z, seed, ...).
     dim:
         Length of the flat model vector ``w``.
-    plan:
-        The privacy plan; calibrated from ``cfg`` when omitted.
+    setup:
+        The run's privacy set-up (`dpfedavg.privacy.setup.PrivacySetup`); resolved from ``cfg`` when omitted.
     server:
         The server state to drive (`dpfedavg.server.run.prepare_run()` builds it); built from ``cfg``,
-        ``dim`` and ``plan`` when omitted.
+        ``dim`` and ``setup`` when omitted.
     sleep:
         Injected for tests: how to wait between polls of the Grid.
     """
@@ -106,15 +111,13 @@ class DPFedAvg(Strategy):
     #: server computes their ``g + zeta`` (``dpfedavg.core.canaries``), no node hosts them. ``None``: no canary
     #: (always for the strategy on a user's own app, whose constructor does not take them).
     canaries: np.ndarray | None = None
-    _canary_ids: np.ndarray = np.zeros(0, dtype=np.int64)  # this round's sampled canaries
-    _instructions: RoundInstructions | None = None  # this round's instructions (the canaries follow them too)
 
     def __init__(
         self,
         cfg: RunConfig,
         dim: int | None = None,
         *,
-        plan: PrivacyPlan | None = None,
+        setup: PrivacySetup | None = None,
         server: DPServer | None = None,
         sleep: Callable[[float], None] = time.sleep,
         canaries: np.ndarray | None = None,
@@ -122,7 +125,7 @@ class DPFedAvg(Strategy):
         if server is None:
             if dim is None:
                 raise TypeError("DPFedAvg needs dim (the model's length) or a server")
-            server = DPServer(cfg, dim, plan=plan)
+            server = DPServer(cfg, dim, setup=setup)
         self.cfg = cfg
         self.dim = server.dim
         #: The server state and math (shared with the batched engine).
@@ -133,8 +136,10 @@ class DPFedAvg(Strategy):
         self.stopped_before_round: int | None = None
         #: Why the run stopped when its replies were unusable (fail fast: `dpfedavg.server.health`), or None.
         self.failed: TrainingStopped | None = None
-        self._sampled: dict[int, list[int]] = {}  # node id -> its sampled clients (ascending), this round
-        self._closed: dict[int, Vector] = {}  # w_{k+1} of rounds a rule closed in configure_train
+        #: What travels in a round's messages (the flat model; a user's app passes its arrays).
+        self.edge: FlatModel | Any = FlatModel(cfg, self.federation)
+        self._closed: dict[int, RoundRecord] = {}  # rounds a rule closed in configure_train
+        self._hook_runner: FlowerRunner | None = None  # the runner of configure_train / aggregate_train
         self.canaries = canaries
         #: Wall seconds per round spent in our code (configure, aggregate, evaluate) and waiting on
         #: Flower (``grid.send_and_receive``: delivery, the ClientApps, replies), by round.
@@ -156,7 +161,7 @@ class DPFedAvg(Strategy):
         )
 
     @property
-    def history(self) -> dict[int, RoundStats]:
+    def history(self) -> Mapping[int, RoundStats]:
         """Per-round statistics, by 1-based round."""
         return self.server.history
 
@@ -277,6 +282,15 @@ class DPFedAvg(Strategy):
         return self.federation.discover(grid, timeout)
 
     # -------------------------------------------------------------- training
+    def before_rounds(self, grid: Grid) -> None:
+        """What must hold before a round is opened: the nodes discovered (`discover_clients()`)."""
+        if not self.federation.node_of_partition:
+            self.discover_clients(grid)
+
+    def available(self, grid: Grid) -> list[int] | None:
+        """The connected clients, for a noise mechanism whose cohort depends on them."""
+        return self.federation.connected_clients(grid)
+
     def start(  # type: ignore[override]
         self,
         grid: Grid,
@@ -288,7 +302,7 @@ class DPFedAvg(Strategy):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         *,
         first_round: int = 1,
-        on_round_end: Callable[[int, Vector], object] | None = None,
+        on_round_end: Callable[[RoundRecord], object] | None = None,
     ) -> Result:
         """Discover the clients, then run rounds ``first_round .. K`` through `dpfedavg.server.loop.run_rounds()`.
 
@@ -297,9 +311,9 @@ class DPFedAvg(Strategy):
         ``grid.send_and_receive`` with the round timeout, aggregate_train; or Flower's SecAgg+ workflow
         (`secure_aggregation`), in which the server gets the sum of the sampled clients' updates,
         never one of them. No client-side evaluation. ``evaluate_fn(k, arrays)`` (Flower's server-side
-        evaluation) and then ``on_round_end(k, w_k)`` (recording: metrics.csv, checkpoint) are called
-        after every round (not for round 0: the caller records the initial model); ``first_round > 1``
-        continues a resumed run.
+        evaluation) and then ``on_round_end(record)`` (the closed `RoundRecord`; recording: metrics.csv,
+        checkpoint) are called after every round (not for round 0: the caller records the initial model);
+        ``first_round > 1`` continues a resumed run.
 
         If the privacy budget (``max-epsilon``) would be exceeded by the next round, the loop stops
         before that round and the result holds the last model; `stopped_before_round` says which
@@ -310,24 +324,24 @@ class DPFedAvg(Strategy):
             raise ValueError(f"num_rounds={num_rounds} differs from the config's num-rounds={self.cfg.num_rounds}")
         if not 1 <= first_round <= self.cfg.num_rounds + 1:  # num-rounds + 1: a resumed run that only finishes
             raise ValueError(f"first_round={first_round} is outside 1..num-rounds + 1 = {self.cfg.num_rounds + 1}")
-        if not self.federation.node_of_partition:
-            self.discover_clients(grid)
-        logger.info("Starting %s strategy:", type(self).__name__)
+        self.before_rounds(grid)
+        logger.info("Starting DPFedAvg strategy:")
         self.summary()
         timeout = self.cfg.round_timeout if timeout is None else timeout
-        runner = FlowerRunner(self, grid, ConfigRecord() if train_config is None else train_config, timeout)
+        runner = FlowerRunner(self, self.edge, grid, ConfigRecord() if train_config is None else train_config, timeout)
         result = Result(arrays=initial_arrays)
 
-        def record(server_round: int, w: Vector) -> None:
+        def record(closed: RoundRecord) -> None:
+            server_round, w = closed.round, closed.w
             arrays = result.arrays = to_array_record(w)
-            result.train_metrics_clientapp[server_round] = MetricRecord(self.history[server_round].as_metrics())
+            result.train_metrics_clientapp[server_round] = MetricRecord(closed.stats.as_metrics())
             clock = time.perf_counter()
             if evaluate_fn is not None:
                 metrics = evaluate_fn(server_round, arrays)
                 if metrics is not None:
                     result.evaluate_metrics_serverapp[server_round] = metrics
             if on_round_end is not None:
-                on_round_end(server_round, w)
+                on_round_end(closed)
             self.timings[server_round] = {
                 **runner.timings.pop(server_round, dict.fromkeys(FlowerRunner.PHASES, 0.0)),
                 "evaluate_and_record_s": time.perf_counter() - clock,
@@ -342,7 +356,7 @@ class DPFedAvg(Strategy):
             rounds,
             on_round_end=record,
             health=health,
-            available=lambda: self.federation.connected_clients(grid),
+            available=lambda: self.available(grid),
         )
         self.failed = loop.failed
         self.stopped_before_round = loop.stopped_before_round
@@ -358,123 +372,19 @@ class DPFedAvg(Strategy):
         rule closed at once (secure aggregation with fewer than two clients) sends nothing, and
         `aggregate_train()` then returns its model. Secure-aggregation rounds run only in `start()`.
         """
+        self.before_rounds(grid)
         if self.cfg.secure_aggregation:
             raise RuntimeError("secure-aggregation rounds run through Flower's SecAgg+ workflow: use start()")
-        if not self.federation.node_of_partition:
-            self.discover_clients(grid)
-        connected = (
-            self.federation.connected_clients(grid) if self.server.round_mechanism.selects_from_available else None
-        )
-        start = self.server.begin_round(server_round, from_array_record(arrays), connected)
+        w = self.edge.flatten(arrays)
+        connected = self.available(grid) if self.server.round_mechanism.selects_from_available else None
+        start = self.server.begin_round(server_round, w, connected)
         if start.closed:
-            assert start.w is not None
-            self._closed[server_round] = start.w
+            assert start.record is not None
+            self._closed[server_round] = start.record
             return []
         assert start.instructions is not None
-        train_config = self._prepare_round(server_round, start.clients, start.instructions, config, grid)
-        return self._train_messages(arrays, train_config)
-
-    def _train_messages(self, arrays: ArrayRecord, train_config: ConfigRecord) -> list[Message]:
-        """One TRAIN message per node with sampled, connected clients (ascending node id): ``w_k``, the train config.
-
-        A node hosting virtual clients also gets the ids of its sampled clients (``client-ids``).
-        """
-        if self.cfg.clients_per_node == 1:
-            record = RecordDict({ARRAYS: arrays, CONFIG: train_config})
-            return [
-                Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node)
-                for node in sorted(self._sampled)
-            ]
-        messages = []
-        for node in sorted(self._sampled):
-            config = ConfigRecord({**train_config, CLIENT_IDS: self._sampled[node]})
-            record = RecordDict({ARRAYS: arrays, CONFIG: config})
-            messages.append(Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node))
-        return messages
-
-    def _prepare_round(
-        self, server_round: int, clients: np.ndarray, instructions: RoundInstructions, config: ConfigRecord, grid: Grid
-    ) -> ConfigRecord:
-        """Map the round's sampled clients to connected nodes; the round's train config.
-
-        Fills ``self._sampled`` (node id -> its sampled clients) with the sampled
-        clients whose node is connected; the others are dropouts.
-        """
-        if self.canaries is not None:  # the canaries are computed here; the nodes host the n real clients
-            n = self.cfg.num_clients
-            self._canary_ids, clients = clients[clients >= n], clients[clients < n]
-            self._instructions = instructions
-        online = set(grid.get_node_ids())
-        known = self.federation.partition_of_node
-        if online - set(known):
-            self.federation.learn_new_nodes(grid, sorted(online - set(known)))
-        self._sampled, offline = self.federation.group_by_node(clients, online)
-        if offline:
-            # Sampling stays over all n clients with q = r/n (the accountant's n); a sampled client
-            # that is not connected cannot take part: it is a dropout, and nothing is sent to it.
-            logger.warning(
-                "Round %d: %d sampled clients are not connected (dropouts): %s",
-                server_round,
-                len(offline),
-                offline[:10],
-            )
-        train_config = ConfigRecord(dict(config))
-        for key, value in instructions_to_config_record(instructions).items():
-            train_config[key] = value
-        return train_config
-
-    # ------------------------------------------------- secure aggregation
-    def _run_secure_aggregation(
-        self, server_round: int, w: Vector, train_config: ConfigRecord, grid: Grid, timeout: float
-    ) -> SecureSum:
-        """SecAgg+ over this round's sampled, connected clients (see `secure_aggregation`)."""
-        secagg_grid = self.server.secagg_grid(self.history[server_round].num_sampled)
-        assert secagg_grid is not None  # secure-aggregation is on
-        stage_timeout = self.cfg.secagg_timeout or timeout
-        workflow = workflow_for(
-            secagg_grid,
-            self.cfg.secagg_num_shares,
-            self.cfg.secagg_reconstruction_threshold,
-            stage_timeout,
-            len(self._sampled),
-        )
-        return secure_sum(
-            grid, workflow, server_round, w, train_config, sorted(self._sampled), len(set(grid.get_node_ids()))
-        )
-
-    def _aggregate_secure(self, server_round: int, outcome: SecureSum) -> tuple[ArrayRecord, MetricRecord]:
-        """Close a SecAgg+ round: aggregate its sum, or skip it if the protocol halted."""
-        refused = {nid: why for nid, why in outcome.refused.items() if nid in self._sampled}
-        for nid, why in sorted(refused.items()):
-            logger.warning("Round %d: rejected reply from node %d: node %d refused the round: %s", server_round, nid,
-                           nid, why)  # fmt: skip
-        for reason in outcome.errors:
-            if not any(why in reason for why in refused.values()):
-                logger.warning("Round %d: secure aggregation: %s", server_round, reason[:300])
-        stats = self.history[server_round]
-        stats.rejected_reasons.extend(f"node {nid} refused the round: {why}" for nid, why in sorted(refused.items()))
-        rejected = sum(len(self._sampled[nid]) for nid in refused)
-        if outcome.total is None:
-            w_new = self.server.skip_round(
-                server_round, "; ".join(outcome.errors) or "SecAgg+ halted", num_rejected=rejected
-            )
-        else:
-            unknown = [nid for nid in outcome.contributors if nid not in self._sampled]
-            if unknown:
-                raise RuntimeError(f"SecAgg+ summed nodes that were not sampled: {unknown[:5]}")
-            # one client's masked vector can move the sum anywhere in the modular range: a sum no N honest
-            # clients produce (except w.p. < p) is not used; the round releases the server's noise only
-            limits = self.reply_limits(stats.num_sampled, clients=len(outcome.contributors))
-            reason = limits.violation(outcome.total) if limits is not None else None
-            if reason is not None:
-                reason = f"the secure sum of {len(outcome.contributors)} clients is {reason}"
-                stats.rejected_reasons.append(reason)
-                w_new = self.server.skip_round(server_round, reason, num_rejected=rejected)
-            else:
-                w_new = self.server.finish_round_sum(
-                    server_round, outcome.total, len(outcome.contributors), num_rejected=rejected
-                )
-        return to_array_record(w_new), MetricRecord(self.history[server_round].as_metrics())
+        self._hook_runner = FlowerRunner(self, self.edge, grid, config, self.cfg.round_timeout)
+        return self._hook_runner.messages(server_round, start.clients, w, start.instructions)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -495,87 +405,222 @@ class DPFedAvg(Strategy):
         server_round: int,
         replies: Iterable[Message],
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Check the replies client by client (`replies.collect_replies()`), then let the server aggregate.
+        """Check the replies client by client (`replies.collect_replies()`), then let the server close the round.
 
         The server divides by the fixed r, applies momentum and charges the accountant; every sampled
         client that is neither received, failed nor rejected is a dropout. A reply from a node that was not
         sampled (or a second one) is counted in ``num_rejected`` besides, with its reason: it hides no dropout.
         """
-        if server_round in self._closed:  # closed by a rule in configure_train
-            metrics = MetricRecord(self.history[server_round].as_metrics())
-            return to_array_record(self._closed.pop(server_round)), metrics
-        w_new = self._finish_from_replies(server_round, replies)
-        return to_array_record(w_new), MetricRecord(self.history[server_round].as_metrics())
+        record = self._closed.pop(server_round, None)
+        if record is None:
+            if self._hook_runner is None:
+                raise RuntimeError(f"aggregate_train({server_round}) without configure_train({server_round})")
+            record = self.server.close_round(server_round, self._hook_runner.replies(server_round, replies))
+        return self.edge.arrays(record.w), MetricRecord(record.stats.as_metrics())
 
-    def _finish_from_replies(self, server_round: int, replies: Iterable[Message]) -> Vector:
-        """Check the round's replies client by client and close the round on the server; ``w_{k+1}``."""
-        # the bound of this round's vectors (C, or C_aug with adaptive-clip's count coordinate)
-        bound = self.server.sensitivity if self.server.bound.private else float("inf")
-        checked = collect_replies(
-            server_round,
-            replies,
-            self._sampled,
-            dim=self.server.release_dim,
-            diagnostics=self.cfg.diagnostics,
-            clip=bound,
-            block=self.cfg.clients_per_node > 1,
-            limits=self.reply_limits(self.history[server_round].num_sampled),
-        )
-        results = checked.results
-        if self.canaries is not None and len(self._canary_ids):
-            assert self._instructions is not None
-            canaries = canary_results(self.canaries, self._canary_ids, self.cfg.num_clients, self._instructions)
-            results = sorted([*results, *canaries], key=lambda result: result.client_id)
-        w_new = self.server.finish_round(
-            server_round, results, num_failed=checked.num_failed, num_rejected=checked.num_rejected
-        )
-        # the server counted the dropouts among the sampled clients; the replies nobody asked for are rejected too
-        self.history[server_round].num_rejected += checked.num_unexpected
-        self.history[server_round].rejected_reasons.extend(checked.reasons)
-        self.history[server_round].failed_reasons.extend(checked.failures)
-        return w_new
 
-    def _round_messages(self, w: Vector, train_config: ConfigRecord) -> list[Message]:
-        """The round's TRAIN messages for the model ``w_k`` (see `_train_messages()`)."""
-        return self._train_messages(to_array_record(w), train_config)
+class FlatModel:
+    """What dpfedavg's own apps put in a round's messages: the flat model ``w``, the run's nodes (`Federation`).
+
+    The `FlowerRunner` owns the steps of a Flower round; this object (or the user's app's,
+    `dpfedavg.flower.app_strategy.UserArrays`) says what travels: which connected node hosts each sampled client,
+    the model's arrays, the keys each node's message adds (the ids of its sampled clients when it hosts several)
+    and the SecAgg+ payload.
+    """
+
+    #: A SecAgg+ round that halted on the clients' errors counts them as failed (fail fast); dpfedavg's own
+    #: clients' errors are dropouts of the protocol.
+    secagg_errors_fail = False
+
+    def __init__(self, cfg: RunConfig, federation: Federation) -> None:
+        self.cfg, self.federation = cfg, federation
+
+    def nodes(self, server_round: int, clients: np.ndarray, grid: Grid) -> dict[int, list[int]]:
+        """Node id -> its sampled clients (ascending), for the sampled clients whose node is connected.
+
+        The others are dropouts (logged): sampling stays over all n clients with q = r/n (the accountant's n).
+        """
+        online = set(grid.get_node_ids())
+        known = self.federation.partition_of_node
+        if online - set(known):
+            self.federation.learn_new_nodes(grid, sorted(online - set(known)))
+        sampled, offline = self.federation.group_by_node(clients, online)
+        if offline:
+            logger.warning(
+                "Round %d: %d sampled clients are not connected (dropouts): %s",
+                server_round,
+                len(offline),
+                offline[:10],
+            )
+        return sampled
+
+    def run_keys(self) -> dict[str, object]:
+        """Keys every message of the run carries besides the round's instructions (none here)."""
+        return {}
+
+    def flatten(self, arrays: ArrayRecord) -> Vector:
+        return from_array_record(arrays)
+
+    def arrays(self, w: Vector) -> ArrayRecord:
+        return to_array_record(w)
+
+    def node_keys(self, clients: list[int]) -> dict[str, object]:
+        """A node hosting virtual clients gets the ids of its sampled clients (``client-ids``)."""
+        return {} if self.cfg.clients_per_node == 1 else {CLIENT_IDS: clients}
+
+    def secagg_payload(self, w: Vector, config: ConfigRecord) -> tuple[object, ConfigRecord]:
+        return w, config
+
+    def observe(self, server_round: int, replies: list[Message], sampled: dict[int, list[int]]) -> None:
+        """Nothing to keep from the replies besides what the server sums."""
 
 
 class FlowerRunner:
-    """The Flower engine's `ClientRunner`: the round through Flower's Grid.
+    """The Flower engine's `ClientRunner`: the steps of a round through Flower's Grid.
 
-    Without secure aggregation: one TRAIN message per node with sampled, connected clients, ``send_and_receive``
-    with the round timeout, then `DPFedAvg.aggregate_train()` (reply checks, per-client results to
-    the server). With it: Flower's SecAgg+ workflow, then the server gets the sum. Records the seconds
-    of each phase per round in `timings`.
+    Without secure aggregation: one TRAIN message per node with sampled, connected clients (`messages()`),
+    ``send_and_receive`` with the round timeout, then the replies checked client by client (`replies()`). With
+    it: Flower's SecAgg+ workflow, then the sum (`secure_replies()`). What travels is the ``edge`` it is given
+    (`FlatModel`, or a user's app's `dpfedavg.flower.app_strategy.UserArrays`); the ``strategy`` gives the server,
+    the config, the reply checks' bounds (`RunStrategy.reply_limits()`) and the inserted canaries. Returns the
+    round's `RoundReplies`; the loop closes the round. Records the seconds of each phase per round in `timings`.
     """
 
     PHASES = ("configure_s", "send_and_receive_s", "aggregate_s")
 
-    def __init__(self, strategy: DPFedAvg, grid: Grid, train_config: ConfigRecord, timeout: float) -> None:
-        self.strategy, self.grid, self.train_config, self.timeout = strategy, grid, train_config, timeout
+    def __init__(
+        self, strategy: RunStrategy, edge: Any, grid: Grid, train_config: ConfigRecord, timeout: float
+    ) -> None:
+        self.strategy, self.edge, self.grid = strategy, edge, grid
+        self.train_config, self.timeout = train_config, timeout
+        self.server, self.cfg = strategy.server, strategy.cfg
         self.timings: dict[int, dict[str, float]] = {}
+        #: This round's: node id -> its sampled, connected clients; the cohort's size; the train config.
+        self.sampled: dict[int, list[int]] = {}
+        self.num_sampled = 0
+        self.config = ConfigRecord()
+        self._canary_ids: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._instructions: RoundInstructions | None = None
 
-    def run_round(
-        self, server: DPServer, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions
-    ) -> Vector:
-        strategy = self.strategy
-        assert server is strategy.server
+    def run_round(self, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions) -> RoundReplies:
         clock = time.perf_counter()
-        train_config = strategy._prepare_round(server_round, clients, ins, self.train_config, self.grid)
-        if strategy.cfg.secure_aggregation:
+        messages = self.messages(server_round, clients, w, ins)
+        if self.cfg.secure_aggregation:
             t_configure = time.perf_counter()
-            outcome = strategy._run_secure_aggregation(server_round, w, train_config, self.grid, self.timeout)
+            outcome = self._secure_sum(server_round, w)
             t_wait = time.perf_counter()
-            w_new = from_array_record(strategy._aggregate_secure(server_round, outcome)[0])
+            replies = self.secure_replies(server_round, outcome)
         else:
-            messages = strategy._round_messages(w, train_config) if strategy._sampled else []
             t_configure = time.perf_counter()
-            replies = list(self.grid.send_and_receive(messages, timeout=self.timeout)) if messages else []
+            received = list(self.grid.send_and_receive(messages, timeout=self.timeout)) if messages else []
             t_wait = time.perf_counter()
-            w_new = strategy._finish_from_replies(server_round, replies)
+            replies = self.replies(server_round, received)
         self.timings[server_round] = {
             "configure_s": t_configure - clock,
             "send_and_receive_s": t_wait - t_configure,
             "aggregate_s": time.perf_counter() - t_wait,
         }
-        return w_new
+        return replies
+
+    def messages(self, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions) -> list[Message]:
+        """Map the round's sampled clients to connected nodes; one TRAIN message per node (ascending node id).
+
+        Each carries ``w_k`` (the edge's arrays) and the train config: the caller's, the round's instructions, the
+        edge's run keys and node keys. The inserted canaries (``canary-clients``) are computed by the server.
+        """
+        self.num_sampled = len(clients)
+        canaries = self.strategy.canaries
+        if canaries is not None:  # the canaries are computed here; the nodes host the n real clients
+            n = self.cfg.num_clients
+            self._canary_ids, clients = clients[clients >= n], clients[clients < n]
+            self._instructions = ins
+        self.sampled = self.edge.nodes(server_round, clients, self.grid)
+        config = ConfigRecord(dict(self.train_config))
+        for key, value in instructions_to_config_record(ins).items():
+            config[key] = value
+        for key, value in self.edge.run_keys().items():
+            config[key] = value
+        self.config = config
+        if not self.sampled or self.cfg.secure_aggregation:
+            return []
+        arrays = self.edge.arrays(w)
+        messages = []
+        for node in sorted(self.sampled):
+            keys = self.edge.node_keys(self.sampled[node])
+            record = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({**config, **keys}) if keys else config})
+            messages.append(Message(content=record, message_type=MessageType.TRAIN, dst_node_id=node))
+        return messages
+
+    def replies(self, server_round: int, replies: Iterable[Message]) -> RoundReplies:
+        """The round's replies checked client by client (`collect_replies()`), with the inserted canaries'."""
+        replies = list(replies)
+        self.edge.observe(server_round, replies, self.sampled)
+        server = self.server
+        # the bound of this round's vectors (C, or C_aug with adaptive-clip's count coordinate)
+        bound = server.sensitivity if server.bound.private else float("inf")
+        checked = collect_replies(
+            server_round,
+            replies,
+            self.sampled,
+            dim=server.release_dim,
+            diagnostics=self.cfg.diagnostics,
+            clip=bound,
+            block=self.cfg.clients_per_node > 1,
+            limits=self.strategy.reply_limits(self.num_sampled),
+        )
+        if self.strategy.canaries is None or not len(self._canary_ids):
+            return checked
+        assert self._instructions is not None
+        canaries = canary_results(self.strategy.canaries, self._canary_ids, self.cfg.num_clients, self._instructions)
+        return dataclasses.replace(checked, results=sorted([*checked.results, *canaries], key=lambda r: r.client_id))
+
+    # ------------------------------------------------- secure aggregation
+    def _secure_sum(self, server_round: int, w: Vector) -> SecureSum:
+        """SecAgg+ over this round's sampled, connected clients (see `secure_aggregation`)."""
+        secagg_grid = self.server.secagg_grid(self.num_sampled)
+        assert secagg_grid is not None  # secure-aggregation is on
+        cfg = self.cfg
+        workflow = workflow_for(
+            secagg_grid,
+            cfg.secagg_num_shares,
+            cfg.secagg_reconstruction_threshold,
+            cfg.secagg_timeout or self.timeout,
+            len(self.sampled),
+        )
+        payload, config = self.edge.secagg_payload(w, self.config)
+        online = len(set(self.grid.get_node_ids()))
+        return secure_sum(self.grid, workflow, server_round, payload, config, sorted(self.sampled), online)
+
+    def secure_replies(self, server_round: int, outcome: SecureSum) -> RoundReplies:
+        """A SecAgg+ round's replies: its sum, or why it halted (the round then releases the server's noise)."""
+        refused = {nid: why for nid, why in outcome.refused.items() if nid in self.sampled}
+        for nid, why in sorted(refused.items()):
+            logger.warning("Round %d: rejected reply from node %d: node %d refused the round: %s", server_round, nid,
+                           nid, why)  # fmt: skip
+        for reason in outcome.errors:
+            if not any(why in reason for why in refused.values()):
+                logger.warning("Round %d: secure aggregation: %s", server_round, reason[:300])
+        reasons = tuple(f"node {nid} refused the round: {why}" for nid, why in sorted(refused.items()))
+        rejected = sum(len(self.sampled[nid]) for nid in refused)
+        if outcome.total is None:
+            failed = [e for e in outcome.errors if e != HALTED] if self.edge.secagg_errors_fail else []
+            return RoundReplies(
+                num_failed=min(self.num_sampled, len(failed)),
+                num_rejected=rejected,
+                failed_reasons=tuple(failed),
+                rejected_reasons=reasons,
+                halted="; ".join(outcome.errors) or "SecAgg+ halted",
+            )
+        unknown = [nid for nid in outcome.contributors if nid not in self.sampled]
+        if unknown:
+            raise RuntimeError(f"SecAgg+ summed nodes that were not sampled: {unknown[:5]}")
+        # one client's masked vector can move the sum anywhere in the modular range: a sum no N honest
+        # clients produce (except w.p. < p) is not used; the round releases the server's noise only
+        limits = self.strategy.reply_limits(self.num_sampled, clients=len(outcome.contributors))
+        reason = limits.violation(outcome.total) if limits is not None else None
+        if reason is not None:
+            reason = f"the secure sum of {len(outcome.contributors)} clients is {reason}"
+            return RoundReplies(num_rejected=rejected, rejected_reasons=(*reasons, reason), halted=reason)
+        return RoundReplies(
+            total=outcome.total, num_summed=len(outcome.contributors), num_rejected=rejected, rejected_reasons=reasons
+        )

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from dpfedavg.config import OPTIONS, ConfigError, RunConfig
-from dpfedavg.core.dp import BOUNDS
+from dpfedavg.core.dp import get_bound
 from dpfedavg.io.atomic import atomic_open
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.accountants import RoundEvent
@@ -410,7 +410,7 @@ def _state_errors(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: int)
         problems.append(
             f"'server.random_round' = {server.random_round!r} is not a round in 0..{k - 1} with its iterate"
         )
-    if BOUNDS[cfg.algorithm].adaptive:
+    if get_bound(cfg.algorithm).adaptive:
         low, high = cfg.clip_limits
         c = server.adaptive_clip
         if c is None or not low <= c <= high:

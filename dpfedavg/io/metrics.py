@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 __all__ = ["MetricsRow", "RoundStats"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundStats:
     """Per-round training statistics: the one definition of ``metrics.csv``'s training columns.
+
+    Frozen: `dpfedavg.server.dp_server.DPServer.close_round()` makes a round's statistics once, and nothing edits
+    them after (the reasons are tuples; lists given, e.g. by a checkpoint, are copied into tuples).
 
     The fields from ``num_sampled`` to ``skipped`` are the columns, in this order; the task's metrics
     are written after `METRICS_AFTER` (see `columns()`).
@@ -35,12 +38,16 @@ class RoundStats:
     epsilon: float = float("nan")
     #: 1 if secure aggregation summed no update this round (the server's noise alone was released).
     skipped: int = 0
-    rejected_reasons: list[str] = field(default_factory=list)
+    rejected_reasons: tuple[str, ...] = ()
     #: Why sampled clients failed (error replies, diverged local training): what fail-fast reports.
-    failed_reasons: list[str] = field(default_factory=list)
+    failed_reasons: tuple[str, ...] = ()
 
     #: The task's metric columns follow this one.
     METRICS_AFTER = "beta"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rejected_reasons", tuple(self.rejected_reasons))
+        object.__setattr__(self, "failed_reasons", tuple(self.failed_reasons))
 
     @classmethod
     def columns(cls, metric_names: tuple[str, ...] = ()) -> tuple[str, ...]:

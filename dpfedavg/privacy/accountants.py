@@ -34,6 +34,8 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from dpfedavg.errors import lookup
+
 __all__ = [
     "ACCOUNTANTS",
     "PLD_DISCRETIZATION",
@@ -46,6 +48,7 @@ __all__ = [
     "RdpAccountant",
     "RoundEvent",
     "check_pld_range",
+    "accountant_class",
     "create_accountant",
     "rdp_epsilon",
 ]
@@ -368,10 +371,12 @@ class PldAccountant(AccountantBase):
 ACCOUNTANTS: dict[str, type[AccountantBase]] = {cls.name: cls for cls in (PldAccountant, RdpAccountant)}
 
 
+def accountant_class(name: str) -> type[AccountantBase]:
+    """The accountant class of method ``name``: the one lookup of `ACCOUNTANTS` (`ConfigError` naming the allowed
+    ones)."""
+    return lookup(ACCOUNTANTS, name, key="accountant", what="accountant")
+
+
 def create_accountant(name: str, delta: float) -> Accountant:
     """A fresh accountant of method ``name`` (`ACCOUNTANTS`) for ``delta``."""
-    try:
-        cls = ACCOUNTANTS[name]
-    except KeyError:
-        raise ValueError(f"unknown accountant {name!r}; allowed: {', '.join(map(repr, ACCOUNTANTS))}") from None
-    return cls(delta)
+    return accountant_class(name)(delta)

@@ -1,6 +1,6 @@
 """An empirical privacy auditor: a lower bound on epsilon from running the mechanism on neighbours.
 
-The accountant (`dpfedavg.privacy.accounting`) gives an *upper* bound
+The accountant (`dpfedavg.privacy.accountants`) gives an *upper* bound
 on epsilon, and it is only as right as the model of the mechanism it
 composes. This module checks that model from the other side, the way
 Jagielski, Ullman and Oprea (2020) and Nasr et al. (2021) audit DP training:
@@ -91,9 +91,9 @@ from typing import Any
 import numpy as np
 from scipy import optimize, special, stats
 
-from dpfedavg.core.mechanism import PLACEMENTS, Neighbouring, NoisePlacement
+from dpfedavg.core.mechanism import Neighbouring, NoisePlacement, get_placement
 from dpfedavg.core.server import poisson_sample
-from dpfedavg.privacy.accountants import ACCOUNTANTS, PldAccountant
+from dpfedavg.privacy.accountants import PldAccountant, accountant_class
 from dpfedavg.privacy.calibration import epsilon_for
 
 __all__ = [
@@ -127,7 +127,7 @@ class AuditSetting:
     ----------
     placement:
         The `NoisePlacement` audited, or the name of one in
-        `PLACEMENTS` (the tests also audit a deliberately mis-accounted one).
+        `dpfedavg.core.mechanism.PLACEMENTS` (the tests also audit a deliberately mis-accounted one).
     num_clients:
         ``n``: the larger federation's size, canary included (under add/remove the other has ``n - 1``).
     clients_per_round:
@@ -137,7 +137,7 @@ class AuditSetting:
     noise_multiplier, clip, delta:
         ``z``, ``C`` and the ``delta`` at which epsilon is bounded and reported.
     accountant:
-        A name in `ACCOUNTANTS`: the accountant behind the reported epsilon.
+        A name in `dpfedavg.privacy.accountants.ACCOUNTANTS`: the accountant behind the reported epsilon.
     """
 
     placement: NoisePlacement
@@ -152,9 +152,7 @@ class AuditSetting:
 
     def __post_init__(self) -> None:
         if isinstance(self.placement, str):
-            if self.placement not in PLACEMENTS:
-                raise ValueError(f"unknown placement {self.placement!r}; allowed: {', '.join(PLACEMENTS)}")
-            object.__setattr__(self, "placement", PLACEMENTS[self.placement])
+            object.__setattr__(self, "placement", get_placement(self.placement))
         if self.num_clients < 2:
             raise ValueError(f"num_clients must be >= 2 (the canary and at least one other), got {self.num_clients}")
         if not 0 < self.clients_per_round <= self.num_clients:
@@ -165,8 +163,7 @@ class AuditSetting:
             raise ValueError(f"noise_multiplier and clip must be > 0, got {self.noise_multiplier}, {self.clip}")
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}")
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"unknown accountant {self.accountant!r}; allowed: {', '.join(ACCOUNTANTS)}")
+        accountant_class(self.accountant)  # an unknown method: its one error
         participation = self.placement.participation_error(self.num_clients, self.clients_per_round)
         if participation:
             raise ValueError(f"placement {self.placement.name!r} {participation}")

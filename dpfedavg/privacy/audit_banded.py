@@ -27,20 +27,19 @@ the tests audit one on purpose to show that the auditor catches the under-estima
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import optimize, stats
 
 from dpfedavg.core.banded_mf import BandedNoiseStream, check_coefficients
 from dpfedavg.core.participation import ParticipationRule, check_schedule
 from dpfedavg.privacy.audit import ThresholdTest, epsilon_lower_bound
 from dpfedavg.privacy.banded_mf_accounting import BandedMFParams, banded_mf_epsilon
+from dpfedavg.privacy.canary import gdp_epsilon
 
-__all__ = ["BandedAuditResult", "BandedAuditSetting", "gaussian_dp_epsilon", "run_banded_audit"]
+__all__ = ["BandedAuditResult", "BandedAuditSetting", "run_banded_audit"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,20 +122,6 @@ class BandedAuditSetting:
         return c @ x
 
 
-def gaussian_dp_epsilon(mu: float, delta: float) -> float:
-    """Epsilon at ``delta`` of ``mu``-GDP (Dong, Roth, Su 2022, Corollary 2.13), by root finding."""
-
-    def excess(eps: float) -> float:
-        return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2) - delta
-
-    if excess(0.0) <= 0:
-        return 0.0
-    hi = 1.0
-    while excess(hi) > 0:
-        hi *= 2.0
-    return float(optimize.brentq(excess, 0.0, hi, xtol=1e-10))
-
-
 @dataclass
 class BandedAuditResult:
     """The outcome of `run_banded_audit()` (`as_dict()` is ``run_sim.py audit``'s ``--json``)."""
@@ -210,7 +195,7 @@ def run_banded_audit(
     stat1 = _world_statistic(setting, 1, trials, rngs[1])
     test = epsilon_lower_bound(stat0, stat1, setting.delta, confidence)
     reported = setting.reported_epsilon()
-    exact = gaussian_dp_epsilon(float(np.linalg.norm(setting.canary_shift())) / setting.sigma, setting.delta)
+    exact = gdp_epsilon(float(np.linalg.norm(setting.canary_shift())) / setting.sigma, setting.delta)
     seconds = time.perf_counter() - t0
     logger.info(
         "banded audit: epsilon >= %.3f (confidence %g, %d trials per world), reported %.3f, exact %.3f, %.1f s",

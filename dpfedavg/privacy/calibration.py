@@ -20,6 +20,7 @@ from dpfedavg.privacy.accountants import (
     PLD_DISCRETIZATION,
     AccountingRangeError,
     RoundEvent,
+    accountant_class,
     create_accountant,
 )
 from dpfedavg.privacy.cache import cached
@@ -114,8 +115,7 @@ def calibrate_noise_multiplier(
     Computed once per ``(epsilon, delta, q, K, accountant)`` and dp-accounting version, across processes
     and invocations (`dpfedavg.privacy.cache`).
     """
-    if accountant not in ACCOUNTANTS:
-        raise ValueError(f"unknown accountant {accountant!r}; allowed: {', '.join(map(repr, ACCOUNTANTS))}")
+    accountant_class(accountant)  # an unknown method: its one error, before the bisection
     return cached(
         "noise-multiplier",
         (epsilon, delta, q, rounds, accountant, rel_tol, PLD_DISCRETIZATION),

@@ -291,7 +291,11 @@ def gaussian_fit_mu(canary_scores: Sequence[float], null_scores: Sequence[float]
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:
-    """The epsilon at ``delta`` of mu-GDP (``N(0, 1)`` against ``N(mu, 1)``); 0 for ``mu <= 0``."""
+    """The epsilon at ``delta`` of mu-GDP (``N(0, 1)`` against ``N(mu, 1)``); 0 for ``mu <= 0``.
+
+    The one place the project writes it (the canary audit's band, the banded-MF audit's exact epsilon); the
+    closed form of its privacy profile is Dong, Roth, Su 2022, Corollary 2.13.
+    """
     if mu <= 0:
         return 0.0
     return epsilon_two_gaussians(GaussianFit(0.0, 1.0), GaussianFit(mu, 1.0), delta)
@@ -456,21 +460,3 @@ class CanaryAudit:
             "epsilon_max_cosine_band": [number(x) for x in self.max_cosine_band],
         }
 
-
-class StdForVariance:
-    """A deliberately broken noise placement, for tests and benchmarks only: each client adds std ``zC / |S_k|``
-    (a std where the variance was meant), the server, believing every share present, adds nothing; the accountant
-    still charges ``z`` every round. A correct audit flags it (``tests/test_canary.py``,
-    ``benchmarks/bench_canary_audit.py``). Wraps a placement of ``dpfedavg.privacy.mechanism.PLACEMENTS``."""
-
-    def __init__(self, base):
-        self._base = base
-
-    def __getattr__(self, name):
-        return getattr(self._base, name)
-
-    def client_std(self, noise_multiplier, clip, clients_per_round, num_sampled):
-        return noise_multiplier * clip / num_sampled if num_sampled else 0.0
-
-    def server_std(self, noise_multiplier, clip, clients_per_round, num_sampled, num_included):
-        return 0.0

@@ -17,11 +17,24 @@ What is charged (``charged_events``; the node cannot see the server's Poisson sa
 * a client without a run config (``dp_mod`` in a user's own app: no ``q``, no ``K``): every release one
   unamplified ``Gaussian(z)``.
 
-The events compose with the privacy-loss-distribution accountant (``dpfedavg.privacy.accountants``, ``pld``)
-and the epsilon is read at the node's delta (``ledger_delta``). The file is rewritten atomically (temporary
-file, fsync, rename: ``dpfedavg.io.atomic.atomic_write_bytes``) under an ``fcntl`` lock on a sidecar file, so
-concurrent ClientApp processes of one node cannot lose an entry; a file that does not parse, or whose checksum
-does not match its entries, is a ``LedgerError``, never an empty ledger.
+The charged events compose, in the order they were charged and each ``(event, count)`` as one self-composed
+privacy loss distribution, with the project's PLD (``dpfedavg.privacy.accountants``: its discretization, a
+pessimistic and so valid upper bound), and the epsilon is read at the node's delta (``ledger_delta``: the
+operator's, never a run's).
+
+The file (format ``/2``) is JSON Lines: a header line, then one line per release carrying a SHA-256 chained
+over every entry before it. A release is *appended* (``O_APPEND``, fsync) under an ``fcntl`` lock on a sidecar
+file, so concurrent ClientApp processes of one node cannot lose an entry; a file that does not parse, or whose
+chain does not match its entries, is a ``LedgerError``, never an empty ledger. Format ``/1`` files (one JSON
+object, rewritten per release) are read and converted to ``/2`` on their next release.
+
+**Incremental composition.** Re-reading and re-composing the whole file per release grows with the node's history
+(issue 46: 1.4 s per release at 200 runs). ``<file>.state`` (SQLite, a cache) keeps the running composition (the
+composed PLD of every charged event), the rounds answered per plan, and where in the file (entries, bytes, chain
+head, the file's size, mtime and inode) it was taken. A release then costs one composition with the running PLD
+(a new plan or a redone round) or none. The state is trusted only while the file is exactly as its last writer
+left it; otherwise the file is read and its chain checked in full, the state is brought up to date from the
+entries it lacks, or rebuilt from the file (``LedgerError`` if the file lost entries the state had seen).
 
 Pure Python over the node config, ``dpfedavg.core.types.RoundInstructions`` and
 ``dpfedavg.config.RunConfig``; no Flower import.
@@ -37,18 +50,20 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator, Mapping
+import sqlite3
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core.dp import BOUNDS
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.io.atomic import atomic_write_bytes
-from dpfedavg.privacy.accountants import AccountingRangeError, RoundEvent, create_accountant
+from dpfedavg.privacy.accountants import AccountingRangeError, RoundEvent, _run_pld
 from dpfedavg.privacy.policy import NODE_IDENTITY_KEYS, NodePolicy, PolicyError, RoundRefused
 
 __all__ = [
@@ -65,13 +80,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The ``format`` field of a ledger file.
-LEDGER_FORMAT = "dpfedavg-node-privacy-ledger/1"
-#: The largest delta the node's budget is read at without ``max-epsilon-delta`` (``ledger_delta``): the run config's
+#: The ``format`` of a ledger file's header line (JSON Lines, appended).
+LEDGER_FORMAT = "dpfedavg-node-privacy-ledger/2"
+#: The format of older ledgers (one JSON object with a checksum, rewritten per release): read, converted on append.
+LEDGER_FORMAT_V1 = "dpfedavg-node-privacy-ledger/1"
+#: The delta the node's budget is read at without ``max-epsilon-delta`` (``ledger_delta``): the run config's
 #: default ``delta``.
 DEFAULT_DELTA = 1e-6
 #: The accountant that composes the ledger (tight; its PLDs are pessimistic, so a valid upper bound).
 LEDGER_ACCOUNTANT = "pld"
+#: The chain's value before the first entry.
+_GENESIS = hashlib.sha256(LEDGER_FORMAT.encode()).hexdigest()
 #: Mechanism names of the entries.
 POISSON_GAUSSIAN = "poisson-sampled-gaussian"
 GAUSSIAN = "gaussian"
@@ -159,56 +178,87 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+#: A plan: the releases of one run charged as ``K x PoissonSampled(q, Gaussian(z))`` once.
+PlanKey = tuple[int, float, int, float | None, float]
+
+
+def _plan(r: Release) -> PlanKey:
+    assert r.sampling_rate is not None and r.num_rounds is not None
+    return (r.run_id, r.sampling_rate, r.num_rounds, r.delta, r.noise_multiplier)
+
+
+def _charge(r: Release, rounds_of: Callable[[PlanKey], set[int] | None]) -> tuple[RoundEvent, int] | None:
+    """What release ``r`` adds to the ledger, given the rounds already answered per plan (``None``: a new plan).
+
+    A new plan: its whole plan ``K x PoissonSampled(q, Gaussian(z))``; a round of the plan answered before: one
+    more ``PoissonSampled(q, Gaussian(z))``; another round of a charged plan: nothing. Without a run config
+    (``gaussian``): one ``Gaussian(z)``.
+    """
+    if r.mechanism == GAUSSIAN:
+        return RoundEvent(1.0, r.noise_multiplier), 1
+    assert r.sampling_rate is not None and r.num_rounds is not None
+    event = RoundEvent(r.sampling_rate, r.noise_multiplier)
+    rounds = rounds_of(_plan(r))
+    if rounds is None:
+        return event, r.num_rounds
+    return (event, 1) if r.server_round in rounds else None
+
+
 def charged_events(releases: list[Release]) -> list[tuple[RoundEvent, int]]:
-    """The accountant's events for ``releases``: ``(event, count)`` pairs.
+    """The accountant's events for ``releases``, in the order they were charged: ``(event, count)`` pairs.
 
     A client with a run config: each run (entries with the same run id, ``q``, ``K``, delta and ``z``) is charged
     its plan ``K x PoissonSampled(q, Gaussian(z))`` once, and each release of a round beyond its first one more
     ``PoissonSampled(q, Gaussian(z))``. Without a run config (``gaussian``): each release one ``Gaussian(z)``.
     """
     events: list[tuple[RoundEvent, int]] = []
-    seen: dict[tuple, set[int]] = {}
+    seen: dict[PlanKey, set[int]] = {}
     for r in releases:
-        if r.mechanism == GAUSSIAN:
-            events.append((RoundEvent(1.0, r.noise_multiplier), 1))
-            continue
-        assert r.sampling_rate is not None and r.num_rounds is not None
-        event = RoundEvent(r.sampling_rate, r.noise_multiplier)
-        plan = (r.run_id, r.sampling_rate, r.num_rounds, r.delta, r.noise_multiplier)
-        rounds = seen.get(plan)
-        if rounds is None:
-            seen[plan] = {r.server_round}
-            events.append((event, r.num_rounds))
-        elif r.server_round in rounds:
-            events.append((event, 1))
-        else:
-            rounds.add(r.server_round)
+        charge = _charge(r, seen.get)
+        if charge is not None:
+            events.append(charge)
+        if r.mechanism != GAUSSIAN:
+            seen.setdefault(_plan(r), set()).add(r.server_round)
     return events
 
 
-@lru_cache(maxsize=256)
-def _epsilon(events: tuple[tuple[RoundEvent, int], ...], delta: float) -> float:
-    """Epsilon of the composed ``events`` at ``delta`` (PLD); ``inf`` for z = 0 or beyond the accountant's range."""
-    accountant = create_accountant(LEDGER_ACCOUNTANT, delta)
-    try:
-        for event, count in events:
-            accountant.step(event, count)
-        return accountant.epsilon
-    except AccountingRangeError:
-        return math.inf
+@dataclass(frozen=True)
+class Composition:
+    """The composed privacy loss distribution of charged events, in order (``pld`` ``None``: nothing charged).
 
-
-def ledger_delta(policy: NodePolicy, releases: list[Release]) -> float:
-    """The delta the node's epsilon is read at: ``max-epsilon-delta``, else ``DEFAULT_DELTA`` or the smallest delta
-    of any recorded run if that is smaller.
-
-    The run's delta is the server's choice: a server that declares ``delta = 0.1`` must not have the node's budget
-    read at 0.1 (five runs of epsilon 3.85 at delta 1e-5 cost 3.81 together at 0.1), so without
-    ``max-epsilon-delta`` the node never reads it above ``DEFAULT_DELTA``.
+    ``infinite``: an event without noise (z = 0), or beyond the PLD accountant's range, was charged.
     """
-    if policy.max_epsilon_delta is not None:
-        return policy.max_epsilon_delta
-    return min([DEFAULT_DELTA, *(r.delta for r in releases if r.delta is not None)])
+
+    pld: Any = None
+    infinite: bool = False
+
+    def then(self, event: RoundEvent, count: int, run_pld: Callable[[RoundEvent, int], Any] = _run_pld) -> Composition:
+        """This composition followed by ``count`` rounds of ``event`` (one self-composed PLD, from ``run_pld``)."""
+        if self.infinite:
+            return self
+        if not event.z:
+            return Composition(infinite=True)
+        try:
+            run = run_pld(event, count)
+        except AccountingRangeError:
+            return Composition(infinite=True)
+        return Composition(run if self.pld is None else self.pld.compose(run))
+
+    def epsilon(self, delta: float) -> float:
+        if self.infinite:
+            return math.inf
+        return 0.0 if self.pld is None else float(self.pld.get_epsilon_for_delta(delta))
+
+
+def ledger_delta(policy: NodePolicy) -> float:
+    """The delta the node's epsilon is read at: ``max-epsilon-delta``, else ``DEFAULT_DELTA``: the operator's.
+
+    A run's delta is the server's choice and never moves it: a server that declares ``delta = 0.1`` must not have
+    the node's budget read at 0.1 (five runs of epsilon 3.85 at delta 1e-5 cost 3.81 together at 0.1), and one cheap
+    run declaring ``delta = 1e-12`` must not move the reading down for every later run (issue 46: the spent budget
+    went from 4.31 to 6.42). Every run is charged at the node's delta.
+    """
+    return policy.max_epsilon_delta if policy.max_epsilon_delta is not None else DEFAULT_DELTA
 
 
 def keeps_ledger(node_config: Mapping[str, Any]) -> bool:
@@ -233,8 +283,46 @@ def ledger_path(node_config: Mapping[str, Any], policy: NodePolicy) -> Path:
     return home / "dpfedavg" / (f"privacy-ledger-{pid}.json" if pid is not None else "privacy-ledger.json")
 
 
+def _canonical(entry: dict[str, Any]) -> str:
+    return json.dumps(entry, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
 def _checksum(entries: list[dict[str, Any]]) -> str:
+    """The ``/1`` format's checksum of all its entries."""
     return hashlib.sha256(json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _link(previous: str, entry: dict[str, Any]) -> str:
+    """The chain after ``entry``: SHA-256 of the chain before it and the entry."""
+    return hashlib.sha256((previous + _canonical(entry)).encode()).hexdigest()
+
+
+def _line(entry: dict[str, Any], chain: str) -> bytes:
+    return (json.dumps({"entry": entry, "sha256": chain}, allow_nan=False) + "\n").encode()
+
+
+_HEADER = (json.dumps({"format": LEDGER_FORMAT}) + "\n").encode()
+
+
+def _write_at(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (``OSError`` otherwise: a full disk)."""
+    written = os.pwrite(fd, data, offset)
+    if written != len(data):
+        raise OSError(f"wrote {written} of {len(data)} bytes")
+
+
+@dataclass
+class _Scan:
+    """The file read in full: its releases, the chain after each, and the bytes of its complete lines."""
+
+    releases: list[Release]
+    chains: list[str]
+    size: int
+    version: int
+
+    @property
+    def head(self) -> str:
+        return self.chains[-1] if self.chains else _GENESIS
 
 
 class NodeLedger:
@@ -242,10 +330,11 @@ class NodeLedger:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self.state_path = self.path.with_name(self.path.name + ".state")
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """An exclusive ``fcntl`` lock on ``<path>.lock`` (the ledger itself is replaced by rename)."""
+        """An exclusive ``fcntl`` lock on ``<path>.lock`` (held while the file or its state changes)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -257,22 +346,32 @@ class NodeLedger:
         finally:
             os.close(fd)  # closing releases the lock
 
-    def read(self) -> list[Release]:
-        """Every release recorded (none if the file does not exist); ``LedgerError`` if it is not a ledger."""
+    # ------------------------------------------------------------------ the file
+    def _scan(self) -> _Scan | None:
+        """The whole file, every entry and its chain checked (``None``: no file); ``LedgerError`` otherwise."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
-            return []
+            return None
         except OSError as err:
             raise LedgerError(f"privacy-ledger {self.path} cannot be read ({err})") from None
         fix = "restore it from a backup; moving it away resets this node's spent budget to 0"
+        if b"\n" not in raw and _HEADER.startswith(raw):  # created, and a crash cut its first append short
+            return _Scan([], [], 0, 2)
+        first, _, rest = raw.partition(b"\n")
+        try:
+            header = json.loads(first)
+        except ValueError:
+            header = None
+        if isinstance(header, dict) and header.get("format") == LEDGER_FORMAT and set(header) == {"format"}:
+            return self._scan_lines(raw, len(first) + 1, rest, fix)
         try:
             data = json.loads(raw)
         except ValueError as err:
             raise LedgerError(f"privacy-ledger {self.path} is corrupt (not JSON: {err}); {fix}") from None
         if (
             not isinstance(data, dict)
-            or data.get("format") != LEDGER_FORMAT
+            or data.get("format") != LEDGER_FORMAT_V1
             or not isinstance(data.get("entries"), list)
         ):
             raise LedgerError(f"privacy-ledger {self.path} is not a {LEDGER_FORMAT} file; {fix}")
@@ -281,21 +380,143 @@ class NodeLedger:
                 f"privacy-ledger {self.path} was edited: its checksum does not match its {len(data['entries'])} "
                 f"entries; {fix}"
             )
-        return [Release.from_json(e, f"privacy-ledger {self.path}, entry {i}") for i, e in enumerate(data["entries"])]
+        releases = [
+            Release.from_json(e, f"privacy-ledger {self.path}, entry {i}") for i, e in enumerate(data["entries"])
+        ]
+        chains, chain = [], _GENESIS
+        for r in releases:
+            chain = _link(chain, r.to_json())
+            chains.append(chain)
+        return _Scan(releases, chains, len(raw), 1)
+
+    def _scan_lines(self, raw: bytes, offset: int, rest: bytes, fix: str) -> _Scan:
+        lines = rest.split(b"\n")
+        if lines[-1]:  # an append a crash cut short: its fsync never returned, so its release was never sent
+            logger.warning(
+                "privacy ledger %s: its last line (%d bytes) is an append a crash cut short (its release was never "
+                "sent); it is left out", self.path, len(lines[-1]),
+            )  # fmt: skip
+        releases, chains, chain = [], [], _GENESIS
+        for i, line in enumerate(lines[:-1]):
+            where = f"privacy-ledger {self.path}, entry {i}"
+            try:
+                item = json.loads(line)
+            except ValueError as err:
+                raise LedgerError(
+                    f"privacy-ledger {self.path} is corrupt (entry {i} is not JSON: {err}); {fix}"
+                ) from None
+            if not isinstance(item, dict) or set(item) != {"entry", "sha256"}:
+                raise LedgerError(f"{where} is not a ledger line (expected 'entry' and 'sha256'); {fix}")
+            release = Release.from_json(item["entry"], where)
+            chain = _link(chain, release.to_json())
+            if item["sha256"] != chain:
+                raise LedgerError(
+                    f"privacy-ledger {self.path} was edited: entry {i}'s chained checksum does not match the entries "
+                    f"up to it; {fix}"
+                )
+            releases.append(release)
+            chains.append(chain)
+        return _Scan(releases, chains, offset + len(rest) - len(lines[-1]), 2)
+
+    def read(self) -> list[Release]:
+        """Every release recorded (none if the file does not exist); ``LedgerError`` if it is not a ledger."""
+        scan = self._scan()
+        return [] if scan is None else scan.releases
 
     def write(self, releases: list[Release]) -> None:
-        """Replace the file with ``releases``: temporary file, fsync, rename (call under ``locked``)."""
-        entries = [r.to_json() for r in releases]
-        data = {"format": LEDGER_FORMAT, "entries": entries, "sha256": _checksum(entries)}
+        """Replace the file with ``releases`` in the current format: temporary file, fsync, rename (under ``locked``).
+
+        Only to convert a ``/1`` file (and in tests); a release is appended (``charge``).
+        """
+        chunks, chain = [_HEADER], _GENESIS
+        for r in releases:
+            chain = _link(chain, r.to_json())
+            chunks.append(_line(r.to_json(), chain))
         try:
-            atomic_write_bytes(self.path, (json.dumps(data, indent=1, allow_nan=False) + "\n").encode(), durable=True)
+            atomic_write_bytes(self.path, b"".join(chunks), durable=True)
         except OSError as err:
             raise LedgerError(f"privacy-ledger {self.path} cannot be written ({err}): nothing is sent") from None
+        _State.remove(self.state_path)  # a state of the old file
+
+    def _append(self, release: Release, previous: str, size: int) -> None:
+        """Append ``release`` after the first ``size`` bytes (a torn last line is cut off) and fsync it."""
+        entry = release.to_json()
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                if size == 0:
+                    os.ftruncate(fd, 0)
+                    _write_at(fd, _HEADER, 0)
+                    size = len(_HEADER)
+                elif os.fstat(fd).st_size != size:
+                    os.ftruncate(fd, size)
+                _write_at(fd, _line(entry, _link(previous, entry)), size)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if size == len(_HEADER):
+                dir_fd = os.open(self.path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)  # a new file's name is durable too
+                finally:
+                    os.close(dir_fd)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, max(size, 0))  # no half line left behind
+            raise LedgerError(f"privacy-ledger {self.path} cannot be written ({err}): nothing is sent") from None
+
+    # ------------------------------------------------------------------ the state
+    def _state(self) -> _State:
+        """The state, brought up to date with the file (call under ``locked``)."""
+        state = _State.open(self.state_path)
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            state.reset()  # no ledger: nothing spent (a ledger moved away deliberately resets the budget)
+            return state
+        except OSError as err:
+            raise LedgerError(f"privacy-ledger {self.path} cannot be read ({err})") from None
+        if state.matches(stat):
+            return state
+        scan = self._scan()
+        assert scan is not None
+        if scan.version == 1:
+            state.close()
+            self.write(scan.releases)  # convert: the next release is appended
+            logger.info("privacy ledger %s converted to %s (%d entries)", self.path, LEDGER_FORMAT, len(scan.releases))
+            return self._state()
+        if not state.same_boot():  # written without fsync: after a crash of the machine it may be torn
+            if state.covered()[0]:
+                logger.warning("privacy ledger %s: the machine restarted; state rebuilt from the file", self.path)
+            state.reset()
+        covered, head = state.covered()
+        if covered > len(scan.releases) or (covered and scan.chains[covered - 1] != head):
+            if covered > len(scan.releases):
+                raise LedgerError(
+                    f"privacy-ledger {self.path} was edited: it holds {len(scan.releases)} entries, this node had "
+                    f"recorded {covered} ({self.state_path}); restore it from a backup (if you restored an older one "
+                    f"on purpose, delete {self.state_path})"
+                )
+            logger.warning("privacy ledger %s: its state %s is of another file; rebuilt", self.path, self.state_path)
+            state.reset()
+            covered = 0
+        state.catch_up(scan, covered, os.stat(self.path))
+        return state
+
+    @contextlib.contextmanager
+    def _synced(self) -> Iterator[_State]:
+        """The lock, and the state up to date with the file while it is held."""
+        with self.locked():
+            state = self._state()
+            try:
+                yield state
+            finally:
+                state.close()
 
     def spent(self, policy: NodePolicy) -> float:
         """The epsilon the recorded releases compose to, at ``ledger_delta``."""
-        releases = self.read()
-        return _epsilon(tuple(charged_events(releases)), ledger_delta(policy, releases))
+        with self._synced() as state:
+            return state.epsilon(ledger_delta(policy))
 
     def charge(self, release: Release, policy: NodePolicy) -> float:
         """Append ``release`` unless the composed epsilon would exceed ``max-epsilon``; the epsilon after it.
@@ -303,15 +524,14 @@ class NodeLedger:
         Raises ``dpfedavg.privacy.policy.RoundRefused`` (rule ``max-epsilon``) with the ledger's numbers,
         or ``LedgerError``. The entry is durable on disk when this returns.
         """
-        with self.locked():
-            releases = self.read()
-            after = [*releases, release]
-            delta = ledger_delta(policy, after)
-            total = _epsilon(tuple(charged_events(after)), delta)
+        delta = ledger_delta(policy)
+        with self._synced() as state:
+            added = _charge(release, state.rounds)
+            after = None if added is None else state.composition().then(*added, run_pld=state.run_pld)
+            total = state.epsilon(delta) if after is None else after.epsilon(delta)
             if total > policy.max_epsilon:
-                spent = _epsilon(tuple(charged_events(releases)), delta)
-                added = charged_events(after)[len(charged_events(releases)) :]
-                alone = _epsilon(tuple(added), delta) if added else 0.0
+                spent = state.epsilon(delta)
+                alone = Composition().then(*added, run_pld=state.run_pld).epsilon(delta) if added else 0.0
                 raise RoundRefused(
                     "max-epsilon",
                     f"this node's privacy ledger {self.path} has spent epsilon {spent:.4g}; this release "
@@ -320,12 +540,228 @@ class NodeLedger:
                     f"(delta = {delta:g}, {LEDGER_ACCOUNTANT} accountant)",
                     policy=True,
                 )
-            self.write(after)
+            entries, head, size = state.position()
+            self._append(release, head, size)
+            state.record(release, _link(head, release.to_json()), after, (delta, total), os.stat(self.path))
         logger.info(
             "privacy ledger %s: run %d round %d recorded, epsilon %.4g at delta %g",
             self.path, release.run_id, release.server_round, total, delta,
         )  # fmt: skip
         return total
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value);
+CREATE TABLE IF NOT EXISTS plans (plan TEXT, round INTEGER, PRIMARY KEY (plan, round)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS pld (name TEXT, side TEXT, discretization REAL, lower_loss INTEGER, probs BLOB,
+                                infinity_mass REAL, pessimistic INTEGER, PRIMARY KEY (name, side));
+"""
+_STATE_VERSION = 2
+#: How many plans' PLDs (``K`` rounds of one ``q`` and ``z``) the state keeps: building one costs tens of ms.
+_RUN_PLDS = 32
+#: Linux's id of this boot: a state written in this boot survives any crash of a process (SQLite is atomic against
+#: those without fsync); after a crash of the machine it is rebuilt. Elsewhere every commit is synced.
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def _boot_id() -> str | None:
+    try:
+        return _BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
+
+
+class _State:
+    """``<ledger>.state``: a SQLite cache of the ledger's running composition and answered rounds.
+
+    ``meta`` holds where in the file it was taken (``entries``, ``head``, ``size``, and the file's ``mtime_ns`` and
+    ``inode`` after its last append) and ``infinite``; ``plans`` the rounds answered per plan; ``pld`` the running
+    composition's two probability mass functions (remove and add; one when symmetric). It is a cache: any doubt
+    (another version, a file it does not match, a database error) and it is rebuilt from the ledger file.
+    """
+
+    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
+        self.db, self.path = db, path
+
+    @classmethod
+    def open(cls, path: Path) -> _State:
+        for attempt in (0, 1):
+            try:
+                db = sqlite3.connect(path, isolation_level=None)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute(f"PRAGMA synchronous={'OFF' if _boot_id() else 'NORMAL'}")
+                db.executescript(_SCHEMA)
+                state = cls(db, path)
+                if state._meta("version", _STATE_VERSION) != _STATE_VERSION:
+                    raise sqlite3.DatabaseError("another version")
+                return state
+            except sqlite3.Error as err:
+                if attempt:
+                    raise LedgerError(f"privacy-ledger state {path} cannot be opened ({err})") from None
+                logger.warning("privacy ledger state %s is unreadable (%s); rebuilt from the ledger", path, err)
+                cls.remove(path)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def remove(path: Path) -> None:
+        """Delete the state (and SQLite's write-ahead log beside it)."""
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                path.with_name(path.name + suffix).unlink()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return default if row is None else row[0]
+
+    def _set(self, values: dict[str, Any]) -> None:
+        self.db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", values.items())
+
+    def reset(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+        for table in ("meta", "plans", "pld"):
+            self.db.execute(f"DELETE FROM {table}")  # noqa: S608 - fixed names
+        self._set({"version": _STATE_VERSION, "boot": _boot_id()})
+        self.db.execute("COMMIT")
+
+    def matches(self, stat: os.stat_result) -> bool:
+        """Whether the file is exactly as this state's last writer left it (size, mtime, inode), in this boot."""
+        return self.same_boot() and (self._meta("size"), self._meta("mtime_ns"), self._meta("inode")) == (
+            stat.st_size, stat.st_mtime_ns, stat.st_ino,
+        )  # fmt: skip
+
+    def same_boot(self) -> bool:
+        return self._meta("boot") == _boot_id()
+
+    def covered(self) -> tuple[int, str]:
+        return int(self._meta("entries", 0)), str(self._meta("head", _GENESIS))
+
+    def position(self) -> tuple[int, str, int]:
+        """Entries covered, the chain head and the bytes of complete lines (the file as its last writer left it)."""
+        entries, head = self.covered()
+        return entries, head, int(self._meta("size", 0))
+
+    def rounds(self, plan: PlanKey) -> set[int] | None:
+        rows = self.db.execute("SELECT round FROM plans WHERE plan = ?", (json.dumps(plan),)).fetchall()
+        return {r for (r,) in rows} if rows else None
+
+    def _load(self, name: str) -> Any:
+        """The PLD stored as ``name`` (``None`` if there is none)."""
+        from dp_accounting.pld import pld_pmf, privacy_loss_distribution
+
+        query = "SELECT side, discretization, lower_loss, probs, infinity_mass, pessimistic FROM pld WHERE name = ?"
+        rows = {row[0]: row[1:] for row in self.db.execute(query, (name,))}
+        if not rows:
+            return None
+        pmfs = {
+            side: pld_pmf.DensePLDPmf(d, int(lower), np.frombuffer(probs, dtype=np.float64).copy(), inf, bool(p))
+            for side, (d, lower, probs, inf, p) in rows.items()
+        }
+        return privacy_loss_distribution.PrivacyLossDistribution(pmfs["remove"], pmfs.get("add"))
+
+    def _save(self, name: str, pld: Any) -> None:
+        """Store ``pld`` as ``name`` (within the caller's transaction); its pmfs as dense arrays, exactly."""
+        self.db.execute("DELETE FROM pld WHERE name = ?", (name,))
+        sides = {"remove": pld._pmf_remove} if pld._symmetric else {"remove": pld._pmf_remove, "add": pld._pmf_add}
+        for side, pmf in sides.items():
+            dense = pmf.to_dense_pmf()
+            self.db.execute(
+                "INSERT INTO pld VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (name, side, dense._discretization, int(dense._lower_loss),
+                 np.asarray(dense._probs, np.float64).tobytes(), float(dense._infinity_mass),
+                 int(dense._pessimistic_estimate)),
+            )  # fmt: skip
+
+    def composition(self) -> Composition:
+        if self._meta("infinite", 0):
+            return Composition(infinite=True)
+        return Composition(self._load("running"))
+
+    def run_pld(self, event: RoundEvent, count: int) -> Any:
+        """``_run_pld(event, count)``, kept in the state for the next process (a node's runs repeat their plan)."""
+        name = f"run {event.q!r} {event.z!r} {count}"
+        pld = self._load(name)
+        if pld is None:
+            pld = _run_pld(event, count)
+            self.db.execute("BEGIN IMMEDIATE")
+            self._save(name, pld)
+            query = "SELECT DISTINCT name FROM pld WHERE name != 'running' ORDER BY rowid"
+            names = [n for (n,) in self.db.execute(query)]
+            for old in names[:-_RUN_PLDS]:
+                self.db.execute("DELETE FROM pld WHERE name = ?", (old,))
+            self.db.execute("COMMIT")
+            pld = self._load(name)  # what the next process composes: the same numbers
+        return pld
+
+    def epsilon(self, delta: float) -> float:
+        """The running composition's epsilon at ``delta`` (kept for the last delta it was read at)."""
+        if self._meta("epsilon_delta") == delta:
+            return float(self._meta("epsilon"))
+        epsilon = self.composition().epsilon(delta)
+        self.db.execute("BEGIN IMMEDIATE")
+        self._set({"epsilon_delta": delta, "epsilon": epsilon})
+        self.db.execute("COMMIT")
+        return epsilon
+
+    def _store(self, composition: Composition, epsilon: tuple[float, float] | None = None) -> None:
+        """Replace the running composition (and its epsilon at a delta, if known)."""
+        self.db.execute("DELETE FROM pld WHERE name = 'running'")
+        self.db.execute("DELETE FROM meta WHERE key IN ('epsilon', 'epsilon_delta')")
+        if epsilon is not None:
+            self._set({"epsilon_delta": epsilon[0], "epsilon": epsilon[1]})
+        self._set({"infinite": int(composition.infinite)})
+        if not composition.infinite and composition.pld is not None:
+            self._save("running", composition.pld)
+
+    def record(
+        self,
+        release: Release,
+        head: str,
+        composition: Composition | None,
+        epsilon: tuple[float, float],
+        stat: os.stat_result,
+    ) -> None:
+        """One appended release: its round, the new composition (``None``: unchanged) and its ``(delta, epsilon)``,
+        and where the file now ends."""
+        entries, _, _ = self.position()
+        self.db.execute("BEGIN IMMEDIATE")
+        if release.mechanism != GAUSSIAN:
+            row = (json.dumps(_plan(release)), release.server_round)
+            self.db.execute("INSERT OR IGNORE INTO plans VALUES (?, ?)", row)
+        if composition is not None:
+            self._store(composition, epsilon)
+        self._set({"entries": entries + 1, "head": head, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                   "inode": stat.st_ino, "boot": _boot_id()})  # fmt: skip
+        self.db.execute("COMMIT")
+
+    def catch_up(self, scan: _Scan, covered: int, stat: os.stat_result) -> None:
+        """Fold the entries ``scan`` holds beyond the ``covered`` first into the state (one transaction)."""
+        composition = self.composition()
+        new = scan.releases[covered:]
+        changed = False
+        seen: dict[PlanKey, set[int] | None] = {}
+        for r in new:
+            if r.mechanism == GAUSSIAN:
+                added = _charge(r, lambda _: None)
+            else:
+                key = _plan(r)
+                if key not in seen:
+                    seen[key] = self.rounds(key)
+                added = _charge(r, seen.get)
+                seen[key] = (seen[key] or set()) | {r.server_round}
+            if added is not None:
+                composition, changed = composition.then(*added, run_pld=self.run_pld), True
+        self.db.execute("BEGIN IMMEDIATE")
+        for key, rounds in seen.items():
+            rows = [(json.dumps(key), k) for k in rounds or ()]
+            self.db.executemany("INSERT OR IGNORE INTO plans VALUES (?, ?)", rows)
+        if changed:
+            self._store(composition)
+        self._set({"version": _STATE_VERSION, "entries": len(scan.releases), "head": scan.head, "size": scan.size,
+                   "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino, "boot": _boot_id()})  # fmt: skip
+        self.db.execute("COMMIT")
 
 
 def record_release(

@@ -34,12 +34,18 @@ import numpy as np
 from dpfedavg.core.dp import gaussian_noise
 from dpfedavg.core.server import poisson_sample
 from dpfedavg.core.types import Vector
+from dpfedavg.errors import lookup
 from dpfedavg.privacy.accountants import Accountant, RoundEvent, create_accountant
 from dpfedavg.privacy.banded_mf_accounting import MECHANISM, BandedMFAccountant, calibrate_noise_std
 from dpfedavg.privacy.banded_mf_mechanism import BandedMFMechanism, BandedMFSpec, config_errors
 from dpfedavg.privacy.calibration import calibrate_noise_multiplier, epsilon_for
 
-__all__ = ["NOISE_MECHANISMS", "BandedMF", "Independent", "IndependentRounds", "NoiseMechanism", "RoundMechanism"]
+__all__ = [
+    "NOISE_MECHANISMS",
+    "BandedMF", "Independent", "IndependentRounds", "NoiseMechanism",
+    "RoundMechanism",
+    "get_noise_mechanism",
+]
 
 
 class RoundMechanism(Protocol):
@@ -225,3 +231,9 @@ _COUNT = RoundEvent(1.0, 1.0)
 
 #: name -> mechanism (the ``noise-mechanism`` key's choices; ``independent`` first, the default).
 NOISE_MECHANISMS: dict[str, NoiseMechanism] = {m.name: m for m in (Independent(), BandedMF())}
+
+
+def get_noise_mechanism(name: str) -> NoiseMechanism:
+    """The noise mechanism called ``name``: the one lookup of `NOISE_MECHANISMS` (`ConfigError` naming the allowed
+    ones)."""
+    return lookup(NOISE_MECHANISMS, name, key="noise-mechanism", what="noise mechanism")

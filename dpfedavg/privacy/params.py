@@ -1,7 +1,8 @@
 """The narrow, frozen parameters the privacy side reads (jax-privacy's ``DpParams`` is the model).
 
-Accounting and calibration never see the 50-field `RunConfig`: the server
-builds a `DpParams` once (`DpParams.from_config()`) and every privacy function takes it.
+Accounting and calibration never see the 50-field `RunConfig`: a run's `PrivacySetup`
+builds its `DpParams` once (`DpParams.from_config()`, in `dpfedavg.privacy.setup.PrivacySetup.resolve()`) and
+every privacy function takes it.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dpfedavg.core.mechanism import PLACEMENTS, Neighbouring
-from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
+from dpfedavg.core.mechanism import Neighbouring, NoisePlacement, get_placement
+from dpfedavg.privacy.noise_mechanisms import NoiseMechanism, get_noise_mechanism
 
 __all__ = ["DpParams", "Neighbouring"]
 
@@ -62,8 +63,16 @@ class DpParams:
         return self.clients_per_round / self.num_clients
 
     @classmethod
-    def from_config(cls, cfg: Any) -> DpParams:
-        """The parameters of a `RunConfig` (``0`` means "none" for the epsilons)."""
+    def from_config(
+        cls, cfg: Any, placement: NoisePlacement | None = None, noise_mechanism: NoiseMechanism | None = None
+    ) -> DpParams:
+        """The parameters of a `RunConfig` (``0`` means "none" for the epsilons).
+
+        ``placement`` and ``noise_mechanism``: the objects ``cfg`` names, when the caller looked them up already
+        (`dpfedavg.privacy.setup.PrivacySetup.resolve()`); looked up here otherwise.
+        """
+        placement = placement if placement is not None else get_placement(cfg.noise_placement)
+        noise_mechanism = noise_mechanism if noise_mechanism is not None else get_noise_mechanism(cfg.noise_mechanism)
         return cls(
             num_clients=cfg.num_clients,
             clients_per_round=cfg.clients_per_round,
@@ -73,7 +82,7 @@ class DpParams:
             target_epsilon=cfg.epsilon if cfg.epsilon > 0 else None,
             noise_multiplier=cfg.noise_multiplier,
             max_epsilon=cfg.max_epsilon if cfg.max_epsilon > 0 else None,
-            neighbouring=PLACEMENTS[cfg.noise_placement].adjacency,
-            mechanism=cfg.noise_mechanism,
-            mechanism_spec=NOISE_MECHANISMS[cfg.noise_mechanism].spec(cfg),
+            neighbouring=placement.adjacency,
+            mechanism=noise_mechanism.name,
+            mechanism_spec=noise_mechanism.spec(cfg),
         )

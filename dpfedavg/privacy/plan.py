@@ -11,7 +11,7 @@ from dpfedavg.core.mechanism import Neighbouring
 from dpfedavg.errors import ConfigError
 from dpfedavg.privacy.accountants import Accountant, AccountingRangeError, create_accountant
 from dpfedavg.privacy.calibration import CalibrationError
-from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
+from dpfedavg.privacy.noise_mechanisms import NoiseMechanism
 from dpfedavg.privacy.params import DpParams
 
 __all__ = ["PrivacyPlan", "plan_privacy"]
@@ -19,7 +19,7 @@ __all__ = ["PrivacyPlan", "plan_privacy"]
 
 @dataclass(frozen=True)
 class PrivacyPlan:
-    """The privacy set-up of a run, derived from its `DpParams`.
+    """The privacy plan of a run, derived from its `DpParams` (part of its `dpfedavg.privacy.setup.PrivacySetup`).
 
     Attributes
     ----------
@@ -46,19 +46,16 @@ class PrivacyPlan:
     neighbouring: Neighbouring
     #: ``sigma_b`` of an adaptive bound's count (``clip-count-stddev``, "auto" resolved); ``None`` otherwise.
     count_stddev: float | None = None
-    #: The narrow parameters the plan was made from (its noise mechanism and that mechanism's settings).
+    #: The narrow parameters the plan was made from (its noise mechanism's name and settings).
     params: DpParams | None = None
-
-    @property
-    def mechanism(self) -> str:
-        """The ``noise-mechanism`` (a name in `NOISE_MECHANISMS`)."""
-        return self.params.mechanism if self.params is not None else "independent"
+    #: The noise mechanism the plan was calibrated for (the object ``params.mechanism`` names).
+    noise_mechanism: NoiseMechanism | None = None
 
     def new_accountant(self) -> Accountant:
         """A fresh accountant of the run's noise mechanism, method and delta."""
-        if self.params is None:  # a plan built by hand: today's mechanism
+        if self.params is None or self.noise_mechanism is None:  # a plan built by hand: independent rounds
             return create_accountant(self.accountant, self.delta)
-        return NOISE_MECHANISMS[self.mechanism].new_accountant(self.params, self.noise_multiplier)
+        return self.noise_mechanism.new_accountant(self.params, self.noise_multiplier)
 
 
 def _count_stddev_error(
@@ -75,10 +72,14 @@ def _count_stddev_error(
     )
 
 
-def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float | None = None) -> PrivacyPlan:
+def plan_privacy(
+    params: DpParams, bound: SensitivityBound, noise_mechanism: NoiseMechanism, count_stddev: float | None = None
+) -> PrivacyPlan:
     """Calibrate or take ``z`` and check the budget, before anything starts.
 
-    ``bound`` is the run's sensitivity bound (no noise without a private one); ``count_stddev`` the
+    ``bound`` is the run's sensitivity bound (no noise without a private one); ``noise_mechanism`` its noise mechanism
+    (the object ``params.mechanism`` names: `dpfedavg.privacy.setup.PrivacySetup.resolve()` looks both up);
+    ``count_stddev`` the
     ``sigma_b`` of an adaptive bound's count, ``None`` for "auto"
     (`auto_count_stddev()` of the run's ``z``).
 
@@ -89,13 +90,12 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
         run has no noise; an adaptive bound with ``sigma_b <= z/2`` (checked after ``z`` is calibrated).
     """
     q, delta, accountant = params.q, params.delta, params.accountant
-    mechanism = NOISE_MECHANISMS[params.mechanism]
     where = f"num-rounds = {params.rounds}, q = r/n = {q:.4g}, delta = {delta:g}, accountant = {accountant!r}"
     if not bound.private:
         z, calibrated = 0.0, False
     elif params.target_epsilon is not None:
         try:
-            z = mechanism.calibrate(params)
+            z = noise_mechanism.calibrate(params)
         except CalibrationError as err:
             raise ConfigError(f"invalid run config: 'epsilon' = {params.target_epsilon:g} ({where}): {err}") from None
         calibrated = True
@@ -107,7 +107,7 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
     if dp and bound.adaptive and not (count_stddev is not None and count_stddev > min_count_stddev(z)):
         raise _count_stddev_error(bound, count_stddev or 0.0, z, calibrated, params.target_epsilon)
     try:
-        nominal = mechanism.epsilon(params, z, params.rounds) if dp else math.inf
+        nominal = noise_mechanism.epsilon(params, z, params.rounds) if dp else math.inf
     except AccountingRangeError as err:
         raise ConfigError(f"invalid run config: 'noise-multiplier' = {z:g} ({where}): {err}") from None
     budget = params.max_epsilon
@@ -117,7 +117,7 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
                 f"invalid run config: 'max-epsilon' = {budget:g} but the run adds no noise "
                 f"(algorithm {bound.name!r}, noise multiplier 0): its epsilon is infinite"
             )
-        first = mechanism.epsilon(params, z, 1)
+        first = noise_mechanism.epsilon(params, z, 1)
         if first > budget:
             raise ConfigError(
                 f"invalid run config: 'max-epsilon' = {budget:g} is exceeded by the first round already "
@@ -137,4 +137,5 @@ def plan_privacy(params: DpParams, bound: SensitivityBound, count_stddev: float 
         neighbouring=params.neighbouring,
         count_stddev=count_stddev if bound.adaptive else None,
         params=params,
+        noise_mechanism=noise_mechanism,
     )

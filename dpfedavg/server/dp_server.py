@@ -9,26 +9,29 @@ iterate, per-round statistics) and runs one round in two halves:
   the secure-aggregation round with fewer than two sampled clients, whose sum would be that client's
   update, closed at once without contacting anyone), Poisson sampling (line 3), ``w_{k~}`` by
   reservoir sampling (line 13), and what the sampled clients must do (``RoundInstructions``);
-* `DPServer.finish_round()`: sum the clients' ``g + zeta`` (in client-id order), add the server's
-  share of the noise (all of it for ``server`` placement, the missing replies' share otherwise: the sum
-  always carries ``N(0, (zC)^2 I)``, see `dpfedavg.core.mechanism`), divide by the fixed ``r``
-  (line 12), apply momentum and ``beta_k``, and charge the accountant the round's (nominal) event.
+* `DPServer.close_round()`: from the round's `RoundReplies`, sum the clients' ``g + zeta`` (in client-id
+  order; or take the sum a runner formed), add the server's share of the noise (all of it for ``server``
+  placement, the missing replies' share otherwise: the sum always carries ``N(0, (zC)^2 I)``, see
+  `dpfedavg.core.mechanism`), divide by the fixed ``r`` (line 12), apply momentum and ``beta_k``, charge the accountant the round's (nominal) event, and return one
+  frozen `RoundRecord` (``w_{k+1}``, the round's statistics). It is the one way to close a round.
 
 With ``adaptive-clip`` the server also holds ``C_k`` (`AdaptiveClip`):
 the clients' vectors have one more coordinate (their noised count of unclipped updates), the noise
 placement sees the augmented bound ``C_aug`` instead of ``C``, and closing a round splits the count off,
 releases ``b_k`` and moves to ``C_{k+1}`` (Andrew et al. 2021).
 
-The privacy side reads narrow parameters the server builds once (`DpParams`,
-`SecAggSettings`). The Flower strategy
-(`DPFedAvg`) and the batched engine (`dpfedavg.engines.batched`)
+The server reads the run's privacy set-up, resolved once per run (`PrivacySetup`: the bound, the
+placement, the noise law and mechanism, `DpParams`, the plan, `SecAggSettings`, the federation sampled).
+The Flower strategy (`DPFedAvg`) and the batched engine (`dpfedavg.engines.batched`)
 both drive this class, so the two engines run the same server math.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -49,21 +52,26 @@ from dpfedavg.core import (
     server_noise_std,
 )
 from dpfedavg.core.adaptive_clip import AdaptiveClip
-from dpfedavg.core.dp import BOUNDS
-from dpfedavg.core.mechanism import PLACEMENTS
-from dpfedavg.core.noise import noise_law
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.io.checkpoint import ServerState
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.accountants import RoundEvent
 from dpfedavg.privacy.guarantee import describe_adaptive_clipping, describe_privacy
-from dpfedavg.privacy.noise_mechanisms import NOISE_MECHANISMS
-from dpfedavg.privacy.params import DpParams
-from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
-from dpfedavg.privacy.secure_aggregation import SecAggRelease, SecAggSettings, check_privacy_terms, describe
+from dpfedavg.privacy.secure_aggregation import SecAggRelease, check_privacy_terms, describe
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.releases import ReleaseLog
+from dpfedavg.server.round import RoundRecord, RoundReplies
 
-__all__ = ["ClientResult", "DPServer", "PrivacyBudgetExhausted", "RoundInstructions", "RoundStart", "RoundStats"]
+__all__ = [
+    "ClientResult",
+    "DPServer",
+    "PrivacyBudgetExhausted",
+    "RoundInstructions",
+    "RoundRecord",
+    "RoundReplies",
+    "RoundStart",
+    "RoundStats",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +91,12 @@ class RoundStart(NamedTuple):
     """What `DPServer.begin_round()` opened: the sampled clients and their instructions.
 
     ``instructions`` is ``None`` when a rule closed the round at once (secure aggregation with fewer than
-    two sampled clients); ``w`` is then ``w_{k+1}``, and nobody is contacted.
+    two sampled clients); ``record`` is then the closed round, and nobody is contacted.
     """
 
     clients: np.ndarray
     instructions: RoundInstructions | None
-    w: Vector | None = None
+    record: RoundRecord | None = None
 
     @property
     def closed(self) -> bool:
@@ -104,12 +112,20 @@ class DPServer:
         The validated run configuration.
     dim:
         Length of the flat model vector.
-    plan:
-        The privacy plan (calibrated ``z``, accountant, budget); computed from ``cfg`` when omitted.
+    setup:
+        The run's privacy set-up (`PrivacySetup`: the bound, the placement, the noise law and mechanism, the
+        calibrated plan, the federation sampled); resolved from ``cfg`` when omitted (a server built alone, in a
+        test or a benchmark: a run resolves its set-up once and passes it here).
     epsilon_each_round:
         Compute the epsilon spent after every round (the ``epsilon`` column; every engine does). Off, only
         the last round's is computed (and `epsilon` on demand); the composition itself is never
         skipped.
+    release_log:
+        The write-ahead record of releases (``secure-noise``: `dpfedavg.server.releases`); ``begin_round``
+        writes each round's line before anything of the round leaves the server. ``None``: no record.
+    represent:
+        The values the model can hold (a user's arrays' dtypes: `dpfedavg.flower.arrays.ArrayLayout.round_trip`);
+        ``w_{k+1}`` is mapped through it. ``None``: float64, as computed.
 
     Raises
     ------
@@ -118,57 +134,72 @@ class DPServer:
     """
 
     def __init__(
-        self, cfg: RunConfig, dim: int, *, plan: PrivacyPlan | None = None, epsilon_each_round: bool = True
+        self,
+        cfg: RunConfig,
+        dim: int,
+        *,
+        setup: PrivacySetup | None = None,
+        epsilon_each_round: bool = True,
+        release_log: ReleaseLog | None = None,
+        represent: Callable[[Vector], Vector] | None = None,
     ) -> None:
         self.cfg = cfg
         self.dim = dim
-        #: What the accountant reads (built once).
-        self.params = DpParams.from_config(cfg)
+        #: The privacy set-up, resolved once per run (`dpfedavg.privacy.setup`); the attributes below are its parts.
+        self.setup = setup = setup if setup is not None else PrivacySetup.resolve(cfg)
+        #: What the accountant reads: the sampled federation's (``n'``, ``r'`` with canaries).
+        self.params = setup.params
         #: The sensitivity bound (``algorithm``): what ``g`` is, and whether the run is private.
-        self.bound = BOUNDS[cfg.algorithm]
-        self.plan = plan if plan is not None else plan_privacy(self.params, self.bound, cfg.clip_count_stddev)
-        self.accountant = self.plan.new_accountant() if self.plan.dp else None
+        self.bound = setup.bound
+        self.plan = setup.plan
+        self.accountant = setup.new_accountant()
         self.epsilon_each_round = epsilon_each_round
         #: The noise placement: what the clients and the server add, and what is accounted.
-        self.placement = PLACEMENTS[cfg.noise_placement]
+        self.placement = setup.placement
         #: The noise law: what each client's zeta is, and what it adds to the guarantee (`dpfedavg.core.noise`).
-        self.noise_law = noise_law(cfg.secure_aggregation)
-        #: ``adaptive-clip``: ``C_k`` and its update rule (Andrew et al. 2021); ``None`` for a fixed ``C``.
-        self.adaptive: AdaptiveClip | None = None
-        if self.bound.adaptive:
-            self.adaptive = AdaptiveClip(
-                clip=cfg.clip,
-                target_quantile=cfg.target_quantile,
-                clip_lr=cfg.clip_lr,
-                count_stddev=self.plan.count_stddev,
-                noise_multiplier=self.plan.noise_multiplier,
-                clip_floor=cfg.clip_limits[0],
-                clip_ceiling=cfg.clip_limits[1],
-            )
+        self.noise_law = setup.noise_law
+        #: ``adaptive-clip``: ``C_k`` and its update rule (Andrew et al. 2021), this server's copy of the set-up's
+        #: ``C_0`` and rule; ``None`` for a fixed ``C``.
+        self.adaptive: AdaptiveClip | None = dataclasses.replace(setup.adaptive) if setup.adaptive is not None else None
         #: Length of what each client sends and the round releases: ``d``, or ``d + 1`` with the count.
         self.release_dim = dim + (1 if self.adaptive is not None else 0)
         #: The noise mechanism (``noise-mechanism``): who takes part each round, what the server adds to the
-        #: sum, the fixed denominator (`dpfedavg.privacy.noise_mechanisms`).
-        self.mechanism = NOISE_MECHANISMS[cfg.noise_mechanism]
-        self.round_mechanism = self.mechanism.rounds(
-            self.plan.params or self.params, self.plan.noise_multiplier, clip=cfg.clip, dim=self.release_dim
+        #: sum, the fixed denominator (`dpfedavg.privacy.noise_mechanisms`); its per-run state below.
+        self.noise_mechanism = setup.noise_mechanism
+        self.round_mechanism = self.noise_mechanism.rounds(
+            self.params, self.plan.noise_multiplier, clip=cfg.clip, dim=self.release_dim
         )
         #: The ``secagg-*`` settings (``None`` without secure aggregation).
-        self.secagg = SecAggSettings.from_config(cfg) if cfg.secure_aggregation else None
+        self.secagg = setup.secagg
         if self.secagg is not None and self.plan.dp:
             check_privacy_terms(self.secagg, self.secagg_release())
         self.momentum: Vector = np.zeros(dim)
         #: ``w_{k~}`` (Alg. 1 line 13), kept by reservoir sampling, and ``k~``.
         self.random_iterate: Vector | None = None
         self.random_round: int | None = None
-        self.history: dict[int, RoundStats] = {}
-        #: The write-ahead record of releases (``secure-noise``: ``dpfedavg.server.releases``); the run's session
-        #: sets it. ``begin_round`` writes each round's line before anything of the round leaves the server.
-        self.release_log: ReleaseLog | None = None
+        self._history: dict[int, RoundStats] = {}
+        self.release_log = release_log
+        self.represent = represent
         self._w: Vector | None = None
         self._round: int | None = None
+        self._num_sampled = 0
 
     # ------------------------------------------------------------------ info
+    @property
+    def history(self) -> MappingProxyType[int, RoundStats]:
+        """The closed rounds' statistics by 1-based round (read-only; each made once by `close_round()`)."""
+        return MappingProxyType(self._history)
+
+    @property
+    def private(self) -> bool:
+        """Whether the run bounds each client's vector (``algorithm`` is not ``none``)."""
+        return self.bound.private
+
+    @property
+    def charges_redone_rounds(self) -> bool:
+        """Whether the noise mechanism can account a round released twice (a ``secure-noise`` resume)."""
+        return self.noise_mechanism.charges_redone_rounds
+
     @property
     def noise_multiplier(self) -> float:
         """``z`` of this run (0 without DP)."""
@@ -213,7 +244,7 @@ class DPServer:
         """
         if not self.plan.dp:
             return 0.0, 0.0
-        z, c, r = self.noise_multiplier, self.sensitivity, self.cfg.clients_per_round
+        z, c, r = self.noise_multiplier, self.sensitivity, self.params.clients_per_round
         return (
             self.placement.client_std(z, c, r, num_sampled),
             self.placement.server_std(z, c, r, num_sampled, num_included),
@@ -233,8 +264,8 @@ class DPServer:
             noise_multiplier=plan.noise_multiplier,
             bound=self.sensitivity,
             adaptive=self.adaptive is not None,
-            clients_per_round=self.cfg.clients_per_round,
-            num_clients=self.cfg.num_clients,
+            clients_per_round=self.params.clients_per_round,
+            num_clients=self.params.num_clients,
             dim=self.release_dim,  # adaptive-clip's count coordinate is encoded too
             rounds=self.cfg.num_rounds,
             epsilon=plan.target_epsilon if plan.calibrated and plan.target_epsilon else plan.nominal_epsilon,
@@ -267,7 +298,7 @@ class DPServer:
         return describe_privacy(
             plan,
             self.placement,
-            noise_mechanism=self.mechanism.name,
+            noise_mechanism=self.noise_mechanism.name,
             mechanism_record={key: record} if key and record else None,
             diagnostics=cfg.diagnostics,
             secure_noise=cfg.secure_noise,
@@ -316,9 +347,9 @@ class DPServer:
     def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
         """The privacy event of a round with these counts: the placement's accounted ``z_k`` (always ``z``)."""
         z_k = self.placement.accounted_noise_multiplier(
-            self.noise_multiplier, self.cfg.clients_per_round, num_sampled, num_included
+            self.noise_multiplier, self.params.clients_per_round, num_sampled, num_included
         )
-        return RoundEvent(self.cfg.sampling_rate, z_k)
+        return RoundEvent(self.params.q, z_k)
 
     # ------------------------------------------------------------ checkpoint
     def state(self) -> ServerState:
@@ -350,7 +381,7 @@ class DPServer:
             self.accountant.load_state_dict(state.accountant)
         elif state.accountant is not None and state.accountant.get("history"):
             raise ValueError("the checkpoint has privacy events but this run has no DP")
-        self.history = {int(k): RoundStats(**v) for k, v in state.history.items()}
+        self._history = {int(k): RoundStats(**v) for k, v in state.history.items()}
         if (state.adaptive_clip is None) != (self.adaptive is None):
             raise ValueError(
                 f"the checkpoint's adaptive clipping state ({state.adaptive_clip!r}) does not fit "
@@ -388,155 +419,126 @@ class DPServer:
         self.round_mechanism.admit(k, clients)  # recorded only for a round that runs
         if keep_random_iterate(k, self._rng(Stream.ITERATE, k)):
             self.random_iterate, self.random_round = w.copy(), k
-        stats = RoundStats(round=server_round, num_sampled=len(clients))
-        stats.eta = local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay)
-        stats.beta = server_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay, self.cfg.server_lr)
-        self.history[server_round] = stats
-        self._w, self._round = w, server_round
+        self._w, self._round, self._num_sampled = w, server_round, len(clients)
         if not len(clients):
-            logger.warning("Round %d: %s selected no client", server_round, self.mechanism.name)
+            logger.warning("Round %d: %s selected no client", server_round, self.noise_mechanism.name)
         if self.secagg is not None and len(clients) < 2:  # a sum of one is that client's update
             reason = f"secure aggregation needs at least 2 clients, {len(clients)} sampled"
-            return RoundStart(clients, None, self.skip_round(server_round, reason))
+            return RoundStart(clients, None, self.close_round(server_round, RoundReplies(halted=reason)))
         return RoundStart(clients, self.instructions(server_round, len(clients)))
 
-    def is_open(self, server_round: int) -> bool:
-        """Whether ``server_round`` was begun and not yet finished."""
-        return self._w is not None and self._round == server_round
+    def close_round(self, server_round: int, replies: RoundReplies) -> RoundRecord:
+        """Close the open round from its replies: ``w_{k+1}`` and the round's statistics, as one frozen record.
 
-    def finish_round(
-        self,
-        server_round: int,
-        results: Iterable[ClientResult],
-        *,
-        num_failed: int = 0,
-        num_rejected: int = 0,
-    ) -> Vector:
-        """Aggregate the round's client results (in ascending client id) and return ``w_{k+1}``.
-
-        ``a_k = (1/r) (sum_i (g_i + zeta_i) [+ server noise])``,
-        ``m_{k+1} = mu m_k + a_k``, ``w_{k+1} = w_k - beta_k m_{k+1}``.
-        Sampled clients that are not among ``results`` and not counted as failed
-        or rejected are dropouts.
+        ``a_k = (1/r) (sum_i (g_i + zeta_i) [+ server noise])``, ``m_{k+1} = mu m_k + a_k``,
+        ``w_{k+1} = w_k - beta_k m_{k+1}``, and the accountant charged the round's (nominal) event. The sum is
+        the clients' results in ascending client id, or the sum the runner formed (secure aggregation, a
+        device). A round that ``halted`` (no update could be summed) counts every sampled client that did not
+        fail or was not rejected as a dropout, so it releases the server's top-up alone, ``N(0, (zC)^2 I)``, and
+        is charged like every other round: whether a round halts depends on who was sampled and survived, so
+        releasing (and charging) nothing would tell who took part. Recorded with ``skipped = 1``.
         """
-        self._check_open(server_round)
-        total = np.zeros(self.release_dim)
-        clean_total = np.zeros(self.release_dim) if self.cfg.diagnostics else None
-        norms: list[float] = []
-        last_id = -1
-        for result in results:
-            if result.client_id <= last_id:
-                raise ValueError("client results must come in ascending client id (a fixed summation order)")
-            last_id = result.client_id
-            total += result.noisy
-            norms.append(result.update_norm)
-            if clean_total is not None and result.clean is not None:
-                clean_total += result.clean
-        return self._close_round(server_round, total, len(norms), norms, clean_total, num_failed, num_rejected)
+        if self._w is None or self._round != server_round:
+            raise RuntimeError(f"closing round {server_round} without begin_round({server_round})")
+        norms: list[float] | np.ndarray = []
+        clean_total: Vector | None = None
+        if replies.halted is not None:
+            logger.warning(
+                "Round %d: no update could be summed (%s); the round releases noise only", server_round, replies.halted
+            )
+            total, num_received = np.zeros(self.release_dim), 0
+        elif replies.total is not None:
+            total = np.array(replies.total, dtype=np.float64)
+            if total.shape != (self.release_dim,):
+                raise ValueError(f"the sum has shape {total.shape}, expected ({self.release_dim},)")
+            norms, num_received = np.asarray(replies.norms, dtype=np.float64), replies.num_summed
+            if replies.clean_total is not None and self.cfg.diagnostics:
+                clean_total = np.array(replies.clean_total, dtype=np.float64)
+        else:
+            total = np.zeros(self.release_dim)
+            clean_total = np.zeros(self.release_dim) if self.cfg.diagnostics else None
+            norms, last_id = [], -1
+            for result in replies.results:
+                if result.client_id <= last_id:
+                    raise ValueError("client results must come in ascending client id (a fixed summation order)")
+                last_id = result.client_id
+                total += result.noisy
+                norms.append(result.update_norm)
+                if clean_total is not None and result.clean is not None:
+                    clean_total += result.clean
+            num_received = len(norms)
+        return self._close(server_round, total, num_received, norms, clean_total, replies)
 
-    def finish_round_sum(
-        self, server_round: int, total: Vector, num_received: int, *, num_failed: int = 0, num_rejected: int = 0
-    ) -> Vector:
-        """`finish_round()` from the *sum* of ``num_received`` replies (secure aggregation).
-
-        The server never sees an individual ``g_i + zeta_i``, so there are no
-        per-client norms (``mean_update_norm`` and ``frac_clipped`` stay NaN).
-        """
-        self._check_open(server_round)
-        total = np.asarray(total, dtype=np.float64)
-        if total.shape != (self.release_dim,):
-            raise ValueError(f"the secure sum has shape {total.shape}, expected ({self.release_dim},)")
-        return self._close_round(server_round, total.copy(), num_received, [], None, num_failed, num_rejected)
-
-    def finish_round_block(
-        self,
-        server_round: int,
-        total: Vector,
-        norms: np.ndarray,
-        clean_total: Vector | None = None,
-        *,
-        num_failed: int = 0,
-    ) -> Vector:
-        """`finish_round()` from the replies' sum, already formed in ascending client id.
-
-        ``total`` is ``sum_i (g_i + zeta_i)`` over the ``len(norms)`` clients that replied (their
-        ``||u_i||`` in ``norms``) and ``clean_total`` the sum of their ``g_i`` (diagnostics). The batched
-        engine over a run axis (`dpfedavg.engines.batched_runs`) forms them for many runs at once.
-        """
-        self._check_open(server_round)
-        total = np.asarray(total, dtype=np.float64)
-        if total.shape != (self.release_dim,):
-            raise ValueError(f"the sum has shape {total.shape}, expected ({self.release_dim},)")
-        clean = None if clean_total is None or not self.cfg.diagnostics else np.array(clean_total, dtype=np.float64)
-        norms = np.asarray(norms, dtype=np.float64)
-        return self._close_round(server_round, total.copy(), len(norms), norms, clean, num_failed, 0)
-
-    def skip_round(self, server_round: int, reason: str, *, num_rejected: int = 0) -> Vector:
-        """Close a round in which no client's update could be summed (secure aggregation could not finish).
-
-        Every sampled client counts as a dropout, so the round releases the server's top-up alone,
-        ``N(0, (zC)^2 I)``, and is charged like every other round: whether a round is skipped depends on
-        how many clients were sampled and survived, so releasing nothing (and charging nothing) would
-        tell who took part. Recorded with ``skipped = 1``.
-        """
-        self._check_open(server_round)
-        self.history[server_round].skipped = 1
-        logger.warning("Round %d: no update could be summed (%s); the round releases noise only", server_round, reason)
-        return self._close_round(server_round, np.zeros(self.release_dim), 0, [], None, 0, num_rejected)
-
-    def _check_open(self, server_round: int) -> None:
-        if not self.is_open(server_round):
-            raise RuntimeError(f"finishing round {server_round} without begin_round({server_round})")
-
-    def _close_round(
+    def _close(
         self,
         server_round: int,
         total: Vector,
         num_received: int,
         norms: list[float] | np.ndarray,
         clean_total: Vector | None,
-        num_failed: int,
-        num_rejected: int,
-    ) -> Vector:
-        stats = self.history[server_round]
-        r = self.cfg.clients_per_round
+        replies: RoundReplies,
+    ) -> RoundRecord:
+        k, num_sampled = server_round - 1, self._num_sampled
+        r = self.params.clients_per_round
         denominator = self.round_mechanism.denominator
-        stats.num_received = num_received
-        stats.num_failed, stats.num_rejected = num_failed, num_rejected
-        stats.num_dropped = max(0, stats.num_sampled - stats.num_received - num_failed - num_rejected)
-        if stats.num_dropped:
-            logger.warning("Round %d: %d sampled clients did not reply (dropouts)", server_round, stats.num_dropped)
+        num_dropped = max(0, num_sampled - num_received - replies.num_failed - replies.num_rejected)
+        if num_dropped:
+            logger.warning("Round %d: %d sampled clients did not reply (dropouts)", server_round, num_dropped)
         # the server's share: all of (zC)^2 for `server` placement, the missing replies' share otherwise; with
         # banded-MF noise the round's (C^-1 Z)_k instead, every round
-        server_std = self.noise_stds_for(stats.num_sampled, num_received)[1]
-        rng = self._rng(Stream.SERVER_NOISE, server_round - 1)
-        noise = self.round_mechanism.server_noise(server_round - 1, rng, server_std)
+        server_std = self.noise_stds_for(num_sampled, num_received)[1]
+        noise = self.round_mechanism.server_noise(k, self._rng(Stream.SERVER_NOISE, k), server_std)
         if noise is not None:
             total += noise
-        stats.clip = self.clip if self.bound.private else float("nan")
+        clip = self.clip if self.bound.private else float("nan")
+        frac_unclipped = float("nan")
         if self.adaptive is not None:  # the released count T_k rides as the last coordinate (core.adaptive_clip)
             total, released_count = self.adaptive.split(total)
             if clean_total is not None:
                 clean_total = clean_total[:-1]
-            stats.clip, stats.frac_unclipped = self.adaptive.step(released_count, r)
+            clip, frac_unclipped = self.adaptive.step(released_count, r)
+        beta = server_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay, self.cfg.server_lr)
         a = fixed_denominator_mean(total, denominator)
-        w_new, self.momentum = momentum_step(self._w, self.momentum, a, stats.beta, self.cfg.server_momentum)
+        w_new, self.momentum = momentum_step(self._w, self.momentum, a, beta, self.cfg.server_momentum)
+        mean_norm = frac_clipped = snr = float("nan")
         if len(norms) and not self.cfg.secure_noise:  # un-noised statistics of client data: seeded research mode only
             norms_arr = np.asarray(norms)
-            stats.mean_update_norm = float(norms_arr.mean())
+            mean_norm = float(norms_arr.mean())
             if self.adaptive is None:  # adaptive-clip releases the private b_k instead
-                stats.frac_clipped = float(np.mean(norms_arr > self.cfg.clip))
+                frac_clipped = float(np.mean(norms_arr > self.cfg.clip))
         if clean_total is not None:
             clean_mean = clean_total / denominator
             noise_norm = float(np.linalg.norm(a - clean_mean))
-            stats.snr = float(np.linalg.norm(clean_mean)) / noise_norm if noise_norm > 0 else float("inf")
+            snr = float(np.linalg.norm(clean_mean)) / noise_norm if noise_norm > 0 else float("inf")
+        epsilon = float("nan")
         if self.accountant is not None:
-            event = self.round_event(stats.num_sampled, stats.num_received)
-            stats.noise_multiplier = event.z if event.z is not None else float("nan")
+            event = self.round_event(num_sampled, num_received)
+            z_k = event.z if event.z is not None else float("nan")
             self.accountant.step(event)
             if self.epsilon_each_round or server_round == self.cfg.num_rounds:  # the last round's, always
-                stats.epsilon = self.accountant.epsilon
+                epsilon = self.accountant.epsilon
         else:
-            stats.noise_multiplier, stats.epsilon = 0.0, float("inf")
+            z_k, epsilon = 0.0, float("inf")
+        stats = RoundStats(
+            round=server_round,
+            num_sampled=num_sampled,
+            num_received=num_received,
+            num_failed=replies.num_failed,
+            num_dropped=num_dropped,
+            num_rejected=replies.num_rejected + replies.num_unexpected,
+            eta=local_lr_at(k, self.cfg.local_lr, self.cfg.lr_decay),
+            beta=beta,
+            snr=snr,
+            frac_clipped=frac_clipped,
+            clip=clip,
+            frac_unclipped=frac_unclipped,
+            mean_update_norm=mean_norm,
+            noise_multiplier=z_k,
+            epsilon=epsilon,
+            skipped=int(replies.halted is not None),
+            rejected_reasons=replies.rejected_reasons,
+            failed_reasons=replies.failed_reasons,
+        )
+        self._history[server_round] = stats
         self._w, self._round = None, None
-        return w_new
+        return RoundRecord(self.represent(w_new) if self.represent is not None else w_new, stats)

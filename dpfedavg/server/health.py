@@ -13,14 +13,14 @@ instance, moves the model by noise alone and reports an epsilon as if it had tra
 
 The error names the commonest reason and its fix, and what was spent: the rounds that ran stay
 accounted (their releases happened). Flower-free; the one round loop (`dpfedavg.server.loop.run_rounds()`,
-every engine) and the strategy for a user's own app (`dpfedavg.flower.app_strategy.AppDPFedAvg`) use it.
+every engine) and the strategy in a user's own app (`dpfedavg.flower.app_strategy.DPFedAvg`) use it.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dpfedavg.io.metrics import RoundStats
@@ -141,18 +141,16 @@ class ReplyHealth:
         if self.window < 1:
             raise ValueError(f"window = {self.window!r}: expected an integer >= 1")
 
-    def verdict(
-        self, server_round: int, history: Mapping[int, RoundStats], failures: Mapping[int, Sequence[str]]
-    ) -> str | None:
+    def verdict(self, server_round: int, history: Mapping[int, RoundStats]) -> str | None:
         """Why the run must stop after ``server_round`` (its first sentence), or ``None`` to go on.
 
-        ``failures``: round -> the reasons of its failed replies (the rejections' are in ``history``).
+        ``history``: the closed rounds' statistics (their rejections' and failures' reasons included).
         """
         stats = history[server_round]
         bad = stats.num_failed + stats.num_rejected
         if stats.num_sampled > 0 and bad >= stats.num_sampled:
             why = f"round {server_round}: every sampled client's reply was unusable"
-            return self._describe(why, [server_round], history, failures)
+            return self._describe(why, [server_round], history)
         rounds = [k for k in range(server_round - self.window + 1, server_round + 1) if k in history]
         if len(rounds) < self.window:
             return None
@@ -163,17 +161,15 @@ class ReplyHealth:
                 f"rounds {rounds[0]}-{rounds[-1]}: {bad} of {sampled} sampled clients' replies were unusable, "
                 f"more than max-failed-fraction = {self.max_failed_fraction:g}"
             )
-            return self._describe(why, rounds, history, failures)
+            return self._describe(why, rounds, history)
         return None
 
     @staticmethod
-    def _describe(
-        why: str, rounds: list[int], history: Mapping[int, RoundStats], failures: Mapping[int, Sequence[str]]
-    ) -> str:
+    def _describe(why: str, rounds: list[int], history: Mapping[int, RoundStats]) -> str:
         rejected = sum(history[k].num_rejected for k in rounds)
         failed = sum(history[k].num_failed for k in rounds)
         sampled = sum(history[k].num_sampled for k in rounds)
-        reasons = [r for k in rounds for r in (*history[k].rejected_reasons, *failures.get(k, ()))]
+        reasons = [r for k in rounds for r in (*history[k].rejected_reasons, *history[k].failed_reasons)]
         text = f"{why} ({rejected} rejected, {failed} failed of {sampled} sampled)"
         if not reasons:
             return text + "; no reason was reported: see the ClientApps' logs"

@@ -1,11 +1,11 @@
 """The one round loop of every engine (Alg. 1 / Alg. 2, lines 2-13), without Flower.
 
 Each round: `DPServer.begin_round()` (the rules every round obeys: the privacy budget, the
-secure-aggregation round with fewer than two clients; Poisson sampling, ``k~``), a
-`ClientRunner` gets the sampled clients' replies to the server and closes the round
-(Flower messages, SecAgg+, or a block of clients in-process), then ``on_round_end`` records it
-(evaluation, ``metrics.csv``, checkpoint). A run stops cleanly before a round that would exceed
-``max-epsilon``.
+secure-aggregation round with fewer than two clients; Poisson sampling, ``k~``), a `ClientRunner`
+brings back the sampled clients' replies as one frozen `RoundReplies` (Flower messages, SecAgg+, or a
+block of clients in-process), `DPServer.close_round()` closes the round into one frozen `RoundRecord`,
+and the loop passes that record on: ``on_round_end`` (evaluation, ``metrics.csv``, checkpoint), then
+the health check. A run stops cleanly before a round that would exceed ``max-epsilon``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import numpy as np
 from dpfedavg.core.types import RoundInstructions, Vector
 from dpfedavg.server.dp_server import DPServer, PrivacyBudgetExhausted
 from dpfedavg.server.health import ReplyHealth, TrainingStopped, stopped
+from dpfedavg.server.round import RoundRecord, RoundReplies
 
-__all__ = ["ClientRunner", "LoopResult", "run_rounds"]
+__all__ = ["ClientRunner", "LoopResult", "run_round", "run_rounds"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +30,10 @@ logger = logging.getLogger(__name__)
 class ClientRunner(Protocol):
     """How an engine reaches the sampled clients of one round."""
 
-    def run_round(
-        self, server: DPServer, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions
-    ) -> Vector:
-        """Have ``clients`` run Alg. 1 lines 4-10 on ``w`` with ``ins``, close the round on ``server``.
+    def run_round(self, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions) -> RoundReplies:
+        """Have ``clients`` run Alg. 1 lines 4-10 on ``w`` with ``ins``; what they brought back.
 
-        Closing is `DPServer.finish_round()` (per-client replies, ascending client id),
-        `DPServer.finish_round_sum()` (a secure sum) or `DPServer.skip_round()`; returns
-        ``w_{k+1}``.
+        The runner holds no server: the loop closes the round (`DPServer.close_round()`).
         """
 
 
@@ -50,16 +47,31 @@ class LoopResult:
     failed: TrainingStopped | None = None
 
 
+def run_round(
+    server: DPServer, runner: ClientRunner, server_round: int, w: Vector, available: Iterable[int] | None = None
+) -> RoundRecord:
+    """One round: `DPServer.begin_round()`, the runner's replies, `DPServer.close_round()`; the closed round.
+
+    Raises `PrivacyBudgetExhausted` before a round whose release would exceed ``max-epsilon``.
+    """
+    start = server.begin_round(server_round, w, available)
+    if start.closed:  # a rule closed it at once (nobody is contacted)
+        assert start.record is not None
+        return start.record
+    assert start.instructions is not None
+    return server.close_round(server_round, runner.run_round(server_round, start.clients, w, start.instructions))
+
+
 def run_rounds(
     server: DPServer,
     runner: ClientRunner,
     w: Vector,
     rounds: Iterable[int],
-    on_round_end: Callable[[int, Vector], None] | None = None,
+    on_round_end: Callable[[RoundRecord], None] | None = None,
     health: ReplyHealth | None = None,
     available: Callable[[], Iterable[int]] | None = None,
 ) -> LoopResult:
-    """Run ``rounds`` (1-based, ascending) from ``w``; ``on_round_end(k, w_{k})`` after each one.
+    """Run ``rounds`` (1-based, ascending) from ``w``; ``on_round_end(record)`` after each one.
 
     ``available()`` lists the connected clients before each round, for a noise mechanism whose cohort depends
     on them (``server.round_mechanism.selects_from_available``); ``None`` means every client is reachable.
@@ -72,24 +84,15 @@ def run_rounds(
     for server_round in rounds:
         try:
             connected = available() if available is not None and server.round_mechanism.selects_from_available else None
-            start = server.begin_round(server_round, w, connected)
+            record = run_round(server, runner, server_round, w, connected)
         except PrivacyBudgetExhausted as stop:
             logger.warning("%s", stop)
             return LoopResult(w, stop.server_round)
-        if start.closed:  # a rule closed it at once (nobody is contacted)
-            assert start.w is not None
-            w = start.w
-        else:
-            assert start.instructions is not None
-            w = runner.run_round(server, server_round, start.clients, w, start.instructions)
+        w = record.w
         if on_round_end is not None:
-            on_round_end(server_round, w)
-        verdict = None if health is None else health.verdict(server_round, server.history, _failures(server))
+            on_round_end(record)
+        verdict = None if health is None else health.verdict(server_round, server.history)
         if verdict is not None:
             epsilon, plan = server.epsilon, server.plan
             return LoopResult(w, failed=stopped("the run", verdict, server_round, epsilon, plan.delta, plan.dp))
     return LoopResult(w)
-
-
-def _failures(server: DPServer) -> dict[int, list[str]]:
-    return {k: stats.failed_reasons for k, stats in server.history.items()}

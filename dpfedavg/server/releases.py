@@ -77,8 +77,8 @@ class ReleaseLog:
         The lines already there (a resumed run's, checked by ``resume``).
     """
 
-    def __init__(self, path: Path, plan: PrivacyPlan, records: list[ReleaseRecord] | None = None) -> None:
-        self.path = Path(path)
+    def __init__(self, path: Path | None, plan: PrivacyPlan, records: list[ReleaseRecord] | None = None) -> None:
+        self.path = Path(path) if path is not None else None
         self.q, self.z = float(plan.q), float(plan.noise_multiplier)
         self.records: list[ReleaseRecord] = list(records or [])
 
@@ -89,11 +89,21 @@ class ReleaseLog:
 
     # ---------------------------------------------------------------------------------------- a new run
     @classmethod
-    def start(cls, directory: Path, plan: PrivacyPlan) -> ReleaseLog:
+    def pending(cls, plan: PrivacyPlan) -> ReleaseLog:
+        """A run's record before its directory is open: the server gets it when it is made, before anything is
+        written; the session then gives it its file (`open_new()` or `open_resumed()`), before round 1."""
+        return cls(None, plan)
+
+    def open_new(self, directory: Path) -> None:
         """A new run's empty record, created durably (the file and its folder entry are on disk)."""
         path = Path(directory) / RELEASES_FILE
         atomic_write_bytes(path, b"", durable=True)
-        return cls(path, plan)
+        self.path, self.records = path, []
+
+    def open_resumed(self, directory: Path, plan: PrivacyPlan, *args: int) -> None:
+        """A resumed run's record, read and checked (`resume()`, with its arguments after ``plan``)."""
+        read = self.resume(directory, plan, *args)
+        self.path, self.records = read.path, read.records
 
     # ------------------------------------------------------------------------------------------ a round
     def write(self, server_round: int) -> None:
@@ -104,6 +114,8 @@ class ReleaseLog:
         dpfedavg.errors.ResultsError
             The line could not be written (a full disk): the round is not sent, the run stops.
         """
+        if self.path is None:
+            raise RuntimeError("the record of releases has no file yet: the run's session opens it before round 1")
         record = ReleaseRecord(self.count + 1, int(server_round), self.q, self.z)
         try:
             append_bytes(self.path, record.line(), durable=True)

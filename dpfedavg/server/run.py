@@ -1,27 +1,24 @@
 """Assembling a run, once for every engine: the task, the privacy plan, the server, the session.
 
 `prepare_run()` is the one validation path after the config: the task's name is checked first
-(cheap), then ``z`` is calibrated and every budget rule checked (`plan_privacy()`),
-then the task is built, the server checks what needs the model's size (secure aggregation's terms),
-and the session opens the run directory (or the checkpoint of a resumed run). The Flower ServerApp
-and the batched engine both start here.
+(cheap), then the privacy set-up is resolved, ``z`` calibrated and every budget rule checked
+(`PrivacySetup.resolve()`, unless the caller resolved it already), then the task is built, the server
+checks what needs the model's size (secure aggregation's terms), and the session opens the run directory
+(or the checkpoint of a resumed run). The Flower ServerApp and the batched engine both start here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core.canaries import canary_federation_size
-from dpfedavg.core.dp import BOUNDS
 from dpfedavg.core.types import Vector
 from dpfedavg.errors import ConfigError
 from dpfedavg.io.results import check_output_dir
-from dpfedavg.privacy.params import DpParams
-from dpfedavg.privacy.plan import PrivacyPlan, plan_privacy
+from dpfedavg.privacy.plan import PrivacyPlan
+from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.session import RunSession, check_run_directory
 from dpfedavg.tasks import Task, build_task, resolve_task
@@ -29,7 +26,7 @@ from dpfedavg.tasks import Task, build_task, resolve_task
 if TYPE_CHECKING:  # scipy.stats is imported only by runs with canaries
     from dpfedavg.privacy.canary import CanarySet
 
-__all__ = ["PreparedRun", "canary_federation", "plan_for", "prepare_run"]
+__all__ = ["PreparedRun", "plan_for", "prepare_run"]
 
 
 @dataclass
@@ -47,28 +44,18 @@ class PreparedRun:
 
 
 def plan_for(cfg: RunConfig) -> PrivacyPlan:
-    """The privacy plan of ``cfg`` (``z`` calibrated or given, the budget checked)."""
-    return plan_privacy(DpParams.from_config(cfg), BOUNDS[cfg.algorithm], cfg.clip_count_stddev)
+    """The privacy plan of ``cfg`` (``z`` calibrated or given, the budget checked): its `PrivacySetup`'s.
 
-
-def canary_federation(cfg: RunConfig, inserted: int) -> RunConfig:
-    """The federation the server samples from when ``inserted`` canaries joined the ``n`` clients.
-
-    Every client, canary or not, is still sampled with ``q = r / n``: the population is ``n' = n + inserted`` and
-    the expected cohort (the fixed denominator of Alg. 1 line 12) ``r' = q n'``. The accountant's event
-    ``PoissonSampled(q, Gaussian(z))`` and so ``z`` and epsilon are those of the run without canaries.
+    For scripts and tests that want ``z`` or epsilon alone; a run resolves its set-up once and passes it on.
     """
-    if inserted == 0:
-        return cfg
-    n, r = canary_federation_size(cfg.num_clients, cfg.clients_per_round, inserted)
-    return cfg.replace(num_clients=n, clients_per_round=r)
+    return PrivacySetup.resolve(cfg).plan
 
 
 def prepare_run(
     cfg: RunConfig,
     *,
     task: Task | Callable[[RunConfig], Task] | None = None,
-    plan: PrivacyPlan | None = None,
+    setup: PrivacySetup | None = None,
     run_id: int | str = "local",
     engine: str,
     epsilon_each_round: bool = True,
@@ -78,7 +65,9 @@ def prepare_run(
 
     ``task``: a Task, or a factory called with ``cfg``; ``None`` builds the task ``cfg.task`` names. A run
     given a task records its ``name`` as ``cfg.task`` (in ``config.json``, the run's folder name, the checkpoint).
-    ``inserts_canaries``: the engine hosts ``canary-clients`` (a single batched or Flower run); the others refuse it.
+    ``setup``: the run's privacy set-up when the caller resolved it already (`PrivacySetup.resolve()`, once per
+    run). ``inserts_canaries``: the engine hosts ``canary-clients`` (a single batched or Flower run); the others
+    refuse it.
 
     Raises
     ------
@@ -92,13 +81,13 @@ def prepare_run(
     if cfg.canary_clients and not inserts_canaries:
         raise ConfigError(
             f"invalid run config: 'canary-clients' = {cfg.canary_clients}: this {engine!r} run does not insert "
-            "canary clients; a single run does (python -m dpfedavg.run, dpfedavg.run(), flwr run with dpfedavg's "
+            "canary clients; a single run does (python -m dpfedavg, dpfedavg.run(), flwr run with dpfedavg's "
             "own apps), not a sweep's batch of runs; set canary-clients = 0 here"
         )
     check_output_dir(cfg.output_dir, cfg.run_name)  # a read-only output-dir: one ConfigError, before the calibration
     check_run_directory(cfg)  # a reused run-name: refused before the calibration
     source = task if task is not None else resolve_task(cfg.task)
-    plan = plan if plan is not None else plan_for(cfg)
+    setup = setup if setup is not None else PrivacySetup.resolve(cfg)
     built = build_task(cfg, source)
     if task is not None and cfg.task != built.name:
         cfg = cfg.replace(task=built.name)
@@ -106,11 +95,19 @@ def prepare_run(
     if cfg.canary_clients:  # the task holds the n real clients; the server samples them and the inserted canaries
         from dpfedavg.privacy.canary import CanarySet
 
-        canaries = CanarySet.draw(cfg.seed, cfg.canary_clients, built.dim)
-    server_cfg = canary_federation(cfg, canaries.num_inserted if canaries is not None else 0)
-    if server_cfg is not cfg:  # the same z and q; the rounds sample from the n' clients
-        plan = dataclasses.replace(plan, params=DpParams.from_config(server_cfg))
-    server = DPServer(server_cfg, built.dim, plan=plan, epsilon_each_round=epsilon_each_round)
-    session = RunSession(cfg, built, server, run_id, engine=engine)
+        canaries = CanarySet.draw(cfg.seed, cfg.canary_clients, built.dim)  # inserted: setup.federation's
+    session = RunSession(
+        cfg,
+        built,
+        run_id,
+        engine,
+        plan=setup.plan,
+        dim=built.dim,
+        server_for=lambda log: DPServer(
+            cfg, built.dim, setup=setup, epsilon_each_round=epsilon_each_round, release_log=log
+        ),
+    )
+    server = session.server
+    assert isinstance(server, DPServer)
     w, first_round = session.begin(built.initial_weights())
     return PreparedRun(cfg, built, server, session, w, first_round, canaries)

@@ -14,10 +14,11 @@ import logging
 import math
 import re
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from dpfedavg.io.checkpoint import (
     CHECKPOINT_FILE,
     Checkpoint,
     CheckpointError,
+    ServerState,
     check_compatible,
     load_checkpoint,
     nominal_accountant_state,
@@ -37,8 +39,9 @@ from dpfedavg.io.checkpoint import (
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.io.results import RESULT_FILES, RunRecorder, complete_rows, package_versions, read_metrics
 from dpfedavg.privacy.guarantee import released_metric_names
-from dpfedavg.server.dp_server import DPServer
+from dpfedavg.privacy.plan import PrivacyPlan
 from dpfedavg.server.releases import RELEASES_FILE, ReleaseLog, charges_redone_rounds
+from dpfedavg.server.round import RoundRecord
 from dpfedavg.tasks import Task, task_hooks
 
 __all__ = ["RunResult", "RunSession", "check_run_directory", "run_directory"]
@@ -144,21 +147,64 @@ class RunResult:
         return load_weights(module, choices[iterate])
 
 
+class RunServer(Protocol):
+    """What a `RunSession` reads of the run's server (`dpfedavg.server.dp_server.DPServer`), and nothing more."""
+
+    random_iterate: Vector | None
+    random_round: int | None
+
+    @property
+    def epsilon(self) -> float: ...  # noqa: D102
+
+    @property
+    def history(self) -> Mapping[int, RoundStats]: ...  # noqa: D102
+
+    @property
+    def private(self) -> bool: ...  # noqa: D102
+
+    @property
+    def charges_redone_rounds(self) -> bool: ...  # noqa: D102
+
+    def noise_stds(self, num_sampled: int) -> tuple[float, float]: ...  # noqa: D102
+
+    def describe_privacy(self) -> dict[str, Any]: ...  # noqa: D102
+
+    def state(self) -> ServerState: ...  # noqa: D102
+
+    def restore(self, state: ServerState) -> None: ...  # noqa: D102
+
+
 class RunSession:
     """Results and logging of one run.
 
     Parameters
     ----------
-    cfg, task, server:
-        The run's config, task and server state.
+    cfg, task:
+        The run's config and task.
+    plan, dim:
+        The run's privacy plan and the model's length (what a checkpoint is checked against).
+    server_for:
+        Builds the run's server given its write-ahead record of releases (``secure-noise``; ``None`` otherwise),
+        once the session has opened the run directory or the checkpoint: the record is the server's from the
+        start. The session reads the server through `RunServer` only.
     run_id:
         Flower's run id (or any label) for the default run name and ``config.json``.
     engine:
         ``flower`` or ``batched``, recorded in ``config.json``.
     """
 
-    def __init__(self, cfg: RunConfig, task: Task, server: DPServer, run_id: int | str, engine: str) -> None:
-        self.cfg, self.task, self.server = cfg, task, server
+    def __init__(
+        self,
+        cfg: RunConfig,
+        task: Task,
+        run_id: int | str,
+        engine: str,
+        *,
+        plan: PrivacyPlan,
+        dim: int,
+        server_for: Callable[[ReleaseLog | None], RunServer],
+    ) -> None:
+        self.cfg, self.task, self.plan, self.dim = cfg, task, plan, dim
         #: The canary audit to record in ``config.json`` ``final.audit`` and the last log line (set before ``finish``).
         self.audit: dict[str, Any] | None = None
         #: The task metrics this run computes (training-data metrics are withheld with secure-noise).
@@ -170,18 +216,27 @@ class RunSession:
         self.resumed: Checkpoint | None = None
         #: Releases charged beyond the completed rounds without a write-ahead record (a resumed checkpoint's).
         self._redone_before = 0
+        #: The write-ahead record of releases (``secure-noise``), the server's from its construction; its file is
+        #: opened once the run directory is (the server's own checks come first: nothing is written before them).
+        self.release_log = ReleaseLog.pending(plan) if charges_redone_rounds(cfg.secure_noise, plan) else None
+        self.server = server_for(self.release_log)
         if cfg.resume:
             self.directory = run_directory(cfg, run_id)
             self.resumed = load_checkpoint(self.directory)
-            check_compatible(self.resumed, cfg, server.plan, server.dim)
+            check_compatible(self.resumed, cfg, plan, dim)
             rows_after = self._check_resumable(self.resumed, columns)
+            if self.release_log is not None:
+                assert self.resumed.releases is not None
+                self.release_log.open_resumed(
+                    self.directory, plan, self.resumed.round, self.resumed.releases, rows_after
+                )
             # the accountant is rebuilt from the releases (the round count, plus every round started after a
             # checkpoint with secure-noise) and the plan; the stored one was checked equal to it above
-            releases = self._releases_on_resume(self.resumed, rows_after)
+            releases = self._releases_on_resume(self.resumed)
             self._redone_before = releases - self.resumed.round
-            self.resumed.server.accountant = nominal_accountant_state(server.plan, releases)
+            self.resumed.server.accountant = nominal_accountant_state(plan, releases)
             try:  # the server's own checks of its state (the noise mechanism's history), before any file is touched
-                server.restore(self.resumed.server)
+                self.server.restore(self.resumed.server)
             except (ValueError, TypeError, KeyError) as err:
                 raise CheckpointError(f"checkpoint {self.directory / CHECKPOINT_FILE}: {err}") from None
         else:
@@ -197,8 +252,8 @@ class RunSession:
         try:
             self.recorder = RunRecorder(self.directory, columns, keep_rounds_through=keep)
             self.recorder.write_config(self.description)
-            if self.resumed is None and charges_redone_rounds(cfg.secure_noise, server.plan):
-                server.release_log = ReleaseLog.start(self.directory, server.plan)
+            if self.resumed is None and self.release_log is not None:
+                self.release_log.open_new(self.directory)
         except OSError as err:
             raise self._results_error(
                 f"the run's first files (metrics.csv, config.json, {RELEASES_FILE})", err
@@ -234,25 +289,25 @@ class RunSession:
                 )
         return len(rounds) - (ckpt.round + 1)
 
-    def _releases_on_resume(self, ckpt: Checkpoint, rows_after: int) -> int:
+    def _releases_on_resume(self, ckpt: Checkpoint) -> int:
         """The releases to charge on resume: the checkpoint's, plus the rounds this run redoes (``secure-noise``).
 
-        With ``secure-noise`` the write-ahead record (``dpfedavg.server.releases``) is read and attached to the
-        server: each round started after the checkpoint was a fresh release, and is charged. Seeded mode: the
-        checkpoint's count (a redone round is bit-identical to its first attempt, it releases nothing new).
+        With ``secure-noise`` the write-ahead record (``dpfedavg.server.releases``, read before the server was
+        built and given to it): each round started after the checkpoint was a fresh release, and is charged.
+        Seeded mode: the checkpoint's count (a redone round is bit-identical to its first attempt, it releases
+        nothing new).
         """
-        server = self.server
         assert ckpt.releases is not None
-        if not charges_redone_rounds(self.cfg.secure_noise, server.plan):
+        log = self.release_log
+        if log is None:
             return ckpt.releases
-        log = ReleaseLog.resume(self.directory, server.plan, ckpt.round, ckpt.releases, rows_after)
         redone = log.count - ckpt.releases
-        if redone and not server.mechanism.charges_redone_rounds:
+        if redone and not self.server.charges_redone_rounds:
             raise CheckpointError(
                 f"cannot resume {self.directory}: {redone} round(s) ran after the checkpoint (round {ckpt.round}) "
-                f"with secure-noise, and noise-mechanism = {server.mechanism.name!r} cannot account a round released "
-                "twice; redoing them would release more than the reported epsilon covers. Start a new run (it spends "
-                "a new budget), and use checkpoint-every = 1 with this mechanism"
+                f"with secure-noise, and noise-mechanism = {self.cfg.noise_mechanism!r} cannot account a round "
+                "released twice; redoing them would release more than the reported epsilon covers. Start a new run "
+                "(it spends a new budget), and use checkpoint-every = 1 with this mechanism"
             )
         if redone:
             logger.warning(
@@ -262,7 +317,6 @@ class RunSession:
                 ckpt.round,
                 log.count,
             )
-        server.release_log = log
         return log.count
 
     def _results_error(self, what: str, err: OSError) -> ResultsError:
@@ -296,7 +350,7 @@ class RunSession:
                 "n": cfg.num_clients,
                 "r": cfg.clients_per_round,
                 "q": cfg.sampling_rate,
-                "dim": self.server.dim,
+                "dim": self.dim,
                 "client_noise_std_at_r": client_std,
                 "server_noise_std": server_std,
             },
@@ -306,7 +360,7 @@ class RunSession:
         }
 
     def _log_privacy(self) -> None:
-        plan, cfg = self.server.plan, self.cfg
+        plan, cfg = self.plan, self.cfg
         if plan.dp:
             logger.info(
                 "Privacy: z = %.5g (%s), %s accountant, delta = %g, %s placement; epsilon after %d rounds: %.4g",
@@ -329,7 +383,7 @@ class RunSession:
             logger.warning(
                 "NO DIFFERENTIAL PRIVACY: %s",
                 f"algorithm={cfg.algorithm!r} (epsilon, delta and noise-multiplier are not used)"
-                if not self.server.bound.private
+                if not self.server.private
                 else "noise multiplier 0 (updates are clipped/normalized but not noised; epsilon is infinite)",
             )
 
@@ -347,7 +401,7 @@ class RunSession:
         self.evaluated = dict(ckpt.evaluated)
         if ckpt.trajectory is not None:
             self.trajectory = list(ckpt.trajectory)
-        spent = self.server.epsilon if self.server.accountant is not None else float("inf")
+        spent = self.server.epsilon
         logger.info(
             "Resuming after round %d of %d from %s (epsilon spent so far: %.4g)",
             ckpt.round,
@@ -357,9 +411,10 @@ class RunSession:
         )
         return ckpt.w.copy(), ckpt.round + 1
 
-    def end_round(self, server_round: int, w: Vector) -> dict[str, float]:
-        """`record_round()`, then a checkpoint every ``checkpoint-every`` rounds."""
-        metrics = self.record_round(server_round, w)
+    def end_round(self, record: RoundRecord) -> dict[str, float]:
+        """`record_round()` of a closed round, then a checkpoint every ``checkpoint-every`` rounds."""
+        server_round, w = record.round, record.w
+        metrics = self.record_round(server_round, w, record.stats)
         every = self.cfg.checkpoint_every
         if every and server_round % every == 0 and server_round < self.cfg.num_rounds:
             self.checkpoint(server_round, w)
@@ -372,7 +427,7 @@ class RunSession:
             w=np.asarray(w, dtype=np.float64),
             server=self.server.state(),
             run_config=self.cfg.to_run_config(),
-            privacy=privacy_signature(self.cfg, self.server.plan),
+            privacy=privacy_signature(self.cfg, self.plan),
             evaluated=self.evaluated,
             elapsed_s=time.monotonic() - self._t0,
             trajectory=np.stack(self.trajectory) if self.trajectory else None,
@@ -395,7 +450,7 @@ class RunSession:
     @property
     def releases(self) -> int:
         """The releases charged so far: the rounds completed, plus the rounds redone after crashes (secure-noise)."""
-        log = self.server.release_log
+        log = self.release_log
         return log.count if log is not None else len(self.server.history) + self._redone_before
 
     def evaluates_after(self, server_round: int) -> bool:
@@ -403,15 +458,15 @@ class RunSession:
         k, total = server_round, self.cfg.num_rounds
         return k == 0 or k % self.cfg.eval_every == 0 or k > total - 5
 
-    def record_round(self, server_round: int, w: Vector | None) -> dict[str, float]:
-        """Evaluate ``w`` if due, write the round's row and log its line; returns the task metrics."""
+    def record_round(self, server_round: int, w: Vector | None, stats: RoundStats | None = None) -> dict[str, float]:
+        """Evaluate ``w`` if due, write the round's row (``stats``: its statistics; none for round 0) and log its
+        line; returns the task metrics."""
         metrics = self.task.evaluate(w) if (w is not None and self.evaluates_after(server_round)) else {}
         metrics = {k: v for k, v in metrics.items() if k in self.metric_names}
         if self.cfg.save_trajectory and w is not None:
             self.trajectory.append(np.asarray(w, dtype=np.float32))
         if metrics:
             self.evaluated[server_round] = metrics
-        stats: RoundStats | None = self.server.history.get(server_round)
         row: dict[str, Any] = {"round": server_round, **metrics, "elapsed_s": round(time.monotonic() - self._t0, 3)}
         if stats is not None:
             row.update(stats.as_metrics())
@@ -453,7 +508,7 @@ class RunSession:
         final = {
             **summary,
             "epsilon": self.server.epsilon,
-            "delta": self.server.plan.delta,
+            "delta": self.plan.delta,
             "guarantee": self.description["privacy"]["guarantee"]["level"],
             "rounds_completed": completed,
             "releases": self.releases,
@@ -521,7 +576,7 @@ class RunSession:
             "Done after %d rounds: (epsilon, delta) = (%.4g, %g)%s%s; metrics in %s, model in %s",
             completed,
             epsilon,
-            server.plan.delta,
+            self.plan.delta,
             label,
             _audit_text(self.audit),
             self.recorder.metrics_path,
@@ -532,7 +587,7 @@ class RunSession:
             random_iterate=np.asarray(w_random, dtype=np.float64),
             random_round=k_random,
             epsilon=epsilon,
-            delta=server.plan.delta,
+            delta=self.plan.delta,
             guarantee=level,
             history=read_metrics(self.recorder.metrics_path),
             directory=self.directory,

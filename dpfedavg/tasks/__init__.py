@@ -171,8 +171,9 @@ def build_task(cfg: RunConfig, task: Task | TaskFactory | None = None) -> Task:
     Raises
     ------
     ConfigError
-        An unknown task, an object that lacks a member of `Task`, or a task whose
-        ``num_clients`` differs from ``num-clients``.
+        An unknown task, an object that lacks a member of `Task`, a task whose
+        ``num_clients`` differs from ``num-clients``, or one whose ``check_model()`` fails (`TorchTask`: the
+        model's first forward pass).
     """
     what = f"'task' = {cfg.task!r}" if task is None else f"task={task!r}"
     if task is None:
@@ -193,6 +194,9 @@ def build_task(cfg: RunConfig, task: Task | TaskFactory | None = None) -> Task:
         raise ConfigError(
             f"invalid run config: {what} has num_clients = {built.num_clients}, but 'num-clients' = {cfg.num_clients}"
         )
+    check_model = getattr(built, "check_model", None)
+    if callable(check_model):  # a torch model's first forward pass, before any run folder exists
+        check_model()
     return built
 
 

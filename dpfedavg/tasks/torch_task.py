@@ -395,6 +395,39 @@ class TorchTask:
             out = self._forward(self._flat(self.initial_weights()), self._x(x_all[:1]))
         return out.ndim == 2 and out.shape[1] >= 2
 
+    def check_model(self) -> None:
+        """One forward pass of the model on one example, before anything is written (`build_task()`).
+
+        A model whose ``forward`` fails raises one `ConfigError` naming the model, the input's shape and dtype,
+        the task and torch's first line, instead of a torch traceback halfway through a run whose folder is
+        already made. The example is the first test example when ``test`` was given as arrays (nothing to load),
+        else client 0's first. Where client 0's data cannot be loaded here (a node that holds other clients'
+        data), the check is skipped: the data's own error comes where the data is used.
+        """
+        if self._test_source is not None and not callable(self._test_source):
+            assert self.test_data is not None
+            x_np, where = self.test_data[0], "the first test example"
+        else:
+            try:
+                x_np, _ = self.data.client(0)
+            except Exception as err:  # noqa: BLE001 - not the model's fault; reported where the data is used
+                logger.debug("task %r: model check skipped, client 0's data did not load here: %s", self.name, err)
+                return
+            where = "client 0's first example"
+        x = self._x(np.asarray(x_np)[:1])
+        flat = self._flat(self.initial_weights())
+        try:
+            with self._lock, self.torch.no_grad():
+                self._forward(flat, x)
+        except Exception as err:  # noqa: BLE001 - the user's forward failed: one line with its context
+            first = (str(err).strip().splitlines() or [""])[0]
+            named = "" if self.name == self.cfg.task else f" (task {self.name!r})"
+            raise ConfigError(
+                f"invalid run config: 'task' = {self.cfg.task!r}: the model {type(self.module).__name__}{named} "
+                f"failed its first forward pass, on an input of shape {tuple(x.shape)} "
+                f"({str(x.dtype).removeprefix('torch.')}, {where}): {type(err).__name__}: {first}"
+            ) from err
+
     # ------------------------------------------------------------------ model
     @cached_property
     def module(self) -> Any:

@@ -1,4 +1,4 @@
-"""Run one configuration with the batched engine from a shell: ``python -m dpfedavg.run --run-config "..."``.
+"""Run one configuration with the batched engine from a shell: ``python -m dpfedavg --run-config "..."``.
 
 ``--run-config`` takes the same ``key=value`` pairs as ``flwr run --run-config`` (TOML values:
 strings in single quotes), over the defaults of ``pyproject.toml``; it may be given several
@@ -11,45 +11,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
-import tomllib
-import types
 from typing import Any
 
-__all__ = ["main", "parse_run_config"]
-
-_PAIR = re.compile(r"""\s*([A-Za-z0-9_.-]+)\s*=\s*("[^"]*"|'[^']*'|[^\s"']+)\s*""")
-
-
-def parse_run_config(text: str) -> dict[str, Any]:
-    """``"a=1 b='x' c=true"`` -> ``{"a": 1, "b": "x", "c": True}`` (each value parsed as TOML)."""
-    out: dict[str, Any] = {}
-    pos = 0
-    while pos < len(text):
-        if not text[pos:].strip():
-            break
-        match = _PAIR.match(text, pos)
-        if match is None:
-            raise ValueError(f"cannot parse the run config at {text[pos:]!r}: expected key=value (strings in quotes)")
-        key, value = match.groups()
-        try:
-            out[key] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError as err:
-            raise ValueError(
-                f"run config {key}={value}: not a TOML value ({err}); quote strings: {key}='...'"
-            ) from None
-        pos = match.end()
-    return out
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``--run-config``, validate it (one ConfigError, exit 2), run it with the batched engine."""
-    from dpfedavg.config import ConfigError, RunConfig
+    from dpfedavg.config import ConfigError, RunConfig, parse_run_config
     from dpfedavg.errors import ResultsError
     from dpfedavg.tasks.errors import DataUnavailableError
 
-    parser = argparse.ArgumentParser(prog="python -m dpfedavg.run", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dpfedavg", description=__doc__.splitlines()[0])
     parser.add_argument("--run-config", action="append", default=[], help="key=value pairs, as for flwr run")
     parser.add_argument("--progress", action="store_true", help="show a progress bar over the rounds")
     args = parser.parse_args(argv)
@@ -76,17 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class _RunModule(types.ModuleType):
-    """This module, callable as ``dpfedavg.run(...)``: importing it binds ``dpfedavg.run`` to the module (Python
-    binds a submodule in its package), which would hide the Python API's ``run`` function of the same name."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from dpfedavg.api import run
-
-        return run(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _RunModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -135,7 +135,7 @@ def _accumulate(
     ``g_i + zeta_i`` of every (run, client) is one `add_gaussian()` over the ``(R, B, d')`` block (the count
     coordinate of ``adaptive-clip`` appended as column ``d``): per value the product ``z * std`` and the sum
     ``g + z * std`` that the client's own addition forms. The rows then enter each run's sum one client after
-    the other, in the order of ``client_ids`` (``finish_round()``'s order), so every sum keeps its bits.
+    the other, in the order of ``client_ids`` (``DPServer.close_round()``'s order), so every sum keeps its bits.
     """
     g, count, finite = block.g, block.count, block.finite
     release = dim + (1 if count is not None else 0)

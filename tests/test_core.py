@@ -280,3 +280,53 @@ def test_noise_laws_add_what_they_account() -> None:
     assert law.name == "discrete-gaussian"
     np.testing.assert_array_equal(y, np.round(y / grid.step) * grid.step)
     assert np.all(np.abs(y) <= grid.clipping_range) and abs(np.std(y - 0.01) - 0.05) < 0.01
+
+
+def test_client_normals_are_each_clients_own_draws_on_one_reused_pool(monkeypatch) -> None:
+    """Long rows are drawn on the process's one noise pool, short rows on the caller's thread; same values."""
+    from dpfedavg.core import pipeline
+    from dpfedavg.core.seeding import noise_rng
+
+    ids = np.array([3, 17, 4, 250, 9])
+
+    def reference(dim: int) -> np.ndarray:
+        return np.stack([noise_rng(12345, int(i)).standard_normal(dim) for i in ids])
+
+    monkeypatch.setattr(pipeline, "cpu_share", lambda: 4)
+    long = pipeline.NOISE_THREAD_MIN_DIM
+    assert pipeline.noise_threads(len(ids), long) == 4 and pipeline.noise_threads(len(ids), 200) == 1
+    np.testing.assert_array_equal(pipeline.client_normals(12345, ids, long), reference(long))
+    pool = pipeline._noise_pool()
+    np.testing.assert_array_equal(pipeline.client_normals(12345, ids[::-1], long), reference(long)[::-1])
+    assert pipeline._noise_pool() is pool  # one pool for the process, never one per call
+    monkeypatch.setattr(pipeline, "_noise_pool", lambda: pytest.fail("a pool for rows of 200"))
+    np.testing.assert_array_equal(pipeline.client_normals(12345, ids, 200), reference(200))
+    monkeypatch.setattr(pipeline, "cpu_share", lambda: 1)  # a Flower app process, or one CPU
+    assert pipeline.noise_threads(len(ids), long) == 1
+    np.testing.assert_array_equal(pipeline.client_normals(12345, ids, long), reference(long))
+
+
+@pytest.mark.parametrize("noise_seed", [0, 7, 2**32 - 1, 2**32, 8765432187654321, 2**63 - 2])
+def test_block_seeding_gives_each_clients_own_generator_state(noise_seed: int, monkeypatch, caplog) -> None:
+    """seed_rows hashes a block's SeedSequences at once: the same PCG64 states, so the same rows, as noise_rng."""
+    from dpfedavg.core import seed_rows
+    from dpfedavg.core.seeding import noise_rng
+
+    ids = np.array([0, 1, 5, 99, 2**31, 2**32 - 1, 2**32, 2**40])  # the last two: 2 words, drawn one by one
+    made = []
+    monkeypatch.setattr(seed_rows, "noise_rng", lambda *a: made.append(a) or noise_rng(*a))
+    out = np.full((len(ids) + 1, 13), np.nan)
+    seed_rows.fill_noise_rows(noise_seed, ids[:6], out, range(6))
+    assert len(made) == 1  # the check of the first client; the others from the block's states
+    seed_rows.fill_noise_rows(noise_seed, ids, out, range(6, 8))  # a chunk of rows, as a noise thread fills
+    assert len(made) == 3
+    for b, i in enumerate(ids):
+        np.testing.assert_array_equal(out[b], noise_rng(noise_seed, int(i)).standard_normal(13))
+    assert np.isnan(out[-1]).all()
+    # a numpy that seeded differently: found at the call's first client, drawn client by client, said once
+    monkeypatch.setattr(seed_rows, "_PCG_MULT", seed_rows._PCG_MULT + 2)
+    monkeypatch.setattr(seed_rows, "_warned", False)
+    again = np.empty((3, 13))
+    seed_rows.fill_noise_rows(noise_seed, ids[:3], again, range(3))
+    np.testing.assert_array_equal(again, out[:3])
+    assert "seeds PCG64 differently" in caplog.text

@@ -13,13 +13,15 @@ the block crosses to the host as one array (`BlockRows.to_host()`).
 
 The noise is each client's own stream ``noise_rng(noise_seed, i)`` (`client_normals()`): the same
 standard normals `dpfedavg.core.noise.GaussianLaw.add()` draws for that client, added by the same function
-(`dpfedavg.core.noise.add_gaussian()`), so ``g + std * z`` here is, element for element, what the ClientApp sends. The rows are drawn on the host (numpy's
-generators) and reach the device as one array per block. A numpy ``u`` runs the same code in numpy.
+(`dpfedavg.core.noise.add_gaussian()`), so ``g + std * z`` here is, element for element, what the ClientApp
+sends. The rows are drawn on the host (numpy's generators, their states set for the whole block at once by
+`dpfedavg.core.seed_rows`) and reach the device as one array per block. A numpy ``u`` runs the same code in numpy.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,44 +32,80 @@ import numpy as np
 from dpfedavg.core.arrays import astype, concat, namespace, to_host
 from dpfedavg.core.local import bound_block
 from dpfedavg.core.noise import GaussianLaw, add_gaussian, round_noise_law
-from dpfedavg.core.seeding import noise_rng
+from dpfedavg.core.seed_rows import fill_noise_rows
+from dpfedavg.core.threads import cpu_share
 from dpfedavg.core.types import ClientResult, RoundInstructions
 
 __all__ = [
     "NOISE_THREADS",
+    "NOISE_THREAD_MIN_DIM",
     "BlockRows",
     "BlockSums",
     "HostRows",
     "HostSums",
     "block_rows",
     "client_normals",
+    "noise_threads",
     "round_block_sum",
 ]
 
-#: Threads drawing a block's noise rows (at most the CPUs): the draws are a fifth of a torch round on the CPU.
+#: Threads drawing a block's noise rows, at most (and at most the process's `cpu_share()`).
 NOISE_THREADS = 4
+#: Rows at least this long are drawn on several threads. A row's cost is setting the client's generator
+#: state (a few us, holding the GIL; `dpfedavg.core.seed_rows`) plus filling it (about 9 ns per value, the
+#: GIL released): at d = 200 threads only add their overhead (CPU per 100 rows: 1.08 ms on one thread,
+#: 1.37 ms with a pool created per call); from about 10^4 values the fill is 90 % of a row.
+NOISE_THREAD_MIN_DIM = 10_000
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _noise_pool() -> ThreadPoolExecutor:
+    """The process's one pool of noise threads, created on first use (never one per call)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=NOISE_THREADS, thread_name_prefix="dpfedavg-noise")
+        return _pool
+
+
+def _forget_pool() -> None:  # a forked child has the parent's pool object but none of its threads
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def noise_threads(rows: int, dim: int) -> int:
+    """How many threads `client_normals()` uses for ``rows`` rows of ``dim`` values (1: the calling thread)."""
+    if dim < NOISE_THREAD_MIN_DIM or rows < 2:
+        return 1
+    return min(NOISE_THREADS, cpu_share(), rows)
 
 
 def client_normals(noise_seed: int, client_ids: Sequence[int] | np.ndarray, dim: int) -> np.ndarray:
     """Row ``b``: ``noise_rng(noise_seed, id_b).standard_normal(dim)``, client ``id_b``'s standard normals.
 
     `dpfedavg.core.dp.gaussian_noise()` with std ``s`` is ``s`` times this row, so ``g + s * row`` is what the
-    client's `GaussianLaw.add()` returns. A longer ``dim`` gives the same leading values. The rows are drawn
-    on up to `NOISE_THREADS` threads (each row from its own generator, so the result does not depend on them).
+    client's `GaussianLaw.add()` returns. A longer ``dim`` gives the same leading values. Rows of at least
+    `NOISE_THREAD_MIN_DIM` values are drawn on up to `NOISE_THREADS` threads of one pool the process keeps
+    (each row from its own generator, so the result does not depend on them); shorter rows on the caller's.
     """
     out = np.empty((len(client_ids), dim))
 
-    def fill(rows: range) -> None:
-        for row in rows:  # in place: the generator writes the row (the values of standard_normal(dim))
-            noise_rng(noise_seed, int(client_ids[row])).standard_normal(dim, out=out[row])
+    def fill(rows: range) -> None:  # in place: each client's generator state writes its row (seed_rows)
+        fill_noise_rows(noise_seed, client_ids, out, rows)
 
-    threads = min(NOISE_THREADS, os.cpu_count() or 1, max(1, len(client_ids) // 16))
+    threads = noise_threads(len(client_ids), dim)
     if threads <= 1:
         fill(range(len(client_ids)))
         return out
     step = -(-len(client_ids) // threads)  # numpy's generators release the GIL while they fill a row
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        list(pool.map(fill, [range(lo, min(lo + step, len(client_ids))) for lo in range(0, len(client_ids), step)]))
+    chunks = [range(lo, min(lo + step, len(client_ids))) for lo in range(0, len(client_ids), step)]
+    list(_noise_pool().map(fill, chunks))
     return out
 
 

@@ -130,7 +130,13 @@ def _accumulate(
     into: RunSums,
     dim: int,
 ) -> None:
-    """Add one algorithm's runs of a bounded block to their sums, client by client."""
+    """Add one algorithm's runs of a bounded block to their sums: every ``g + zeta`` at once, summed client by client.
+
+    ``g_i + zeta_i`` of every (run, client) is one `add_gaussian()` over the ``(R, B, d')`` block (the count
+    coordinate of ``adaptive-clip`` appended as column ``d``): per value the product ``z * std`` and the sum
+    ``g + z * std`` that the client's own addition forms. The rows then enter each run's sum one client after
+    the other, in the order of ``client_ids`` (``DPServer.close_round()``'s order), so every sum keeps its bits.
+    """
     g, count, finite = block.g, block.count, block.finite
     release = dim + (1 if count is not None else 0)
     noisy = np.stack([into.noisy[r] for r in runs])
@@ -142,21 +148,18 @@ def _accumulate(
     )
     if noisy.shape[1] != release:
         raise ValueError(f"the sums have length {noisy.shape[1]}, the runs' vectors {release}")
-    all_finite = bool(finite.all())
-    scale = stds[:, None]
+    if count is not None:
+        g = np.concatenate([g, count[:, :, None]], axis=2)  # (R, B, d + 1)
+    # g_i + zeta_i by the one Gaussian addition: g + (z_i * std), z_i the client's standard normals
+    rows = add_gaussian(g, stds[:, None, None], None if normals is None else normals[None, :, :release])
+    if not bool(finite.all()):  # a client whose training diverged sends nothing
+        keep = finite[:, :, None]
+        rows = np.where(keep, rows, 0.0)
+        g = np.where(keep, g, 0.0) if clean is not None else g
     for b in range(len(client_ids)):
-        # g_i + zeta_i by the one Gaussian addition: g + (z_i * std), z_i the client's standard normals
-        row = add_gaussian(g[:, b, :], scale, None if normals is None else normals[b, :dim])
-        if not all_finite:
-            row = np.where(finite[:, b, None], row, 0.0)  # a client whose training diverged sends nothing
-        noisy[:, :dim] += row
+        noisy += rows[:, b]
         if clean is not None:
-            clean[:, :dim] += g[:, b, :] if all_finite else np.where(finite[:, b, None], g[:, b, :], 0.0)
-        if count is not None:
-            c = add_gaussian(count[:, b], stds, None if normals is None else normals[b, dim])
-            noisy[:, dim] += c if all_finite else np.where(finite[:, b], c, 0.0)
-            if clean is not None:
-                clean[:, dim] += count[:, b] if all_finite else np.where(finite[:, b], count[:, b], 0.0)
+            clean += g[:, b]
     for j, r in enumerate(runs):
         into.noisy[r] = noisy[j]
         if clean is not None and wants_clean[j]:

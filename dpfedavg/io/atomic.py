@@ -6,6 +6,8 @@ Every byte the package writes to a run's files goes through `_write_all()` (``os
 * `atomic_open()` / `atomic_write_bytes()`: the new content goes to a temporary file in the same
   folder, which is renamed over the old file only once it is complete; a failure leaves the old file intact
   and no temporary file behind.
+* `locked()`: an exclusive lock on a lock file beside what is replaced, for a read-modify-write by
+  several processes (`atomic_write_bytes()` alone keeps a file whole, not another writer's additions).
 * `append_bytes()`: one record (a ``metrics.csv`` row) is appended; if the write fails part-way the file is
   truncated back to its previous length, so it always ends with a complete record. A process killed in the
   middle of the write can still leave a partial last line: readers drop a last line without its terminator
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import io
 import os
 import tempfile
@@ -23,7 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["append_bytes", "atomic_open", "atomic_write_bytes", "write_csv", "write_text"]
+__all__ = ["append_bytes", "atomic_open", "atomic_write_bytes", "locked", "write_csv", "write_text"]
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -76,6 +79,24 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = False) -> Non
         raise
     if durable:
         _fsync_folder(path.parent)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``fcntl`` lock on the file ``path`` (created if missing) for the block.
+
+    The lock belongs to this open file: another process, or another ``locked()`` of this one, waits until the
+    block ends (or the holder dies: the kernel releases it). Lock a file of its own, not one that is replaced
+    by rename.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def write_text(path: Path, text: str) -> None:

@@ -12,24 +12,37 @@ functions of those numbers and of the accountant's code, so they are computed on
   dp-accounting release, or any change to how this package accounts, starts a new file, so a value is
   never reused by code that would compute it differently. ``DPFEDAVG_PRIVACY_CACHE=off`` disables the disk.
 
-Values are written through a temporary file and an atomic rename (a reader never sees half a file); two
-processes writing at once may lose one of their new entries, which is then computed again. JSON keeps
-every float exactly (``repr``), so a cached value is bit for bit the computed one.
+A run reads its epsilon every round (``K`` keys per run), so neither reading nor writing may cost a pass
+over the file per key:
+
+* **Reading.** A process parses the file once; it parses it again only when a key is missing from memory
+  and the file changed since (its inode, size or modification time: another process wrote keys).
+* **Writing.** New keys are written in batches (`flush()`): at the first new key, then once `FLUSH_KEYS` keys
+  are waiting or `FLUSH_SECONDS` passed since the last write, and when the process exits (``atexit``, and
+  the exit of a forked ``multiprocessing`` worker, which skips ``atexit``). A write holds a lock file beside the
+  cache (``<file>.lock``), reads the file again, adds its keys to what other processes wrote and replaces the
+  file through a temporary file and an atomic rename (`dpfedavg.io.atomic`): a reader never sees half a file,
+  and no writer drops another's keys. A crash loses at most the keys not yet written, which are then
+  computed again: a value is only ever the computed one. JSON keeps every float exactly (``repr``), so a
+  cached value is bit for bit the computed one.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from functools import lru_cache
 from importlib import metadata
+from multiprocessing import util as mp_util
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "cache_file", "cached", "clear_memory"]
+__all__ = ["CACHE_ENV", "FLUSH_KEYS", "FLUSH_SECONDS", "cache_file", "cached", "clear_memory", "flush"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +50,17 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = "DPFEDAVG_PRIVACY_CACHE"
 #: Bump when the meaning of a cached value changes without the accounting module's source changing.
 FORMAT = 1
+#: New keys are written once this many are waiting ...
+FLUSH_KEYS = 256
+#: ... or this many seconds after the last write (and at exit).
+FLUSH_SECONDS = 1.0
 
 _memory: dict[str, float] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # guards _memory, _stamps, _pending, _last_write
+_stamps: dict[Path, tuple[int, int, int]] = {}  # file -> (inode, size, mtime_ns) when last parsed or written
+_pending: dict[Path, dict[str, float]] = {}  # file -> keys computed here and not yet written
+_hooked_pid: int | None = None  # the process whose exit writes the pending keys (`_exit_hook()`)
+_last_write: float | None = None  # time.monotonic() of this process's last write (None: none yet)
 
 
 @lru_cache(maxsize=1)
@@ -63,24 +84,68 @@ def cache_file() -> Path | None:
     return folder / f"{_code_version()}.json"
 
 
-def _load(path: Path) -> dict[str, float]:
+def _stamp(path: Path) -> tuple[int, int, int] | None:
     try:
-        data = json.loads(path.read_text())
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _load(path: Path) -> dict[str, float]:
+    """Every value in the file (none if it is missing or not a cache file: it is then rewritten whole)."""
+    try:
+        data = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return {}
-    return {k: float(v) for k, v in data.get("values", {}).items()} if isinstance(data, dict) else {}
+    if not isinstance(data, dict) or not isinstance(data.get("values"), dict):
+        return {}
+    values = {}
+    for key, value in data["values"].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            values[key] = float(value)
+    return values
 
 
-def _store(path: Path, key: str, value: float) -> None:
-    from dpfedavg.io.atomic import atomic_write_bytes
+def _refresh(path: Path) -> None:
+    """Read the file into memory if it changed since this process last read or wrote it (call under _lock)."""
+    stamp = _stamp(path)
+    if stamp is None or stamp == _stamps.get(path):
+        return
+    _memory.update(_load(path))
+    _stamps[path] = stamp
 
-    values = _load(path)
-    values[key] = value
-    payload = {"code": _code_version(), "values": dict(sorted(values.items()))}
-    try:
-        atomic_write_bytes(path, (json.dumps(payload, indent=1) + "\n").encode())
-    except OSError as err:  # a read-only home: the value stays in memory
-        logger.debug("privacy cache not written to %s (%s)", path, err)
+
+def _write(path: Path, new: dict[str, float]) -> None:
+    """Add ``new`` to the file, under its lock, keeping every key other processes wrote (call under _lock)."""
+    from dpfedavg.io.atomic import atomic_write_bytes, locked
+
+    with locked(path.with_name(path.name + ".lock")):
+        values = _load(path)
+        added = {k: v for k, v in new.items() if k not in values}
+        if added:
+            values.update(added)
+            payload = {"code": _code_version(), "values": dict(sorted(values.items()))}
+            atomic_write_bytes(path, (json.dumps(payload, indent=1) + "\n").encode())
+        _memory.update(values)
+        stamp = _stamp(path)
+        if stamp is not None:
+            _stamps[path] = stamp
+
+
+def flush() -> None:
+    """Write the keys computed in this process and not yet on disk (batched by `cached()`; also at exit)."""
+    global _last_write
+    with _lock:
+        if not _pending:
+            return
+        for path, new in list(_pending.items()):
+            try:
+                _write(path, new)
+            except OSError as err:  # a read-only home: the values stay in memory
+                logger.debug("privacy cache not written to %s (%s)", path, err)
+            del _pending[path]
+        _last_write = time.monotonic()
 
 
 def cached(kind: str, args: tuple, compute: Callable[[], float]) -> float:
@@ -92,22 +157,51 @@ def cached(kind: str, args: tuple, compute: Callable[[], float]) -> float:
     with _lock:
         if key in _memory:
             return _memory[key]
-    path = cache_file()
-    if path is not None:
-        found = _load(path).get(key)
-        if found is not None:
-            with _lock:
-                _memory[key] = found
-            return found
+        path = cache_file()
+        if path is not None:
+            _refresh(path)
+            if key in _memory:
+                return _memory[key]
     value = float(compute())
     with _lock:
-        _memory[key] = value
-    if path is not None:
-        _store(path, key, value)
+        value = _memory.setdefault(key, value)  # another thread's equal value, if it came first
+        if path is not None:
+            _pending.setdefault(path, {})[key] = value
+            _exit_hook()
+            waiting = sum(len(keys) for keys in _pending.values())
+            if _last_write is None or waiting >= FLUSH_KEYS or time.monotonic() - _last_write >= FLUSH_SECONDS:
+                flush()
     return value
 
 
 def clear_memory() -> None:
-    """Forget the in-memory values (the disk cache stays); for tests."""
+    """Write what is pending, then forget the in-memory values (the disk cache stays), as a new process; for tests."""
+    global _last_write
     with _lock:
+        flush()
         _memory.clear()
+        _stamps.clear()
+        _last_write = None
+
+
+def _exit_hook() -> None:
+    """Make sure this process writes its pending keys when it exits (call under _lock, with a key pending).
+
+    ``atexit`` covers an interpreter that exits (a spawned worker too); a forked ``multiprocessing`` worker
+    ends by ``os._exit`` after running the finalizers registered since it started, so one is registered here,
+    once per process, at its first pending key.
+    """
+    global _hooked_pid
+    if _hooked_pid != os.getpid():
+        mp_util.Finalize(None, flush, exitpriority=10)
+        _hooked_pid = os.getpid()
+
+
+def _after_fork() -> None:  # a forked child: a fresh lock (another thread may have held it at the fork)
+    global _lock
+    _lock = threading.RLock()
+
+
+atexit.register(flush)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -22,22 +22,19 @@ download, so a real dataset runs offline and in CI.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import gzip
 import io
 import json
 import logging
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from dpfedavg.errors import ConfigError
-from dpfedavg.io.atomic import atomic_open
+from dpfedavg.io.atomic import atomic_open, locked
 from dpfedavg.tasks.errors import DataUnavailableError
 
 __all__ = [
@@ -111,17 +108,6 @@ def default_cache_dir() -> Path:
 
 def _features_key(spec: DatasetSpec, image_size: int) -> str:
     return "pixels" if spec.features == "pixels" else f"resnet18-imagenet1k-v1-{image_size}px"
-
-
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def save_npy(path: Path, array: np.ndarray) -> None:

@@ -36,11 +36,15 @@ def per_round(run_dir: Path) -> float:
 
 
 def fmnist_workload(tmp: Path, n: int, k: int) -> dict:
-    """The FMNIST-shaped run_config the engine benchmarks share (generated data under ``tmp``; q = 0.2, E = 20)."""
-    data_dir = make_fmnist_like(tmp / "data")
+    """The FMNIST-shaped run_config the engine benchmarks share (generated data under ``tmp``; q = 0.2, E = 20).
+
+    Fashion-MNIST's 60,000 training images, or 20 per client where n > 3,000 (the shard split needs at least 5
+    per client; 20 keeps every n at n = 3,000's 20 examples a client)."""
+    num_train = max(60000, 20 * n)
+    data_dir = make_fmnist_like(tmp / ("data" if num_train == 60000 else f"data-{num_train}"), num_train=num_train)
     return {"task": "fmnist", "num-clients": n, "clients-per-round": 0.2 * n, "num-rounds": k, "eval-every": k,
             "epsilon": 5.0, "delta": 1e-5, "local-lr": 0.01, "clip": 62.5, "data-dir": str(data_dir),
-            "cache-dir": str(tmp / "cache"), "output-dir": str(tmp / "out")}  # fmt: skip
+            "cache-dir": str(data_dir / "cache"), "output-dir": str(tmp / "out")}  # fmt: skip
 
 
 def main() -> None:

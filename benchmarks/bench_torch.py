@@ -18,8 +18,9 @@ Fashion-MNIST; the cost does not depend on the pixel values):
 The per-round time is the median of ``elapsed_s`` differences over rounds where the server does
 not evaluate. ``--device cuda`` runs the torch tasks on the GPU.
 
-``--gpu-table`` prints issue 37's table instead: a user's ``nn.Linear(784, 10)``, the MLP and ``cnn-fmnist``
-on the task's device (``--device``) at each n of ``--sizes`` (the MLP and the CNN at n <= 15,000), with the
+``--gpu-table`` prints issue 37's table instead: a user's ``nn.Linear(784, 10)`` and the MLP (each eager and with
+``torch-compile``) and ``cnn-fmnist`` on the task's device (``--device``) at each n of ``--sizes`` (all but
+``nn.Linear`` at n <= 15,000; 20 examples per client at every n), with the
 time per round, the time per sampled client (it must fall or stay flat as n grows) and the peak device memory
 (``torch.cuda.max_memory_allocated``; on the CPU the process's peak resident memory). It imports no Flower
 (the device machines have none), so one command measures a GPU::
@@ -84,8 +85,12 @@ def gpu_table(args: argparse.Namespace, tmp: Path) -> None:
     import torch
 
     torch_keys = {"device": args.device, "torch-dtype": args.dtype}
-    models = {"`nn.Linear(784, 10)`": ("user-linear", f"{Path(__file__).resolve()}:user_linear"),
-              "MLP 784-100-10": ("mlp", "mlp-fmnist"), "CNN (`cnn-fmnist`)": ("cnn", "cnn-fmnist")}  # fmt: skip
+    linear = f"{Path(__file__).resolve()}:user_linear"
+    models = {"`nn.Linear(784, 10)`": ("user-linear", linear, {}),
+              "`nn.Linear(784, 10)`, `torch-compile`": ("user-linear-compiled", linear, {"torch-compile": True}),
+              "MLP 784-100-10": ("mlp", "mlp-fmnist", {}),
+              "MLP 784-100-10, `torch-compile`": ("mlp-compiled", "mlp-fmnist", {"torch-compile": True}),
+              "CNN (`cnn-fmnist`)": ("cnn", "cnn-fmnist", {})}  # fmt: skip
     peak, reset = _peak_memory(args.device)
     print(f"torch {torch.__version__}, device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
@@ -94,10 +99,10 @@ def gpu_table(args: argparse.Namespace, tmp: Path) -> None:
     print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
         base = {**fmnist_workload(tmp, n, args.rounds), "output-dir": tempfile.mkdtemp(prefix="out-", dir=tmp)}
-        for label, (slug, task) in models.items():
-            if (n > 15000 and slug != "user-linear") or (args.only and slug not in args.only):
+        for label, (slug, task, extra) in models.items():
+            if (n > 15000 and not slug.startswith("user-linear")) or (args.only and slug not in args.only):
                 continue
-            cfg = RunConfig.from_run_config({**base, **torch_keys, "task": task, "run-name": f"{slug}-{n}"})
+            cfg = RunConfig.from_run_config({**base, **torch_keys, **extra, "task": task, "run-name": f"{slug}-{n}"})
             reset()
             t0 = time.monotonic()
             out = run_batched(cfg).directory
@@ -116,7 +121,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--only", nargs="*", default=None, help="cells to run (default: all; --gpu-table: "
-                        "user-linear mlp cnn)")  # fmt: skip
+                        "user-linear user-linear-compiled mlp mlp-compiled cnn)")  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="generated data and caches (default: a fresh temp dir)")
     parser.add_argument("--gpu-table", action="store_true", help="issue 37's table over --sizes (see above)")
     parser.add_argument("--sizes", nargs="*", type=int, default=[1000, 3000, 15000, 50000], help="n for --gpu-table")

@@ -78,6 +78,7 @@ _ELSEWHERE = {
         "backend",
         "device",
         "torch-dtype",
+        "torch-compile",
     ),
     "your ServerApp keeps its outputs and evaluation (evaluate_fn)": (
         "output-dir",

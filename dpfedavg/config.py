@@ -242,6 +242,7 @@ class RunConfig:
     feature_image_size: int = option(224, "-", "cifar tasks: images are resized to this before ResNet-18", "an integer >= 32", lambda x: x >= 32, trajectory=True)  # noqa: E501
     backend: str = option("numpy", "-", "logistic-regression tasks: numpy (exact closed form of the local steps) or torch (the same closed form in torch, CPU or GPU: see device, torch-dtype; torch.func steps with local-batch-size > 0)", choices=BACKENDS)  # noqa: E501
     device: str = option("auto", "-", 'torch tasks: "auto" (CUDA when torch sees a GPU, e.g. the one Ray gives a ClientApp with client-resources-num-gpus; else CPU), "cpu", "cuda" or "cuda:N"', '"auto", "cpu", "cuda" or "cuda:N"', _device_ok)  # noqa: E501
+    torch_compile: bool = option(False, "-", "torch tasks: run the local steps' vmapped gradient through torch.compile (blocks padded to a few sizes so a round's sample count does not recompile; falls back to eager with one log line when the model cannot be compiled; results within float rounding of eager)", trajectory=True)  # noqa: E501
     torch_dtype: str = option("float32", "-", "torch tasks: float32 (default) or float64 (the iterates are float64 either way)", choices=TORCH_DTYPES, trajectory=True)  # noqa: E501
     local_batch_size: int = option(0, "b", "torch tasks: examples per local step; 0 = full batch (the paper); b > 0: each of the E steps uses min(b, m_i) examples drawn from (seed, client, round)", "an integer >= 0 (0 = full batch)", lambda x: x >= 0, trajectory=True)  # noqa: E501
     # fmt: on

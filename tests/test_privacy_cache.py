@@ -131,3 +131,42 @@ def test_two_worker_processes_write_every_key_at_exit_and_lose_none(start: str, 
     (path,) = (tmp_path / "privacy").glob("*.json")
     expected = {f"t[{j}, {i}]": j * 1000.0 + i for j in (1, 2) for i in range(52)}
     assert _disk_values(path) == expected
+
+
+def test_prefetched_epsilons_are_the_accountants_own_and_computed_once(disk: Path, monkeypatch) -> None:
+    """`PldAccountant.prefetch()` computes each round's epsilon in a thread: the accountant then reads the same
+    values (bit for bit those computed in the caller), and no key is computed twice (a caller asking for a key
+    the thread is computing waits for it)."""
+    import threading
+
+    from dpfedavg.privacy import accountants
+    from dpfedavg.privacy.accountants import PldAccountant, RoundEvent
+
+    event, rounds = RoundEvent(0.05, 1.3), 6
+    fresh = PldAccountant(1e-5)
+    expected = []
+    for _ in range(rounds):
+        fresh.step(event)
+        expected.append(fresh.epsilon)
+    cache.clear_memory()
+    monkeypatch.setenv(cache.CACHE_ENV, str(disk.parent / "second"))  # a cold cache again
+    computed: list[tuple] = []
+    slow = threading.Event()
+    original = accountants._pld_epsilon
+
+    def counted(key: tuple) -> float:
+        computed.append(key)
+        slow.wait(0.05)  # let the round loop catch up with the thread
+        return original(key)
+
+    monkeypatch.setattr(accountants, "_pld_epsilon", counted)
+    accountant = PldAccountant(1e-5)
+    ahead = accountant.prefetch(event, rounds)
+    got = []
+    for _ in range(rounds):
+        accountant.step(event)
+        got.append(accountant.epsilon)
+    ahead.thread.join(30)
+    assert got == expected
+    assert sorted(k[2] for k in computed) == list(range(1, rounds + 1))  # each count once, by either thread
+    assert accountant.prefetch(RoundEvent(0.1, 1.3), 3) is None  # another event than the rounds so far

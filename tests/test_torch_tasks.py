@@ -238,6 +238,42 @@ def test_cuda_block_update_agrees_with_cpu() -> None:
     )
 
 
+def _sharded_task(device: str = "cpu", batch_size: int = 0) -> TorchTask:
+    """An MLP on `ShardedClients`: 8 clients owning 4 rows each of 32 generated examples."""
+    from dpfedavg.tasks.torch_task import ShardedClients
+
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((32, 5)).astype(np.float32), rng.integers(0, 3, 32)
+    partition = rng.permutation(32).reshape(8, 4)
+    cfg = RunConfig(task="mlp-test", num_clients=8, clients_per_round=4.0, torch_dtype="float64", device=device,
+                    local_batch_size=batch_size, weight_decay=0.01, seed=3)  # fmt: skip
+    model = lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))  # noqa: E731
+    return TorchTask(cfg, model=model, clients=ShardedClients(lambda: (x, y, partition), 8), test=(x, y))
+
+
+@pytest.mark.parametrize("batch_size", [0, 2])
+def test_resident_shards_give_the_host_paths_updates(batch_size: int) -> None:
+    """The device-resident gather (`TorchTask._device_block`, used on a GPU) gives the host gather's updates:
+    planted here on the CPU, where the host path is the default."""
+    host, resident = _sharded_task(batch_size=batch_size), _sharded_task(batch_size=batch_size)
+    assert host._resident_shards is None  # the CPU keeps the host path
+    x_all, y_all, partition = resident.data.arrays
+    resident.__dict__["_resident_shards"] = (resident._x(x_all), resident._y(y_all), partition)
+    w, ids = host.initial_weights(), np.array([6, 1, 3])
+    got = resident.client_batch_update_fn(ids, 2)(w, 0.3, 5)
+    np.testing.assert_array_equal(got, host.client_batch_update_fn(ids, 2)(w, 0.3, 5))
+    assert resident.evaluate(w) == host.evaluate(w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_resident_shards_agree_with_cpu() -> None:
+    cpu, gpu = _sharded_task(), _sharded_task("cuda")
+    assert gpu._resident_shards is not None
+    w, ids = cpu.initial_weights(), np.array([6, 1, 3])
+    np.testing.assert_allclose(gpu.client_batch_update_fn(ids)(w, 0.3, 5), cpu.client_batch_update_fn(ids)(w, 0.3, 5),
+                               atol=1e-9)  # fmt: skip
+
+
 # ------------------------------------------------------------------ tasks from the user's module
 USER_MODULE = """
 import numpy as np
@@ -489,3 +525,40 @@ def test_own_model_tutorial(tmp_path: Path) -> None:
     assert accuracy > 0.2, log.read_text()[-3000:]
     assert (project / "mytask-dp.pt").exists()
     assert "mean update norm per round:" in log.read_text()
+
+
+def test_compile_bucket_pads_at_most_a_quarter() -> None:
+    from dpfedavg.tasks.torch_task import compile_bucket
+
+    sizes = {b: compile_bucket(b) for b in range(1, 5000)}
+    assert all(b <= s <= 1.25 * b + 1 for b, s in sizes.items())
+    assert compile_bucket(600) == 640 and {compile_bucket(b) for b in range(577, 641)} == {640}
+
+
+def test_compiled_local_steps_agree_with_eager(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    """``torch-compile = true``: the compiled, padded steps give the eager steps' updates (float64, 1e-12 relative),
+    for two sample counts (two padded sizes) and mini-batches; a model that cannot compile falls back with a log."""
+    eager = _sharded_task(batch_size=2)
+    compiled = _sharded_task(batch_size=2)
+    compiled.cfg = compiled.cfg.replace(torch_compile=True)
+    w = eager.initial_weights()
+    calls = []
+    original = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(1) or original(fn, **kw))
+    with caplog.at_level("WARNING", logger="dpfedavg.tasks.torch_task"):
+        for ids in (np.array([6, 1, 3]), np.array([0, 2, 4, 5, 7])):
+            want = eager.client_batch_update_fn(ids, 1)(w, 0.3, 4)
+            got = compiled.client_batch_update_fn(ids, 1)(w, 0.3, 4)
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert calls == [1] and "cannot be compiled" not in caplog.text
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Unsupported: a data-dependent branch")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
+    fallback = _sharded_task(batch_size=2)
+    fallback.cfg = fallback.cfg.replace(torch_compile=True)
+    with caplog.at_level("WARNING", logger="dpfedavg.tasks.torch_task"):
+        got = fallback.client_batch_update_fn(ids, 1)(w, 0.3, 4)
+    np.testing.assert_array_equal(got, want)
+    assert caplog.text.count("cannot be compiled (RuntimeError: Unsupported: a data-dependent branch)") == 1

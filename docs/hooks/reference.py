@@ -87,7 +87,7 @@ OPTION_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "Read only by the tasks named in each row (the quadratic, the real-data and the torch tasks).",
         (
             "init", "dim", "data-dir", "cache-dir", "data-seed", "weight-decay", "feature-image-size", "backend",
-            "device", "torch-dtype", "local-batch-size",
+            "device", "torch-dtype", "torch-compile", "local-batch-size",
         ),
     ),
 )  # fmt: skip

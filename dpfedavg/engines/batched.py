@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # the server side is imported by run_batched: a ClientApp tha
     from dpfedavg.privacy.canary import CanarySet
     from dpfedavg.privacy.setup import PrivacySetup
     from dpfedavg.io.results import RunResult
+    from dpfedavg.server.dp_server import DPServer
     from dpfedavg.server.session import RunSession
 
 __all__ = ["run_batched", "recording", "client_results", "device_client_results", "device_round_sums", "runs_on_device"]
@@ -285,8 +286,24 @@ def run_batched(
     rounds = tqdm(range(first_round, cfg.num_rounds + 1), desc=cfg.run_name or "rounds", disable=not progress)
     canaries = run.canaries.inserted_directions if run.canaries is not None else None
     runner = InProcessRunner(run.task, client_results_fn, threads, canaries=canaries)
-    result = run_rounds(run.server, runner, w, rounds, on_round_end=record)
+    ahead = _prefetch_epsilons(run.server, run.task, cfg.num_rounds - first_round + 1)
+    try:
+        result = run_rounds(run.server, runner, w, rounds, on_round_end=record)
+    finally:
+        if ahead is not None:
+            ahead.stop()
     return recorder.finish(result.w, stopped_before_round=result.stopped_before_round)
+
+
+def _prefetch_epsilons(server: DPServer, task: Task, rounds: int) -> Any:
+    """On a GPU, the epsilon of each coming round (a PLD composition on a cold privacy cache, 20-110 ms) is
+    computed by a host thread while the device trains (`PldAccountant.prefetch()`); the same values."""
+    device = getattr(task, "device", None)
+    if server.accountant is None or device is None or getattr(device, "type", "cpu") == "cpu":
+        return None
+    from dpfedavg.privacy.accountants import RoundEvent
+
+    return server.accountant.prefetch(RoundEvent(server.params.q, server.plan.noise_multiplier), rounds)
 
 
 def recording(session: RunSession, canaries: CanarySet | None, w0: Vector) -> RunSession | AuditedSession:

@@ -188,6 +188,11 @@ class AccountantBase:
     def rounds(self) -> int:
         return len(self.history)
 
+    def prefetch(self, event: RoundEvent, rounds: int) -> Any:
+        """Start computing the epsilon of the next ``rounds`` rounds of ``event`` in the background, where an
+        accountant can (`PldAccountant.prefetch()`); ``None`` here."""
+        return None
+
     def step(self, event: RoundEvent, count: int = 1) -> None:
         _check(count, self.delta)
         self.history.extend([event] * count)
@@ -321,6 +326,12 @@ def _run_pld(event: RoundEvent, count: int) -> Any:
     return _event_pld(event.q, event.z).self_compose(count)
 
 
+def _pld_epsilon(key: tuple) -> float:
+    """epsilon at delta of ``count`` rounds of one event, ``key = (q, z, count, delta, discretization)``."""
+    q, z, count, delta, _ = key
+    return float(_run_pld(RoundEvent(q, z), count).get_epsilon_for_delta(delta))
+
+
 def _fold(base: Any, event: RoundEvent, count: int) -> Any:
     run = _run_pld(event, count)
     return run if base is None else base.compose(run)
@@ -350,12 +361,21 @@ class PldAccountant(AccountantBase):
         if base is None:  # one run of identical events (every round at the nominal z): cached (privacy.cache)
             from dpfedavg.privacy.cache import cached
 
-            return cached(
-                "pld-epsilon",
-                (last.q, last.z, count, self.delta, PLD_DISCRETIZATION),
-                lambda: float(_run_pld(last, count).get_epsilon_for_delta(self.delta)),
-            )
+            key = (last.q, last.z, count, self.delta, PLD_DISCRETIZATION)
+            return cached("pld-epsilon", key, lambda: _pld_epsilon(key))
         return float(_fold(base, last, count).get_epsilon_for_delta(self.delta))
+
+    def prefetch(self, event: RoundEvent, rounds: int) -> Any:
+        """Compute, in a background thread, the epsilon after each of the next ``rounds`` rounds of ``event``
+        (`dpfedavg.privacy.cache.prefetch()`), as long as every round so far was ``event``; ``None`` otherwise.
+        The values are the ones `epsilon` computes; only when they are computed changes."""
+        if self._base is not None or (self._last is not None and self._last != event) or not event.z:
+            return None
+        from dpfedavg.privacy.cache import prefetch
+
+        done = self._last_count
+        keys = [(event.q, event.z, done + i, self.delta, PLD_DISCRETIZATION) for i in range(1, rounds + 1)]
+        return prefetch("pld-epsilon", keys, _pld_epsilon)
 
     def _epsilon_now(self) -> float:
         return self._epsilon_of(self._base, self._last, self._last_count)

@@ -42,7 +42,8 @@ from importlib import metadata
 from multiprocessing import util as mp_util
 from pathlib import Path
 
-__all__ = ["CACHE_ENV", "FLUSH_KEYS", "FLUSH_SECONDS", "cache_file", "cached", "clear_memory", "flush"]
+__all__ = ["CACHE_ENV", "FLUSH_KEYS", "FLUSH_SECONDS", "Prefetch", "cache_file", "cached", "clear_memory", "flush",
+           "prefetch"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ _stamps: dict[Path, tuple[int, int, int]] = {}  # file -> (inode, size, mtime_ns
 _pending: dict[Path, dict[str, float]] = {}  # file -> keys computed here and not yet written
 _hooked_pid: int | None = None  # the process whose exit writes the pending keys (`_exit_hook()`)
 _last_write: float | None = None  # time.monotonic() of this process's last write (None: none yet)
+_inflight: dict[str, threading.Event] = {}  # key -> set when the thread computing it is done (`cached()`)
 
 
 @lru_cache(maxsize=1)
@@ -162,7 +164,21 @@ def cached(kind: str, args: tuple, compute: Callable[[], float]) -> float:
             _refresh(path)
             if key in _memory:
                 return _memory[key]
-    value = float(compute())
+        other = _inflight.get(key)
+        if other is None:
+            _inflight[key] = mine = threading.Event()
+    if other is not None:  # another thread (a `prefetch()`) is computing this key: wait for its value
+        other.wait()
+        with _lock:
+            if key in _memory:
+                return _memory[key]
+        return float(compute())  # it failed: compute here
+    try:
+        value = float(compute())
+    finally:
+        with _lock:
+            _inflight.pop(key, None)
+        mine.set()
     with _lock:
         value = _memory.setdefault(key, value)  # another thread's equal value, if it came first
         if path is not None:
@@ -172,6 +188,40 @@ def cached(kind: str, args: tuple, compute: Callable[[], float]) -> float:
             if _last_write is None or waiting >= FLUSH_KEYS or time.monotonic() - _last_write >= FLUSH_SECONDS:
                 flush()
     return value
+
+
+class Prefetch:
+    """A daemon thread computing `cached()` values ahead of the caller (see `prefetch()`); ``stop()`` ends it."""
+
+    def __init__(self, kind: str, args: list[tuple], compute: Callable[[tuple], float]) -> None:
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(kind, args, compute), daemon=True, name="prefetch")
+        self.thread.start()
+
+    def _run(self, kind: str, args: list[tuple], compute: Callable[[tuple], float]) -> None:
+        for one in args:
+            if self._stop.is_set():
+                return
+            try:
+                cached(kind, one, lambda one=one: compute(one))
+            except Exception as err:  # noqa: BLE001 - the caller computes (and raises) the value itself
+                logger.debug("prefetch of %s%s stopped: %s", kind, one, err)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def prefetch(kind: str, args: list[tuple], compute: Callable[[tuple], float]) -> Prefetch:
+    """Compute ``cached(kind, a, lambda: compute(a))`` for each ``a`` of ``args``, in order, in a daemon thread.
+
+    A caller that asks `cached()` for a key the thread is computing waits for that value instead of computing
+    it again; a key already computed is read from memory. The values are the ones `cached()` would compute
+    (the same function), so prefetching changes when a value is computed, never what it is. Worth it where the
+    caller's thread mostly waits on something else (a GPU): the PLD epsilon of round ``k`` of a run on a cold
+    cache is 20-110 ms of numpy FFTs, which release the GIL.
+    """
+    return Prefetch(kind, list(args), compute)
 
 
 def clear_memory() -> None:
@@ -200,6 +250,7 @@ def _exit_hook() -> None:
 def _after_fork() -> None:  # a forked child: a fresh lock (another thread may have held it at the fork)
     global _lock
     _lock = threading.RLock()
+    _inflight.clear()  # the threads computing them are not in the child
 
 
 atexit.register(flush)

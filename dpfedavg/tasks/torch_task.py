@@ -618,13 +618,17 @@ class TorchTask:
         func = self.torch.func
         return func.vmap(func.grad(self._scaled_objective), in_dims=(0, 0, 0, 0, None))
 
+    #: The padded size of the blocks `_compiled_grad` is given (set per block by `_runs_update`).
+    _compile_pad: int = 0
+
     @cached_property
     def _compiled_grad(self) -> Callable[..., Any] | None:
         """`_clients_grad` through ``torch.compile`` (``torch-compile = true``), over blocks padded to few sizes.
 
         Dynamo specialises a vmapped ``grad`` on the batch size, so every sampled count would compile again; a
-        block of ``B`` clients is padded to `compile_bucket()` ``(B)`` by repeating its first client (real data:
-        no 0/0 in the padded rows) and the padded rows' gradients are dropped. ``scale`` comes as a 0-d tensor
+        block is cut into chunks of one size (on the CPU) and each chunk of ``B`` clients is padded to
+        `compile_bucket()` of that size by repeating its first client (real data: no 0/0 in the padded rows);
+        the padded rows' gradients are dropped. ``scale`` comes as a 0-d tensor
         (a Python float is a constant to Dynamo: a new step size would compile again). The first call compiles;
         if it raises, one log line says so and the eager `_clients_grad` is used for the rest of the run.
         """
@@ -639,7 +643,7 @@ class TorchTask:
 
         def padded(params: dict[str, Any], x: Any, y: Any, mask: Any, scale: Any) -> dict[str, Any]:
             b = x.shape[0]
-            size = compile_bucket(b)
+            size = self._compile_pad if b <= self._compile_pad else compile_bucket(b)
             args = ({n: pad(v, size) for n, v in params.items()}, pad(x, size), pad(y, size), pad(mask, size), scale)
             if state["fn"] is not eager:
                 try:
@@ -680,6 +684,9 @@ class TorchTask:
         full_mask = torch.as_tensor(np.arange(m_max)[None, :] < counts[:, None], device=self.device)
         per_client = max(1, x[0].numel() * x.element_size())
         chunk = len(ids) if self.device.type != "cpu" else max(1, min(len(ids), CLIENT_CHUNK_BYTES // per_client))
+        if self.cfg.torch_compile:  # chunks of one size, padded to one compiled size (`_compiled_grad`)
+            chunk = -(-len(ids) // -(-len(ids) // chunk))
+            self._compile_pad = compile_bucket(chunk)
         offsets = np.concatenate([[0], np.cumsum(layout.numels)]).tolist()
 
         def update(w: Any, lrs: np.ndarray, num_steps: int) -> Any:

@@ -54,8 +54,8 @@ class NetnsHosts:
             raise ValueError(f"hosts must be at most 250 distinct names, got {list(names)}")
         self.names = list(names)
         self.tag = f"dpf{uuid.uuid4().hex[:6]}"
-        # a subnet of its own per instance (two test runs side by side do not share addresses)
-        self.subnet = subnet or f"10.{200 + int(self.tag[3:5], 16) % 50}.{int(self.tag[5:7], 16)}"
+        # a subnet of its own per instance (10.200-229.x.0/24: apart from tests/test_multihost.py's 10.231.0.0/24)
+        self.subnet = subnet or f"10.{200 + int(self.tag[3:5], 16) % 30}.{int(self.tag[5:7], 16)}"
         self.made: list[str] = []
 
     def ns(self, name: str) -> str:

@@ -41,6 +41,7 @@ import pytest
 from dpfedavg.deploy.loopback import LoopbackFederation
 from dpfedavg.deploy.netns import NetnsHosts, namespaces_unavailable
 from dpfedavg.privacy.ledger import NodeLedger
+from test_multihost import exact_gaussian_epsilon  # Balle and Wang's exact epsilon of mu-GDP, by scipy
 
 pytestmark = [pytest.mark.faults, pytest.mark.deployment, pytest.mark.slow]
 
@@ -53,17 +54,6 @@ PARTITION_S = 20.0
 
 class _Stop(Exception):
     """Raised from an ``on_poll`` callback: stop waiting for ``flwr run`` (the fault was injected)."""
-
-
-def exact_gaussian_epsilon(mu: float, delta: float) -> float:
-    """The smallest epsilon of a mu-GDP mechanism at ``delta`` (Balle and Wang 2018, Theorem 8), by root finding."""
-    from scipy.optimize import brentq
-    from scipy.stats import norm
-
-    def excess(eps: float) -> float:
-        return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
-
-    return brentq(excess, 0.0, 200.0, xtol=1e-12)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -84,19 +74,20 @@ def hosts() -> Iterator[NetnsHosts]:
     assert net.left() == [], net.left()
 
 
-def _values(out: Path, name: str, extra: str = "") -> str:
+def _values(out: Path, name: str, extra: str = "", round_timeout: float = 60.0) -> str:
     return (
-        f"num-clients={N} clients-per-round={float(N)} num-rounds={K} dim=10 seed=7 round-timeout=60.0 "
+        f"num-clients={N} clients-per-round={float(N)} num-rounds={K} dim=10 seed=7 round-timeout={round_timeout} "
         f"node-wait-timeout=120.0 checkpoint-every=1 delta={DELTA} output-dir='{out}' run-name='{name}' {extra}"
     )
 
 
 def _federation(tmp_path: Path, net: NetnsHosts, **kwargs) -> LoopbackFederation:
     ledgers = tmp_path / "ledgers"
-    ledgers.mkdir(exist_ok=True)
+    for i in range(N):  # a folder per node: a disk can be mounted under one
+        (ledgers / f"node-{i}").mkdir(parents=True, exist_ok=True)
     # a ledger at the nodes' delta, and no noise floor (a floor makes the node draw its own noise from the OS:
     # the seeded runs could not be compared bit for bit)
-    config = f"max-epsilon-delta={DELTA} privacy-ledger='{ledgers}/node-{{i}}.json'"
+    config = f"max-epsilon-delta={DELTA} privacy-ledger='{ledgers}/node-{{i}}/ledger.json'"
     # SuperNodes retry their SuperLink for minutes (a restarted SuperLink takes seconds to come back)
     return LoopbackFederation(tmp_path / "fed", N, hosts=net, node_config=config, max_retries=100, **kwargs)
 
@@ -153,7 +144,7 @@ def _check_ledgers(tmp_path: Path, z: float, nodes: range = range(N), max_redone
 
     answered: dict[int, Counter] = {}
     for i in nodes:
-        path = tmp_path / "ledgers" / f"node-{i}.json"
+        path = tmp_path / "ledgers" / f"node-{i}" / "ledger.json"
         releases = NodeLedger(path).read()
         rounds = Counter(r.server_round for r in releases)
         answered[i] = rounds
@@ -185,8 +176,8 @@ def test_superlink_killed_in_round_3_restarted_on_its_database_and_resumed(hosts
         _wait_finished(out / "reference")
         # the ledgers so far belong to the reference run; keep them apart from the interrupted run's
         for i in range(N):  # the ledger and its side files (lock, state)
-            for path in (tmp_path / "ledgers").glob(f"node-{i}.json*"):
-                path.rename(path.with_name(path.name.replace(f"node-{i}", f"reference-{i}")))
+            (tmp_path / "ledgers" / f"node-{i}").rename(tmp_path / "ledgers" / f"reference-{i}")
+            (tmp_path / "ledgers" / f"node-{i}").mkdir()
         _run_until_fault(fed, _values(out, "crashed"), _after_round(2, fed.kill_superlink))
         assert fed.serverapp_pids() == []
         fed.restart_superlink()
@@ -229,11 +220,12 @@ def test_serverapp_killed_in_round_3_and_resumed_with_secure_noise(hosts, tmp_pa
 @pytest.mark.timeout(600)
 def test_supernode_killed_and_restarted_comes_back(hosts, tmp_path) -> None:
     from dpfedavg.deploy.app_hash import build_fab, fab_app_hash
+    from dpfedavg.engines.local_superlink import copy_app
 
     out = tmp_path / "out"
-    root = Path(__file__).resolve().parents[1]
+    app = copy_app(tmp_path / "app")  # the app `flwr run` ships, and its hash the nodes approve
     # through the supervisor (`deploy supernode`): it retries while the SuperLink still holds the dead node (305)
-    fed = _federation(tmp_path, hosts, approved_app_hashes=[fab_app_hash(build_fab(root))])
+    fed = _federation(tmp_path, hosts, approved_app_hashes=[fab_app_hash(build_fab(app))])
     restarted: list[bool] = []
 
     def poll(log: str) -> None:
@@ -243,7 +235,7 @@ def test_supernode_killed_and_restarted_comes_back(hosts, tmp_path) -> None:
             restarted.append(True)
 
     with fed:
-        result = fed.run(_values(out, "node-restart"), timeout=500, on_poll=poll)
+        result = fed.run(_values(out, "node-restart"), timeout=500, on_poll=poll, app=app)
     assert fed.leftover_pids() == []
     assert restarted and result.returncode == 0, result.stdout[-3000:]
     _check_epsilon(out / "node-restart", K)  # the server tops up a missing reply's noise: every round is nominal
@@ -267,7 +259,7 @@ def test_a_partitioned_supernode_host_is_a_dropout_and_rejoins(hosts, tmp_path) 
             cut.append(time.monotonic())
 
     with fed:
-        result = fed.run(_values(out, "partition", "round-timeout=30.0"), timeout=500, on_poll=poll)
+        result = fed.run(_values(out, "partition", round_timeout=30.0), timeout=500, on_poll=poll)
     assert fed.leftover_pids() == []
     assert len(cut) >= 1 and result.returncode == 0, result.stdout[-3000:]
     _check_epsilon(out / "partition", K)
@@ -276,13 +268,15 @@ def test_a_partitioned_supernode_host_is_a_dropout_and_rejoins(hosts, tmp_path) 
 
 @pytest.mark.timeout(600)
 def test_a_full_disk_under_a_ledger_refuses_rounds_and_loses_nothing(hosts, tmp_path) -> None:
-    out, disk = tmp_path / "out", tmp_path / "ledgers"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    out, disk = tmp_path / "out", tmp_path / "ledgers" / "node-1"
+    disk.mkdir(parents=True)
+    # node 1's ledger on a disk of its own (1 MiB), filled once round 1 is recorded: later releases cannot be
+    # recorded, and node 1 refuses those rounds; node 0's ledger is on the ordinary disk
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
     try:
         fed = _federation(tmp_path, hosts)
         with fed:
-            # fill the disk once node 1's ledger exists (its first release): later releases cannot be recorded
+
             def poll(log: str) -> None:
                 filler = disk / "filler"
                 if f"round 1/{K}" in log and not filler.exists():
@@ -297,6 +291,8 @@ def test_a_full_disk_under_a_ledger_refuses_rounds_and_loses_nothing(hosts, tmp_
         rows = list(csv.DictReader((out / "full-disk" / "metrics.csv").open()))[1:]
         received = sum(int(r["num_received"]) for r in rows)
         assert received == sum(sum(c.values()) for c in answered.values()), (rows, answered)
+        assert set(answered[0]) == set(range(1, K + 1)) and len(answered[1]) < K, answered
+        assert "refused the round: privacy-ledger" in result.stdout, result.stdout[-3000:]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 

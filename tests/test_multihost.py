@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from dpfedavg.deploy.netns import namespaces_unavailable as _namespaces_unavailable
 from test_readme_deploy import BIN, Processes, _foreground, _wait_for_the_run, as_script, bash_blocks
 
 pytestmark = [pytest.mark.deployment, pytest.mark.slow]
@@ -126,20 +126,6 @@ class Hosts:
     def left(self) -> list[str]:
         listing = _ip("netns", "list", check=False).stdout
         return [line.split()[0] for line in listing.splitlines() if line.startswith(self.tag)]
-
-
-def _namespaces_unavailable() -> str | None:
-    """Why network namespaces cannot be made here, or None."""
-    if shutil.which("ip") is None:
-        return "iproute2's ip is not installed"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    probe = f"dpfprobe{os.getpid()}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
 
 
 @pytest.fixture

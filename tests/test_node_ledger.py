@@ -213,6 +213,26 @@ def test_a_redone_round_past_the_budget_is_refused(tmp_path) -> None:
     assert _numbers(redone.error.reason)["total"] == pytest.approx(six, rel=2e-3)
 
 
+def test_a_round_beyond_the_declared_plan_is_charged_a_whole_plan_again(tmp_path) -> None:
+    """q = 1, K = 5: the run is a Gaussian of 2.5 / sqrt(5); a server asking round 6 and then 7 of its 5-round plan
+    is charged the whole plan each time: Gaussians of 2.5 / sqrt(10), then 2.5 / sqrt(15) (exact), not nothing."""
+    import dataclasses
+
+    cfg = _cfg(EXACT_RUNS)
+    path = tmp_path / "ledger.json"
+    assert _answered(Node({"privacy-ledger": str(path)}).run(cfg, 1))
+    policy = NodePolicy(max_epsilon_delta=1e-5)
+    ledger = NodeLedger(path)
+    last = ledger.read()[-1]
+    spent = [ledger.spent(policy)]
+    for k in (6, 7):
+        ledger.charge(dataclasses.replace(last, server_round=k), policy)
+        spent.append(NodeLedger(path).spent(policy))
+    exact = [gaussian_epsilon(2.5 / math.sqrt(5 * plans), 1e-5) for plans in (1, 2, 3)]
+    assert spent == pytest.approx(exact, rel=2e-3)
+    assert exact[1] > exact[0] * 1.2
+
+
 def test_a_restarted_node_keeps_its_spent_budget(tmp_path) -> None:
     """Three runs, a restart (no process-level state, a new federation), and the fourth run is refused."""
     cfg = _cfg(EXACT_RUNS)

@@ -554,3 +554,20 @@ def test_a_secure_aggregation_round_is_charged_once_per_node(tmp_path) -> None:
     rounds = [[r.server_round for r in NodeLedger(f).read()] for f in files]
     assert masked and sum(map(len, rounds)) == len(masked)
     assert all(len(set(r)) == len(r) for r in rounds)  # no round charged twice
+
+
+# ------------------------------------------------------------------ the approved app's tasks
+def test_a_policy_node_runs_only_the_tasks_the_approved_app_declares(tmp_path, monkeypatch) -> None:
+    """A run config naming ``module:factory`` would have the node import code the approval does not cover: a
+    policy node refuses it (naming the key, the value, what is allowed) before the module is imported; a
+    registered task is answered."""
+    (tmp_path / "planted_task_46.py").write_text("import os\nos.environ['PLANTED_TASK_46'] = 'ran'\nx = None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PLANTED_TASK_46", raising=False)
+    node = Node({"max-epsilon": 100.0, "privacy-ledger": str(tmp_path / "ledger.json")})
+    refused = node.send(_cfg({**EXACT_RUNS, "task": "planted_task_46:x"}), 1, 1)
+    assert refused.has_error()
+    reason = refused.error.reason
+    assert "task = 'planted_task_46:x'" in reason and "'quadratic'" in reason and "approved app" in reason
+    assert "PLANTED_TASK_46" not in __import__("os").environ and "planted_task_46" not in sys.modules
+    assert _answered([node.send(_cfg(EXACT_RUNS), 2, 1)])

@@ -213,6 +213,26 @@ def test_a_redone_round_past_the_budget_is_refused(tmp_path) -> None:
     assert _numbers(redone.error.reason)["total"] == pytest.approx(six, rel=2e-3)
 
 
+def test_a_round_beyond_the_declared_plan_is_charged_a_whole_plan_again(tmp_path) -> None:
+    """q = 1, K = 5: the run is a Gaussian of 2.5 / sqrt(5); a server asking round 6 and then 7 of its 5-round plan
+    is charged the whole plan each time: Gaussians of 2.5 / sqrt(10), then 2.5 / sqrt(15) (exact), not nothing."""
+    import dataclasses
+
+    cfg = _cfg(EXACT_RUNS)
+    path = tmp_path / "ledger.json"
+    assert _answered(Node({"privacy-ledger": str(path)}).run(cfg, 1))
+    policy = NodePolicy(max_epsilon_delta=1e-5)
+    ledger = NodeLedger(path)
+    last = ledger.read()[-1]
+    spent = [ledger.spent(policy)]
+    for k in (6, 7):
+        ledger.charge(dataclasses.replace(last, server_round=k), policy)
+        spent.append(NodeLedger(path).spent(policy))
+    exact = [gaussian_epsilon(2.5 / math.sqrt(5 * plans), 1e-5) for plans in (1, 2, 3)]
+    assert spent == pytest.approx(exact, rel=2e-3)
+    assert exact[1] > exact[0] * 1.2
+
+
 def test_a_restarted_node_keeps_its_spent_budget(tmp_path) -> None:
     """Three runs, a restart (no process-level state, a new federation), and the fourth run is refused."""
     cfg = _cfg(EXACT_RUNS)
@@ -534,3 +554,20 @@ def test_a_secure_aggregation_round_is_charged_once_per_node(tmp_path) -> None:
     rounds = [[r.server_round for r in NodeLedger(f).read()] for f in files]
     assert masked and sum(map(len, rounds)) == len(masked)
     assert all(len(set(r)) == len(r) for r in rounds)  # no round charged twice
+
+
+# ------------------------------------------------------------------ the approved app's tasks
+def test_a_policy_node_runs_only_the_tasks_the_approved_app_declares(tmp_path, monkeypatch) -> None:
+    """A run config naming ``module:factory`` would have the node import code the approval does not cover: a
+    policy node refuses it (naming the key, the value, what is allowed) before the module is imported; a
+    registered task is answered."""
+    (tmp_path / "planted_task_46.py").write_text("import os\nos.environ['PLANTED_TASK_46'] = 'ran'\nx = None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PLANTED_TASK_46", raising=False)
+    node = Node({"max-epsilon": 100.0, "privacy-ledger": str(tmp_path / "ledger.json")})
+    refused = node.send(_cfg({**EXACT_RUNS, "task": "planted_task_46:x"}), 1, 1)
+    assert refused.has_error()
+    reason = refused.error.reason
+    assert "task = 'planted_task_46:x'" in reason and "'quadratic'" in reason and "approved app" in reason
+    assert "PLANTED_TASK_46" not in __import__("os").environ and "planted_task_46" not in sys.modules
+    assert _answered([node.send(_cfg(EXACT_RUNS), 2, 1)])

@@ -181,9 +181,9 @@ def _survivors_model(cfg: RunConfig, in_sum: set[int], beta: float) -> np.ndarra
     return w0 - beta * total / cfg.clients_per_round
 
 
-def _run_flower(cfg: RunConfig, tmp_path, name: str, client=client_app, **grid_kwargs):
+def _run_flower(cfg: RunConfig, tmp_path, name: str, client=client_app, grid_cls=InProcessGrid, **grid_kwargs):
     cfg = cfg.replace(output_dir=str(tmp_path), run_name=name)
-    grid = InProcessGrid(client, cfg.num_clients, cfg.to_run_config(), **grid_kwargs)
+    grid = grid_cls(client, cfg.num_clients, cfg.to_run_config(), **grid_kwargs)
     return server_app.run(grid, cfg, setup=PrivacySetup.resolve(cfg)).directory, grid
 
 
@@ -385,3 +385,38 @@ def test_secure_aggregation_settings_that_void_the_guarantee_are_rejected(
     assert not (tmp_path / "void").exists()  # refused before anything was written
     default = RunConfig.from_run_config({"secure-aggregation": True})
     assert DPFedAvg(default, dim=200).server.placement.name == "client-calibrated"  # the defaults are accepted
+
+
+def test_a_sampled_node_already_offline_leaves_the_round_to_the_connected_cohort(tmp_path) -> None:
+    """Churn: partition 2's node went offline after discovery. |S_k| in the instructions is the 9 connected
+    sampled clients (the SecAgg+ cohort, which every node checks), so the round sums 9 clients with the noise
+    shares of a cohort of 9, the offline client is a dropout, and the model is that replay (not a halted round)."""
+
+    class ChurnGrid(InProcessGrid):
+        exchanges = 0
+
+        def send_and_receive(self, messages, *, timeout=None):
+            ChurnGrid.exchanges += 1  # the first two are the discovery's partition queries (one node, then all)
+            return super().send_and_receive(messages, timeout=timeout)
+
+        def get_node_ids(self):
+            ids = list(self.contexts)
+            return [n for n in ids if self.exchanges < 2 or self.contexts[n].node_config["partition-id"] != 2]
+
+    cfg = _cfg(**{"clients-per-round": 10.0, "num-rounds": 1, "noise-placement": "client-calibrated"})
+    out, grid = _run_flower(cfg, tmp_path, "churn", grid_cls=ChurnGrid)
+    (row,) = _rows(out)[1:]
+    assert (int(row["skipped"]), int(row["num_sampled"]), int(row["num_received"]), int(row["num_dropped"])) == (
+        0, 10, 9, 1,
+    )  # fmt: skip
+    task = build_task(cfg)
+    server = DPFedAvg(cfg, dim=task.dim, setup=PrivacySetup.resolve(cfg)).server
+    w0 = task.initial_weights()
+    server.begin_round(1, w0)
+    ins = server.connected_cohort(1, 9)
+    assert ins.cohort_size == 9 and ins.noise_std == pytest.approx(server.noise_stds(9)[0])
+    in_sum = set(range(10)) - {2}
+    total = sum((client_round_update(w0, task.client_grad_fn(c), ins, c).noisy for c in sorted(in_sum)), np.zeros(12))
+    assert server.noise_stds_for(9, 9)[1] == 0.0  # client-calibrated: the 9 shares are all of (zC)^2
+    expected = w0 - float(row["beta"]) * total / cfg.clients_per_round
+    np.testing.assert_allclose(np.load(out / "model.npz")["w_final"], expected, atol=1e-12)

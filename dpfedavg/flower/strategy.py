@@ -516,6 +516,9 @@ class FlowerRunner:
             self._canary_ids, clients = clients[clients >= n], clients[clients < n]
             self._instructions = ins
         self.sampled = self.edge.nodes(server_round, clients, self.grid)
+        connected = sum(len(ids) for ids in self.sampled.values())
+        if self.cfg.secure_aggregation and connected < self.num_sampled:  # |S_k| = the SecAgg+ cohort (guard.py)
+            ins, self.num_sampled = self.server.connected_cohort(server_round, connected), connected
         config = ConfigRecord(dict(self.train_config))
         for key, value in instructions_to_config_record(ins).items():
             config[key] = value

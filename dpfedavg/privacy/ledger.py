@@ -275,14 +275,17 @@ def _plan_charge(r: Release) -> tuple[RoundEvent, int]:
 def _charge(r: Release, rounds: set[int] | None) -> tuple[RoundEvent, int] | None:
     """What release ``r`` adds to account (a), given the rounds its plan answered already (``None``: a new plan).
 
-    A new plan: its whole plan; a round of the plan answered before: one more round of it (banded MF, whose
-    analysis covers no redone round and which the node refuses: its whole plan again); another round of a
-    charged plan: nothing. Without a run config (``gaussian``): one ``Gaussian(z)``.
+    A new plan: its whole plan; a round beyond the plan (``server_round > num-rounds``: a server asking past the
+    plan it declared, which the plan's epsilon does not cover): its whole plan again, each time; a round of the
+    plan answered before: one more round of it (banded MF, whose analysis covers no redone round and which the
+    node refuses: its whole plan again); another round of a charged plan: nothing. Without a run config
+    (``gaussian``): one ``Gaussian(z)``.
     """
     if r.mechanism == GAUSSIAN:
         return RoundEvent(1.0, r.noise_multiplier), 1
     event, count = _plan_charge(r)
-    if rounds is None:
+    assert r.num_rounds is not None
+    if rounds is None or r.server_round > r.num_rounds:
         return event, count
     if r.server_round not in rounds:
         return None

@@ -61,6 +61,7 @@ __all__ = [
     "PolicyError",
     "RoundRefused",
     "PublicTerms",
+    "check_declared_task",
     "check_noise_demand",
     "check_round",
     "client_noise_std",
@@ -419,6 +420,8 @@ def _check_policy(
     def refuse(rule: str, detail: str) -> RoundRefused:
         return RoundRefused(rule, detail, policy=True)
 
+    if cfg is not None and policy.active:
+        check_declared_task(cfg.task)
     if policy.require_secure_aggregation and not secure_round:
         raise refuse(
             "require-secure-aggregation", "this node answers SecAgg+ rounds only; this is a plain TRAIN message"
@@ -461,6 +464,23 @@ def _check_policy(
                 f"{ins.noise_multiplier:g}, q = {cfg.sampling_rate:.4g} ({cfg.noise_mechanism} noise, "
                 f"clients-per-node = {cfg.clients_per_node}) is {eps:.4g} > {policy.released_budget:g}",
             )
+
+
+def check_declared_task(task: str) -> None:
+    """On a policy node the run config's ``task`` must be one the approved app declares: its registered tasks
+    (``dpfedavg.tasks.TASKS``, code the app hash pins, `dpfedavg.deploy.approval`). A ``module:factory`` (or a
+    file) names code outside the approved app and would be imported by the node: refused before any import.
+    """
+    from dpfedavg.tasks import TASKS  # the registry's names only: no task module is imported
+
+    if task not in TASKS:
+        raise RoundRefused(
+            "task",
+            f"the run config's task = {task!r} is not a task the approved app declares; this node runs only "
+            f"{', '.join(repr(name) for name in TASKS)} (a module:factory task would import code the approval "
+            "does not cover)",
+            policy=True,
+        )
 
 
 def _check_run_config(cfg: RunConfig, ins: RoundInstructions, secure_round: bool) -> None:

@@ -183,6 +183,8 @@ class DPServer:
         self._w: Vector | None = None
         self._round: int | None = None
         self._num_sampled = 0
+        #: The open round's |S_k| in its instructions: the sampled clients, or the connected ones (`connected_cohort`).
+        self._cohort = 0
 
     # ------------------------------------------------------------------ info
     @property
@@ -410,12 +412,27 @@ class DPServer:
         if keep_random_iterate(k, self._rng(Stream.ITERATE, k)):
             self.random_iterate, self.random_round = w.copy(), k
         self._w, self._round, self._num_sampled = w, server_round, len(clients)
+        self._cohort = len(clients)
         if not len(clients):
             logger.warning("Round %d: %s selected no client", server_round, self.noise_mechanism.name)
         if self.secagg is not None and len(clients) < MIN_SECAGG_COHORT:  # the nodes refuse it (guard.py)
             reason = f"secure aggregation needs at least {MIN_SECAGG_COHORT} clients, {len(clients)} sampled"
             return RoundStart(clients, None, self.close_round(server_round, RoundReplies(halted=reason)))
         return RoundStart(clients, self.instructions(server_round, len(clients)))
+
+    def connected_cohort(self, server_round: int, num_connected: int) -> RoundInstructions:
+        """The open round's instructions for ``|S_k| = num_connected``: its sampled clients that can be reached.
+
+        A sampled client whose node is offline cannot take part; under SecAgg+ each node checks that the
+        protocol's cohort equals the instructions' ``|S_k|`` (`dpfedavg.flower.guard`), so the instructions
+        name the connected count, the clients' noise shares are those of ``num_connected`` and the top-up fills
+        the missing replies' share of that cohort: the sum still carries ``N(0, (zC)^2 I)``. The offline
+        clients stay in the round's sampled count (dropouts).
+        """
+        if self._w is None or self._round != server_round or not 0 <= num_connected <= self._num_sampled:
+            raise RuntimeError(f"round {server_round}: {num_connected} connected of {self._num_sampled} sampled")
+        self._cohort = num_connected
+        return self.instructions(server_round, num_connected)
 
     def close_round(self, server_round: int, replies: RoundReplies) -> RoundRecord:
         """Close the open round from its replies: ``w_{k+1}`` and the round's statistics, as one frozen record.
@@ -476,7 +493,7 @@ class DPServer:
             logger.warning("Round %d: %d sampled clients did not reply (dropouts)", server_round, num_dropped)
         # the server's share: all of (zC)^2 for `server` placement, the missing replies' share otherwise; with
         # banded-MF noise the round's (C^-1 Z)_k instead, every round
-        server_std = self.noise_stds_for(num_sampled, num_received)[1]
+        server_std = self.noise_stds_for(self._cohort, num_received)[1]
         noise = self.round_mechanism.server_noise(k, self._rng(Stream.SERVER_NOISE, k), server_std)
         if noise is not None:
             total += noise

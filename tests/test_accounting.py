@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from dpfedavg import ConfigError, RunConfig, calibrate_noise_multiplier, epsilon_for
@@ -118,3 +119,18 @@ def test_private_tunings_selection_accountant_follows_the_same_protocol() -> Non
     assert uniform.epsilon > trial_epsilon(1.2, 0.2, 5, 1e-5)  # selection is paid for
     with pytest.raises(ValueError, match="this accountant's is"):
         SelectionAccountant(1e-5, TrialCount("poisson", 7.0)).load_state_dict(acc.state_dict())
+
+
+@pytest.mark.parametrize("std", [0.07, 0.4, 1.3, 40.0])
+def test_gaussian_pld_vectorised_is_the_library_pld_bit_for_bit(std: float) -> None:
+    """The q = 1 per-round PLD built over arrays equals dp_accounting's ``from_gaussian_mechanism`` exactly."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    from dpfedavg.privacy.accountants import PLD_DISCRETIZATION, _gaussian_pld
+
+    ref = pld_lib.from_gaussian_mechanism(standard_deviation=std, value_discretization_interval=PLD_DISCRETIZATION)
+    new = _gaussian_pld(std)
+    epsilons = np.linspace(0.0, 50.0, 101)
+    assert np.array_equal(ref.get_delta_for_epsilon(epsilons), new.get_delta_for_epsilon(epsilons))
+    for delta in (1e-3, 1e-5, 1e-9):
+        assert ref.get_epsilon_for_delta(delta) == new.get_epsilon_for_delta(delta)

@@ -320,9 +320,7 @@ def _run_pld(event: RoundEvent, count: int) -> Any:
     assert event.z is not None and event.z > 0
     check_pld_range(event, count)
     if event.q == 1.0:  # Gaussian composition is exact: z / sqrt(count)
-        return pld_lib.from_gaussian_mechanism(
-            standard_deviation=event.z / math.sqrt(count), value_discretization_interval=PLD_DISCRETIZATION
-        )
+        return _gaussian_pld(event.z / math.sqrt(count))
     return _event_pld(event.q, event.z).self_compose(count)
 
 
@@ -330,6 +328,49 @@ def _pld_epsilon(key: tuple) -> float:
     """epsilon at delta of ``count`` rounds of one event, ``key = (q, z, count, delta, discretization)``."""
     q, z, count, delta, _ = key
     return float(_run_pld(RoundEvent(q, z), count).get_epsilon_for_delta(delta))
+
+
+def _gaussian_pld(std: float) -> Any:
+    """``from_gaussian_mechanism(std)`` (sensitivity 1, ``q = 1``), its hockey-stick divergences computed as arrays.
+
+    The library computes the inverse privacy loss ``x(eps) = -1/2 - eps std^2`` (REMOVE, no subsampling) by a
+    Python call per discretisation point (about 14,000 per PLD, the grid's cold per-round epsilon); the same
+    floating-point operations over an array give bit-identical PLDs (tests/test_accounting.py). Falls back to the
+    library call where its internals differ.
+    """
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    build = getattr(pld_lib, "_create_pld_pmf_from_monotone_privacy_loss", None)
+    loss_class = _vector_gaussian_loss()
+    if build is None or loss_class is None:
+        return pld_lib.from_gaussian_mechanism(standard_deviation=std, value_discretization_interval=PLD_DISCRETIZATION)
+    remove = pld_lib.privacy_loss_mechanism.AdjacencyType.REMOVE
+    loss = loss_class(std, sensitivity=1, pessimistic_estimate=True, sampling_prob=1.0, adjacency_type=remove)
+    pmf = build(loss, pessimistic_estimate=True, value_discretization_interval=PLD_DISCRETIZATION, use_connect_dots=True)
+    return pld_lib.PrivacyLossDistribution(pmf)
+
+
+@cache
+def _vector_gaussian_loss() -> Any:
+    """``GaussianPrivacyLoss`` whose ``get_delta_for_epsilon`` (q = 1, REMOVE) works on the array at once; or None."""
+    from dp_accounting.pld import privacy_loss_mechanism as plm
+
+    base = getattr(plm, "GaussianPrivacyLoss", None)
+    if base is None or not hasattr(base, "_inverse_privacy_loss_without_subsampling_remove"):
+        return None
+
+    class _VectorGaussianLoss(base):  # type: ignore[misc, valid-type]
+        def get_delta_for_epsilon(self, epsilon: Any) -> Any:
+            if self.sampling_prob != 1.0 or self.adjacency_type != plm.AdjacencyType.REMOVE:
+                return super().get_delta_for_epsilon(epsilon)
+            scalar = np.ndim(epsilon) == 0
+            epsilons = np.atleast_1d(np.asarray(epsilon, dtype=float))
+            # the library's expression, operation for operation: -0.5 s - eps std^2 / s
+            x = -0.5 * self.sensitivity - epsilons * (self._standard_deviation**2) / self.sensitivity
+            deltas = np.clip(self.mu_upper_cdf(x) - np.exp(epsilons + self.mu_lower_log_cdf(x)), 0, 1)
+            return float(deltas[0]) if scalar else deltas
+
+    return _VectorGaussianLoss
 
 
 def _fold(base: Any, event: RoundEvent, count: int) -> Any:

@@ -96,14 +96,18 @@ class _DiesAfterRound(InProcessGrid):
         return replies
 
 
-def _crash_three_times_then_finish(tmp: Path, secure: bool) -> tuple[_Clients, RunConfig, object]:
+def _crash_three_times_then_finish(
+    tmp: Path, secure: bool, node_config: dict | None = None
+) -> tuple[_Clients, RunConfig, object]:
     """Three crashes after round 8 (checkpoint after round 5), then a resume that finishes (the issue's case)."""
     clients = _Clients()
     cfg = RunConfig.from_run_config({**BASE, "output-dir": str(tmp), "secure-noise": secure})
     for attempt in range(4):
         clients.attempt = attempt
         run_cfg = cfg if attempt == 0 else cfg.replace(resume=True)
-        grid = _DiesAfterRound(clients, 6, run_cfg.to_run_config(), crash_round=8 if attempt < 3 else None)
+        grid = _DiesAfterRound(
+            clients, 6, run_cfg.to_run_config(), crash_round=8 if attempt < 3 else None, node_config=node_config
+        )
         if attempt < 3:
             with pytest.raises(_Crash):
                 server_app.run(grid, run_cfg)
@@ -130,16 +134,45 @@ def test_secure_noise_run_crashed_three_times_reports_every_release(tmp_path: Pa
     assert [json.loads(line)["round"] for line in lines] == [*range(1, 9), *range(6, 9), *range(6, 9), *range(6, 11)]
 
 
-def test_seeded_run_redoes_rounds_bit_identically_and_charges_them_once(tmp_path: Path) -> None:
-    """Seeded mode charges no redone round: each client sends bit for bit what it sent in the first attempt."""
-    clients, cfg, result = _crash_three_times_then_finish(tmp_path, secure=False)
+def test_seeded_clients_redo_rounds_bit_identically_and_the_batched_engine_charges_them_once(tmp_path: Path) -> None:
+    """Seeded nodes send bit for bit what they sent in the first attempt; the batched engine (the server simulates
+    every client) charges no redone round. A seeded Flower server cannot rule out nodes drawing their own noise:
+    it keeps the record and charges all 19 (`test_a_seeded_server_with_secure_noise_nodes_reports_every_release`)."""
+    clients, cfg, result = _crash_three_times_then_finish(tmp_path / "flower", secure=False)
     first: dict[tuple[int, int], np.ndarray] = {}
     for (_attempt, k, pid), update in sorted(clients.trained.items(), key=lambda item: item[0]):
         np.testing.assert_array_equal(update, first.setdefault((k, pid), update))  # the same release, not a new one
     assert clients.releases() == 19  # 19 round attempts reached the clients, 9 of them repeats
     assert {(k, pid) for _, k, pid in clients.trained} == {(k, pid) for k in range(1, 11) for pid in range(6)}
-    assert result.epsilon == pytest.approx(gaussian_epsilon(10), rel=2e-3)
-    assert not (result.directory / RELEASES_FILE).exists()
+    assert result.epsilon == pytest.approx(gaussian_epsilon(19), rel=2e-3)
+    batched = RunConfig.from_run_config({**BASE, "output-dir": str(tmp_path / "batched")})
+
+    def crash(server_round: int, w: np.ndarray) -> None:
+        if server_round == 8:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        run_batched(batched, on_round=crash)
+    resumed = run_batched(batched.replace(resume=True))
+    assert resumed.epsilon == pytest.approx(gaussian_epsilon(10), rel=2e-3)
+    assert not (resumed.directory / RELEASES_FILE).exists()
+
+
+def test_a_seeded_server_with_secure_noise_nodes_reports_every_release(tmp_path: Path) -> None:
+    """Issue 46: a seeded server (``seed`` set, ``secure-noise = false``) whose nodes' policy demands their own noise
+    (``secure-noise`` in the node config): each redone round is a fresh release (the replies differ), and the run
+    reports 19 releases (11.12 at q = 1, closed form), not the 10 rounds' 7.51."""
+    clients, cfg, result = _crash_three_times_then_finish(tmp_path, secure=False, node_config={"secure-noise": True})
+    releases = clients.releases()
+    assert releases == 8 + 3 + 3 + 5
+    assert not np.array_equal(clients.trained[(0, 7, 2)], clients.trained[(1, 7, 2)])  # fresh noise: not a replay
+    expected = gaussian_epsilon(releases)
+    assert expected == pytest.approx(11.12, abs=0.01) and gaussian_epsilon(10) == pytest.approx(7.51, abs=0.01)
+    assert result.epsilon == pytest.approx(expected, rel=2e-3) and result.epsilon >= expected * (1 - 1e-9)
+    final = json.loads((result.directory / "config.json").read_text())["final"]
+    assert final["epsilon"] == result.epsilon and final["releases"] == releases
+    lines = (result.directory / RELEASES_FILE).read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [*range(1, 9), *range(6, 9), *range(6, 9), *range(6, 11)]
 
 
 # ------------------------------------------------------------------------- the record, edited or missing

@@ -18,11 +18,15 @@ line, so the reported epsilon, ``max-epsilon``, ``config.json`` and ``metrics.cs
 release. A missing or edited record is one ``dpfedavg.io.checkpoint.CheckpointError``; lines added at
 the end are accepted (they can only raise the reported epsilon).
 
-Seeded mode (``secure-noise = false``) writes no record and charges no redone round: a round's cohort, every
-client's noise and the server's noise derive from ``(seed, stream, round)`` (``dpfedavg.core.seeding``) and
-the round's input ``w_k`` comes from the checkpoint, so in a redone round every client sends bit for bit what it
-sent in the first attempt (``tests/test_release_log.py`` checks the clients' replies) and the server's release is
-computed from those same replies: nothing new about the clients' data.
+A seeded run on the batched engine (``secure-noise = false``; the server simulates every client) writes no
+record and charges no redone round: a round's cohort, every client's noise and the server's noise derive from
+``(seed, stream, round)`` (``dpfedavg.core.seeding``) and the round's input ``w_k`` comes from the checkpoint, so
+in a redone round every client sends bit for bit what it sent in the first attempt and the server's release is
+computed from those same replies: nothing new about the clients' data. A seeded *Flower* run keeps the record
+and charges every redone round (issue 46): its nodes are not the server's, and a node whose policy demands noise
+(``secure-noise`` in its node config, `dpfedavg.privacy.policy`) draws its own from the OS CSPRNG whatever the
+seed, so its redone rounds are fresh releases the server cannot rule out (``tests/test_release_log.py``: 19
+releases reported as 19, not as the 10 rounds; seeded nodes still send bit-identical replies).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ _KEYS = ("release", "round", "q", "z")
 
 
 def charges_redone_rounds(secure_noise: bool, plan: PrivacyPlan) -> bool:
-    """Whether a run keeps the write-ahead record: a private run with ``secure-noise`` (see the module docstring)."""
+    """Whether a run keeps the write-ahead record: a private run whose noise nobody can replay (``secure-noise``,
+    or a Flower run, whose nodes may draw their own: see the module docstring)."""
     return secure_noise and plan.dp
 
 

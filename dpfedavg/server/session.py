@@ -145,7 +145,10 @@ class RunSession:
         self._redone_before = 0
         #: The write-ahead record of releases (``secure-noise``), the server's from its construction; its file is
         #: opened once the run directory is (the server's own checks come first: nothing is written before them).
-        self.release_log = ReleaseLog.pending(plan) if charges_redone_rounds(cfg.secure_noise, plan) else None
+        # a Flower run's nodes may draw their own noise whatever the seed (a node policy's secure-noise): its redone
+        # rounds may be fresh releases the server cannot rule out, so it keeps the record too
+        own_noise = cfg.secure_noise or engine == "flower"
+        self.release_log = ReleaseLog.pending(plan) if charges_redone_rounds(own_noise, plan) else None
         self.server = server_for(self.release_log)
         if cfg.resume:
             self.directory = run_directory(cfg, run_id)

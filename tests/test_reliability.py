@@ -142,7 +142,24 @@ def test_flower_resume_is_bit_identical(tmp_path: Path) -> None:
     assert load_checkpoint(tmp_path / "cut" / "run").round == 6
     resumed_cfg = cfg.replace(resume=True)
     resumed = server_app.run(InProcessGrid(client_app, 12, resumed_cfg.to_run_config(), seed=9), resumed_cfg).directory
-    _assert_same_run(full, resumed)
+    # the model and every iterate bit for bit; the privacy charge is not the uninterrupted run's: a Flower server
+    # cannot rule out that its nodes drew their own noise (issue 46), so the redone rounds 7 and 8 are charged
+    # (the record holds 12 releases; the closed-form check of such a charge is in tests/test_release_log.py)
+    model_a, model_b = np.load(full / "model.npz"), np.load(resumed / "model.npz")
+    for key in ("w_final", "w_random_iterate", "random_iterate_round"):
+        np.testing.assert_array_equal(model_a[key], model_b[key])
+    np.testing.assert_array_equal(np.load(full / "trajectory.npy"), np.load(resumed / "trajectory.npy"))
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "epsilon"} for r in rows]  # noqa: E731
+    assert strip(_rows(full)) == strip(_rows(resumed))
+    releases = [json.loads(line) for line in (resumed / "releases.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["round"] for r in releases if "round" in r] == [*range(1, 9), 7, 8, 9, 10]
+    import dp_accounting
+
+    z = float(_rows(full)[1]["noise_multiplier"])
+    twelve = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+    twelve.compose(dp_accounting.PoissonSampledDpEvent(5 / 12, dp_accounting.GaussianDpEvent(z)), 12)
+    assert _final(resumed)["epsilon"] == pytest.approx(twelve.get_epsilon(1e-5), rel=1e-3)
+    assert _final(resumed)["epsilon"] > _final(full)["epsilon"]
     # and the batched engine agrees with both
     batched = run_batched(_cfg(tmp_path / "batched")).directory
     np.testing.assert_allclose(np.load(batched / "model.npz")["w_final"], np.load(resumed / "model.npz")["w_final"],

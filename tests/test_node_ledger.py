@@ -571,3 +571,22 @@ def test_a_policy_node_runs_only_the_tasks_the_approved_app_declares(tmp_path, m
     assert "task = 'planted_task_46:x'" in reason and "'quadratic'" in reason and "approved app" in reason
     assert "PLANTED_TASK_46" not in __import__("os").environ and "planted_task_46" not in sys.modules
     assert _answered([node.send(_cfg(EXACT_RUNS), 2, 1)])
+
+
+def test_a_state_cache_that_cannot_be_written_is_one_clear_ledger_error(tmp_path, monkeypatch) -> None:
+    """A full disk under the ledger's SQLite cache (``database or disk is full``) is one `LedgerError` naming the
+    files, not a raw ``sqlite3.OperationalError`` (what `deploy ledger` printed on a full disk)."""
+    import sqlite3
+
+    from dpfedavg.privacy import ledger as ledger_module
+    from dpfedavg.privacy.ledger import LedgerError
+
+    path = tmp_path / "ledger.json"
+    ledger = NodeLedger(path)
+
+    def full(*args, **kwargs):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(ledger_module._State, "epsilon", full)
+    with pytest.raises(LedgerError, match=r"cannot be read or written \(database or disk is full\).*ledger file"):
+        ledger.spent(NodePolicy(max_epsilon=8.0, max_epsilon_delta=1e-5))

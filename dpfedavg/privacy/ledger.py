@@ -621,11 +621,18 @@ class NodeLedger:
     def _synced(self) -> Iterator[_State]:
         """The lock, and the state up to date with the file while it is held."""
         with self.locked():
-            state = self._state()
             try:
-                yield state
-            finally:
-                state.close()
+                state = self._state()
+                try:
+                    yield state
+                finally:
+                    state.close()
+            except sqlite3.Error as err:  # e.g. a full disk under the state cache: one clear error, the ledger intact
+                raise LedgerError(
+                    f"privacy-ledger state {self.state_path} cannot be read or written ({err}); the ledger file "
+                    f"{self.path} is unchanged: free space or fix the folder's permissions, and the state is rebuilt "
+                    "from it"
+                ) from None
 
     def spent(self, policy: NodePolicy, account: str = RELEASED) -> float:
         """The epsilon of one account (`RELEASED`: (a), `SERVER`: (b)) of the recorded releases, at ``ledger_delta``."""

@@ -471,13 +471,14 @@ def check_declared_task(task: str) -> None:
     (``dpfedavg.tasks.TASKS``, code the app hash pins, `dpfedavg.deploy.approval`). A ``module:factory`` (or a
     file) names code outside the approved app and would be imported by the node: refused before any import.
     """
-    from dpfedavg.tasks import TASKS  # the registry's names only: no task module is imported
+    from dpfedavg.tasks import registered_tasks  # the registry's names only: no task module is imported
 
-    if task not in TASKS:
+    declared = registered_tasks()
+    if task not in declared:
         raise RoundRefused(
             "task",
             f"the run config's task = {task!r} is not a task the approved app declares; this node runs only "
-            f"{', '.join(repr(name) for name in TASKS)} (a module:factory task would import code the approval "
+            f"{', '.join(repr(name) for name in declared)} (a module:factory task would import code the approval "
             "does not cover)",
             policy=True,
         )

@@ -57,6 +57,11 @@ TASKS: dict[str, Callable[[RunConfig], Task]] = {
 }
 
 
+def registered_tasks() -> tuple[str, ...]:
+    """The names of the shipped tasks (`TASKS`): what an approved app declares (`dpfedavg.privacy.policy`)."""
+    return tuple(TASKS)
+
+
 def _module_from_file(path: Path) -> object:
     """Import a ``.py`` file once per process, under a name derived from its absolute path."""
     path = path.expanduser().resolve()
@@ -201,6 +206,7 @@ def build_task(cfg: RunConfig, task: Task | TaskFactory | None = None) -> Task:
 
 
 __all__ = [
+    "registered_tasks",
     "TASKS",
     "Task",
     "TaskFactory",

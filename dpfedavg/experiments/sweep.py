@@ -286,7 +286,8 @@ def _run_cells_ray(units: Sequence[tuple[list[Cell], bool]], address: str, bar, 
             log_to_driver=False,
         )
     try:
-        run = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES)(_ray_cells)
+        # SPREAD: the batches go round the cluster's nodes (Ray's default packs a busy head node first)
+        run = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES, scheduling_strategy="SPREAD")(_ray_cells)
         pending = {}
         for cells, batched in units:  # one Ray task per batch of cells
             pending[run.remote([cell.cfg.to_run_config() for cell in cells], batched)] = cells

@@ -257,8 +257,8 @@ def test_resident_shards_give_the_host_paths_updates(batch_size: int) -> None:
     planted here on the CPU, where the host path is the default."""
     host, resident = _sharded_task(batch_size=batch_size), _sharded_task(batch_size=batch_size)
     assert host._resident_shards is None  # the CPU keeps the host path
-    x_all, y_all, partition = resident.data.arrays
-    resident.__dict__["_resident_shards"] = (resident._x(x_all), resident._y(y_all), partition)
+    x_all, y_all, _ = resident.data.arrays
+    resident.__dict__["_resident_shards"] = (resident._x(x_all), resident._y(y_all))
     w, ids = host.initial_weights(), np.array([6, 1, 3])
     got = resident.client_batch_update_fn(ids, 2)(w, 0.3, 5)
     np.testing.assert_array_equal(got, host.client_batch_update_fn(ids, 2)(w, 0.3, 5))

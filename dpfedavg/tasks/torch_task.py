@@ -196,8 +196,12 @@ class ShardedClients(ArrayClients):
             raise ValueError(f"client id {client_id} outside [0, {self.num_clients})")
         return self._rows(np.sort(self.arrays[2][client_id]))
 
+    def block_rows(self, client_ids: np.ndarray) -> np.ndarray:
+        """``(B, m)``: each client's rows of ``(x, y)``, sorted (the order every block gathers them in)."""
+        return np.sort(self.arrays[2][np.asarray(client_ids)], axis=1)
+
     def block(self, client_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        rows = np.sort(self.arrays[2][np.asarray(client_ids)], axis=1)
+        rows = self.block_rows(client_ids)
         x, y = self._rows(rows)
         b, m = rows.shape
         return x.reshape(b, m, *x.shape[1:]), y.reshape(b, m, *y.shape[1:]), np.full(b, m)
@@ -622,7 +626,7 @@ class TorchTask:
     _compile_pad: int = 0
 
     @cached_property
-    def _compiled_grad(self) -> Callable[..., Any] | None:
+    def _compiled_grad(self) -> Callable[..., Any]:
         """`_clients_grad` through ``torch.compile`` (``torch-compile = true``), over blocks padded to few sizes.
 
         Dynamo specialises a vmapped ``grad`` on the batch size, so every sampled count would compile again; a
@@ -635,7 +639,7 @@ class TorchTask:
         torch = self.torch
         compiled = torch.compile(self._clients_grad, dynamic=False)
         eager = self._clients_grad
-        state: dict[str, Any] = {"fn": compiled}
+        failed: list[bool] = []  # set once compiling raised: eager from then on
 
         def pad(t: Any, size: int) -> Any:
             extra = size - t.shape[0]
@@ -645,13 +649,13 @@ class TorchTask:
             b = x.shape[0]
             size = self._compile_pad if b <= self._compile_pad else compile_bucket(b)
             args = ({n: pad(v, size) for n, v in params.items()}, pad(x, size), pad(y, size), pad(mask, size), scale)
-            if state["fn"] is not eager:
+            if not failed:
                 try:
                     return {n: g[:b] for n, g in compiled(*args).items()}
                 except Exception as err:  # noqa: BLE001 - any failure to compile: the eager steps
                     logger.warning("torch-compile: %s cannot be compiled (%s: %s); the local steps run eagerly",
                                    self.cfg.task, type(err).__name__, (str(err).splitlines() or [""])[0])  # fmt: skip
-                    state["fn"] = eager
+                    failed.append(True)
             return eager(params, x, y, mask, scale)
 
         return padded
@@ -763,7 +767,7 @@ class TorchTask:
         if runs == 1:  # one run: no vmap over runs
             grad_fn, lead, base = self._clients_grad, (clients,), [start[n][0] for n in names]
             scale, weight = float(np.atleast_1d(scale)[0]), float(decay[0])
-            if self.cfg.torch_compile and self._compiled_grad is not None:
+            if self.cfg.torch_compile:
                 grad_fn, scale = self._compiled_grad, torch.tensor(scale, dtype=self.dtype, device=self.device)
         else:
             grad_fn, lead, base = self._runs_grad, (runs, clients), [start[n] for n in names]
@@ -822,8 +826,8 @@ class TorchTask:
         return next_batches
 
     @cached_property
-    def _resident_shards(self) -> tuple[Any, Any, np.ndarray] | None:
-        """A sharded dataset's ``(x, y)`` copied to the accelerator once, with its partition (``None``: not used).
+    def _resident_shards(self) -> tuple[Any, Any] | None:
+        """A sharded dataset's ``(x, y)`` copied to the accelerator once (``None``: not used).
 
         On a GPU, gathering a block's rows on the host and copying them over every round costs more than the
         round's steps (about 37 MB a round at r = 600 on FMNIST shapes); a `ShardedClients` whose arrays take at
@@ -834,7 +838,7 @@ class TorchTask:
         if self.device.type != "cuda" or not isinstance(self.data, ShardedClients):
             return None
         torch = self.torch
-        x_all, y_all, partition = self.data.arrays
+        x_all, y_all, _ = self.data.arrays
         shape = (len(x_all), *self.data.x_shape) if self.data.x_shape is not None else tuple(np.shape(x_all))
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         need = int(np.prod(shape)) * itemsize + np.asarray(y_all).nbytes * 2
@@ -843,8 +847,7 @@ class TorchTask:
             logger.info("the clients' data (%.2f GiB) stay on the host: more than %g of the device's free memory",
                         need / 2**30, RESIDENT_FRACTION)  # fmt: skip
             return None
-        x = self._x(np.asarray(x_all).reshape(shape))
-        return x, self._y(np.asarray(y_all)), partition
+        return self._x(np.asarray(x_all).reshape(shape)), self._y(np.asarray(y_all))
 
     def _device_block(self, ids: np.ndarray) -> tuple[Any, Any, np.ndarray]:
         """A block's ``(x, y)`` tensors on the task's device and the clients' example counts.
@@ -856,8 +859,8 @@ class TorchTask:
         if resident is None:
             x_np, y_np, counts = self.data.block(ids)
             return self._block_x(x_np), self._y(y_np), counts
-        x_all, y_all, partition = resident
-        rows = self.torch.as_tensor(np.sort(partition[ids], axis=1), device=self.device)
+        x_all, y_all = resident
+        rows = self.torch.as_tensor(self.data.block_rows(ids), device=self.device)
         return x_all[rows], y_all[rows], np.full(len(ids), rows.shape[1])
 
     def _block_x(self, x: np.ndarray) -> Any:

@@ -270,7 +270,7 @@ def test_attack_b_a_node_listed_both_active_and_dropped_is_refused_by_every_node
 def test_the_attackers_reconstruction_is_exact_when_the_node_does_not_check(monkeypatch, captured) -> None:
     """The harness can fail: with the stage checks switched off, attacks (a) and (b) read the victim's vector
     exactly, as they did before the checks (72654f0)."""
-    monkeypatch.setattr(guard_module, "_stage_refusal", lambda policy, checked: None)
+    monkeypatch.setattr(guard_module, "stage_refusal", lambda policy, checked: None)
     monkeypatch.setattr(guard_module, "_secagg_checked", lambda *args: True)
     for attack in (_attack_alone, _attack_both_lists):
         captured.clear()
@@ -404,6 +404,21 @@ def test_a_stage_after_a_refused_one_is_refused(kind) -> None:
     attacker = _Attacker(kind)
     attacker.setup(2, 2, 2, attacker.nodes[:2])
     attacker.keys = {node: (b"k1", b"k2") for node in attacker.nodes[:2]}
+    for reply in attacker.share_keys().values():
+        _refused(reply, "without a setup stage this node admitted")
+
+
+@pytest.mark.parametrize("kind", ["own", "checked"])
+def test_a_stage_that_raised_ends_the_nodes_part_in_the_round(kind) -> None:
+    """A stage in which Flower's mod raised (public keys that do not parse) is not retried: the same stage sent again
+    with good keys is refused, so a server cannot make a node share its secrets twice."""
+    attacker = _Attacker(kind)
+    attacker.setup(3, 3, 2)
+    good = dict(attacker.keys)
+    attacker.keys = {node: (b"not a key", b"not a key") for node in good}
+    for reply in attacker.share_keys().values():
+        assert reply.has_error() and reply.error.code != REFUSED, reply.error
+    attacker.keys = good
     for reply in attacker.share_keys().values():
         _refused(reply, "without a setup stage this node admitted")
 

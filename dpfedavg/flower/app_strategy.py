@@ -288,10 +288,11 @@ class DPFedAvg(RunStrategy):
             The clients' replies were unusable (see `ReplyHealth`); its ``result``
             holds what the run had, its message the reason, the fix and the epsilon spent.
         """
-        if self.settings is None:  # dpfedavg's own apps (first_round, on_round_end: `RunStrategy.start()`)
-            return super().start(
-                grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn, **resume
-            )
+        if self.settings is None:  # dpfedavg's own apps (first_round, on_round_end: `RunStrategy.run()`)
+            if num_rounds is not None and num_rounds != self.cfg.num_rounds:
+                raise ValueError(f"num_rounds={num_rounds} differs from the config's num-rounds={self.cfg.num_rounds}")
+            return self.run(grid, initial_arrays, timeout=timeout, train_config=train_config, evaluate_fn=evaluate_fn,
+                            **resume)  # fmt: skip
         if resume:
             raise TypeError(f"start() got {sorted(resume)}: those are for DPFedAvg(cfg, ...) of dpfedavg's own apps")
         route_logs_through_flower()

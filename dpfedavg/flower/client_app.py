@@ -34,8 +34,9 @@ from dpfedavg.flower.guard import (
     Route,
     SecAggStage,
     TrainRequest,
+    Verdict,
+    answer_stage,
     guard,
-    note_stage,
     refusal,
     secagg_stage_of,
     secagg_stage_within,
@@ -166,17 +167,11 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: ClientAppC
     checked = secagg_stage_of(msg, context)
     if checked is None:
         return call_next(msg, context)
-    reply = _secure_stage(msg, context, checked)
-    note_stage(context, checked, reply)
-    return reply
+    return answer_stage(CLIENT_APP, msg, context, checked, lambda v: _secure_stage(msg, context, v, checked))
 
 
-def _secure_stage(msg: Message, context: Context, checked: SecAggStage) -> Message:
-    """One SecAgg+ stage, checked: a refusal, ``secaggplus_mod``'s reply, or in the masked-vector stage the vector."""
-    verdict = guard(CLIENT_APP, msg.metadata.message_type, context.node_config, secagg_stage=checked.stage,
-                    secagg=checked)  # fmt: skip
-    if verdict.route is Route.REFUSE:
-        return refusal(msg, verdict.reason, CLIENT_APP)
+def _secure_stage(msg: Message, context: Context, verdict: Verdict, checked: SecAggStage) -> Message:
+    """A SecAgg+ stage the guard let on: ``secaggplus_mod``'s reply, or in the masked-vector stage the vector."""
     if verdict.route is Route.PROTOCOL:
         return secaggplus_mod(msg, context, _no_training_outside_the_masked_vector_stage)
     setup_app_process()

@@ -15,7 +15,7 @@ these, in this order, for both:
 2. **SecAgg+.** SecAgg+ content is answered only in a ``train`` message inside Flower's protocol, in its
    masked-vector stage, whose vector ``secaggplus_mod`` masks; the protocol's other stages train nothing. Every
    stage's own parameters are checked before ``secaggplus_mod`` sees it, so before any secret leaves the node
-   (`SecAggStage`, `_stage_refusal()`): the setup's cohort (at least ``secagg-min-cohort``), share count and
+   (`SecAggStage`, `dpfedavg.privacy.secagg_stages.stage_refusal()`): the setup's cohort (at least ``secagg-min-cohort``), share count and
    threshold (a majority of a node's shares); the stages in order, each once (one unmask request per round,
    after the node's masked vector); in the unmask stage no node both active and dropped, and this node
    active; in the masked-vector stage the setup's cohort equal to the ``|S_k|`` the node's noise share is
@@ -30,7 +30,7 @@ these, in this order, for both:
 
 A refused message is answered by `refusal()` (an error reply with code `REFUSED`: the server counts a
 rejection), and nothing else. A new rule goes here, once, for both apps: a check of a SecAgg+ stage's own
-parameters in `_stage_refusal()` (the project's ClientApp and ``checked_secaggplus_mod`` ask `guard()` at every
+parameters in `dpfedavg.privacy.secagg_stages.stage_refusal()` (the project's ClientApp and ``checked_secaggplus_mod`` ask `guard()` at every
 stage of the protocol, with its `SecAggStage`); what the ledger charges in `_followed()`, the one place a release
 is charged (`_secagg_checked()` says whether those stage checks ran; the ledger records it, and its server
 account charges the node's own noise share either way).
@@ -39,7 +39,7 @@ account charges the node's own noise share either way).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 from functools import lru_cache
@@ -54,8 +54,10 @@ from dpfedavg.flower.protocol import CLIENT_IDS, REFUSED, instructions_from_conf
 from dpfedavg.flower.runtime import route_logs_through_flower
 from dpfedavg.privacy.ledger import record_release
 from dpfedavg.privacy.policy import NodePolicy, PolicyError, PublicTerms, RoundRefused, check_round
+from dpfedavg.privacy.secagg_stages import SecAggStage, admitted_cohort, record_after, stage_refusal
 
 __all__ = [
+    "answer_stage",
     "BYPASSED",
     "CLIENT_APP",
     "DP_MOD",
@@ -66,7 +68,6 @@ __all__ = [
     "Verdict",
     "guard",
     "node_policy",
-    "note_stage",
     "refusal",
     "secagg_stage_of",
     "secagg_stage_within",
@@ -81,14 +82,8 @@ PARTITION_QUERY = (MessageType.QUERY, f"{MessageType.QUERY}.default")
 NOISE_PLACEMENT = "noise-placement"
 CLIENTS_PER_ROUND = "clients-per-round"
 #: The node's own record of the SecAgg+ protocol it is in (a ``ConfigRecord`` in ``context.state``, written by
-#: `note_stage()` only): the last stage it answered and the setup's cohort, share count and threshold it admitted.
+#: `answer_stage()` only: `dpfedavg.privacy.secagg_stages.record_after()`).
 SECAGG_RECORD = "dpfedavg.secagg-stages"
-_LAST_STAGE = "stage"
-#: The setup stage's parameters the node checks and keeps (Flower's keys).
-_SETUP_KEYS = (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD)
-#: The stage each SecAgg+ stage must follow (the setup may come at any time: a new round of the protocol).
-_AFTER = {Stage.SHARE_KEYS: Stage.SETUP, Stage.COLLECT_MASKED_VECTORS: Stage.SHARE_KEYS,
-          Stage.UNMASK: Stage.COLLECT_MASKED_VECTORS}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -141,22 +136,6 @@ class TrainRequest:
     cfg: RunConfig | None = None
 
 
-@dataclass(frozen=True)
-class SecAggStage:
-    """A SecAgg+ stage message as the node checks it (`secagg_stage_of()`).
-
-    ``stage``: Flower's stage name (`BYPASSED` for content outside the protocol); ``configs``: the stage's
-    parameters (Flower's keys), ``None`` inside ``secaggplus_mod``, which has taken them (``dp_mod``: only the
-    record is read there); ``node_id``: this node's id; ``record``: the node's record of the stages it answered
-    so far (`SECAGG_RECORD`; ``None``: none since the last refusal).
-    """
-
-    stage: str
-    configs: Mapping[str, Any] | None
-    node_id: int
-    record: Mapping[str, Any] | None
-
-
 def secagg_stage_of(msg: Message, context: Context) -> SecAggStage | None:
     """The SecAgg+ stage ``msg`` holds, or ``None`` without SecAgg+ content (or for an error message)."""
     configs = None if msg.has_error() else msg.content.config_records.get(RECORD_KEY_CONFIGS)
@@ -172,19 +151,27 @@ def secagg_stage_within(msg: Message, context: Context, stage: str) -> SecAggSta
     return SecAggStage(stage, None, int(msg.metadata.dst_node_id), None if record is None else dict(record))
 
 
-def note_stage(context: Context, checked: SecAggStage, reply: Message) -> None:
-    """Record a stage the node answered through ``secaggplus_mod``; after a refusal or error, forget the protocol.
+def answer_stage(
+    app: NodeApp, msg: Message, context: Context, checked: SecAggStage, answer: Callable[[Verdict], Message]
+) -> Message:
+    """One SecAgg+ stage message, checked by `guard()` before ``secaggplus_mod`` sees it: the refusal, or ``answer``'s
+    reply (``secaggplus_mod``'s, or in the masked-vector stage the vector it masks). The one path of both apps.
 
-    Every SecAgg+ stage message an app checked with `guard()` ends here, whatever its reply: a node that refused
-    or failed a stage answers no later stage of that round (a new setup starts a new one).
+    The node's record of the protocol (`SECAGG_RECORD`) notes every stage answered; after a refusal, an error
+    reply or an exception (raised on), the record is dropped: a node that refused or failed a stage answers no later
+    stage of that round (a new setup starts a new one).
     """
+    verdict = guard(app, msg.metadata.message_type, context.node_config, secagg_stage=checked.stage, secagg=checked)
+    try:
+        reply = refusal(msg, verdict.reason, app) if verdict.route is Route.REFUSE else answer(verdict)
+    except BaseException:
+        context.state.config_records.pop(SECAGG_RECORD, None)
+        raise
     if reply.has_error() or checked.configs is None:
         context.state.config_records.pop(SECAGG_RECORD, None)
-        return
-    kept = dict(checked.record or {})
-    if checked.stage == Stage.SETUP:
-        kept = {key: checked.configs[key] for key in _SETUP_KEYS}
-    context.state.config_records[SECAGG_RECORD] = ConfigRecord({**kept, _LAST_STAGE: checked.stage})
+        return reply
+    context.state.config_records[SECAGG_RECORD] = ConfigRecord(record_after(checked))
+    return reply
 
 
 def node_policy(node_config: Mapping[str, Any]) -> NodePolicy:
@@ -273,7 +260,7 @@ def _secure_content(
     """SecAgg+ content is answered only by a ``train`` message in the protocol's masked-vector stage.
 
     The project's ClientApp wraps ``secaggplus_mod``, and so does ``checked_secaggplus_mod``: each stage's
-    parameters are checked (`_stage_refusal()`), the protocol's other stages go to ``secaggplus_mod`` alone
+    parameters are checked (`dpfedavg.privacy.secagg_stages.stage_refusal()`), the protocol's other stages go to ``secaggplus_mod`` alone
     (they train nothing). ``dp_mod`` is called by ``secaggplus_mod``, only in that stage: anything else
     bypassed the protocol (``secaggplus_mod`` passes a ``train.<action>`` message through unmasked).
     """
@@ -287,7 +274,7 @@ def _secure_content(
                 "'train' messages inside the protocol, whose masked-vector stage masks the vector"
             )
         if before_secaggplus:
-            reason = _stage_refusal(node_policy(node_config), checked)  # type: ignore[arg-type]
+            reason = stage_refusal(node_policy(node_config), checked)  # type: ignore[arg-type]
             if reason is not None:
                 return _refuse(reason)
         return None if stage == Stage.COLLECT_MASKED_VECTORS else Verdict(Route.PROTOCOL)
@@ -299,87 +286,8 @@ def _secure_content(
     return None
 
 
-def _stage_refusal(policy: NodePolicy, checked: SecAggStage) -> str | None:
-    """Why the node refuses a SecAgg+ stage message before ``secaggplus_mod`` sees it, or ``None``.
-
-    Flower's SecAgg+ (Bell et al. 2020, on Bonawitz et al. 2017) protects a node's vector only if the server
-    follows it: with a cohort of one, or one share and threshold 1, or a node listed both active and dropped
-    in the unmask stage, the server rebuilds the node's mask seed and key and reads its vector (issue 46). The
-    node's rules, each before the stage's secret leaves it: the setup's cohort ``sample_num >=
-    secagg-min-cohort``, ``3 <= share_num <= sample_num`` and a majority threshold ``share_num / 2 < threshold
-    <= share_num`` (an honest node then hands over at most one of a neighbour's two secrets); the stages in
-    order, each once per round (`_AFTER`: one unmask request, after this node's masked vector); the public keys
-    of at most ``share_num`` and at least ``threshold`` neighbours; in the unmask stage no node listed twice or
-    both active and dropped, this node among the active and at least ``threshold`` active.
-    """
-    configs, stage = checked.configs or {}, checked.stage
-    if stage == Stage.SETUP:
-        return _setup_refusal(policy, configs)
-    if stage not in _AFTER:
-        return f"refused (SecAgg+ stage): unknown stage {stage!r}; expected one of {', '.join(Stage.all())}"
-    record = checked.record or {}
-    last = record.get(_LAST_STAGE)
-    if last != _AFTER[stage]:
-        after = f"after the {last!r} stage" if last else "without a setup stage this node admitted"
-        if stage == Stage.UNMASK:
-            return (f"refused (SecAgg+ unmask): an unmask request {after}; this node answers one unmask request "
-                    "per round, after its masked vector (a second one could ask for the other secret of a node)")
-        return f"refused (SecAgg+ stage): a {stage!r} stage {after}; expected it after {_AFTER[stage]!r}"
-    shares, threshold = int(record[Key.SHARE_NUMBER]), int(record[Key.THRESHOLD])
-    if stage == Stage.SHARE_KEYS:
-        keys = len([key for key in configs if key != Key.STAGE])
-        if not threshold <= keys <= shares:
-            return (f"refused (SecAgg+ shares): the public keys of {keys} nodes, with share_num = {shares} and "
-                    f"threshold = {threshold}: expected between threshold and share_num")
-    if stage == Stage.UNMASK:
-        return _unmask_refusal(configs, checked.node_id, threshold)
-    return None
-
-
-def _setup_refusal(policy: NodePolicy, configs: Mapping[str, Any]) -> str | None:
-    """The setup stage's cohort, share count and threshold (`_stage_refusal()`)."""
-    values = {key: configs.get(key) for key in _SETUP_KEYS}
-    if any(type(v) is not int for v in values.values()):  # bool is not a count
-        return f"refused (SecAgg+ setup): {values} must be integers (sample_num, share_num, threshold)"
-    cohort, shares, threshold = (int(values[key]) for key in _SETUP_KEYS)  # type: ignore[call-overload]
-    if cohort < policy.secagg_min_cohort:
-        default = "" if "secagg-min-cohort" in policy.stated else " (the default)"
-        return str(RoundRefused(
-            "secagg-min-cohort", f"a SecAgg+ cohort of {cohort} nodes (sample_num); this node takes part in cohorts of "
-            f"at least {policy.secagg_min_cohort}{default} (in a smaller one the sum shows what this node sent)",
-            policy=True,
-        ))  # fmt: skip
-    if not 3 <= shares <= cohort:
-        return (f"refused (SecAgg+ shares): share_num = {shares} with sample_num = {cohort}: expected 3 <= share_num "
-                "<= sample_num (a node's keys are shared with at least two other nodes of the cohort)")
-    if not shares < 2 * threshold <= 2 * shares:
-        return (f"refused (SecAgg+ threshold): threshold = {threshold} with share_num = {shares}: expected "
-                f"share_num / 2 < threshold <= share_num (a majority of a node's shares, so that no server can rebuild "
-                "both its mask seed and its key)")
-    return None
-
-
-def _unmask_refusal(configs: Mapping[str, Any], node_id: int, threshold: int) -> str | None:
-    """The unmask stage's lists: nobody twice, nobody active and dropped, this node active (`_stage_refusal()`)."""
-    active, dropped = configs.get(Key.ACTIVE_NODE_ID_LIST), configs.get(Key.DEAD_NODE_ID_LIST)
-    if not isinstance(active, list) or not isinstance(dropped, list):
-        return "refused (SecAgg+ unmask): the active and dropped node lists are missing"
-    both = sorted(set(active) & set(dropped), key=str)
-    if both:
-        return (f"refused (SecAgg+ unmask): node(s) {both} listed both active and dropped: the server would receive "
-                "the shares of both their mask seed and their key, and read their vectors")
-    if len(set(active)) != len(active) or len(set(dropped)) != len(dropped):
-        return "refused (SecAgg+ unmask): a node is listed twice"
-    if node_id not in active:
-        return (f"refused (SecAgg+ unmask): this node ({node_id}) is not listed active, yet it sent its masked vector "
-                "and is asked to unmask")
-    if len(active) < threshold:
-        return f"refused (SecAgg+ unmask): {len(active)} active neighbours, below the threshold {threshold}"
-    return None
-
-
 def _secagg_checked(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, checked: SecAggStage | None) -> bool:
-    """Whether this SecAgg+ round's stages were checked (`_stage_refusal()`), the setup's cohort being the ``|S_k|``
+    """Whether this SecAgg+ round's stages were checked (`dpfedavg.privacy.secagg_stages.stage_refusal()`), the setup's cohort being the ``|S_k|``
     this node's noise share is computed for (recorded in the ledger's entry; its server account still charges this
     node's own share: the server decides who is dropped, `dpfedavg.privacy.node_accounts`).
 
@@ -387,8 +295,8 @@ def _secagg_checked(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, ch
     round whose earlier stages this node did not check (Flower's own ``secaggplus_mod`` around ``dp_mod``) under a
     node policy; without one such a round is answered with a warning (``False``: the node's own share).
     """
-    record = None if checked is None else checked.record
-    if record is None or record.get(_LAST_STAGE) != Stage.SHARE_KEYS:
+    cohort = admitted_cohort(None if checked is None else checked.record)
+    if cohort is None:
         if app.own_handlers or policy.active:
             raise RoundRefused(
                 "SecAgg+ stages", "this node did not check the protocol's stages before its masked vector (use "
@@ -400,7 +308,6 @@ def _secagg_checked(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, ch
             "secaggplus_mod)", app.name,
         )  # fmt: skip
         return False
-    cohort = int(record[Key.SAMPLE_NUMBER])
     if cohort != ins.cohort_size:
         raise RoundRefused(
             "SecAgg+ cohort", f"the SecAgg+ setup has {cohort} nodes (sample_num), the round's instructions |S_k| = "

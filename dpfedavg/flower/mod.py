@@ -93,9 +93,9 @@ from dpfedavg.flower.guard import (
     SecAggStage,
     TrainRequest,
     Verdict,
+    answer_stage,
     guard,
     node_policy,
-    note_stage,
     refusal,
     secagg_stage_of,
     secagg_stage_within,
@@ -212,17 +212,14 @@ def checked_secaggplus_mod(msg: Message, context: Context, call_next: ClientAppC
     checked = secagg_stage_of(msg, context) if msg.metadata.message_type == MessageType.TRAIN else None
     if checked is None:
         return secaggplus_mod(msg, context, call_next)
-    verdict = guard(DP_MOD, msg.metadata.message_type, context.node_config, secagg_stage=checked.stage,
-                    secagg=checked)  # fmt: skip
-    if verdict.route is Route.REFUSE:
-        reply = refusal(msg, verdict.reason, DP_MOD)
-    else:
-        try:
-            reply = secaggplus_mod(msg, context, call_next)
-        except _AnsweredInside as answered:  # dp_mod refused the round in the masked-vector stage
-            reply = answered.reply
-    note_stage(context, checked, reply)
-    return reply
+    return answer_stage(DP_MOD, msg, context, checked, lambda verdict: _inside_secaggplus(msg, context, call_next))
+
+
+def _inside_secaggplus(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    try:
+        return secaggplus_mod(msg, context, call_next)
+    except _AnsweredInside as answered:  # dp_mod refused the round in the masked-vector stage
+        return answered.reply
 
 
 def _answer(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:

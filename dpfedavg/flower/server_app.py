@@ -41,9 +41,9 @@ def run(grid: Grid, cfg: RunConfig, run_id: int | str = "local", setup: PrivacyS
     )
     session.description["privacy"]["reply_checks"] = strategy.describe_reply_checks()
     recorder = recording(session, canaries, prepared.w)  # the session, or the canary audit around it
-    result = strategy.start(
-        grid=grid,
-        initial_arrays=to_array_record(prepared.w),
+    result = strategy.run(
+        grid,
+        to_array_record(prepared.w),
         first_round=prepared.first_round,
         on_round_end=recorder.end_round,
     )

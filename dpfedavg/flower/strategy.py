@@ -272,37 +272,32 @@ class RunStrategy(Strategy):
         """The connected clients, for a noise mechanism whose cohort depends on them."""
         return self.federation.connected_clients(grid)
 
-    def start(  # type: ignore[override]
+    def run(
         self,
         grid: Grid,
         initial_arrays: ArrayRecord,
-        num_rounds: int | None = None,
+        *,
         timeout: float | None = None,
         train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-        *,
         first_round: int = 1,
         on_round_end: Callable[[RoundRecord], object] | None = None,
     ) -> Result:
         """Discover the clients, then run rounds ``first_round .. K`` through `dpfedavg.server.loop.run_rounds()`.
 
-        The loop every engine shares (budget stop, sampling, the secure-aggregation rule for fewer than
-        two clients), with `FlowerRunner` reaching the clients: configure_train's messages,
-        ``grid.send_and_receive`` with the round timeout, aggregate_train; or Flower's SecAgg+ workflow
-        (`secure_aggregation`), in which the server gets the sum of the sampled clients' updates,
-        never one of them. No client-side evaluation. ``evaluate_fn(k, arrays)`` (Flower's server-side
-        evaluation) and then ``on_round_end(record)`` (the closed `RoundRecord`; recording: metrics.csv,
-        checkpoint) are called after every round (not for round 0: the caller records the initial model);
-        ``first_round > 1`` continues a resumed run.
+        dpfedavg's own ServerApp calls it (``DPFedAvg(cfg, dim).start(...)`` too). The loop every engine shares
+        (budget stop, sampling, the secure-aggregation rule for fewer than two clients), with `FlowerRunner`
+        reaching the clients: configure_train's messages, ``grid.send_and_receive`` with the round timeout,
+        aggregate_train; or Flower's SecAgg+ workflow (`secure_aggregation`), in which the server gets the sum of
+        the sampled clients' updates, never one of them. No client-side evaluation. ``evaluate_fn(k, arrays)``
+        (Flower's server-side evaluation) and then ``on_round_end(record)`` (the closed `RoundRecord`; recording:
+        metrics.csv, checkpoint) are called after every round (not for round 0: the caller records the initial
+        model); ``first_round > 1`` continues a resumed run.
 
         If the privacy budget (``max-epsilon``) would be exceeded by the next round, the loop stops
         before that round and the result holds the last model; `stopped_before_round` says which
         round was not run.
         """
-        del evaluate_config  # no client-side evaluation (see configure_evaluate)
-        if num_rounds is not None and num_rounds != self.cfg.num_rounds:
-            raise ValueError(f"num_rounds={num_rounds} differs from the config's num-rounds={self.cfg.num_rounds}")
         if not 1 <= first_round <= self.cfg.num_rounds + 1:  # num-rounds + 1: a resumed run that only finishes
             raise ValueError(f"first_round={first_round} is outside 1..num-rounds + 1 = {self.cfg.num_rounds + 1}")
         self.before_rounds(grid)
@@ -349,9 +344,9 @@ class RunStrategy(Strategy):
         """Open the round (`DPServer.begin_round()`: its rules, the cohort) and build its messages.
 
         Flower's hook, for driving the strategy round by round (tests, a custom loop);
-        `start()` runs the same opening through `dpfedavg.server.loop.run_rounds()`. A round a
+        `run()` (which `start()` calls) runs the same opening through `dpfedavg.server.loop.run_rounds()`. A round a
         rule closed at once (secure aggregation with fewer than three clients) sends nothing, and
-        `aggregate_train()` then returns its model. Secure-aggregation rounds run only in `start()`.
+        `aggregate_train()` then returns its model. Secure-aggregation rounds run only in `run()`.
         """
         self.before_rounds(grid)
         if self.cfg.secure_aggregation:

@@ -59,7 +59,7 @@ from dpfedavg.flower.protocol import (
     parse_train_reply,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
-from dpfedavg.flower.strategy import FlowerRunner, RunStrategy, log_privacy_plan, reply_bound
+from dpfedavg.flower.strategy import FlowerRunner, RunStrategy, log_summary, privacy_plan_lines, reply_bound
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
@@ -221,34 +221,21 @@ class DPFedAvg(RunStrategy):
             return super().summary()
         cfg, plan, layout = self.cfg, self.plan, self.layout
         assert cfg is not None and layout is not None
-        logger.info("\t├── Number of rounds: %d", self._num_rounds)
-        logger.info("\t├── ArrayRecord: %s", layout.describe())
-        logger.info("\t├── Algorithm: %s", self.server.bound.title)
-        logger.info(
-            "\t├── Poisson sampling over n=%d SuperNodes (one client each): q=%.4g, expected cohort r=%g; "
-            "aggregation divides by r",
-            cfg.num_clients,
-            cfg.sampling_rate,
-            cfg.clients_per_round,
-        )
-        logger.info(
-            "\t├── Update: u = w_k - w_new in the weights' units (dp_mod); server step beta=%g, momentum mu=%g",
-            cfg.server_lr,
-            cfg.server_momentum,
-        )
-        if plan.dp:
-            log_privacy_plan(cfg, plan, self.server.sigma)
-        else:
-            logger.warning("\t├── algorithm 'none': FedAvg without DP (no clipping, no noise, no epsilon)")
+        lines = [f"Number of rounds: {self._num_rounds}", f"ArrayRecord: {layout.describe()}",
+                 f"Algorithm: {self.server.bound.title}",
+                 f"Poisson sampling over n={cfg.num_clients} SuperNodes (one client each): q={cfg.sampling_rate:.4g}, "
+                 f"expected cohort r={cfg.clients_per_round:g}; aggregation divides by r",
+                 f"Update: u = w_k - w_new in the weights' units (dp_mod); server step beta={cfg.server_lr:g}, "
+                 f"momentum mu={cfg.server_momentum:g}"]  # fmt: skip
+        lines += privacy_plan_lines(cfg, plan, self.server.sigma) if plan.dp else []
         if cfg.secure_aggregation:
-            logger.info(
-                "\t├── Secure aggregation: SecAgg+ (ClientApp mods=[checked_secaggplus_mod, dp_mod]); the server sees the sum"
-            )
-        logger.info(
-            "\t├── Fail fast: a round whose every sampled reply is unusable, or more than %g of them over 5 rounds",
-            self.health.max_failed_fraction,
-        )
-        logger.info("\t└── Clients' own metrics pass through: the DP guarantee covers the model, not them")
+            lines.append("Secure aggregation: SecAgg+ (ClientApp mods=[checked_secaggplus_mod, dp_mod]); the server "
+                         "sees the sum")  # fmt: skip
+        log_summary([*lines, "Fail fast: a round whose every sampled reply is unusable, or more than "
+                     f"{self.health.max_failed_fraction:g} of them over 5 rounds",
+                     "Clients' own metrics pass through: the DP guarantee covers the model, not them"])  # fmt: skip
+        if not plan.dp:
+            logger.warning("algorithm 'none': FedAvg without DP (no clipping, no noise, no epsilon)")
         if plan.dp and not cfg.secure_noise:
             logger.warning(
                 "!!! SEEDED NOISE (seed=%d): the clients' noise and the sampling are reproducible from the seed, so "

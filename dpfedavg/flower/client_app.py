@@ -32,7 +32,6 @@ from dpfedavg.flower.guard import (
     BYPASSED,
     CLIENT_APP,
     Route,
-    SecAggStage,
     TrainRequest,
     Verdict,
     answer_stage,
@@ -61,6 +60,7 @@ from dpfedavg.flower.protocol import (
 )
 from dpfedavg.flower.runtime import setup_app_process
 from dpfedavg.privacy.policy import NodePolicy
+from dpfedavg.privacy.secagg_stages import SecAggStage
 from dpfedavg.tasks import Task, build_task, task_hooks
 
 logger = logging.getLogger(__name__)

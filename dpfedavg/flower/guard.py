@@ -15,11 +15,11 @@ these, in this order, for both:
 2. **SecAgg+.** SecAgg+ content is answered only in a ``train`` message inside Flower's protocol, in its
    masked-vector stage, whose vector ``secaggplus_mod`` masks; the protocol's other stages train nothing. Every
    stage's own parameters are checked before ``secaggplus_mod`` sees it, so before any secret leaves the node
-   (`SecAggStage`, `dpfedavg.privacy.secagg_stages.stage_refusal()`): the setup's cohort (at least ``secagg-min-cohort``), share count and
-   threshold (a majority of a node's shares); the stages in order, each once (one unmask request per round,
-   after the node's masked vector); in the unmask stage no node both active and dropped, and this node
-   active; in the masked-vector stage the setup's cohort equal to the ``|S_k|`` the node's noise share is
-   computed for (`_secagg_checked()`). The project's ClientApp checks every stage itself; a user's app has
+   (`answer_stage()`, the rules in `dpfedavg.privacy.secagg_stages`): the setup's cohort (at least
+   ``secagg-min-cohort``), share count and threshold (a majority of a node's shares); the stages in order, each
+   once (one unmask request per round, after the node's masked vector); in the unmask stage no node both active
+   and dropped, and this node active; in the masked-vector stage the setup's cohort equal to the ``|S_k|`` the
+   node's noise share is computed for (`_secagg_checked()`). The project's ClientApp checks every stage itself; a user's app has
    ``checked_secaggplus_mod`` (`dpfedavg.flower.mod`) in place of Flower's ``secaggplus_mod``, and under a node
    policy ``dp_mod`` refuses a masked-vector stage whose earlier stages were not checked.
 3. **The round.** The instructions are read strictly and checked by the one rule set,
@@ -30,8 +30,8 @@ these, in this order, for both:
 
 A refused message is answered by `refusal()` (an error reply with code `REFUSED`: the server counts a
 rejection), and nothing else. A new rule goes here, once, for both apps: a check of a SecAgg+ stage's own
-parameters in `dpfedavg.privacy.secagg_stages.stage_refusal()` (the project's ClientApp and ``checked_secaggplus_mod`` ask `guard()` at every
-stage of the protocol, with its `SecAggStage`); what the ledger charges in `_followed()`, the one place a release
+parameters in `dpfedavg.privacy.secagg_stages.stage_refusal()` (both apps answer every stage of the protocol
+through `answer_stage()`); what the ledger charges in `_followed()`, the one place a release
 is charged (`_secagg_checked()` says whether those stage checks ran; the ledger records it, and its server
 account charges the node's own noise share either way).
 """
@@ -63,7 +63,6 @@ __all__ = [
     "DP_MOD",
     "NodeApp",
     "Route",
-    "SecAggStage",
     "TrainRequest",
     "Verdict",
     "guard",
@@ -260,7 +259,7 @@ def _secure_content(
     """SecAgg+ content is answered only by a ``train`` message in the protocol's masked-vector stage.
 
     The project's ClientApp wraps ``secaggplus_mod``, and so does ``checked_secaggplus_mod``: each stage's
-    parameters are checked (`dpfedavg.privacy.secagg_stages.stage_refusal()`), the protocol's other stages go to ``secaggplus_mod`` alone
+    parameters are checked (`stage_refusal()`), the protocol's other stages go to ``secaggplus_mod`` alone
     (they train nothing). ``dp_mod`` is called by ``secaggplus_mod``, only in that stage: anything else
     bypassed the protocol (``secaggplus_mod`` passes a ``train.<action>`` message through unmasked).
     """
@@ -287,7 +286,7 @@ def _secure_content(
 
 
 def _secagg_checked(app: NodeApp, policy: NodePolicy, ins: RoundInstructions, checked: SecAggStage | None) -> bool:
-    """Whether this SecAgg+ round's stages were checked (`dpfedavg.privacy.secagg_stages.stage_refusal()`), the setup's cohort being the ``|S_k|``
+    """Whether this SecAgg+ round's stages were checked (`stage_refusal()`), the setup's cohort being the ``|S_k|``
     this node's noise share is computed for (recorded in the ledger's entry; its server account still charges this
     node's own share: the server decides who is dropped, `dpfedavg.privacy.node_accounts`).
 

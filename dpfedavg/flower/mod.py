@@ -90,7 +90,6 @@ from dpfedavg.flower.guard import (
     DP_MOD,
     NOISE_PLACEMENT,
     Route,
-    SecAggStage,
     TrainRequest,
     Verdict,
     answer_stage,
@@ -110,6 +109,7 @@ from dpfedavg.flower.protocol import (
     train_reply,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
+from dpfedavg.privacy.secagg_stages import SecAggStage
 
 __all__ = [
     "ARRAY_KEYS",

@@ -59,29 +59,29 @@ from dpfedavg.server.health import ReplyHealth, TrainingStopped
 from dpfedavg.server.loop import run_rounds
 from dpfedavg.server.round import RoundRecord, RoundReplies
 
-__all__ = ["FlatModel", "FlowerRunner", "RunStrategy", "log_privacy_plan", "reply_bound"]
+__all__ = ["FlatModel", "FlowerRunner", "RunStrategy", "log_summary", "privacy_plan_lines", "reply_bound"]
 
 logger = logging.getLogger(__name__)
 
 
-def log_privacy_plan(cfg: RunConfig, plan: PrivacyPlan, sigma: float) -> None:
+def privacy_plan_lines(cfg: RunConfig, plan: PrivacyPlan, sigma: float) -> list[str]:
     """The start-up lines on C, z (calibrated or given), sigma = zC/r, the placement and the budget stop."""
     how = (
         f"calibrated for (epsilon={plan.target_epsilon:g}, delta={plan.delta:g}) over K={plan.rounds}"
         if plan.calibrated
         else f"given; nominal epsilon {plan.nominal_epsilon:.4g} at delta={plan.delta:g} over K={plan.rounds}"
     )
-    logger.info(
-        "\t├── C=%g, z=%.5g (%s, %s accountant), sigma=zC/r=%.4g, noise placement: %s",
-        cfg.clip,
-        plan.noise_multiplier,
-        how,
-        plan.accountant,
-        sigma,
-        cfg.noise_placement,
-    )
+    lines = [f"C={cfg.clip:g}, z={plan.noise_multiplier:.5g} ({how}, {plan.accountant} accountant), "
+             f"sigma=zC/r={sigma:.4g}, noise placement: {cfg.noise_placement}"]  # fmt: skip
     if plan.max_epsilon is not None:
-        logger.info("\t├── Privacy budget: stop before a round that would exceed epsilon=%g", plan.max_epsilon)
+        lines.append(f"Privacy budget: stop before a round that would exceed epsilon={plan.max_epsilon:g}")
+    return lines
+
+
+def log_summary(lines: list[str]) -> None:
+    """Log a strategy's set-up as Flower's strategies do: one tree line each."""
+    for i, line in enumerate(lines):
+        logger.info("\t%s── %s", "└" if i == len(lines) - 1 else "├", line)
 
 
 def reply_bound(server: DPServer) -> float:
@@ -178,45 +178,25 @@ class RunStrategy(Strategy):
     def summary(self) -> None:
         """Log the DP configuration (called by ``Strategy.start``)."""
         cfg, plan = self.cfg, self.plan
-        logger.info("\t├── Algorithm: %s", self.server.bound.title)
-        logger.info(
-            "\t├── Poisson sampling: n=%d, r=%g, q=%.4g; aggregation divides by r",
-            cfg.num_clients,
-            cfg.clients_per_round,
-            cfg.sampling_rate,
-        )
+        lines = [f"Algorithm: {self.server.bound.title}", f"Poisson sampling: n={cfg.num_clients}, "
+                 f"r={cfg.clients_per_round:g}, q={cfg.sampling_rate:.4g}; aggregation divides by r"]  # fmt: skip
         if cfg.clients_per_node > 1:
-            logger.info(
-                "\t├── Virtual clients: %d per SuperNode (%d SuperNodes); one message per node, one update per client",
-                cfg.clients_per_node,
-                cfg.num_nodes,
-            )
-        if plan.dp:
-            log_privacy_plan(cfg, plan, self.server.sigma)
+            lines.append(f"Virtual clients: {cfg.clients_per_node} per SuperNode ({cfg.num_nodes} SuperNodes); one "
+                         "message per node, one update per client")  # fmt: skip
+        lines += privacy_plan_lines(cfg, plan, self.server.sigma) if plan.dp else []
         if cfg.secure_aggregation:
-            logger.info(
-                "\t├── Secure aggregation: SecAgg+ (shares %g, threshold %g), Q=2^%d levels, M=2^%d; "
-                "the server sees only the sum",
-                cfg.secagg_num_shares,
-                cfg.secagg_reconstruction_threshold,
-                cfg.secagg_quantization_bits,
-                cfg.secagg_modulus_bits,
-            )
-            if not cfg.secure_noise:
-                logger.warning(
-                    "secure-aggregation with secure-noise = false: the clients' noise is seeded from the run's "
-                    "seed, so whoever knows it can subtract the noise from the sum; set secure-noise = true "
-                    "outside research simulations"
-                )
+            lines.append(f"Secure aggregation: SecAgg+ (shares {cfg.secagg_num_shares:g}, threshold "
+                         f"{cfg.secagg_reconstruction_threshold:g}), Q=2^{cfg.secagg_quantization_bits} levels, "
+                         f"M=2^{cfg.secagg_modulus_bits}; the server sees only the sum")  # fmt: skip
         beta = "eta_k" if cfg.server_lr is None else f"{cfg.server_lr:g}"
-        logger.info(
-            "\t└── E=%d, eta_0=%g, gamma=%g, beta=%s, mu=%g",
-            cfg.local_steps,
-            cfg.local_lr,
-            cfg.lr_decay,
-            beta,
-            cfg.server_momentum,
-        )
+        log_summary([*lines, f"E={cfg.local_steps}, eta_0={cfg.local_lr:g}, gamma={cfg.lr_decay:g}, beta={beta}, "
+                             f"mu={cfg.server_momentum:g}"])  # fmt: skip
+        if cfg.secure_aggregation and not cfg.secure_noise:
+            logger.warning(
+                "secure-aggregation with secure-noise = false: the clients' noise is seeded from the run's "
+                "seed, so whoever knows it can subtract the noise from the sum; set secure-noise = true "
+                "outside research simulations"
+            )
 
     def reply_limits(self, num_sampled: int, clients: int = 1) -> ReplyLimits | None:
         """The plausibility bounds of ``clients`` honest clients' (summed) vectors this round; ``None`` without a bound.

@@ -45,6 +45,9 @@ __all__ = [
     "renew_server_certificate",
 ]
 
+#: ``x509.KeyUsage``'s flags other than those a CA certificate sets (all off).
+_KEY_USAGES = ("content_commitment", "key_encipherment", "data_encipherment", "key_agreement", "encipher_only",
+               "decipher_only")  # fmt: skip
 #: Names the SuperLink's own processes use to reach it: always in its certificate.
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
@@ -128,17 +131,8 @@ def _certificate_authority(now: dt.datetime, until: dt.datetime) -> tuple[Any, x
         .not_valid_after(until)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            x509.KeyUsage(**dict.fromkeys(_KEY_USAGES, False), digital_signature=True, key_cert_sign=True,
+                          crl_sign=True),  # fmt: skip
             critical=True,
         )
         .sign(ca_key, hashes.SHA256())

@@ -28,6 +28,7 @@ from dpfedavg.engines.local_superlink import (
     RAY_STARTUP_ENV,
     StartupTimeout,
     free_port,
+    kill_processes,
     leftover_pids,
     retry_startup_once,
     startup_failure,
@@ -169,13 +170,7 @@ class LoopbackRayCluster:
     def kill_node(self, index: int) -> None:
         """SIGKILL every process of node ``index`` at once, as when its machine dies."""
         self.remember()
-        procs = list(self._trees[index].values())
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=10)
+        kill_processes(list(self._trees[index].values()))
 
     def stop(self) -> None:
         """Stop every process the nodes started (by PID), workers first, then the head."""

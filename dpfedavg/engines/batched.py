@@ -202,13 +202,8 @@ def device_round_sums(
 
 
 def device_client_results(
-    task: Task,
-    clients: np.ndarray,
-    w: Vector,
-    ins: RoundInstructions,
+    task: Task, clients: np.ndarray, w: Vector, ins: RoundInstructions, *, failed: list[int] | None = None,
     block: int | None = None,
-    failed: list[int] | None = None,
-    threads: int = 1,
 ) -> Iterator[ClientResult]:
     """`client_results()` on the task's device: each sampled client's own ``g + zeta``, in ascending client id.
 
@@ -218,9 +213,7 @@ def device_client_results(
     client's noise from its own stream), and the block's rows, norms and finite flags cross to the host at once
     (`BlockRows.to_host()`). The results equal `client_results()`'s (the same noise; the bound to the rounding
     of a norm). A client whose ``u`` is not finite sends nothing; its id is appended to ``failed``.
-    ``threads`` is accepted for `client_results()`'s signature: the device's own parallelism is used.
     """
-    del threads
     for ids, u in _device_blocks(task, clients, w, ins, block or 0):
         results, bad = block_rows(u, ins, ids, keep_clean=ins.diagnostics).to_host().client_results(ids)
         for client_id in bad:

@@ -18,6 +18,7 @@ failure (`STARTUP_FAILURES`, `StartupTimeout`) is retried, never a run that fail
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -130,18 +131,21 @@ def free_port() -> int:
 def stop_processes(known: dict[int, psutil.Process]) -> None:
     """Terminate the still-running processes of ``known`` (by PID), wait, then kill the rest."""
     procs = [p for p in known.values() if p.is_running()]
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
+    _signal(procs, "terminate")
     _, alive = psutil.wait_procs(procs, timeout=10)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
+    kill_processes(alive, timeout=5)
+
+
+def kill_processes(procs: list[psutil.Process], timeout: float = 10) -> None:
+    """SIGKILL ``procs`` at once (as when their machine dies) and wait for them."""
+    _signal(procs, "kill")
+    psutil.wait_procs(procs, timeout=timeout)
+
+
+def _signal(procs: list[psutil.Process], how: str) -> None:
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            getattr(proc, how)()
 
 
 def processes_with_home(home: Path) -> dict[int, psutil.Process]:

@@ -166,15 +166,8 @@ class BandedMFSpec:
     @classmethod
     def from_config(cls, cfg: Any) -> BandedMFSpec:
         """The spec of a `RunConfig` (validated there: see `config_errors()`)."""
-        return cls.build(
-            num_clients=cfg.num_clients,
-            clients_per_round=cfg.clients_per_round,
-            num_rounds=cfg.num_rounds,
-            bands=cfg.bands,
-            participation=cfg.participation,
-            max_participations=cfg.max_participations,
-            coefficients=cfg.strategy_coefficients,
-        )
+        keys = ("num_clients", "clients_per_round", "num_rounds", "bands", "participation", "max_participations")
+        return cls.build(**{key: getattr(cfg, key) for key in keys}, coefficients=cfg.strategy_coefficients)
 
 
 def config_errors(cfg: Any) -> list[str]:

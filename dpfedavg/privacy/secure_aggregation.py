@@ -26,7 +26,7 @@ No Flower import; the protocol itself is `dpfedavg.flower.secure_aggregation`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from dpfedavg.core.dp import BOUNDS, SensitivityBound
@@ -71,15 +71,8 @@ class SecAggSettings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> SecAggSettings:
-        """The settings of a `RunConfig`."""
-        return cls(
-            quantization_bits=cfg.secagg_quantization_bits,
-            modulus_bits=cfg.secagg_modulus_bits,
-            clip_stds=cfg.secagg_clip_stds,
-            num_shares=cfg.secagg_num_shares,
-            reconstruction_threshold=cfg.secagg_reconstruction_threshold,
-            timeout=cfg.secagg_timeout,
-        )
+        """The settings of a `RunConfig`: each field from its ``secagg-*`` key."""
+        return cls(**{field.name: getattr(cfg, f"secagg_{field.name}") for field in fields(cls)})
 
     def config_errors(
         self,
@@ -176,18 +169,10 @@ def privacy_terms(
         needed = 2.0 * (bound + clip_stds * std_n) / 2**bits
         worst = math.ldexp(1.0, math.ceil(math.log2(needed))) / needed * (1.0 + 1e-9)
         bound, std_n = bound * worst, std_n * worst
+    keys = ("noise_multiplier", "num_clients", "dim", "rounds", "epsilon", "delta")
+    run = {key: getattr(release, key) for key in keys}
     return release.law.privacy_terms(
-        clip=bound,
-        noise_multiplier=release.noise_multiplier,
-        std_at_n=std_n,
-        clip_stds=clip_stds,
-        bits=bits,
-        modulus_bits=settings.modulus_bits,
-        num_clients=release.num_clients,
-        dim=release.dim,
-        rounds=release.rounds,
-        epsilon=release.epsilon,
-        delta=release.delta,
+        clip=bound, std_at_n=std_n, clip_stds=clip_stds, bits=bits, modulus_bits=settings.modulus_bits, **run
     )
 
 

@@ -12,8 +12,9 @@ iterate, per-round statistics) and runs one round in two halves:
 * `DPServer.close_round()`: from the round's `RoundReplies`, sum the clients' ``g + zeta`` (in client-id
   order; or take the sum a runner formed), add the server's share of the noise (all of it for ``server``
   placement, the missing replies' share otherwise: the sum always carries ``N(0, (zC)^2 I)``, see
-  `dpfedavg.core.mechanism`), divide by the fixed ``r`` (line 12), apply momentum and ``beta_k``, charge the accountant the round's (nominal) event, and return one
-  frozen `RoundRecord` (``w_{k+1}``, the round's statistics). It is the one way to close a round.
+  `dpfedavg.core.mechanism`), divide by the fixed ``r`` (line 12), apply momentum and ``beta_k``, charge the
+  accountant the round's (nominal) event, and return one frozen `RoundRecord` (``w_{k+1}``, the round's
+  statistics). It is the one way to close a round.
 
 With ``adaptive-clip`` the server also holds ``C_k`` (`AdaptiveClip`):
 the clients' vectors have one more coordinate (their noised count of unclipped updates), the noise
@@ -277,15 +278,10 @@ class DPServer:
     def describe_privacy(self) -> dict[str, Any]:
         """The privacy set-up for ``config.json`` (`dpfedavg.privacy.guarantee.describe_privacy()`)."""
         cfg, plan = self.cfg, self.plan
-        adaptive = None
-        if self.adaptive is not None:
-            adaptive = describe_adaptive_clipping(
-                plan,
-                initial_clip=cfg.clip,
-                target_quantile=cfg.target_quantile,
-                clip_lr=cfg.clip_lr,
-                count_stddev=plan.count_stddev,
-            )
+        adaptive = None if self.adaptive is None else describe_adaptive_clipping(
+            plan, initial_clip=cfg.clip, target_quantile=cfg.target_quantile, clip_lr=cfg.clip_lr,
+            count_stddev=plan.count_stddev,
+        )  # fmt: skip
         record, key = self.round_mechanism.record(), self.round_mechanism.record_key
         return describe_privacy(
             plan,
@@ -477,14 +473,9 @@ class DPServer:
         return self._close(server_round, total, num_received, norms, clean_total, replies)
 
     def _close(
-        self,
-        server_round: int,
-        total: Vector,
-        num_received: int,
-        norms: list[float] | np.ndarray,
-        clean_total: Vector | None,
-        replies: RoundReplies,
-    ) -> RoundRecord:
+        self, server_round: int, total: Vector, num_received: int, norms: list[float] | np.ndarray,
+        clean_total: Vector | None, replies: RoundReplies,
+    ) -> RoundRecord:  # fmt: skip
         k, num_sampled = server_round - 1, self._num_sampled
         r = self.params.clients_per_round
         denominator = self.round_mechanism.denominator

@@ -398,13 +398,9 @@ class RunSession:
         return metrics
 
     def _final(
-        self,
-        last5: list[dict[str, float]],
-        completed: int,
-        stopped_before_round: int | None,
-        k_random: int,
+        self, last5: list[dict[str, float]], completed: int, stopped_before_round: int | None, k_random: int,
         failed: str | None,
-    ) -> tuple[dict[str, float], dict[str, Any]]:
+    ) -> tuple[dict[str, float], dict[str, Any]]:  # fmt: skip
         """The last-5-round metrics and ``config.json``'s ``final``: those, epsilon, the guarantee, why it stopped."""
         names = self.metric_names
         summary = {f"last5_{name}": float(np.mean([m[name] for m in last5])) for name in names} if last5 else {}
@@ -475,16 +471,9 @@ class RunSession:
         label = {"dp": "", "seeded": " [seeded mode: no protection against anyone who knows the seed]"}.get(
             level, " [NO privacy guarantee, see config.json]"
         )
-        logger.info(
-            "Done after %d rounds: (epsilon, delta) = (%.4g, %g)%s%s; metrics in %s, model in %s",
-            completed,
-            epsilon,
-            self.plan.delta,
-            label,
-            audit_clause(self.audit),
-            self.recorder.metrics_path,
-            self.recorder.model_path,
-        )
+        logger.info("Done after %d rounds: (epsilon, delta) = (%.4g, %g)%s%s; metrics in %s, model in %s", completed,
+                    epsilon, self.plan.delta, label, audit_clause(self.audit), self.recorder.metrics_path,
+                    self.recorder.model_path)  # fmt: skip
         return RunResult(
             weights=np.asarray(w_final, dtype=np.float64),
             random_iterate=np.asarray(w_random, dtype=np.float64),

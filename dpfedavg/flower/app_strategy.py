@@ -59,12 +59,11 @@ from dpfedavg.flower.protocol import (
     parse_train_reply,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
-from dpfedavg.flower.strategy import FlowerRunner, RunStrategy, log_summary, privacy_plan_lines, reply_bound
+from dpfedavg.flower.strategy import RunStrategy, log_summary, privacy_plan_lines, reply_bound
 from dpfedavg.io.metrics import RoundStats
 from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
-from dpfedavg.server.health import ReplyHealth, stopped
-from dpfedavg.server.loop import run_rounds
+from dpfedavg.server.health import ReplyHealth
 from dpfedavg.server.round import RoundRecord
 
 __all__ = ["DPFedAvg", "UserArrays"]
@@ -132,6 +131,8 @@ class DPFedAvg(RunStrategy):
     def _configure(self, settings: AppSettings, sleep: Callable[[float], None]) -> None:
         self.settings = settings
         self.health = ReplyHealth(max_failed_fraction=self.settings.max_failed_fraction)
+        self.stops_as = "DPFedAvg"
+        self.failed = None
         self._sleep = sleep
         # filled by start(): the run's config, server and model layout
         self.cfg = None  # type: ignore[assignment]
@@ -295,40 +296,14 @@ class DPFedAvg(RunStrategy):
         reserved = sorted(set(train_config) & round_keys)  # "server-round" means the same as Flower's FedAvg's
         if reserved:
             raise ConfigError(f"train_config keys {reserved} are set by DPFedAvg for each round; rename them")
-        logger.info("Starting %s strategy:", "DPFedAvg")
-        self.summary()
         if evaluate_config:
             logger.warning("evaluate_config is not used: DPFedAvg evaluates on the server only (evaluate_fn)")
-        result = Result(arrays=initial_arrays)
-        if evaluate_fn is not None:
-            metrics = evaluate_fn(0, initial_arrays)
-            logger.info("Initial global evaluation results: %s", metrics)
-            if metrics is not None:
-                result.evaluate_metrics_serverapp[0] = metrics
-        timeout = self.cfg.round_timeout if timeout is None else timeout
-        runner = FlowerRunner(self, self.edge, grid, train_config, timeout)
-        w0 = self.layout.flatten(initial_arrays)  # type: ignore[union-attr]
-        edge = self.edge
-        assert edge is not None
-
-        def record(closed: RoundRecord) -> None:
-            server_round = closed.round
-            result.arrays = edge.arrays(closed.w)
-            self._log_round(closed.stats)
-            dp_stats = {k: v for k, v in closed.stats.as_metrics().items() if k != "eta"}  # eta_k: dpfedavg's clients
-            metrics = {**edge.client_metrics.pop(server_round, {}), **dp_stats}
-            result.train_metrics_clientapp[server_round] = MetricRecord(metrics)
-            self.timings[server_round] = runner.timings.pop(server_round, {})
-            self._stop_if_unhealthy(server_round, result)
-            if evaluate_fn is not None:
-                logger.info("Global evaluation")
-                evaluated = evaluate_fn(server_round, result.arrays)
-                logger.info("\t└──> MetricRecord: %s", evaluated)
-                if evaluated is not None:
-                    result.evaluate_metrics_serverapp[server_round] = evaluated
-
-        loop = run_rounds(self.server, runner, w0, range(1, self._num_rounds + 1), on_round_end=record)
-        self.stopped_before_round = loop.stopped_before_round
+        result = self.run(grid, initial_arrays, timeout=timeout, train_config=train_config, evaluate_fn=evaluate_fn,
+                          on_round_end=lambda closed: self._log_round(closed.stats))  # fmt: skip
+        if self.failed is not None:
+            logger.error("%s", self.failed)
+            self.failed.result = result
+            raise self.failed
         logger.info("")
         logger.info("Strategy execution finished in %.2fs", time.perf_counter() - clock)
         logger.info("%s", self.privacy_statement())
@@ -365,16 +340,6 @@ class DPFedAvg(RunStrategy):
             clipped,
             epsilon,
         )
-
-    def _stop_if_unhealthy(self, server_round: int, result: Result) -> None:
-        verdict = self.health.verdict(server_round, self.history)
-        if verdict is None:
-            return
-        epsilon = self.epsilon if self.plan.dp else math.inf
-        stop = stopped("DPFedAvg", verdict, server_round, epsilon, self.plan.delta, self.plan.dp)
-        logger.error("%s", stop)
-        stop.result = result
-        raise stop
 
     # ------------------------------------------------------------------ Flower's hooks, round by round
     def before_rounds(self, grid: Grid) -> None:
@@ -466,6 +431,12 @@ class UserArrays:
 
     def arrays(self, w: Vector) -> ArrayRecord:
         return self.layout.unflatten(w, self.initial)
+
+    def round_metrics(self, closed: RoundRecord) -> dict[str, float]:
+        """The round's ``train_metrics_clientapp``: the clients' own metrics and the round's statistics (but
+        ``eta``: dpfedavg's clients' step size, not your app's)."""
+        stats = {k: v for k, v in closed.stats.as_metrics().items() if k != "eta"}
+        return {**self.client_metrics.pop(closed.round, {}), **stats}
 
     def node_keys(self, clients: list[int]) -> dict[str, object]:
         return {CLIENT_ID: clients[0]}

@@ -19,9 +19,9 @@ these, in this order, for both:
    ``secagg-min-cohort``), share count and threshold (a majority of a node's shares); the stages in order, each
    once (one unmask request per round, after the node's masked vector); in the unmask stage no node both active
    and dropped, and this node active; in the masked-vector stage the setup's cohort equal to the ``|S_k|`` the
-   node's noise share is computed for (`_secagg_checked()`). The project's ClientApp checks every stage itself; a user's app has
-   ``checked_secaggplus_mod`` (`dpfedavg.flower.mod`) in place of Flower's ``secaggplus_mod``, and under a node
-   policy ``dp_mod`` refuses a masked-vector stage whose earlier stages were not checked.
+   node's noise share is computed for (`_secagg_checked()`). The project's ClientApp checks every stage itself; a
+   user's app has ``checked_secaggplus_mod`` (`dpfedavg.flower.mod`) in place of Flower's ``secaggplus_mod``, and
+   under a node policy ``dp_mod`` refuses a masked-vector stage whose earlier stages were not checked.
 3. **The round.** The instructions are read strictly and checked by the one rule set,
    `dpfedavg.privacy.policy.check_round()` (the node's policy, then the run config or the train config's
    public terms, the client's own noise share, the SecAgg+ grid).

@@ -116,6 +116,8 @@ class RunStrategy(Strategy):
     #: server computes their ``g + zeta`` (``dpfedavg.core.canaries``), no node hosts them. ``None``: no canary
     #: (always for the strategy on a user's own app, whose constructor does not take them).
     canaries: np.ndarray | None = None
+    #: Who the error of a run stopped for unusable replies names (`dpfedavg.server.health.stopped()`).
+    stops_as = "the run"
 
     def __init__(
         self,
@@ -141,6 +143,7 @@ class RunStrategy(Strategy):
         self.stopped_before_round: int | None = None
         #: Why the run stopped when its replies were unusable (fail fast: `dpfedavg.server.health`), or None.
         self.failed: TrainingStopped | None = None
+        self.health = ReplyHealth(max_failed_fraction=cfg.max_failed_fraction)
         #: What travels in a round's messages (the flat model; a user's app passes its arrays).
         self.edge: FlatModel | Any = FlatModel(cfg, self.federation)
         self._closed: dict[int, RoundRecord] = {}  # rounds a rule closed in configure_train
@@ -269,10 +272,11 @@ class RunStrategy(Strategy):
         (budget stop, sampling, the secure-aggregation rule for fewer than two clients), with `FlowerRunner`
         reaching the clients: configure_train's messages, ``grid.send_and_receive`` with the round timeout,
         aggregate_train; or Flower's SecAgg+ workflow (`secure_aggregation`), in which the server gets the sum of
-        the sampled clients' updates, never one of them. No client-side evaluation. ``evaluate_fn(k, arrays)``
-        (Flower's server-side evaluation) and then ``on_round_end(record)`` (the closed `RoundRecord`; recording:
-        metrics.csv, checkpoint) are called after every round (not for round 0: the caller records the initial
-        model); ``first_round > 1`` continues a resumed run.
+        the sampled clients' updates, never one of them. No client-side evaluation. ``on_round_end(record)`` (the
+        closed `RoundRecord`; recording: metrics.csv, checkpoint) and then ``evaluate_fn(k, arrays)`` (Flower's
+        server-side evaluation, also of the initial arrays as round 0 when ``first_round`` is 1) are called after
+        every round; ``first_round > 1`` continues a resumed run. Replies that are unusable stop the run
+        (`health`; `failed` says why).
 
         If the privacy budget (``max-epsilon``) would be exceeded by the next round, the loop stops
         before that round and the result holds the last model; `stopped_before_round` says which
@@ -285,35 +289,34 @@ class RunStrategy(Strategy):
         self.summary()
         timeout = self.cfg.round_timeout if timeout is None else timeout
         runner = FlowerRunner(self, self.edge, grid, ConfigRecord() if train_config is None else train_config, timeout)
-        result = Result(arrays=initial_arrays)
+        result, edge = Result(arrays=initial_arrays), self.edge
 
-        def record(closed: RoundRecord) -> None:
-            server_round, w = closed.round, closed.w
-            arrays = result.arrays = to_array_record(w)
-            result.train_metrics_clientapp[server_round] = MetricRecord(closed.stats.as_metrics())
-            clock = time.perf_counter()
+        def evaluate(server_round: int, arrays: ArrayRecord) -> None:
             if evaluate_fn is not None:
+                logger.info("Global evaluation")
                 metrics = evaluate_fn(server_round, arrays)
+                logger.info("\t└──> MetricRecord: %s", metrics)
                 if metrics is not None:
                     result.evaluate_metrics_serverapp[server_round] = metrics
+
+        def record(closed: RoundRecord) -> None:
+            server_round = closed.round
+            result.arrays = edge.arrays(closed.w)
+            result.train_metrics_clientapp[server_round] = MetricRecord(edge.round_metrics(closed))
+            clock = time.perf_counter()
             if on_round_end is not None:
                 on_round_end(closed)
+            evaluate(server_round, result.arrays)
             self.timings[server_round] = {
                 **runner.timings.pop(server_round, dict.fromkeys(FlowerRunner.PHASES, 0.0)),
                 "evaluate_and_record_s": time.perf_counter() - clock,
             }
 
+        if first_round == 1:
+            evaluate(0, initial_arrays)
         rounds = range(first_round, self.cfg.num_rounds + 1)
-        health = ReplyHealth(max_failed_fraction=self.cfg.max_failed_fraction)
-        loop = run_rounds(
-            self.server,
-            runner,
-            from_array_record(initial_arrays),
-            rounds,
-            on_round_end=record,
-            health=health,
-            available=lambda: self.available(grid),
-        )
+        loop = run_rounds(self.server, runner, edge.flatten(initial_arrays), rounds, on_round_end=record,
+                          health=self.health, available=lambda: self.available(grid), who=self.stops_as)  # fmt: skip
         self.failed = loop.failed
         self.stopped_before_round = loop.stopped_before_round
         return result
@@ -419,6 +422,10 @@ class FlatModel:
 
     def arrays(self, w: Vector) -> ArrayRecord:
         return to_array_record(w)
+
+    def round_metrics(self, closed: RoundRecord) -> dict[str, float]:
+        """The round's ``train_metrics_clientapp``: its statistics (`RoundStats`)."""
+        return closed.stats.as_metrics()
 
     def node_keys(self, clients: list[int]) -> dict[str, object]:
         """A node hosting virtual clients gets the ids of its sampled clients (``client-ids``)."""

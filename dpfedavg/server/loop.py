@@ -70,6 +70,7 @@ def run_rounds(
     on_round_end: Callable[[RoundRecord], None] | None = None,
     health: ReplyHealth | None = None,
     available: Callable[[], Iterable[int]] | None = None,
+    who: str = "the run",
 ) -> LoopResult:
     """Run ``rounds`` (1-based, ascending) from ``w``; ``on_round_end(record)`` after each one.
 
@@ -79,7 +80,7 @@ def run_rounds(
     Stops cleanly before a round whose release would exceed ``max-epsilon``
     (`PrivacyBudgetExhausted`, logged as a WARNING), and after a round whose replies ``health`` finds
     unusable (fail fast instead of training on noise: the result's ``failed`` says why, the fix and what
-    the rounds that ran spent; they are accounted).
+    the rounds that ran spent; they are accounted; ``who`` names the run in it).
     """
     for server_round in rounds:
         try:
@@ -94,5 +95,5 @@ def run_rounds(
         verdict = None if health is None else health.verdict(server_round, server.history)
         if verdict is not None:
             epsilon, plan = server.epsilon, server.plan
-            return LoopResult(w, failed=stopped("the run", verdict, server_round, epsilon, plan.delta, plan.dp))
+            return LoopResult(w, failed=stopped(who, verdict, server_round, epsilon, plan.delta, plan.dp))
     return LoopResult(w)

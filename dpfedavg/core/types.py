@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -49,6 +50,43 @@ class RoundInstructions:
     #: round's noise multiplier ``z`` (0 without DP) and the number of sampled clients ``|S_k|``.
     noise_multiplier: float = 0.0
     cohort_size: int = 0
+
+    def to_config(self) -> dict[str, int | float | str | bool]:
+        """The train config the server sends with ``w_k`` (kebab-case keys, as in Flower's examples)."""
+        return {key: getattr(self, name) for key, name in _CONFIG_KEYS.items()}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> RoundInstructions:
+        """The inverse of `to_config()` (on the client), read strictly.
+
+        Every value must have the type the server writes: integers for the round, ``E``, the seed and ``|S_k|``,
+        finite numbers for the floats (a string such as ``'nan'`` or ``'1e-400'`` is refused, not converted), a
+        bool for ``diagnostics`` (the string ``'false'`` would be true). ``KeyError`` for a missing key,
+        ``ValueError`` naming a mistyped one. The secure-aggregation grid, the count scale, ``z`` and ``|S_k|``
+        default to 0 (a server without them).
+        """
+        values = {}
+        for key, name in _CONFIG_KEYS.items():
+            value = config.get(key, 0) if name in _OPTIONAL else config[key]
+            kind = cls.__dataclass_fields__[name].type
+            if kind == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{key!r} = {value!r} is not a bool")
+            if kind == "str" and not isinstance(value, str):
+                raise ValueError(f"{key!r} = {value!r} is not a string")
+            if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{key!r} = {value!r} is not an integer")
+            if kind == "float":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ValueError(f"{key!r} = {value!r} is not a finite number")
+                value = float(value)
+            values[name] = value
+        return cls(**values)
+
+
+#: `RoundInstructions`' train-config keys (field name -> key: snake_case to kebab-case, ``server-round`` first).
+_CONFIG_KEYS = {name.replace("_", "-"): name for name in RoundInstructions.__dataclass_fields__}
+#: Fields a train config may leave out (read as 0).
+_OPTIONAL = frozenset({"secagg_step", "secagg_range", "count_scale", "noise_multiplier", "cohort_size"})
 
 
 class ClientResult(NamedTuple):

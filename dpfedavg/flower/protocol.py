@@ -99,71 +99,12 @@ def from_array_record(record: ArrayRecord, key: str = MODEL_KEY) -> Vector:
 
 
 def instructions_to_config_record(ins: RoundInstructions) -> ConfigRecord:
-    """The train config the server sends with ``w_k``."""
-    return ConfigRecord(
-        {
-            "server-round": ins.server_round,
-            "local-lr": ins.local_lr,
-            "local-steps": ins.local_steps,
-            "algorithm": ins.algorithm,
-            "clip": ins.clip,
-            "noise-std": ins.noise_std,
-            "noise-seed": ins.noise_seed,
-            "diagnostics": ins.diagnostics,
-            "secagg-step": ins.secagg_step,
-            "secagg-range": ins.secagg_range,
-            "count-scale": ins.count_scale,
-            "noise-multiplier": ins.noise_multiplier,
-            "cohort-size": ins.cohort_size,
-        }
-    )
+    """The train config the server sends with ``w_k`` (`RoundInstructions.to_config()`)."""
+    return ConfigRecord(ins.to_config())  # type: ignore[arg-type]
 
 
-def _int(record: ConfigRecord, key: str, default: int | None = None) -> int:
-    """``record[key]``, which must be an int (not a bool, a float or a string); ``ValueError`` naming it."""
-    value = record.get(key, default) if default is not None else record[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key!r} = {value!r} is not an integer")
-    return value
-
-
-def _float(record: ConfigRecord, key: str, default: float | None = None) -> float:
-    """``record[key]``, which must be a finite int or float (not a bool or a string); ``ValueError`` naming it."""
-    value = record.get(key, default) if default is not None else record[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{key!r} = {value!r} is not a finite number")
-    return float(value)
-
-
-def instructions_from_config_record(record: ConfigRecord) -> RoundInstructions:
-    """The inverse of ``instructions_to_config_record`` (on the client), read strictly.
-
-    Every value must have the type the server writes: integers for the round, ``E``, the seed and ``|S_k|``,
-    finite numbers for the floats (a string such as ``'nan'`` or ``'1e-400'`` is refused, not converted), a
-    bool for ``diagnostics`` (the string ``'false'`` would be true). ``KeyError`` for a missing key,
-    ``ValueError`` naming a mistyped one.
-    """
-    diagnostics = record["diagnostics"]
-    if not isinstance(diagnostics, bool):
-        raise ValueError(f"'diagnostics' = {diagnostics!r} is not a bool")
-    algorithm = record["algorithm"]
-    if not isinstance(algorithm, str):
-        raise ValueError(f"'algorithm' = {algorithm!r} is not a string")
-    return RoundInstructions(
-        server_round=_int(record, "server-round"),
-        local_lr=_float(record, "local-lr"),
-        local_steps=_int(record, "local-steps"),
-        algorithm=algorithm,
-        clip=_float(record, "clip"),
-        noise_std=_float(record, "noise-std"),
-        noise_seed=_int(record, "noise-seed"),
-        diagnostics=diagnostics,
-        secagg_step=_float(record, "secagg-step", 0.0),
-        secagg_range=_float(record, "secagg-range", 0.0),
-        count_scale=_float(record, "count-scale", 0.0),
-        noise_multiplier=_float(record, "noise-multiplier", 0.0),
-        cohort_size=_int(record, "cohort-size", 0),
-    )
+#: The inverse of `instructions_to_config_record()` on the client, read strictly (`RoundInstructions.from_config()`).
+instructions_from_config_record = RoundInstructions.from_config
 
 
 def train_reply(

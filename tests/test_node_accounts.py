@@ -1,7 +1,7 @@
 """The node ledger's two accounts, every release charged as what it is, and a resume that is not a new run.
 
 Issue 46 items 2 and 4, issue 47 item 4. Every round goes through the node's one guard
-(`dpfedavg.flower.guard.guard`, the path both ClientApps take) with the instructions the server would send. Every
+(`dpfedavg.privacy.node_guard.guard`, the path both ClientApps take) with the instructions the server would send. Every
 epsilon is checked against an independent computation: the exact (epsilon, delta) curve of the Gaussian mechanism
 (Balle & Wang 2018, Theorem 8, solved here with scipy; ``k`` releases of a Gaussian with multiplier ``z`` compose to
 one of ``z / sqrt(k)``, and of ``z_1 .. z_k`` to one of ``(sum z_i^-2)^-1/2``), dp-accounting's PLD accountant
@@ -21,7 +21,7 @@ from scipy.special import comb
 from scipy.stats import norm
 
 from dpfedavg.config import RunConfig
-from dpfedavg.flower.guard import CLIENT_APP, Route, TrainRequest, guard
+from dpfedavg.privacy.node_guard import CLIENT_APP, Route, TrainRequest, guard
 from dpfedavg.flower.protocol import CLIENT_IDS, instructions_to_config_record
 from dpfedavg.privacy.ledger import NodeLedger, Release
 from dpfedavg.privacy.node_accounts import RELEASED, SERVER

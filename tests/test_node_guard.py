@@ -1,7 +1,7 @@
 """One guard on the node, one Gaussian noise addition (issue 45, items 4 and 5).
 
 Both of the node's ClientApps (the project's and ``dp_mod`` in a user's app) must decide every message through
-`dpfedavg.flower.guard.guard()` and refuse only through `dpfedavg.flower.guard.refusal()`: a spy on each counts
+`dpfedavg.privacy.node_guard.guard()` and refuse only through `dpfedavg.flower.guard.refusal()`: a spy on each counts
 the calls per message, and a reading of the sources finds no other refusal, train reply or zero update. The one
 Gaussian addition, `dpfedavg.core.noise.add_gaussian()`, is checked against ``g + (z * s)`` formed here from
 the generator's own draws, for each way the engines call it (a generator, a block's rows, a sweep's run axis,

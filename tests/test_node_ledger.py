@@ -28,7 +28,7 @@ from scipy.stats import norm
 from dpfedavg.config import RunConfig
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.flower import client_app as client_app_module
-from dpfedavg.flower import guard as guard_module
+from dpfedavg.privacy import node_guard as guard_module
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.mod import dp_mod, public_parameters
 from dpfedavg.flower.protocol import ARRAYS, CONFIG, instructions_to_config_record, to_array_record

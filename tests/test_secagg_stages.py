@@ -44,7 +44,7 @@ from flwr.supercore.primitives.asymmetric import (
 from dpfedavg import checked_secaggplus_mod, dp_mod
 from dpfedavg.config import RunConfig
 from dpfedavg.flower import client_app as client_app_module
-from dpfedavg.flower import guard as guard_module
+from dpfedavg.privacy import node_guard as guard_module
 from dpfedavg.flower import server_app
 from dpfedavg.flower.mod import ARRAY_KEYS, public_parameters
 from dpfedavg.flower.protocol import ARRAYS, REFUSED, instructions_to_config_record
@@ -421,6 +421,22 @@ def test_a_stage_that_raised_ends_the_nodes_part_in_the_round(kind) -> None:
     attacker.keys = good
     for reply in attacker.share_keys().values():
         _refused(reply, "without a setup stage this node admitted")
+
+
+def test_the_pure_rules_use_flowers_own_names() -> None:
+    """`dpfedavg.privacy` imports no Flower: its copies of Flower's stage names, config keys and message types are
+    Flower's."""
+    from flwr.app import MessageType as FlowerTypes
+
+    from dpfedavg.privacy import node_guard, secagg_stages
+
+    assert secagg_stages.Stage.all() == Stage.all()
+    for name in ("SETUP", "SHARE_KEYS", "COLLECT_MASKED_VECTORS", "UNMASK"):
+        assert getattr(secagg_stages.Stage, name) == getattr(Stage, name)
+    for name in ("STAGE", "SAMPLE_NUMBER", "SHARE_NUMBER", "THRESHOLD", "ACTIVE_NODE_ID_LIST", "DEAD_NODE_ID_LIST"):
+        assert getattr(secagg_stages.Key, name) == getattr(Key, name)
+    for name in ("TRAIN", "EVALUATE", "QUERY"):
+        assert getattr(node_guard.MessageType, name) == getattr(FlowerTypes, name)
 
 
 # ------------------------------------------------------------------ dp_mod

@@ -1,7 +1,7 @@
 """Flower ClientApp: read the message, call the core, reply. No math here.
 
 Every message the node answers passes through one app-level mod, ``node_guard``, and every decision is the
-node's one guard's (`dpfedavg.flower.guard.guard()`, the rules ``dp_mod`` applies too): train messages
+node's one guard's (`dpfedavg.privacy.node_guard.guard()`, the rules ``dp_mod`` applies too): train messages
 (``train``, ``train.default``) go to ``train``, whose instructions are checked once, against the node's
 policy and the run config (in a SecAgg+ round, in the protocol's masked-vector stage and nowhere else), and
 charged to the node's ledger; the partition query is answered with the node's ``partition-id`` and
@@ -28,19 +28,7 @@ from dpfedavg.config import RunConfig
 from dpfedavg.core import GradFn, LocalTrainingDiverged, client_round_update
 from dpfedavg.core.local import ClientUpdate, zero_updates
 from dpfedavg.core.types import ClientResult, RoundInstructions
-from dpfedavg.flower.guard import (
-    BYPASSED,
-    CLIENT_APP,
-    Route,
-    TrainRequest,
-    Verdict,
-    answer_stage,
-    guard,
-    refusal,
-    secagg_stage_of,
-    secagg_stage_within,
-)
-from dpfedavg.flower.guard import node_policy as _node_policy
+from dpfedavg.flower.guard import answer_stage, refusal, secagg_stage_of, secagg_stage_within
 from dpfedavg.flower.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -59,6 +47,8 @@ from dpfedavg.flower.protocol import (
     train_reply,
 )
 from dpfedavg.flower.runtime import setup_app_process
+from dpfedavg.privacy.node_guard import BYPASSED, CLIENT_APP, Route, TrainRequest, Verdict, guard
+from dpfedavg.privacy.node_guard import node_policy as _node_policy
 from dpfedavg.privacy.policy import NodePolicy
 from dpfedavg.privacy.secagg_stages import SecAggStage
 from dpfedavg.tasks import Task, build_task, task_hooks
@@ -91,7 +81,7 @@ def checked_round(
 ) -> tuple[RoundInstructions | None, Message | None]:
     """The round's instructions as this client follows them (the guard's, checked and charged), or the refusal.
 
-    Every round is checked here exactly once (`dpfedavg.flower.guard.guard()`: the node's policy, the run config,
+    Every round is checked here exactly once (`dpfedavg.privacy.node_guard.guard()`: the node's policy, the run config,
     the ledger: write-ahead, refused past ``max-epsilon``).
     """
     request = TrainRequest(config, context.run_id, cfg)  # type: ignore[arg-type]

@@ -84,21 +84,7 @@ from dpfedavg.core import SECURE_NOISE_SEED, round_block_update
 from dpfedavg.core.local import ClientUpdate, zero_updates
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.flower.arrays import ArrayLayout, LayoutMismatch, warn_buffers_once
-from dpfedavg.flower.guard import (
-    BYPASSED,
-    CLIENTS_PER_ROUND,
-    DP_MOD,
-    NOISE_PLACEMENT,
-    Route,
-    TrainRequest,
-    Verdict,
-    answer_stage,
-    guard,
-    node_policy,
-    refusal,
-    secagg_stage_of,
-    secagg_stage_within,
-)
+from dpfedavg.flower.guard import answer_stage, refusal, secagg_stage_of, secagg_stage_within
 from dpfedavg.flower.protocol import (
     ARRAYS,
     CLEAN_UPDATE_KEY,
@@ -109,6 +95,17 @@ from dpfedavg.flower.protocol import (
     train_reply,
 )
 from dpfedavg.flower.runtime import route_logs_through_flower
+from dpfedavg.privacy.node_guard import (
+    BYPASSED,
+    CLIENTS_PER_ROUND,
+    DP_MOD,
+    NOISE_PLACEMENT,
+    Route,
+    TrainRequest,
+    Verdict,
+    guard,
+    node_policy,
+)
 from dpfedavg.privacy.secagg_stages import SecAggStage
 
 __all__ = [
@@ -198,7 +195,7 @@ def dp_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Mess
 def checked_secaggplus_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower's ``secaggplus_mod`` behind the node's guard: use it in place of ``secaggplus_mod`` with ``dp_mod``.
 
-    Each SecAgg+ stage message is checked by the node's one guard (`dpfedavg.flower.guard.guard()`, the rules the
+    Each SecAgg+ stage message is checked by the node's one guard (`dpfedavg.privacy.node_guard.guard()`, the rules the
     project's ClientApp applies too) before ``secaggplus_mod`` sees it, so before any of the node's secrets
     leaves it: the setup's cohort (at least the node policy's ``secagg-min-cohort``, default 3), share count and
     threshold (a majority of a node's shares); the stages in order, one unmask request per round, after the
@@ -224,7 +221,7 @@ def _inside_secaggplus(msg: Message, context: Context, call_next: ClientAppCalla
 
 def _answer(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """The one place every message through ``dp_mod`` is answered: privatised (train), let through or refused
-    (`dpfedavg.flower.guard.guard()`, the node's one guard)."""
+    (`dpfedavg.privacy.node_guard.guard()`, the node's one guard)."""
     verdict = guard(DP_MOD, msg.metadata.message_type, context.node_config)
     if verdict.route is Route.REFUSE:
         return refusal(msg, verdict.reason, DP_MOD)

@@ -18,6 +18,7 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.core.types import RoundInstructions, Vector
+from dpfedavg.privacy.node_guard import CLIENT_IDS
 
 __all__ = [
     "MODEL_KEY",
@@ -78,7 +79,6 @@ QUERY = ("query", "partition")
 #: client under ``block_key(UPDATE_KEY, id)`` (DIAGNOSTICS: ``block_key(CLEAN_UPDATE_KEY, id)``), and its
 #: METRICS list the clients that replied (``client-ids``, the arrays' order), their ``update-norms``
 #: (seeded mode only) and the clients whose local training diverged (``diverged-client-ids``).
-CLIENT_IDS = "client-ids"
 UPDATE_NORMS = "update-norms"
 DIVERGED_CLIENT_IDS = "diverged-client-ids"
 

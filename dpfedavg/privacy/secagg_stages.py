@@ -14,11 +14,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
-
 from dpfedavg.privacy.policy import NodePolicy, RoundRefused
 
-__all__ = ["SETUP_KEYS", "SecAggStage", "admitted_cohort", "record_after", "stage_refusal"]
+__all__ = ["SETUP_KEYS", "Key", "Stage", "SecAggStage", "admitted_cohort", "record_after", "stage_refusal"]
+
+
+class Stage:
+    """Flower's SecAgg+ stage names (``flwr``'s ``secaggplus_constants.Stage``; a test checks they are the same)."""
+
+    SETUP, SHARE_KEYS, COLLECT_MASKED_VECTORS, UNMASK = "setup", "share_keys", "collect_masked_vectors", "unmask"
+
+    @staticmethod
+    def all() -> tuple[str, ...]:
+        return (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
+
+
+class Key:
+    """The keys of Flower's SecAgg+ stage configs the node checks (``secaggplus_constants.Key``; tested the same)."""
+
+    STAGE, SAMPLE_NUMBER, SHARE_NUMBER, THRESHOLD = "stage", "sample_num", "share_num", "threshold"
+    ACTIVE_NODE_ID_LIST, DEAD_NODE_ID_LIST = "active_nids", "dead_nids"
+
 
 LAST_STAGE = "stage"
 #: The setup stage's parameters the node checks and keeps (Flower's keys).

@@ -125,3 +125,33 @@ def test_refusals_train_replies_and_zero_updates_are_built_in_one_place_each() -
     assert "REFUSED" not in (PACKAGE / "flower/client_app.py").read_text()
     assert builders["zeros_like"] == []  # a diverged update becomes zero in core/local.py zero_updates only
     assert set(builders["zero_updates"]) == {"flower/client_app.py", "flower/mod.py"}
+
+
+# ------------------------------------------------------------------ secure-noise set on one side only
+def test_a_node_that_draws_its_own_noise_warns_once_per_run_when_the_server_runs_seeded(caplog, tmp_path) -> None:
+    """Issue 48 item 4: ``secure-noise`` cannot be implied by the nodes' policies (the server cannot read them, and
+    its sampling and its own noise come from its seed); a node whose policy draws its own noise says so, once a run,
+    when the server's instructions carry a seed."""
+    import logging
+
+    from dpfedavg.config import RunConfig
+    from dpfedavg.flower.protocol import instructions_to_config_record
+    from dpfedavg.privacy.node_guard import CLIENT_APP, Route, TrainRequest, guard
+    from dpfedavg.server.dp_server import DPServer
+
+    seeded = RunConfig.from_run_config({"task": "quadratic", "dim": 4, "num-clients": 4, "clients-per-round": 2.0,
+                                        "num-rounds": 3, "epsilon": 0.0, "noise-multiplier": 1.0, "clip": 1.0})
+    secure = RunConfig.from_run_config({**seeded.to_run_config(), "secure-noise": True})
+    policy = {"secure-noise": True, "privacy-ledger": str(tmp_path / "ledger.json")}
+    for cfg, node_config, run_id, warned in ((seeded, policy, 9001, True), (seeded, {}, 9002, False),
+                                             (secure, policy, 9003, False)):
+        caplog.clear()
+        for k in (1, 2):
+            config = instructions_to_config_record(DPServer(cfg, 4).instructions(k, 2))
+            with caplog.at_level(logging.WARNING):
+                verdict = guard(CLIENT_APP, "train", node_config, train=TrainRequest(config, run_id, cfg))
+            assert verdict.route is Route.TRAIN
+        lines = [r.getMessage() for r in caplog.records if "secure-noise = true in the run config" in r.getMessage()]
+        assert len(lines) == (1 if warned else 0), lines
+        if warned:
+            assert f"run {run_id}" in lines[0] and "its policy: secure-noise" in lines[0]

@@ -312,10 +312,19 @@ def _followed(
         node_config, train.run_id, followed, train.cfg, message_type=message_type, secure_aggregation=checked,
         clients=train.clients,
     )  # fmt: skip
-    if app.own_handlers and followed.noise_seed != ins.noise_seed:
-        logging.getLogger(app.logger).info("round %d: secure noise: the server's noise seed is not used",
-                                           ins.server_round)  # fmt: skip
+    if followed.noise_seed != ins.noise_seed and train.run_id not in _SEEDED_RUNS_WARNED:
+        _SEEDED_RUNS_WARNED.add(train.run_id)
+        logging.getLogger(app.logger).warning(
+            "run %s: this node draws its noise from the OS (its policy: %s), but the server runs seeded (its run "
+            "config has secure-noise = false): the server's seed is not used here, yet the run's sampling and the "
+            "server's own noise stay reproducible from it. The server cannot read this node's policy: set "
+            "secure-noise = true in the run config too", train.run_id, ", ".join(policy.floors),
+        )  # fmt: skip
     return followed
+
+
+#: Runs whose seeded server this node has warned about (once per run: `_followed()`).
+_SEEDED_RUNS_WARNED: set[int] = set()
 
 
 def _public_round(config: Mapping[str, Any] | None) -> tuple[RoundInstructions, PublicTerms]:

@@ -131,6 +131,8 @@ NOISE_MULTIPLIER_AUTO = "auto"
 BANDED_AUTO = "auto"
 #: ``participation`` schemes of banded-MF noise (`dpfedavg.core.participation.Participation`).
 PARTICIPATION_SCHEMES: tuple[str, ...] = ("cyclic", "min-separation", "cyclic-poisson")
+#: ``checkpoint-every`` value meaning every round with Flower, every 10 rounds in the batched engine.
+CHECKPOINT_AUTO = "auto"
 #: ``clip-count-stddev`` value meaning `dpfedavg.core.adaptive_clip.auto_count_stddev()` of the run's ``z``.
 CLIP_COUNT_STDDEV_AUTO = "auto"
 #: ``backend`` of the logistic-regression tasks.
@@ -218,7 +220,7 @@ class RunConfig:
     round_timeout: float = option(3600.0, "-", "seconds a round waits for replies", "a float > 0", positive)
     clients_per_node: int = option(1, "-", "simulation: clients each SuperNode hosts (virtual clients); the node with partition-id p computes clients p*m .. p*m+m-1, so num-supernodes = ceil(num-clients / m); 1 = one SuperNode per client (deployment)", "an integer >= 1", lambda x: x >= 1)  # noqa: E501
     save_trajectory: bool = option(False, "-", "also write trajectory.npy: w_k of every round (Figure 3)", trajectory=True)  # noqa: E501
-    checkpoint_every: int = option(10, "-", "write <run dir>/checkpoint.npz every this many rounds (and at the end); 0 = never", "an integer >= 0", lambda x: x >= 0)  # noqa: E501
+    checkpoint_every: int | None = option(None, "-", f'write <run dir>/checkpoint.npz every this many rounds (and at the end); 0 = never; "{CHECKPOINT_AUTO}" = every round with Flower (each round durable before the next is sent: a crash loses at most the round in flight), every 10 in the batched engine', f'an integer >= 0 or "{CHECKPOINT_AUTO}"', lambda x: x >= 0, sentinel=CHECKPOINT_AUTO)  # noqa: E501
     resume: bool = option(False, "-", "continue the run in <output-dir>/<run-name> from its checkpoint (needs run-name)")  # noqa: E501
     secure_noise: bool = option(False, "-", "draw DP noise from OS-seeded generators nobody can replay (production); false = seeded, reproducible (research)", trajectory=True)  # noqa: E501
     # secure aggregation (SecAgg+, client-side noise)

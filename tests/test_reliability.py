@@ -133,6 +133,25 @@ class _CrashingGrid(InProcessGrid):
         return super().send_and_receive(messages, timeout=timeout)
 
 
+def test_a_flower_run_is_durable_every_round_by_default_and_a_batched_run_every_10(tmp_path: Path) -> None:
+    """Issue 47 item 3: ``checkpoint-every = "auto"`` (the default) under Flower makes every round durable before the
+    next is sent: a server that dies with round 8 out resumes from round 7's checkpoint. The batched engine, whose
+    rounds take milliseconds, checkpoints every 10 rounds."""
+    cfg = _cfg(tmp_path / "cut", **{"checkpoint-every": "auto"})  # BASE sets 5
+    with pytest.raises(_Crash):
+        server_app.run(_CrashingGrid(client_app, 12, cfg.to_run_config(), crash_round=8), cfg)
+    assert load_checkpoint(tmp_path / "cut" / "run").round == 7
+
+    def crash(server_round: int, w: np.ndarray) -> None:
+        if server_round == 8:
+            raise _Crash
+
+    batched = _cfg(tmp_path / "batched", **{"num-rounds": 12, "checkpoint-every": "auto"})
+    with pytest.raises(_Crash):
+        run_batched(batched, on_round=crash)
+    assert not (tmp_path / "batched" / "run" / "checkpoint.npz").exists()
+
+
 def test_flower_resume_is_bit_identical(tmp_path: Path) -> None:
     cfg_full = _cfg(tmp_path / "full", **{"checkpoint-every": 3})
     full = server_app.run(InProcessGrid(client_app, 12, cfg_full.to_run_config()), cfg_full).directory

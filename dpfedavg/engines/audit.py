@@ -65,7 +65,7 @@ def log_interim_audit(session: RunSession, scores: CanaryScores, server_round: i
     Cheap (the canaries' scores are kept round by round; the estimates are a few root findings); the accountant's
     epsilon is not recomputed here (the batched engine computes it at the end).
     """
-    every = session.cfg.checkpoint_every
+    every = session.checkpoint_every
     if not every or server_round % every or server_round >= session.cfg.num_rounds:
         return
     audit = CanaryAudit.of(scores, delta=session.server.plan.delta)

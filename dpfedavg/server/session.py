@@ -132,6 +132,9 @@ class RunSession:
         server_for: Callable[[ReleaseLog | None], RunServer],
     ) -> None:
         self.cfg, self.task, self.plan, self.dim = cfg, task, plan, dim
+        #: ``checkpoint-every``; ``"auto"``: every round under Flower (each durable before the next is sent), else 10.
+        every = cfg.checkpoint_every
+        self.checkpoint_every = every if every is not None else (1 if engine == "flower" else 10)
         #: The canary audit to record in ``config.json`` ``final.audit`` and the last log line (set before ``finish``).
         self.audit: dict[str, Any] | None = None
         #: The task metrics this run computes (training-data metrics are withheld with secure-noise).
@@ -318,7 +321,7 @@ class RunSession:
         """`record_round()` of a closed round, then a checkpoint every ``checkpoint-every`` rounds."""
         server_round, w = record.round, record.w
         metrics = self.record_round(server_round, w, record.stats)
-        every = self.cfg.checkpoint_every
+        every = self.checkpoint_every
         if every and server_round % every == 0 and server_round < self.cfg.num_rounds:
             self.checkpoint(server_round, w)
         return metrics
@@ -443,7 +446,7 @@ class RunSession:
         server = self.server
         w_random = server.random_iterate if server.random_iterate is not None else w_final
         k_random = server.random_round if server.random_round is not None else 0
-        if checkpoint and self.cfg.checkpoint_every and server.history:
+        if checkpoint and self.checkpoint_every and server.history:
             self.checkpoint(max(server.history), w_final)
         completed = len(server.history)
         last5 = [self.evaluated[k] for k in sorted(self.evaluated) if k > 0][-5:]

@@ -226,8 +226,8 @@ class Browser:
             self.events.append(self._message(deadline))
         self.events.clear()
 
-    def open(self, url: str, width: int, height: int) -> None:
-        """``url`` in a viewport of ``width`` x ``height`` CSS pixels (a phone's, touch and all, below 600 px)."""
+    def viewport(self, width: int, height: int) -> None:
+        """A viewport of ``width`` x ``height`` CSS pixels (a phone's, touch and all, below 600 px)."""
         self.call(
             "Emulation.setDeviceMetricsOverride",
             session=True,
@@ -236,6 +236,10 @@ class Browser:
             deviceScaleFactor=1,
             mobile=width < 600,
         )
+
+    def open(self, url: str, width: int, height: int) -> None:
+        """``url`` in a viewport of ``width`` x ``height`` CSS pixels."""
+        self.viewport(width, height)
         self.events.clear()
         self.call("Page.navigate", session=True, url=url)
         self.wait_for("Page.loadEventFired")
@@ -249,8 +253,12 @@ class Browser:
         return result["result"]["value"]
 
     def screenshot(self, path: Path, width: int, height: int) -> None:
+        """A PNG of the page's top ``height`` pixels: the viewport made that tall first, then the theme's
+        transitions given a second (a capture beyond the viewport caught the navigation tabs mid-fade)."""
+        self.viewport(width, height)
+        time.sleep(1.0)
         clip = {"x": 0, "y": 0, "width": width, "height": height, "scale": 1}
-        data = self.call("Page.captureScreenshot", session=True, format="png", clip=clip, captureBeyondViewport=True)
+        data = self.call("Page.captureScreenshot", session=True, format="png", clip=clip)
         Path(path).write_bytes(base64.b64decode(data["data"]))
 
     def close(self) -> None:

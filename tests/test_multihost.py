@@ -252,7 +252,7 @@ def test_the_guide_runs_across_four_hosts(hosts: Hosts, tmp_path: Path) -> None:
                 bg.start(
                     "superlink", script, tmp_path / "superlink" / "shell", env("superlink"), net.prefix("superlink")
                 )
-                bg.wait_for("superlink", lambda: _listening(net, "superlink", superlink_port), 90, "its port")
+                bg.wait_for_start("superlink", lambda: _listening(net, "superlink", superlink_port), 90, "its port")
             elif block in approval_blocks:  # each client machine approves the app of its own clone
                 for i in range(num_clients):
                     role = f"client-{i}"
@@ -266,7 +266,7 @@ def test_the_guide_runs_across_four_hosts(hosts: Hosts, tmp_path: Path) -> None:
                     bg.start(f"supernode-{i}", script, tmp_path / role / "shell", env(role), net.prefix(role))
                 for i in range(num_clients):
                     name = f"supernode-{i}"
-                    bg.wait_for(name, lambda name=name: "SuperNode ID" in bg.log(name), 90, "'SuperNode ID' line")
+                    bg.wait_for_start(name, lambda name=name: "SuperNode ID" in bg.log(name), 90, "'SuperNode ID' line")
             elif block in run_blocks:
                 # a SuperExec that could not reach its SuperLink leaves every run pending: fail now, not at a timeout
                 assert "CERTIFICATE_VERIFY_FAILED" not in bg.log("superlink"), bg.log("superlink")[-3000:]

@@ -21,8 +21,9 @@ runs CMD in the home folder and ``scp`` copies locally, mapping ``HOST:path`` to
 ``HOME`` and ``FLWR_HOME`` point into ``tmp_path``, so the credentials, the SuperLink's database,
 log and results, the approved app hash, and the ``flwr`` connection all live there (the
 approval block hashes the repository, the clone every "machine" shares). The test waits on events (the
-SuperLink's port, the SuperNodes' "SuperNode ID" log line), checks that the run really finished
-(``flwr run --stream`` exits 0 even when the ServerApp raises, so it reads ``config.json``'s
+SuperLink's port, the SuperNodes' "SuperNode ID" log line; a SuperLink or SuperNode not up within 90 s is
+stopped and started again, once, with a WARNING: a loaded machine can be slow to start Flower), checks that
+the run really finished (``flwr run --stream`` exits 0 even when the ServerApp raises, so it reads ``config.json``'s
 ``final``), that it was private (guarantee ``dp``), that the results came back to "your machine",
 that pasting the idempotent steps twice changes nothing, that every SuperNode checked the run's
 FAB against the approved app hash, and that no process it started is left, pass or fail.
@@ -46,7 +47,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dpfedavg.engines.local_superlink import leftover_pids, stop_processes
+from dpfedavg.engines.local_superlink import StartupTimeout, leftover_pids, retry_startup_once, stop_processes
 
 pytestmark = [pytest.mark.deployment, pytest.mark.slow]
 
@@ -132,6 +133,7 @@ class Processes:
         self.env, self.logs = env, logs
         self.known: dict[int, psutil.Process] = {}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, tuple] = {}
 
     def start(
         self, name: str, script: str, cwd: Path, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
@@ -149,6 +151,7 @@ class Processes:
         )
         self.known[proc.pid] = psutil.Process(proc.pid)
         self.procs[name] = proc
+        self.commands[name] = (script, cwd, env, prefix)
         return proc
 
     def remember_descendants(self) -> None:
@@ -163,7 +166,7 @@ class Processes:
         return (self.logs / f"{name}.log").read_text(errors="replace")
 
     def wait_for(self, name: str, ready, timeout: float, what: str) -> None:
-        """Poll until ``ready()``; fail at once if the block's process exits."""
+        """Poll until ``ready()``; fail at once if the block's process exits; `StartupTimeout` after ``timeout``."""
         deadline = time.monotonic() + timeout
         while not ready():
             self.remember_descendants()
@@ -171,8 +174,29 @@ class Processes:
                 code = self.procs[name].returncode
                 pytest.fail(f"{name} exited with {code} before {what}:\n{self.log(name)[-3000:]}")
             if time.monotonic() > deadline:
-                pytest.fail(f"{name}: no {what} within {timeout:.0f} s:\n{self.log(name)[-3000:]}")
+                raise StartupTimeout(f"{name}: no {what} within {timeout:.0f} s\n{self.log(name)[-3000:]}")
             time.sleep(0.2)
+
+    def wait_for_start(self, name: str, ready, timeout: float, what: str) -> None:
+        """`wait_for()` a block that starts Flower (a SuperLink, a SuperNode); one that is not ready in time is
+        stopped (by PID) and started again, once, with a WARNING naming the cause (`retry_startup_once()`): a loaded
+        machine can be slow to start Flower."""
+        retry_startup_once(
+            lambda: self.wait_for(name, ready, timeout, what),
+            f"{name} ({what})",
+            before_retry=lambda: self.restart(name),
+        )
+
+    def restart(self, name: str) -> None:
+        """Stop the block ``name`` and every process it started (by PID), then start it again."""
+        self.remember_descendants()
+        root = self.known[self.procs[name].pid]
+        try:
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            tree = [root]
+        stop_processes({p.pid: p for p in tree})
+        self.start(name, *self.commands[name])
 
     def stop(self) -> None:
         self.remember_descendants()
@@ -281,13 +305,13 @@ def test_readme_deploy_section_runs_as_written(tmp_path: Path) -> None:
         for block in blocks:
             if block in server_blocks:
                 bg.start("superlink", as_script(block), tmp_path / "server-shell")
-                bg.wait_for("superlink", lambda: _listening(superlink_port), 90, f"listener on {superlink_port}")
+                bg.wait_for_start("superlink", lambda: _listening(superlink_port), 90, f"listener on {superlink_port}")
             elif block in client_blocks:
                 for i in range(num_clients):
                     bg.start(f"supernode-{i}", as_script(block, client=i), tmp_path / f"client-{i}")
                 for i in range(num_clients):
                     name = f"supernode-{i}"
-                    bg.wait_for(name, lambda name=name: "SuperNode ID" in bg.log(name), 90, "'SuperNode ID' line")
+                    bg.wait_for_start(name, lambda name=name: "SuperNode ID" in bg.log(name), 90, "'SuperNode ID' line")
             else:
                 for attempt in (1, 2) if block in idempotent else (1,):
                     t0 = time.monotonic()

@@ -1,6 +1,7 @@
 """Start-up: the simulation's size checked before Ray has started, and one retry of a slow start-up (issue 48).
 
-Cheap: in-process Grids and a fake start-up that fails once; nothing here starts Flower or Ray.
+Cheap: in-process Grids and a fake start-up that fails once; the deployment tests' background blocks (a SuperLink,
+a SuperNode) restarted once when not up in time, with a fake block; nothing here starts Flower or Ray.
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ def test_flwr_run_retries_a_ray_start_up_timeout_and_removes_the_half_written_ru
     outputs = iter([RAY_TIMEOUT, "Done after 2 rounds"])
     seen: list[bool] = []
 
-    def once(command, timeout):
+    def once(command, timeout, **where):
         seen.append(run_dir.exists())
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text("{}")  # what a ServerApp writes before Ray has started
@@ -218,10 +219,27 @@ def test_flwr_run_retries_a_ray_start_up_timeout_and_removes_the_half_written_ru
     # a folder that was there before the call (a resume) is never removed
     outputs = iter([RAY_TIMEOUT, "Done after 2 rounds"])
     seen.clear()
-    monkeypatch.setattr(idle_link, "_flwr_run_once", lambda command, timeout: (seen.append(earlier.exists()),
+    monkeypatch.setattr(idle_link, "_flwr_run_once", lambda command, timeout, **where: (seen.append(earlier.exists()),
                         subprocess.CompletedProcess(command, 0, next(outputs), ""))[1])  # fmt: skip
     idle_link.flwr_run("resume=true", "num-supernodes=2", app=tmp_path, run_dir=earlier)
     assert seen == [True, True]
+
+
+def test_a_tutorial_block_naming_a_start_up_timeout_runs_once_more_in_its_folder(idle_link, tmp_path, dpfedavg_log):
+    """`LocalSuperLink.run_command`: a shell block (its own folder and environment) whose output says Ray did not
+    start runs again after ``before_retry()``, once; the second output is the result."""
+    project = tmp_path / "project"
+    project.mkdir()
+    block = 'echo "in $(basename "$PWD") with $MARK"\n'
+    block += f"[ -e tried ] && echo done || {{ touch tried; echo {RAY_TIMEOUT!r}; }}"
+    cleaned: list[int] = []
+    result = idle_link.run_command(
+        ["bash", "-e", "-c", block], cwd=project, env={"MARK": "m1", "PATH": "/usr/bin:/bin"},
+        before_retry=lambda: cleaned.append(1),
+    )  # fmt: skip
+    assert result.returncode == 0 and result.stdout == "in project with m1\ndone\n" and cleaned == [1]
+    (record,) = [r for r in dpfedavg_log if r.levelname == "WARNING"]
+    assert "did not start in time" in record.getMessage() and "timed out during startup" in record.getMessage()
 
 
 def test_flwr_run_stops_a_cli_that_waits_for_a_simulation_that_died_starting_ray(idle_link) -> None:
@@ -341,3 +359,48 @@ def test_the_server_app_names_a_wrong_simulation_size_in_one_line_before_writing
     (error,) = [r.getMessage() for r in dpfedavg_log if r.levelname == "ERROR"]
     assert "num-supernodes=3" in error and 'num-supernodes=4"' in error and "\n" not in error
     assert grid.sent == [] and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------ the deployment tests' background blocks (a fake block, no Flower)
+# A block that says it is up only when started the second time, as a SuperNode slow to start once would.
+SLOW_ONCE = 'if [ -e started ]; then echo "SuperNode ID 1"; else touch started; fi\nexec sleep 60\n'
+
+
+def test_a_block_that_is_not_up_in_time_is_restarted_once_with_a_warning(tmp_path, dpfedavg_log) -> None:
+    import os
+
+    import psutil
+    from test_readme_deploy import Processes
+
+    from dpfedavg.engines.local_superlink import leftover_pids
+
+    bg = Processes(dict(os.environ), tmp_path)
+    try:
+        first = bg.start("supernode-0", SLOW_ONCE, tmp_path / "client-0")
+        bg.wait_for_start("supernode-0", lambda: "SuperNode ID" in bg.log("supernode-0"), 1, "'SuperNode ID' line")
+        assert not psutil.pid_exists(first.pid) or psutil.Process(first.pid).status() == psutil.STATUS_ZOMBIE
+        assert bg.procs["supernode-0"].pid != first.pid and bg.procs["supernode-0"].poll() is None
+    finally:
+        bg.stop()
+    assert leftover_pids(bg.known) == []
+    (record,) = [r for r in dpfedavg_log if r.levelname == "WARNING"]
+    line = record.getMessage()
+    assert "supernode-0 ('SuperNode ID' line) did not start in time" in line and "retrying once" in line, line
+
+
+def test_a_block_that_is_not_up_after_its_restart_fails_the_test(tmp_path, dpfedavg_log) -> None:
+    import os
+
+    from test_readme_deploy import Processes
+
+    from dpfedavg.engines.local_superlink import StartupTimeout, leftover_pids
+
+    bg = Processes(dict(os.environ), tmp_path)
+    try:
+        bg.start("superlink", "exec sleep 60\n", tmp_path / "server")
+        with pytest.raises(StartupTimeout, match="superlink: no listener within 0 s"):
+            bg.wait_for_start("superlink", lambda: False, 0.3, "listener")
+    finally:
+        bg.stop()
+    assert leftover_pids(bg.known) == []
+    assert len([r for r in dpfedavg_log if r.levelname == "WARNING"]) == 1  # one retry, no third start

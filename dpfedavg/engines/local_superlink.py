@@ -311,20 +311,39 @@ class LocalSuperLink:
             if run_dir is not None and not existed:
                 shutil.rmtree(run_dir, ignore_errors=True)
 
+        return self.run_command(command, timeout=timeout, before_retry=clean)
+
+    def run_command(
+        self,
+        command: list[str],
+        *,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 600.0,
+        before_retry: Callable[[], None] = lambda: None,
+    ) -> subprocess.CompletedProcess:
+        """A command that runs `flwr run` against this SuperLink (`flwr_run()`'s, or a tutorial's shell block),
+        watched as `flwr_run()` watches its own: run once more (`retry_startup_once()`, after ``before_retry()``)
+        when its output says that Flower or Ray did not start in time. ``cwd`` and ``env`` default to this
+        SuperLink's work folder and environment; the output (stdout and stderr) is the result's ``stdout``."""
         return retry_startup_once(
-            lambda: self._flwr_run_once(command, timeout),
+            lambda: self._flwr_run_once(command, timeout, cwd=cwd, env=env),
             "flwr run's simulation (Flower's local SuperLink or Ray)",
             failure=lambda result: startup_failure(result.stdout),
-            before_retry=clean,
+            before_retry=before_retry,
         )
 
-    def _flwr_run_once(self, command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    def _flwr_run_once(
+        self, command: list[str], timeout: float, *, cwd: Path | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         # The CLI's output goes to a file: a pipe that is only read at the end would fill up
         # (64 KiB) on a long run and block `flwr run` forever.
         self._runs += 1
         log_path = self.workdir / f"flwr-run-{self._runs}.log"
         with log_path.open("w") as log:
-            proc = subprocess.Popen(command, env=self.env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                command, env=env or self.env, cwd=cwd or self.workdir, stdout=log, stderr=subprocess.STDOUT
+            )
             deadline = time.monotonic() + timeout
             failed_at: float | None = None
             seen, tail = 0, ""

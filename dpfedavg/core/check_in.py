@@ -28,6 +28,7 @@ import numpy as np
 
 from dpfedavg.core.local import ClientUpdate, zero_updates
 from dpfedavg.core.types import RoundInstructions
+from dpfedavg.errors import ConfigError
 
 __all__ = [
     "CHECK_IN",
@@ -36,7 +37,7 @@ __all__ = [
     "SAMPLINGS",
     "CheckInRateMismatch",
     "checks_in",
-    "engine_error",
+    "check_engine",
     "node_update",
     "resolve_rate",
     "sat_out_update",
@@ -114,12 +115,12 @@ def node_update(
     return sat_out_update(client_id, dim, ins, dtype)
 
 
-def engine_error(sampling: str, engine: str) -> str | None:
-    """Why ``sampling`` cannot run on ``engine`` (``None``: it can): check-ins are the nodes' own draws, which an
+def check_engine(sampling: str, engine: str) -> None:
+    """`ConfigError` when ``sampling`` cannot run on ``engine``: check-ins are the nodes' own draws, which an
     in-process engine, computing every client itself, does not make."""
     if sampling != CHECK_IN or engine == "flower":
-        return None
-    return (
+        return
+    raise ConfigError(
         f"invalid run config: 'sampling' = {CHECK_IN!r} on the {engine!r} engine: random check-ins are decided by "
         "each SuperNode from its own randomness, so they run through Flower only (flwr run with dpfedavg's apps); "
         f"in process, sampling = {POISSON!r} at the same q = r/n draws the same distribution"

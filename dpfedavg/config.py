@@ -397,12 +397,19 @@ class RunConfig:
             "clients-per-node": (self.clients_per_node, 1, "one coin per node: virtual clients share a node"),
             "canary-clients": (self.canary_clients, 0, "canaries are sampled by the server"),
         }  # fmt: skip
-        return [
+        errors = [
             f"'sampling' = {CHECK_IN!r} with {key!r} = {value!r}: {why}; allowed: {key} = {allowed!r}, or sampling = "
             f"{POISSON!r}"
             for key, (value, allowed, why) in needs.items()
             if value != allowed
         ]
+        if get_bound(self.algorithm).adaptive:
+            errors.append(
+                f"'sampling' = {CHECK_IN!r} with 'algorithm' = {self.algorithm!r}: a node that sits out would count as "
+                f"an unclipped update in the private count; allowed: algorithm 'clip', 'norm' or 'none', or sampling = "
+                f"{POISSON!r}"
+            )
+        return errors
 
     def _canary_errors(self) -> list[str]:
         """Where canary clients cannot give a meaningful audit, the reason."""

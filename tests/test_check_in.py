@@ -144,6 +144,7 @@ def test_a_bad_check_in_rate_is_one_policy_error_naming_the_key(value) -> None:
     ("values", "key"),
     [({"noise-placement": "server"}, "noise-placement"), ({"clients-per-node": 2}, "clients-per-node"),
      ({"canary-clients": 2}, "canary-clients"),
+     ({"algorithm": "adaptive-clip"}, "algorithm"),
      ({"noise-mechanism": "banded-mf", "noise-placement": "server"}, "noise-mechanism")],
 )  # fmt: skip
 def test_check_ins_where_they_cannot_replace_the_servers_sampling_are_refused_naming_the_key(values, key) -> None:

@@ -89,6 +89,7 @@ _ELSEWHERE = {
         "eval-every",
     ),
     "each SuperNode is one client here (virtual clients need dpfedavg's own apps)": ("clients-per-node",),
+    "random check-ins need dpfedavg's own apps (their ClientApp draws each node's coin)": ("sampling",),
     "canary clients (the run's own privacy audit) need dpfedavg's own apps (their task holds no canary)": (
         "canary-clients",
     ),

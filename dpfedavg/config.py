@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dpfedavg.core.adaptive_clip import DEFAULT_CLIP_LR, DEFAULT_TARGET_QUANTILE
+from dpfedavg.core.check_in import CHECK_IN, POISSON, SAMPLINGS
 from dpfedavg.core.dp import BOUNDS, get_bound
 from dpfedavg.core.mechanism import PLACEMENTS, get_placement
 from dpfedavg.errors import ConfigError
@@ -201,6 +202,7 @@ class RunConfig:
     max_epsilon: float = option(0.0, "-", "privacy budget: stop before a round that would exceed it; 0 = no budget", "a float >= 0 (0 = no budget)", non_negative)  # noqa: E501
     noise_placement: str = option("client-calibrated", "-", "client-calibrated (each sampled client adds (zC)^2/|S_k|), client (Alg. 1 line 10: (zC)^2/r each; needs q = 1, zero-out adjacency) or server (central DP); the server tops up the noise of missing replies", choices=tuple(PLACEMENTS), privacy=True)  # noqa: E501
     noise_mechanism: str = option("independent", "-", "independent (Poisson sampling with q = r/n, independent Gaussian noise each round) or banded-mf (no sampling: a participation rule the server enforces and banded matrix-factorization noise x_k + (C^-1 Z)_k added by the server; needs noise-placement = 'server'; docs: privacy/banded-mf.md)", choices=tuple(NOISE_MECHANISMS), privacy=True)  # noqa: E501
+    sampling: str = option(POISSON, "-", "who takes part in round k: poisson (the server samples each client with q = r/n, Alg. 1 line 3) or check-in (the server asks every available node; each node takes part with probability q from its own OS randomness and otherwise sends 0 + its noise share; flwr run only; docs: privacy/check-ins.md)", choices=SAMPLINGS, privacy=True)  # noqa: E501
     # banded matrix-factorization noise (noise-mechanism = banded-mf; Choquette-Choo et al. 2023)
     bands: int | None = option(None, "b", f'banded-mf: bands of the Toeplitz strategy C = the minimum separation of the participations of a client (cyclic: b groups); "{BANDED_AUTO}" = floor(n / r), at most K', f'an integer in [1, num-rounds] or "{BANDED_AUTO}"', lambda x: x >= 1, sentinel=BANDED_AUTO, privacy=True)  # noqa: E501
     participation: str = option("cyclic", "-", "banded-mf: who may take part in round k: cyclic (client i in group i mod b; round k asks group k mod b), min-separation (every connected client whose last participation is >= b rounds ago and that took part < k times), cyclic-poisson (group k mod b, each client with p = r b / n; amplified)", choices=PARTICIPATION_SCHEMES, privacy=True)  # noqa: E501
@@ -364,6 +366,8 @@ class RunConfig:
             errors.append(f"'noise-placement' = {self.noise_placement!r} {participation}")
         mechanism_errors = get_noise_mechanism(self.noise_mechanism).config_errors(self)
         errors.extend(mechanism_errors)
+        if self.sampling == CHECK_IN:
+            errors.extend(self._check_in_errors())
         if self.resume and not self.run_name:
             errors.append(
                 "'resume' = True needs 'run-name': the interrupted run's folder <output-dir>/<run-name> "
@@ -380,6 +384,30 @@ class RunConfig:
                     clients_per_node=self.clients_per_node,
                     diagnostics=self.diagnostics,
                 )
+            )
+        return errors
+
+    def _check_in_errors(self) -> list[str]:
+        """Where random check-ins (each node's own coin, `dpfedavg.core.check_in`) cannot stand in for the server's
+        Poisson sampling, the reason."""
+        needs = {
+            "noise-mechanism": (self.noise_mechanism, "independent", "banded-MF's participation rule is the server's"),
+            "noise-placement": (self.noise_placement, "client-calibrated", "a node that sits out sends 0 plus its "
+                                "noise share, so the sum's noise does not depend on who took part"),
+            "clients-per-node": (self.clients_per_node, 1, "one coin per node: virtual clients share a node"),
+            "canary-clients": (self.canary_clients, 0, "canaries are sampled by the server"),
+        }  # fmt: skip
+        errors = [
+            f"'sampling' = {CHECK_IN!r} with {key!r} = {value!r}: {why}; allowed: {key} = {allowed!r}, or sampling = "
+            f"{POISSON!r}"
+            for key, (value, allowed, why) in needs.items()
+            if value != allowed
+        ]
+        if get_bound(self.algorithm).adaptive:
+            errors.append(
+                f"'sampling' = {CHECK_IN!r} with 'algorithm' = {self.algorithm!r}: a node that sits out would count as "
+                f"an unclipped update in the private count; allowed: algorithm 'clip', 'norm' or 'none', or sampling = "
+                f"{POISSON!r}"
             )
         return errors
 

@@ -66,7 +66,7 @@ OPTION_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "Federation",
         "Who takes part: the clients, the expected cohort, the clients each SuperNode hosts.",
-        ("num-clients", "clients-per-round", "clients-per-node"),
+        ("num-clients", "clients-per-round", "sampling", "clients-per-node"),
     ),
     (
         "Output",

@@ -26,6 +26,7 @@ from flwr.compat.common import recorddict_compat as compat
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import GradFn, LocalTrainingDiverged, client_round_update
+from dpfedavg.core.check_in import node_update
 from dpfedavg.core.local import ClientUpdate, zero_updates
 from dpfedavg.core.types import ClientResult, RoundInstructions
 from dpfedavg.flower.guard import answer_stage, refusal, secagg_stage_of, secagg_stage_within
@@ -239,14 +240,15 @@ def _round_update(
     (`dpfedavg.core.local.zero_updates()`); without one ``LocalTrainingDiverged`` is raised (the error reply of
     research runs)."""
     try:
-        return client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
+        update = client_round_update(w, _round_grad_fn(cfg, client_id, ins.server_round), ins, client_id)
     except LocalTrainingDiverged:
         if not under_policy:
             raise
         logger.warning("round %d: local training diverged; under this node's policy a zero update is sent, noised",
                        ins.server_round)  # fmt: skip
         (update,) = zero_updates([client_id], len(w), ins, dtype=w.dtype)
-        return update
+    return node_update(update, sampling=cfg.sampling, q=cfg.sampling_rate, client_id=client_id, dim=len(w), ins=ins,
+                       dtype=w.dtype)  # fmt: skip
 
 
 def hosted_clients(cfg: RunConfig, partition_id: int) -> range:

@@ -67,6 +67,9 @@ FORMAT_VERSION = 2
 TRAJECTORY_KEYS: tuple[str, ...] = tuple(opt.key for opt in OPTIONS if opt.trajectory)
 #: run_config keys the privacy guarantee depends on (``Option.privacy``): a resume that changes one is refused.
 PRIVACY_KEYS: tuple[str, ...] = tuple(opt.key for opt in OPTIONS if opt.privacy)
+#: Privacy keys added after checkpoints were first written, with the value a checkpoint without them ran with (any
+#: other privacy key missing from a checkpoint is a difference: deleting one must not reset it to its default).
+_ADDED_PRIVACY_KEYS: dict[str, Any] = {"sampling": "poisson"}
 
 
 class CheckpointError(ConfigError):
@@ -466,7 +469,7 @@ def check_compatible(ckpt: Checkpoint, cfg: RunConfig, plan: PrivacyPlan, dim: i
     problems: list[str] = []
     saved_privacy = ckpt.privacy
     for key, value in privacy_signature(cfg, plan).items():
-        old = saved_privacy.get(key)
+        old = saved_privacy.get(key, _ADDED_PRIVACY_KEYS.get(key))  # added since the checkpoint: the old behaviour
         same = (
             old == value
             if not isinstance(value, float)

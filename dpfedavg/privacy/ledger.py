@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from dpfedavg.config import RunConfig
+from dpfedavg.core.check_in import CHECK_IN
 from dpfedavg.core.dp import is_private_algorithm
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.io.atomic import atomic_write_bytes
@@ -112,7 +113,7 @@ BANDED_MF = "banded-mf"
 #: The entry fields added within format ``/2`` and their defaults (an entry without them has these values).
 _OPTIONAL: dict[str, Any] = {
     "run_name": None, "resume": False, "plan": None, "clients": 1, "server_noise_multiplier": None,
-    "secure_aggregation": False, "participation": None,
+    "secure_aggregation": False, "participation": None, "check_in": False,
 }  # fmt: skip
 
 
@@ -163,6 +164,7 @@ class Release:
     server_noise_multiplier: float | None = None
     secure_aggregation: bool = False
     participation: tuple[str, int, int] | None = None
+    check_in: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The entry's JSON: the fields added after format ``/2`` began only where they differ from their default
@@ -205,6 +207,7 @@ class Release:
             "clients": lambda v: _is_int(v) and v >= 1,
             "server_noise_multiplier": lambda v: v is None or (_is_number(v) and v >= 0),
             "secure_aggregation": lambda v: isinstance(v, bool),
+            "check_in": lambda v: isinstance(v, bool),
             "participation": lambda v: v is None or (
                 isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and _is_int(v[1]) and v[1] >= 1
                 and _is_int(v[2]) and v[2] >= 1
@@ -292,16 +295,54 @@ def _charge(r: Release, rounds: set[int] | None) -> tuple[RoundEvent, int] | Non
     return (event, count) if r.mechanism == BANDED_MF else (event, 1)
 
 
-def server_charge(r: Release) -> float:
-    """What release ``r`` adds to account (b)'s ``mu^2`` (`dpfedavg.privacy.node_accounts.server_mu2`).
-
-    An entry written before the field: the node's own std over the entry's ``C`` (``C_k``: with adaptive
-    clipping below ``C_aug``, so a larger ``mu``).
-    """
+def _server_z(r: Release) -> float:
+    """The node's own noise multiplier in release ``r`` (``z_own = s / C``); an entry written before the field: the
+    node's own std over the entry's ``C`` (``C_k``: with adaptive clipping below ``C_aug``, so a larger ``mu``)."""
     z = r.server_noise_multiplier
     if z is None:
         z = r.noise_std / r.clip if r.clip > 0 else 0.0
-    return server_mu2(z, r.clients)
+    return z
+
+
+def amplified(r: Release) -> bool:
+    """Whether account (b) charges ``r`` amplified by its ``q``: a random check-in (the node's own coin,
+    `dpfedavg.core.check_in`) whose masked vector went through SecAgg+ stages the node checked. Whoever the
+    server declares dropped, what it can read of the node is ``b u + zeta_own``, ``b ~ Bernoulli(q)`` drawn by the
+    node: a Poisson-sampled Gaussian at ``(q, z_own)`` (`dpfedavg.privacy.node_accounts`)."""
+    return r.check_in and r.secure_aggregation and r.mechanism == POISSON_GAUSSIAN and r.sampling_rate is not None
+
+
+def server_charge(r: Release) -> float:
+    """What release ``r`` adds to account (b)'s ``mu^2`` (`dpfedavg.privacy.node_accounts.server_mu2`); 0 for an
+    `amplified` release, charged as a sampled event instead (`_server_added`)."""
+    return 0.0 if amplified(r) else server_mu2(_server_z(r), r.clients)
+
+
+def _server_plan(key: PlanKey, r: Release) -> PlanKey:
+    """Account (b)'s plan of an `amplified` release: its run's plan at the node's own ``z_own`` (a server that
+    changes the cohort, so ``z_own``, within a run has each ``z_own`` charged a whole plan)."""
+    return ("server", *key, _server_z(r))
+
+
+def _server_added(r: Release, rounds: set[int] | None) -> tuple[RoundEvent, int] | None:
+    """What an `amplified` release adds to account (b), given the rounds its `_server_plan` answered: as account
+    (a)'s `_charge` (the whole plan, one more round when redone, nothing otherwise) at ``PoissonSampled(q,
+    Gaussian(z_own))``."""
+    added = _charge(r, rounds)
+    assert r.sampling_rate is not None
+    return None if added is None else (RoundEvent(r.sampling_rate, _server_z(r)), added[1])
+
+
+def server_epsilon(mu2: float, sampled: Composition, delta: float) -> float:
+    """Account (b)'s epsilon at ``delta``: the Gaussian of ``mu^2`` (exact, `gaussian_epsilon()`), composed with
+    the PLD of its amplified (check-in) charges when there are any."""
+    if sampled.infinite or not math.isfinite(mu2):
+        return math.inf
+    if sampled.pld is None:
+        return gaussian_epsilon(math.sqrt(mu2), delta)
+    if mu2 > 0:
+        sampled = sampled.then(RoundEvent(1.0, 1 / math.sqrt(mu2)), 1)
+    return sampled.epsilon(delta)
 
 
 class _Plans:
@@ -642,7 +683,8 @@ class NodeLedger:
         """Both accounts' epsilon at ``ledger_delta`` (`dpfedavg.privacy.node_accounts`)."""
         delta = ledger_delta(policy)
         with self._synced() as state:
-            return {RELEASED: state.epsilon(delta), SERVER: gaussian_epsilon(math.sqrt(state.server_mu2()), delta)}
+            server = server_epsilon(state.server_mu2(), state.server_composition(), delta)
+            return {RELEASED: state.epsilon(delta), SERVER: server}
 
     def charge(self, release: Release, policy: NodePolicy) -> dict[str, float]:
         """Append ``release`` unless an account's epsilon would exceed its budget; both accounts after it.
@@ -666,19 +708,25 @@ class NodeLedger:
             added = _charge(release, rounds)
             after = None if added is None else state.composition().then(*added, run_pld=state.run_pld)
             total = state.epsilon(delta) if after is None else after.epsilon(delta)
+            skey = _server_plan(key, release) if key is not None and amplified(release) else None
+            s_added = None if skey is None else _server_added(release, state.rounds(skey))
+            sampled = state.server_composition()
+            s_after = sampled if s_added is None else sampled.then(*s_added, run_pld=state.run_pld)
             mu2 = state.server_mu2() + server_charge(release)
-            server = gaussian_epsilon(math.sqrt(mu2), delta)
+            server = server_epsilon(mu2, s_after, delta)
             if total > policy.released_budget:
                 alone = Composition().then(*added, run_pld=state.run_pld).epsilon(delta) if added else 0.0
                 self._refuse(release, policy.released_key, "released", state.epsilon(delta), alone, total,
                              policy.released_budget, delta)  # fmt: skip
             if server > policy.server_budget:
-                spent = gaussian_epsilon(math.sqrt(state.server_mu2()), delta)
-                alone = gaussian_epsilon(math.sqrt(server_charge(release)), delta)
+                spent = server_epsilon(state.server_mu2(), sampled, delta)
+                alone = server_epsilon(server_charge(release), Composition().then(*s_added, run_pld=state.run_pld)
+                                       if s_added else Composition(), delta)  # fmt: skip
                 self._refuse(release, "max-epsilon", "server", spent, alone, server, policy.server_budget, delta)
             entries, head, size = state.position()
             self._append(release, head, size)
-            state.record(release, key, _link(head, release.to_json()), after, (delta, total), mu2, os.stat(self.path))
+            state.record(release, key, _link(head, release.to_json()), after, (delta, total), mu2, os.stat(self.path),
+                         server_plan=skey, sampled=s_after if s_added else None)  # fmt: skip
         logger.info(
             "privacy ledger %s: run %d round %d recorded, epsilon %.4g (released) and %.4g (server) at delta %g",
             self.path, release.run_id, release.server_round, total, server, delta,
@@ -695,7 +743,8 @@ class NodeLedger:
             f"this node's privacy ledger {self.path} has spent epsilon {spent:.4g} in its {account} account "
             f"({what[account]}); this release (run {release.run_id}, round {release.server_round}) costs {alone:.4g} "
             f"on its own and would bring the composed epsilon to {total:.4g} > {rule} = {budget:g} "
-            f"(delta = {delta:g}, {LEDGER_ACCOUNTANT if account == 'released' else 'exact Gaussian'} accountant)",
+            f"(delta = {delta:g}, {LEDGER_ACCOUNTANT if account == 'released' else 'exact Gaussian'} accountant"
+            f"{' with PLD for check-ins' if account == 'server' and release.check_in else ''})",
             policy=True,
         )
 
@@ -708,6 +757,8 @@ CREATE TABLE IF NOT EXISTS pld (name TEXT, side TEXT, discretization REAL, lower
                                 infinity_mass REAL, pessimistic INTEGER, PRIMARY KEY (name, side));
 """
 _STATE_VERSION = 3
+#: The name of account (b)'s composition of amplified (check-in) charges in the state's ``pld`` table.
+_SERVER_PLD = "server running"
 #: How many plans' PLDs (``K`` rounds of one ``q`` and ``z``) the state keeps: building one costs tens of ms.
 _RUN_PLDS = 32
 #: Linux's id of this boot: a state written in this boot survives any crash of a process (SQLite is atomic against
@@ -817,6 +868,18 @@ class _State:
     def _set_server(self, mu2: float) -> None:
         self._set({"server_infinite": int(not math.isfinite(mu2)), "server_mu2": mu2 if math.isfinite(mu2) else 0.0})
 
+    def server_composition(self) -> Composition:
+        """Account (b)'s amplified (check-in) charges, composed (`server_epsilon`)."""
+        if self._meta("server_sampled_infinite", 0):
+            return Composition(infinite=True)
+        return Composition(self._load(_SERVER_PLD))
+
+    def _store_server(self, composition: Composition) -> None:
+        self._set({"server_sampled_infinite": int(composition.infinite)})
+        self.db.execute("DELETE FROM pld WHERE name = ?", (_SERVER_PLD,))
+        if not composition.infinite and composition.pld is not None:
+            self._save(_SERVER_PLD, composition.pld)
+
     def _load(self, name: str) -> Any:
         """The PLD stored as ``name`` (``None`` if there is none)."""
         from dp_accounting.pld import pld_pmf, privacy_loss_distribution
@@ -857,8 +920,8 @@ class _State:
             pld = _run_pld(event, count)
             self.db.execute("BEGIN IMMEDIATE")
             self._save(name, pld)
-            query = "SELECT DISTINCT name FROM pld WHERE name != 'running' ORDER BY rowid"
-            names = [n for (n,) in self.db.execute(query)]
+            query = "SELECT DISTINCT name FROM pld WHERE name NOT IN ('running', ?) ORDER BY rowid"
+            names = [n for (n,) in self.db.execute(query, (_SERVER_PLD,))]
             for old in names[:-_RUN_PLDS]:
                 self.db.execute("DELETE FROM pld WHERE name = ?", (old,))
             self.db.execute("COMMIT")
@@ -894,13 +957,22 @@ class _State:
         epsilon: tuple[float, float],
         server_mu2: float,
         stat: os.stat_result,
+        *,
+        server_plan: PlanKey | None = None,
+        sampled: Composition | None = None,
     ) -> None:
         """One appended release: its round of ``plan``, account (a)'s new composition (``None``: unchanged) and its
-        ``(delta, epsilon)``, account (b)'s ``mu^2``, and where the file now ends."""
+        ``(delta, epsilon)``, account (b)'s ``mu^2``, its amplified plan and composition (``None``: unchanged), and
+        where the file now ends."""
         entries, _, _ = self.position()
         self.db.execute("BEGIN IMMEDIATE")
         if plan is not None:
             self._add_plan(release, plan)
+        if server_plan is not None:
+            row = (json.dumps(server_plan), release.server_round)
+            self.db.execute("INSERT OR IGNORE INTO plans VALUES (?, ?)", row)
+        if sampled is not None:
+            self._store_server(sampled)
         self._set_server(server_mu2)
         if composition is not None:
             self._store(composition, epsilon)
@@ -910,10 +982,10 @@ class _State:
 
     def catch_up(self, scan: _Scan, covered: int, stat: os.stat_result) -> None:
         """Fold the entries ``scan`` holds beyond the ``covered`` first into the state (one transaction)."""
-        composition = self.composition()
+        composition, sampled = self.composition(), self.server_composition()
         mu2 = self.server_mu2()
         plans = _Plans()  # the new entries' plans, over the state's
-        changed = False
+        changed = sampled_changed = False
 
         def names(name: str, params: str) -> PlanKey | None:
             return plans.names.get((name, params)) or self.name_plan(name, params)
@@ -928,6 +1000,14 @@ class _State:
                     plans.rounds[key] = self.rounds(key) or set()
                 added = _charge(r, plans.rounds[key] or None)
                 plans.add(r, key)
+                if amplified(r):
+                    skey = _server_plan(key, r)
+                    if skey not in plans.rounds:
+                        plans.rounds[skey] = self.rounds(skey) or set()
+                    s_added = _server_added(r, plans.rounds[skey] or None)
+                    plans.rounds[skey].add(r.server_round)
+                    if s_added is not None:
+                        sampled, sampled_changed = sampled.then(*s_added, run_pld=self.run_pld), True
             if added is not None:
                 composition, changed = composition.then(*added, run_pld=self.run_pld), True
         self.db.execute("BEGIN IMMEDIATE")
@@ -937,6 +1017,8 @@ class _State:
             self.db.execute("INSERT OR REPLACE INTO names VALUES (?, ?, ?)", (name, params, json.dumps(key)))
         if changed:
             self._store(composition)
+        if sampled_changed:
+            self._store_server(sampled)
         self._set_server(mu2)
         self._set({"version": _STATE_VERSION, "entries": len(scan.releases), "head": scan.head, "size": scan.size,
                    "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino, "boot": _boot_id()})  # fmt: skip
@@ -960,7 +1042,8 @@ def record_release(
     at ``q = 1``) to both accounts of the node's ledger (`dpfedavg.privacy.node_accounts`), or raises
     ``dpfedavg.privacy.policy.RoundRefused`` / ``LedgerError``. ``secure_aggregation``: the release goes through
     SecAgg+ whose parameters the node checked (recorded; account (b) still charges the node's own share, see
-    `dpfedavg.privacy.node_accounts`); ``clients``: the node's virtual clients answering in this message (each update charged).
+    `dpfedavg.privacy.node_accounts`, amplified by ``q`` when the run's ``sampling`` is ``check-in``: `amplified`);
+    ``clients``: the node's virtual clients answering in this message (each update charged).
     """
     if not keeps_ledger(node_config):
         return
@@ -1006,5 +1089,6 @@ def record_release(
         server_noise_multiplier=float(own),  # no SecAgg+ credit: see dpfedavg.privacy.node_accounts
         secure_aggregation=secure,
         participation=participation,
+        check_in=cfg is not None and cfg.sampling == CHECK_IN,
     )
     NodeLedger(ledger_path(node_config, policy)).charge(release, policy)

@@ -45,6 +45,7 @@ from typing import Any
 from dpfedavg.config import RunConfig
 from dpfedavg.core import SECURE_NOISE_SEED, local_lr_at
 from dpfedavg.core.adaptive_clip import augmented_bound, auto_count_stddev, count_scale
+from dpfedavg.core.check_in import CHECK_IN, CHECK_IN_RATE, CheckInRateMismatch, resolve_rate
 from dpfedavg.core.dp import ALGORITHMS, get_bound, is_private_algorithm
 from dpfedavg.core.mechanism import PLACEMENTS, NoisePlacement, get_placement
 from dpfedavg.core.types import RoundInstructions
@@ -137,6 +138,9 @@ class NodePolicy:
         in a cohort of 2 each node reads the other's vector from the sum, and a threshold above half of a node's
         shares, which keeps a server from rebuilding both its mask seed and its key, needs 3). Checked, with the
         protocol's other parameters, before any secret leaves the node (`dpfedavg.flower.guard`).
+    check_in_rate:
+        This node's probability of taking part in a round of a ``sampling = "check-in"`` run (``check-in-rate``;
+        ``None``: the run's ``q``); a run whose ``q`` differs is refused (`dpfedavg.core.check_in.resolve_rate`).
     stated:
         The policy keys the node config names (an empty tuple: no policy).
     """
@@ -156,6 +160,7 @@ class NodePolicy:
     max_epsilon_released: float | None = None
     allow_virtual_clients: bool = False
     secagg_min_cohort: int = MIN_SECAGG_COHORT
+    check_in_rate: float | None = None
     stated: tuple[str, ...] = ()
 
     @property
@@ -297,6 +302,8 @@ POLICY_KEYS: dict[str, tuple[Any, str]] = {
     "allow-virtual-clients": (_flag, _FLAG),
     "secagg-min-cohort": (_cohort, f"an integer >= {MIN_SECAGG_COHORT} (a SecAgg+ cohort of 2 shows each node the "
                                    "other's vector; a majority threshold of a node's shares needs 3)"),
+    CHECK_IN_RATE: (lambda v: _number(v, lambda x: 0 < x <= 1), "a number in (0, 1] (this node's check-in "
+                                                                  "probability)"),
 }
 #: The policy keys that state a floor on the noise (or a ceiling on what it hides): each promises noise.
 _FLOOR_KEYS = ("min-noise-multiplier", "min-update-noise-multiplier", "max-clip", "max-epsilon", "max-epsilon-released")
@@ -422,6 +429,11 @@ def _check_policy(
 
     if cfg is not None and policy.active:
         check_declared_task(cfg.task)
+    if cfg is not None and cfg.sampling == CHECK_IN:
+        try:
+            resolve_rate(policy.check_in_rate, cfg.sampling_rate)
+        except CheckInRateMismatch as err:
+            raise refuse(CHECK_IN_RATE, str(err)) from None
     if policy.require_secure_aggregation and not secure_round:
         raise refuse(
             "require-secure-aggregation", "this node answers SecAgg+ rounds only; this is a plain TRAIN message"

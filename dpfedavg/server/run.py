@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dpfedavg.config import RunConfig
+from dpfedavg.core.check_in import check_engine
 from dpfedavg.core.types import Vector
 from dpfedavg.errors import ConfigError
 from dpfedavg.io.results import check_output_dir, check_run_directory
@@ -75,6 +76,7 @@ def prepare_run(
             "canary clients; a single run does (python -m dpfedavg, dpfedavg.run(), flwr run with dpfedavg's "
             "own apps), not a sweep's batch of runs; set canary-clients = 0 here"
         )
+    check_engine(cfg.sampling, engine)
     check_output_dir(cfg.output_dir, cfg.run_name)  # a read-only output-dir: one ConfigError, before the calibration
     check_run_directory(cfg)  # a reused run-name: refused before the calibration
     source = task if task is not None else resolve_task(cfg.task)

@@ -89,17 +89,9 @@ def prepare_run(
         from dpfedavg.privacy.canary import CanarySet
 
         canaries = CanarySet.draw(cfg.seed, cfg.canary_clients, built.dim)  # inserted: setup.federation's
-    session = RunSession(
-        cfg,
-        built,
-        run_id,
-        engine,
-        plan=setup.plan,
-        dim=built.dim,
-        server_for=lambda log: DPServer(
-            cfg, built.dim, setup=setup, epsilon_each_round=epsilon_each_round, release_log=log
-        ),
-    )
+    session = RunSession(cfg, built, run_id, engine, plan=setup.plan, dim=built.dim, server_for=lambda log: DPServer(
+        cfg, built.dim, setup=setup, epsilon_each_round=epsilon_each_round, release_log=log
+    ))  # fmt: skip
     server = session.server
     assert isinstance(server, DPServer)
     w, first_round = session.begin(built.initial_weights())

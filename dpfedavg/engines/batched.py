@@ -29,7 +29,6 @@ from threadpoolctl import threadpool_limits
 
 from dpfedavg.config import RunConfig
 from dpfedavg.core import client_update, round_block_update
-from dpfedavg.core.canaries import canary_results, canary_updates
 from dpfedavg.core.pipeline import HostSums, block_rows, round_block_sum
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.server.round import RoundRecord, RoundReplies
@@ -169,7 +168,6 @@ def device_round_sums(
     *,
     keep_clean: bool = False,
     block: int = 0,
-    canaries: np.ndarray | None = None,
 ) -> HostSums:
     """Alg. 1 / Alg. 2 lines 4-12 of the sampled ``clients`` on the task's device; the round's sums on the host.
 
@@ -177,23 +175,11 @@ def device_round_sums(
     the device (``task.device_block_update``), `round_block_sum()` bounds, noises and adds it to the round's
     sum there. ``w_k`` goes to the device once; the sum, the clients' norms and finite flags come back once
     (`BlockSums.to_host()`).
-
-    ``canaries``: the inserted canaries' directions ``c_j`` (rows), clients ``n ..`` of the server's federation
-    (`dpfedavg.core.canaries`). The sampled ones (ids ``>= n`` in ``clients``) follow the real clients as more
-    blocks of updates ``C c_j``, through the same `round_block_sum()` (each canary's noise its own stream).
     """
-    import torch
-
-    n, dim = task.num_clients, int(np.asarray(w).shape[-1])
+    dim = int(np.asarray(w).shape[-1])
     block = block or device_block_size(task, dim)
-    real = clients if canaries is None else clients[clients < n]
     sums = None
-    for ids, u in _device_blocks(task, real, w, ins, block):
-        sums = round_block_sum(u, ins, ids, sums, keep_clean=keep_clean)
-    sampled_canaries = clients[clients >= n] if canaries is not None else clients[:0]
-    for start in range(0, len(sampled_canaries), block):  # after every real id: the sum in client-id order
-        ids = sampled_canaries[start : start + block]
-        u = torch.as_tensor(canary_updates(canaries, ids, n, ins.clip), dtype=torch.float64, device=task.device)
+    for ids, u in _device_blocks(task, clients, w, ins, block):
         sums = round_block_sum(u, ins, ids, sums, keep_clean=keep_clean)
     if sums is None:  # nobody sampled: an empty sum of the release's length
         release = dim + (1 if ins.count_scale > 0 else 0)
@@ -259,7 +245,8 @@ def run_batched(
     """
     from tqdm.auto import tqdm
 
-    from dpfedavg.server.loop import run_rounds
+    from dpfedavg.engines.canaries import WithCanaries
+    from dpfedavg.server.loop import ClientRunner, run_rounds
     from dpfedavg.server.run import prepare_run
 
     run = prepare_run(cfg, task=task, setup=setup, run_id=run_id, engine=engine, inserts_canaries=True)
@@ -277,8 +264,9 @@ def run_batched(
             on_round(closed.round, closed.w)
 
     rounds = tqdm(range(first_round, cfg.num_rounds + 1), desc=cfg.run_name or "rounds", disable=not progress)
-    canaries = run.canaries.inserted_directions if run.canaries is not None else None
-    runner = InProcessRunner(run.task, client_results_fn, threads, canaries=canaries)
+    runner: ClientRunner = InProcessRunner(run.task, client_results_fn, threads)
+    if run.canaries is not None:  # the inserted canaries: clients n .. of the server's federation
+        runner = WithCanaries(runner, run.canaries.inserted_directions, run.task.num_clients)
     ahead = _prefetch_epsilons(run.server, run.task, cfg.num_rounds - first_round + 1)
     try:
         result = run_rounds(run.server, runner, w, rounds, on_round_end=record)
@@ -313,17 +301,13 @@ class InProcessRunner:
     """The batched engine's `ClientRunner`: the sampled clients in this process.
 
     A task with ``device_block_update`` (the torch tasks) runs the round on its device
-    (`device_round_sums()`, the inserted canaries' updates ``C c_j`` as more blocks) unless secure
+    (`device_round_sums()`) unless secure
     aggregation encodes each client's vector or the caller asked for its own ``client_results_fn``; every other
     task goes client by client through `client_results()`.
     """
 
-    def __init__(
-        self, task: Task, client_results_fn=client_results, threads: int = 1, canaries: np.ndarray | None = None
-    ) -> None:
+    def __init__(self, task: Task, client_results_fn=client_results, threads: int = 1) -> None:
         self.task, self.client_results_fn, self.threads = task, client_results_fn, threads
-        #: The inserted canaries' directions: clients ``n ..`` of the server's federation (``core.canaries``).
-        self.canaries = canaries
 
     def _on_device(self, ins: RoundInstructions) -> bool:
         """Whether this round runs through the device pipeline (`device_round_sums()`)."""
@@ -331,7 +315,7 @@ class InProcessRunner:
 
     def run_round(self, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions) -> RoundReplies:
         if self._on_device(ins):
-            sums = device_round_sums(self.task, clients, w, ins, keep_clean=ins.diagnostics, canaries=self.canaries)
+            sums = device_round_sums(self.task, clients, w, ins, keep_clean=ins.diagnostics)
             ok = sums.finite
             failed = [int(c) for c in clients[~ok]]
             for client_id in failed:
@@ -339,12 +323,8 @@ class InProcessRunner:
             norms = sums.norms[ok]
             return RoundReplies(total=sums.noisy, num_summed=len(norms), norms=norms, clean_total=sums.clean,
                                 num_failed=len(failed), failed_reasons=diverged(failed))  # fmt: skip
-        failed = []
-        n = self.task.num_clients
-        real = clients[clients < n] if self.canaries is not None else clients
-        results = list(self.client_results_fn(self.task, real, w, ins, failed=failed, threads=self.threads))
-        if self.canaries is not None:  # canary ids follow every real id: the sum stays in client-id order
-            results.extend(canary_results(self.canaries, clients[clients >= n], n, ins))
+        failed: list[int] = []
+        results = list(self.client_results_fn(self.task, clients, w, ins, failed=failed, threads=self.threads))
         return RoundReplies(tuple(results), num_failed=len(failed), failed_reasons=diverged(failed))
 
 

@@ -20,7 +20,6 @@ hands the checked results to the server.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -32,8 +31,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from dpfedavg.config import RunConfig
-from dpfedavg.core.canaries import canary_results
 from dpfedavg.core.types import RoundInstructions, Vector
+from dpfedavg.engines.canaries import WithCanaries
 from dpfedavg.flower.federation import Federation
 from dpfedavg.flower.protocol import (
     ARRAYS,
@@ -56,7 +55,7 @@ from dpfedavg.privacy.plausibility import (
 from dpfedavg.privacy.setup import PrivacySetup
 from dpfedavg.server.dp_server import DPServer
 from dpfedavg.server.health import ReplyHealth, TrainingStopped
-from dpfedavg.server.loop import run_rounds
+from dpfedavg.server.loop import ClientRunner, run_rounds
 from dpfedavg.server.round import RoundRecord, RoundReplies
 
 __all__ = ["FlatModel", "FlowerRunner", "RunStrategy", "log_summary", "privacy_plan_lines", "reply_bound"]
@@ -289,6 +288,9 @@ class RunStrategy(Strategy):
         self.summary()
         timeout = self.cfg.round_timeout if timeout is None else timeout
         runner = FlowerRunner(self, self.edge, grid, ConfigRecord() if train_config is None else train_config, timeout)
+        clients: ClientRunner = runner
+        if self.canaries is not None:  # the inserted canaries: the server computes them, no node hosts one
+            clients = WithCanaries(runner, self.canaries, self.cfg.num_clients)
         result, edge = Result(arrays=initial_arrays), self.edge
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> None:
@@ -315,7 +317,7 @@ class RunStrategy(Strategy):
         if first_round == 1:
             evaluate(0, initial_arrays)
         rounds = range(first_round, self.cfg.num_rounds + 1)
-        loop = run_rounds(self.server, runner, edge.flatten(initial_arrays), rounds, on_round_end=record,
+        loop = run_rounds(self.server, clients, edge.flatten(initial_arrays), rounds, on_round_end=record,
                           health=self.health, available=lambda: self.available(grid), who=self.stops_as)  # fmt: skip
         self.failed = loop.failed
         self.stopped_before_round = loop.stopped_before_round
@@ -332,8 +334,8 @@ class RunStrategy(Strategy):
         `aggregate_train()` then returns its model. Secure-aggregation rounds run only in `run()`.
         """
         self.before_rounds(grid)
-        if self.cfg.secure_aggregation:
-            raise RuntimeError("secure-aggregation rounds run through Flower's SecAgg+ workflow: use start()")
+        if self.cfg.secure_aggregation or self.canaries is not None:
+            raise RuntimeError("secure-aggregation rounds and canary audits run through the strategy's start()")
         w = self.edge.flatten(arrays)
         connected = self.available(grid) if self.server.round_mechanism.selects_from_available else None
         start = self.server.begin_round(server_round, w, connected)
@@ -462,8 +464,6 @@ class FlowerRunner:
         self.sampled: dict[int, list[int]] = {}
         self.num_sampled = 0
         self.config = ConfigRecord()
-        self._canary_ids: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._instructions: RoundInstructions | None = None
 
     def run_round(self, server_round: int, clients: np.ndarray, w: Vector, ins: RoundInstructions) -> RoundReplies:
         clock = time.perf_counter()
@@ -489,14 +489,10 @@ class FlowerRunner:
         """Map the round's sampled clients to connected nodes; one TRAIN message per node (ascending node id).
 
         Each carries ``w_k`` (the edge's arrays) and the train config: the caller's, the round's instructions, the
-        edge's run keys and node keys. The inserted canaries (``canary-clients``) are computed by the server.
+        edge's run keys and node keys. ``|S_k|`` is the instructions' (with inserted canaries, `WithCanaries` gives
+        this runner the real clients only).
         """
-        self.num_sampled = len(clients)
-        canaries = self.strategy.canaries
-        if canaries is not None:  # the canaries are computed here; the nodes host the n real clients
-            n = self.cfg.num_clients
-            self._canary_ids, clients = clients[clients >= n], clients[clients < n]
-            self._instructions = ins
+        self.num_sampled = ins.cohort_size
         self.sampled = self.edge.nodes(server_round, clients, self.grid)
         connected = sum(len(ids) for ids in self.sampled.values())
         if self.cfg.secure_aggregation and connected < self.num_sampled:  # |S_k| = the SecAgg+ cohort (guard.py)
@@ -518,10 +514,10 @@ class FlowerRunner:
         return messages
 
     def replies(self, server_round: int, replies: Iterable[Message]) -> RoundReplies:
-        """The round's replies checked client by client (`collect_replies()`), with the inserted canaries'."""
+        """The round's replies checked client by client (`collect_replies()`)."""
         replies = list(replies)
         self.edge.observe(server_round, replies, self.sampled)
-        checked = collect_replies(
+        return collect_replies(
             server_round,
             replies,
             self.sampled,
@@ -531,11 +527,6 @@ class FlowerRunner:
             block=self.cfg.clients_per_node > 1,
             limits=self.strategy.reply_limits(self.num_sampled),
         )
-        if self.strategy.canaries is None or not len(self._canary_ids):
-            return checked
-        assert self._instructions is not None
-        canaries = canary_results(self.strategy.canaries, self._canary_ids, self.cfg.num_clients, self._instructions)
-        return dataclasses.replace(checked, results=sorted([*checked.results, *canaries], key=lambda r: r.client_id))
 
     # ------------------------------------------------- secure aggregation
     def _secure_sum(self, server_round: int, w: Vector) -> SecureSum:

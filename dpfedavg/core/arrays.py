@@ -28,6 +28,9 @@ def row_norms(u: Any, keepdims: bool = False) -> Any:
     """``||u||`` over the last axis (one norm per client row)."""
     xp = namespace(u)
     if xp is np:
+        u = np.asarray(u)
+        if u.dtype.kind == "f":  # np.linalg.norm's own sum of squares, without its copy of conj(u)
+            return np.sqrt(np.add.reduce(u * u, axis=-1, keepdims=keepdims))
         return np.linalg.norm(u, axis=-1, keepdims=keepdims)
     return xp.linalg.vector_norm(u, axis=-1, keepdims=keepdims)
 

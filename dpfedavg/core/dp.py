@@ -41,21 +41,22 @@ def _row_norms(u: Vector) -> Vector:
     return row_norms(u, keepdims=True)
 
 
-def clip(u: Vector, c: float | np.ndarray) -> Vector:
+def clip(u: Vector, c: float | np.ndarray, norm: Vector | None = None) -> Vector:
     """Clip ``u`` to norm at most ``c``: ``clip(u, C) = u * min(1, C / ||u||)``.
 
     Paper eq. (clip-def), used in Alg. 1 line 9. ``clip(0, C) = 0``. A 2-D
     ``u`` is clipped row by row (one client update per row); a ``(R, B, d)`` block
     (runs x clients) row by row too, with ``c`` a scalar or one ``C`` per run of shape ``(R, 1, 1)``.
+    ``norm``: ``||u||`` per row with a trailing axis of size 1, when the caller has it (else computed here).
     """
     _check_scale(c)
     xp, c = namespace(u), as_array_like(c, u)
-    norm = _row_norms(u)
+    norm = _row_norms(u) if norm is None else norm
     scale = xp.where(norm > c, c / xp.where(norm > c, norm, 1.0), 1.0)
     return u * scale
 
 
-def normalize(u: Vector, c: float | np.ndarray) -> Vector:
+def normalize(u: Vector, c: float | np.ndarray, norm: Vector | None = None) -> Vector:
     """Scale ``u`` to norm exactly ``c``: ``norm(u, C) = C * u / ||u||`` (Alg. 2 line 9).
 
     The paper defines ``norm`` on ``R^d \\ {0}`` only. We define
@@ -63,11 +64,11 @@ def normalize(u: Vector, c: float | np.ndarray) -> Vector:
     bound ``||g|| <= C`` that the privacy analysis needs, and it is what
     ``clip`` returns for the zero update, so both algorithms agree on a client
     whose local steps did not move (e.g. it already sits at its optimum). A
-    2-D ``u`` is normalized row by row, and so is a ``(R, B, d)`` block (``c`` as in `clip()`).
+    2-D ``u`` is normalized row by row, and so is a ``(R, B, d)`` block (``c`` and ``norm`` as in `clip()`).
     """
     _check_scale(c)
     xp, c = namespace(u), as_array_like(c, u)
-    norm = _row_norms(u)
+    norm = _row_norms(u) if norm is None else norm
     scale = xp.where(norm > 0, c / xp.where(norm > 0, norm, 1.0), 0.0)
     return u * scale
 
@@ -81,7 +82,7 @@ class SensitivityBound:
     name:
         The ``algorithm`` key's value.
     apply:
-        ``(u, C) -> g``, row-wise for a block of clients.
+        ``(u, C[, norm]) -> g``, row-wise for a block of clients (``norm``: ``||u||`` per row, if known).
     private:
         ``True`` when ``||g|| <= C`` for every ``u``: the sum then has sensitivity ``C`` and the run is
         differentially private with noise; ``False`` (``none``) means no DP.
@@ -94,13 +95,13 @@ class SensitivityBound:
     """
 
     name: str
-    apply: Callable[[Vector, float], Vector]
+    apply: Callable[..., Vector]
     private: bool
     title: str
     adaptive: bool = False
 
 
-def _identity(u: Vector, c: float) -> Vector:
+def _identity(u: Vector, c: float, norm: Vector | None = None) -> Vector:
     return copy(u)
 
 
@@ -133,9 +134,12 @@ def is_private_algorithm(algorithm: str) -> bool:
         return False
 
 
-def bound_sensitivity(u: Vector, algorithm: str, c: float) -> Vector:
-    """``g`` for the algorithm (`BOUNDS`): ``clip`` / ``adaptive-clip``, ``norm`` or ``none`` (``g = u``)."""
-    return get_bound(algorithm).apply(u, c)
+def bound_sensitivity(u: Vector, algorithm: str, c: float, norm: Vector | None = None) -> Vector:
+    """``g`` for the algorithm (`BOUNDS`): ``clip`` / ``adaptive-clip``, ``norm`` or ``none`` (``g = u``).
+
+    ``norm``: ``||u||`` of each row with a trailing axis of size 1, when the caller computed it already.
+    """
+    return get_bound(algorithm).apply(u, c, norm)
 
 
 def gaussian_noise(dim: int, std: float, rng: np.random.Generator, dtype: np.dtype | type = np.float64) -> Vector:

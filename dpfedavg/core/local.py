@@ -163,8 +163,13 @@ def bound_block(
     if c.ndim and c.shape != tuple(u.shape[:-2]):
         raise ValueError(f"one C per run: u has shape {u.shape}, C has shape {c.shape} (expected {u.shape[:-2]})")
     norms = row_norms(u)
-    finite = xp.all(xp.isfinite(u), axis=-1)
-    g = bound_sensitivity(u, algorithm, c[..., None, None] if c.ndim else clip)
+    if xp is np:  # a row is finite exactly when its norm is, unless its sum of squares overflowed: then look
+        finite = np.isfinite(norms)
+        if not finite.all():
+            finite = np.all(np.isfinite(u), axis=-1)
+    else:  # on a device, without a sync to the host
+        finite = xp.all(xp.isfinite(u), axis=-1)
+    g = bound_sensitivity(u, algorithm, c[..., None, None] if c.ndim else clip, norms[..., None])
     count = None
     if adaptive:
         rows_scale = scale[..., None] if scale.ndim else float(scale)

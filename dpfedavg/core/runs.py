@@ -156,10 +156,9 @@ def _accumulate(
         keep = finite[:, :, None]
         rows = np.where(keep, rows, 0.0)
         g = np.where(keep, g, 0.0) if clean is not None else g
-    for b in range(len(client_ids)):
-        noisy += rows[:, b]
-        if clean is not None:
-            clean += g[:, b]
+    noisy = _add_rows(noisy, rows)
+    if clean is not None:
+        clean = _add_rows(clean, g)
     for j, r in enumerate(runs):
         into.noisy[r] = noisy[j]
         if clean is not None and wants_clean[j]:
@@ -168,3 +167,15 @@ def _accumulate(
         into.norms[r].append(block.norms[j][ok])
         if not ok.all():
             into.failed[r].extend(int(i) for i in np.asarray(client_ids)[~ok])
+
+
+def _add_rows(total: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``total[r] + rows[r, 0] + rows[r, 1] + ...`` for each run ``r``, added left to right (client after client).
+
+    numpy reduces a C-ordered ``(R, B, d)`` array over ``B`` row after row (the pairwise summation applies to the
+    contiguous axis only), so one reduction gives the client-by-client loop's bits; ``0 + x`` is ``x``.
+    """
+    rows = np.ascontiguousarray(rows)
+    if not total.any():
+        return total + np.add.reduce(rows, axis=1)
+    return np.add.reduce(np.concatenate([total[:, None], rows], axis=1), axis=1)

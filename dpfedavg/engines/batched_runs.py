@@ -220,35 +220,42 @@ def _run_batch(
     evaluate_runs = task_hooks(shared).evaluate_runs
     logger.info("batch of %d runs (%s), %d rounds", len(runs), shared.name, num_rounds)
     bar = tqdm(range(1, num_rounds + 1), desc=f"batch of {len(runs)} runs", leave=False, disable=not progress)
-    for server_round in bar:
-        opened: list[tuple[_Run, np.ndarray, RoundInstructions]] = []
+    for run in runs:  # metrics.csv's rows in one write per run (a cell that stops early reruns whole)
+        run.session.recorder.hold_rows()
+    try:
+        for server_round in bar:
+            opened: list[tuple[_Run, np.ndarray, RoundInstructions]] = []
+            for run in runs:
+                if not run.active:
+                    continue
+                try:
+                    start = run.server.begin_round(server_round, run.w)
+                except PrivacyBudgetExhausted as stop:
+                    logger.warning("%s: %s", run.cfg.run_name, stop)
+                    run.stopped_before_round = stop.server_round
+                    _finish(run, on_run_done)
+                    continue
+                assert start.instructions is not None  # no rule closes a batched run's round (no SecAgg+)
+                opened.append((run, start.clients, start.instructions))
+            for group in _groups(opened):
+                _round(shared, server_round, local_steps, group)
+            _evaluate(evaluate_runs, server_round, [run for run, _, _ in opened])
+            for run, _, _ in opened:
+                assert run.closed is not None and run.closed.round == server_round
+                run.session.record_round(server_round, run.w, run.closed.stats)  # no checkpoint: reruns whole
         for run in runs:
-            if not run.active:
-                continue
-            try:
-                start = run.server.begin_round(server_round, run.w)
-            except PrivacyBudgetExhausted as stop:
-                logger.warning("%s: %s", run.cfg.run_name, stop)
-                run.stopped_before_round = stop.server_round
+            if run.active:
                 _finish(run, on_run_done)
-                continue
-            assert start.instructions is not None  # no rule closes a batched run's round (no secure aggregation)
-            opened.append((run, start.clients, start.instructions))
-        for group in _groups(opened):
-            _round(shared, server_round, local_steps, group)
-        _evaluate(evaluate_runs, server_round, [run for run, _, _ in opened])
-        for run, _, _ in opened:
-            assert run.closed is not None and run.closed.round == server_round
-            run.session.record_round(server_round, run.w, run.closed.stats)  # no checkpoint: a cell reruns whole
-    for run in runs:
-        if run.active:
-            _finish(run, on_run_done)
-    bar.close()
+    finally:  # a batch that fails keeps the rows its runs finished (beside their rerun)
+        for run in runs:
+            run.session.recorder.flush_rows()
+        bar.close()
     by_cfg = {id(run.cfg): run.directory for run in runs}
     return [by_cfg[id(cfg)] for cfg in cfgs]
 
 
 def _finish(run: _Run, on_run_done: Callable[[RunConfig, Path], None] | None) -> None:
+    run.session.recorder.flush_rows()  # finish() reads metrics.csv back
     run.directory = run.session.finish(run.w, run.stopped_before_round, checkpoint=False, plot=False).directory
     if on_run_done is not None:
         on_run_done(run.cfg, run.directory)

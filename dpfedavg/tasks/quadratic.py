@@ -85,6 +85,7 @@ class Federation:
         self.basis_t = np.ascontiguousarray(basis.transpose(0, 2, 1))
         self.star_proj = np.einsum("nrd,nd->nr", self.basis_t, self.w_stars)
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # (w, projections(w))
+        self._last_gain: tuple[tuple, np.ndarray] | None = None  # (clients, eta_k, E), gain(...)
 
     def projections(self, w: np.ndarray) -> np.ndarray:
         """``B_i^T (w_r - w_i*)`` for every run ``r`` (rows of ``w``, ``(R, d)``) and client: ``(R, n, RANK)``.
@@ -99,6 +100,18 @@ class Federation:
         proj.flags.writeable = False
         self._last = (np.array(w, copy=True), proj)
         return proj
+
+    def gain(self, ids_key: bytes, eigenvalues: np.ndarray, lrs: np.ndarray, num_steps: int) -> np.ndarray:
+        """`local_steps_gain()` of these clients (``eigenvalues``, named by ``ids_key``) for each run's ``eta_k``:
+        ``(B, R, RANK)``. The last one is kept: a batch's rounds repeat it while ``eta_k`` does not decay."""
+        key = (ids_key, lrs.tobytes(), num_steps)
+        if self._last_gain is not None and self._last_gain[0] == key:
+            return self._last_gain[1]
+        distinct, which = np.unique(lrs, return_inverse=True)  # a sweep's runs share a few eta_k
+        gain = local_steps_gain(eigenvalues, distinct, num_steps)[:, which.reshape(-1)]
+        gain.flags.writeable = False
+        self._last_gain = (key, gain)
+        return gain
 
     def objective(self, w: np.ndarray) -> np.ndarray:
         """``f(w_r) = (1/n) sum_i 1/2 ||B_i^T (w_r - w_i*)||^2`` for each row of ``w``: ``(R,)``."""
@@ -196,6 +209,7 @@ class QuadraticTask:
         fed = federation(self.seed, self.num_clients, self.dim)
         ids = np.asarray(client_ids, dtype=np.int64)
         every = len(ids) == self.num_clients and bool(np.all(ids == np.arange(self.num_clients)))
+        ids_key = b"every" if every else ids.tobytes()
         if every:
             basis_t, eigenvalues = fed.basis_t, fed.eigenvalues
         else:
@@ -210,8 +224,7 @@ class QuadraticTask:
                 v = fed.projections(w).transpose(1, 0, 2)  # (B, R, RANK)
             else:
                 v = np.matmul(w, basis_flat).reshape(len(w), len(ids), RANK).transpose(1, 0, 2) - star_proj[:, None]
-            distinct, which = np.unique(lrs, return_inverse=True)  # a sweep's runs share a few eta_k
-            gain = local_steps_gain(eigenvalues, distinct, num_steps)[:, which.reshape(-1)]  # (B, R, RANK)
+            gain = fed.gain(ids_key, eigenvalues, lrs, num_steps)  # (B, R, RANK)
             u = np.matmul(gain * v, basis_t)  # (B, R, d)
             return u.transpose(1, 0, 2)
 

@@ -21,10 +21,10 @@ from scipy.special import comb
 from scipy.stats import norm
 
 from dpfedavg.config import RunConfig
-from dpfedavg.privacy.node_guard import CLIENT_APP, Route, TrainRequest, guard
 from dpfedavg.flower.protocol import CLIENT_IDS, instructions_to_config_record
 from dpfedavg.privacy.ledger import NodeLedger, Release
 from dpfedavg.privacy.node_accounts import RELEASED, SERVER
+from dpfedavg.privacy.node_guard import CLIENT_APP, Route, TrainRequest, guard
 from dpfedavg.privacy.policy import NodePolicy, PolicyError
 from dpfedavg.server.dp_server import DPServer
 

@@ -28,12 +28,12 @@ from scipy.stats import norm
 from dpfedavg.config import RunConfig
 from dpfedavg.core.types import RoundInstructions
 from dpfedavg.flower import client_app as client_app_module
-from dpfedavg.privacy import node_guard as guard_module
 from dpfedavg.flower.client_app import app as client_app
 from dpfedavg.flower.mod import dp_mod, public_parameters
 from dpfedavg.flower.protocol import ARRAYS, CONFIG, instructions_to_config_record, to_array_record
 from dpfedavg.flower.testing import InProcessGrid
 from dpfedavg.privacy import ledger as ledger_module
+from dpfedavg.privacy import node_guard as guard_module
 from dpfedavg.privacy import policy as policy_module
 from dpfedavg.privacy.ledger import NodeLedger, Release, ledger_path, record_release
 from dpfedavg.privacy.policy import NodePolicy, PolicyError

@@ -44,11 +44,11 @@ from flwr.supercore.primitives.asymmetric import (
 from dpfedavg import checked_secaggplus_mod, dp_mod
 from dpfedavg.config import RunConfig
 from dpfedavg.flower import client_app as client_app_module
-from dpfedavg.privacy import node_guard as guard_module
 from dpfedavg.flower import server_app
 from dpfedavg.flower.mod import ARRAY_KEYS, public_parameters
 from dpfedavg.flower.protocol import ARRAYS, REFUSED, instructions_to_config_record
 from dpfedavg.flower.testing import InProcessGrid
+from dpfedavg.privacy import node_guard as guard_module
 from dpfedavg.privacy.ledger import NodeLedger, ledger_path
 from dpfedavg.privacy.policy import NodePolicy, PolicyError
 from dpfedavg.server.dp_server import DPServer

@@ -44,6 +44,7 @@ class WithCanaries:
         clean = None if replies.clean_total is None else replies.clean_total + sum(r.clean for r in canaries)
         return dataclasses.replace(
             replies, total=replies.total + sum(r.noisy for r in canaries),
-            num_summed=replies.num_summed + len(canaries), norms=np.concatenate([np.asarray(replies.norms, dtype=np.float64), [r.update_norm for r in canaries]]),
+            num_summed=replies.num_summed + len(canaries),
+            norms=np.concatenate([np.asarray(replies.norms, dtype=np.float64), [r.update_norm for r in canaries]]),
             clean_total=clean,
         )  # fmt: skip

@@ -15,7 +15,8 @@ the run config's ``q = r / n``. A node whose ``check-in-rate`` differs from the 
 the run's reported epsilon, and the node ledger's plan, are Poisson-sampled at the run's ``q``; a node taking
 part more often would be under-charged, and one taking part less often would bias the fixed-denominator mean.
 
-Pure Python; the node's hook is `dpfedavg.flower.client_app`, the server's `dpfedavg.server.dp_server`.
+Pure Python. The node's hook is `dpfedavg.flower.client_app`; on the server, the ``independent`` noise mechanism
+asks every client (`dpfedavg.privacy.noise_mechanisms.IndependentRounds.select`).
 """
 
 from __future__ import annotations

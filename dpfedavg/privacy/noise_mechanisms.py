@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dpfedavg.core.check_in import CHECK_IN
 from dpfedavg.core.dp import gaussian_noise
 from dpfedavg.core.server import poisson_sample
 from dpfedavg.core.types import Vector
@@ -107,15 +108,21 @@ class IndependentRounds:
     record_key = None
     selects_from_available = False  # a sampled client that is not connected is a dropout
 
-    def __init__(self, num_clients: int, clients_per_round: float, dim: int) -> None:
+    def __init__(self, num_clients: int, clients_per_round: float, dim: int, check_in: bool = False) -> None:
         self.num_clients, self.clients_per_round, self.dim = num_clients, clients_per_round, dim
+        #: ``sampling = "check-in"``: every client is asked; each node takes part by its own coin
+        #: (`dpfedavg.core.check_in`), so the release is this mechanism's Poisson-sampled one all the same.
+        self.check_in = check_in
 
     @property
     def denominator(self) -> float:
         return self.clients_per_round
 
     def select(self, round_index: int, rng: np.random.Generator | None, available: Any = None) -> np.ndarray:
-        """Poisson sampling over all ``n`` clients with ``q = r / n`` (Alg. 1 line 3); ``available`` is not read."""
+        """Poisson sampling over all ``n`` clients with ``q = r / n`` (Alg. 1 line 3), or all ``n`` with random
+        check-ins (each node draws its own participation); ``available`` is not read."""
+        if self.check_in:
+            return np.arange(self.num_clients)
         assert rng is not None
         return poisson_sample(self.num_clients, self.clients_per_round / self.num_clients, rng)
 
@@ -166,8 +173,9 @@ class Independent:
             "change nothing here; allowed: noise-mechanism = 'banded-mf', or their defaults"
         ]
 
-    def spec(self, cfg: Any) -> None:
-        return None
+    def spec(self, cfg: Any) -> str:
+        """The run's ``sampling``: ``"poisson"`` (the server draws ``S_k``) or ``"check-in"`` (each node does)."""
+        return str(cfg.sampling)
 
     def calibrate(self, params: Any) -> float:
         p = params
@@ -180,7 +188,7 @@ class Independent:
         return create_accountant(params.accountant, params.delta)
 
     def rounds(self, params: Any, noise_multiplier: float, *, clip: float, dim: int) -> IndependentRounds:
-        return IndependentRounds(params.num_clients, params.clients_per_round, dim)
+        return IndependentRounds(params.num_clients, params.clients_per_round, dim, params.mechanism_spec == CHECK_IN)
 
 
 class BandedMF:

@@ -53,7 +53,6 @@ from dpfedavg.core import (
     server_noise_std,
 )
 from dpfedavg.core.adaptive_clip import AdaptiveClip
-from dpfedavg.core.check_in import CHECK_IN
 from dpfedavg.core.types import ClientResult, RoundInstructions, Vector
 from dpfedavg.io.checkpoint import ServerState
 from dpfedavg.io.metrics import RoundStats
@@ -310,8 +309,6 @@ class DPServer:
         cohort among the ``available`` (connected) clients, ``None`` meaning all; nobody outside the rule.
         Not yet recorded: `begin_round()` admits the cohort once the round is sure to run.
         """
-        if self.cfg.sampling == CHECK_IN:  # every client is asked; each node takes part by its own coin
-            return np.arange(self.params.num_clients)
         rng = self._rng(Stream.SAMPLING, server_round - 1)
         return self.round_mechanism.select(server_round - 1, rng, available)
 

@@ -330,3 +330,18 @@ def test_block_seeding_gives_each_clients_own_generator_state(noise_seed: int, m
     seed_rows.fill_noise_rows(noise_seed, ids[:3], again, range(3))
     np.testing.assert_array_equal(again, out[:3])
     assert "seeds PCG64 differently" in caplog.text
+
+
+def test_round_streams_draw_what_make_rng_draws_in_any_order() -> None:
+    """RoundStreams reuses one generator per stream from cached states: the same draws as a fresh make_rng."""
+    from dpfedavg.core.seeding import RoundStreams, Stream, make_rng
+
+    a, b = RoundStreams(3), RoundStreams(3)
+    for stream, k in [(Stream.SAMPLING, 0), (Stream.ITERATE, 0), (Stream.SAMPLING, 7), (Stream.SAMPLING, 0),
+                      (Stream.SERVER_NOISE, 499), (Stream.ITERATE, 2**20)]:  # fmt: skip
+        first = a.rng(stream, k).random(5)
+        np.testing.assert_array_equal(first, make_rng(3, stream, k).random(5))
+        np.testing.assert_array_equal(b.rng(stream, k).random(5), first)  # another run of the seed: the cache
+        np.testing.assert_array_equal(a.rng(stream, k).random(5), first)  # again from the start, not continued
+    other_seed = RoundStreams(4).rng(Stream.SAMPLING, 0).random(5)
+    assert not np.array_equal(other_seed, make_rng(3, Stream.SAMPLING, 0).random(5))

@@ -27,7 +27,15 @@ from dpfedavg.core.local import (
 )
 from dpfedavg.core.noise import NOISE_LAWS, NoiseLaw, noise_law, round_noise_law
 from dpfedavg.core.secagg import SecAggGrid
-from dpfedavg.core.seeding import SECURE_NOISE_SEED, Stream, make_rng, noise_rng, round_noise_seed, secure_rng
+from dpfedavg.core.seeding import (
+    SECURE_NOISE_SEED,
+    RoundStreams,
+    Stream,
+    make_rng,
+    noise_rng,
+    round_noise_seed,
+    secure_rng,
+)
 from dpfedavg.core.server import (
     fixed_denominator_mean,
     keep_random_iterate,
@@ -52,6 +60,7 @@ __all__ = [
     "SecAggGrid",
     "noise_law",
     "round_noise_law",
+    "RoundStreams",
     "Stream",
     "Vector",
     "fixed_denominator_mean",

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["SECURE_NOISE_SEED", "Stream", "make_rng", "noise_rng", "round_noise_seed", "secure_rng"]
+__all__ = ["SECURE_NOISE_SEED", "RoundStreams", "Stream", "make_rng", "noise_rng", "round_noise_seed", "secure_rng"]
 
 #: ``noise-seed`` the server sends with ``secure-noise = true``: "draw your noise from the OS CSPRNG".
 SECURE_NOISE_SEED = -1
@@ -38,6 +38,36 @@ class Stream(IntEnum):
 def make_rng(seed: int, stream: Stream, *keys: int) -> np.random.Generator:
     """A fresh generator for ``(seed, stream, *keys)``."""
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(stream), *map(int, keys)]))
+
+
+@lru_cache(maxsize=8192)
+def _initial_state(seed: int, stream: Stream, round_index: int) -> dict:
+    """``make_rng(seed, stream, round_index)``'s bit-generator state (shared by the runs of a batch with one seed)."""
+    return make_rng(seed, stream, round_index).bit_generator.state
+
+
+class RoundStreams:
+    """A seeded run's per-round generators, ``make_rng(seed, stream, k)``, without building one per call.
+
+    A server draws from three streams every round (sampling, the random iterate, its noise). Building a
+    generator hashes a ``SeedSequence`` and seeds ``PCG64`` (about 7 us); the runs of a sweep's batch share
+    their seed, so each ``(seed, stream, k)``'s initial state is computed once per process (cached) and set on a
+    generator this object keeps per stream (under 1 us). The values drawn are the same, bit for bit.
+
+    The generator `rng()` returns is reused by the next call for the same stream: draw from it at once.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
+        self._generators: dict[Stream, np.random.Generator] = {}
+
+    def rng(self, stream: Stream, round_index: int) -> np.random.Generator:
+        """The generator of ``make_rng(seed, stream, round_index)``, at its start."""
+        generator = self._generators.get(stream)
+        if generator is None:
+            generator = self._generators[stream] = np.random.Generator(np.random.PCG64(0))
+        generator.bit_generator.state = _initial_state(self.seed, stream, int(round_index))
+        return generator
 
 
 @lru_cache(maxsize=4096)

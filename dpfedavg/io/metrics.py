@@ -69,11 +69,13 @@ class RoundStats:
 
     def as_metrics(self) -> dict[str, float]:
         """The numeric columns for the MetricRecord / CSV."""
-        return {name: getattr(self, name) for name in self.columns()[1:-1]}
+        return {name: getattr(self, name) for name in _STAT_COLUMNS}
 
 
 #: `RoundStats`'s field names, in order.
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(RoundStats))
+#: The numeric statistics `RoundStats.as_metrics()` gives (``columns()`` without ``round`` and ``elapsed_s``).
+_STAT_COLUMNS: tuple[str, ...] = RoundStats.columns()[1:-1]
 
 
 class MetricsRow(dict):

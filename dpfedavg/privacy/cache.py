@@ -63,6 +63,9 @@ _pending: dict[Path, dict[str, float]] = {}  # file -> keys computed here and no
 _hooked_pid: int | None = None  # the process whose exit writes the pending keys (`_exit_hook()`)
 _last_write: float | None = None  # time.monotonic() of this process's last write (None: none yet)
 _inflight: dict[str, threading.Event] = {}  # key -> set when the thread computing it is done (`cached()`)
+#: ``(kind, args)`` -> the value `cached()` returned in this process: a hit without the key's JSON (a run reads
+#: its epsilon every round, and the runs of a sweep's batch read the same keys).
+_by_args: dict[tuple[str, tuple], float] = {}
 
 
 @lru_cache(maxsize=1)
@@ -155,6 +158,13 @@ def cached(kind: str, args: tuple, compute: Callable[[], float]) -> float:
 
     ``args`` must be JSON numbers and strings that determine the result completely.
     """
+    value = _by_args.get((kind, args))
+    if value is None:
+        value = _by_args[(kind, args)] = _cached(kind, args, compute)
+    return value
+
+
+def _cached(kind: str, args: tuple, compute: Callable[[], float]) -> float:
     key = f"{kind}{json.dumps(list(args))}"
     with _lock:
         if key in _memory:
@@ -230,6 +240,7 @@ def clear_memory() -> None:
     with _lock:
         flush()
         _memory.clear()
+        _by_args.clear()
         _stamps.clear()
         _last_write = None
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterable
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -40,12 +41,12 @@ import numpy as np
 from dpfedavg.config import RunConfig
 from dpfedavg.core import (
     SECURE_NOISE_SEED,
+    RoundStreams,
     SecAggGrid,
     Stream,
     fixed_denominator_mean,
     keep_random_iterate,
     local_lr_at,
-    make_rng,
     momentum_step,
     round_noise_seed,
     secure_rng,
@@ -75,6 +76,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def _norm(x: Vector) -> float:
+    """``||x||`` of a vector as ``np.linalg.norm`` computes it (``sqrt(x . x)``), without its checks."""
+    return math.sqrt(float(np.dot(x, x)))
 
 
 class PrivacyBudgetExhausted(Exception):
@@ -175,6 +181,7 @@ class DPServer:
         if self.secagg is not None and self.plan.dp:
             check_privacy_terms(self.secagg, self.secagg_release())
         self.momentum: Vector = np.zeros(dim)
+        self._streams = RoundStreams(cfg.seed)
         #: ``w_{k~}`` (Alg. 1 line 13), kept by reservoir sampling, and ``k~``.
         self.random_iterate: Vector | None = None
         self.random_round: int | None = None
@@ -244,8 +251,11 @@ class DPServer:
         )
 
     def _rng(self, stream: Stream, round_index: int) -> np.random.Generator:
-        """The generator of ``stream`` in round ``k``: seeded, or from the OS CSPRNG with ``secure-noise``."""
-        return secure_rng() if self.cfg.secure_noise else make_rng(self.cfg.seed, stream, round_index)
+        """The generator of ``stream`` in round ``k``: seeded, or from the OS CSPRNG with ``secure-noise``.
+
+        Seeded, it is reused by the next call for the same stream (`RoundStreams`): callers draw from it at once.
+        """
+        return secure_rng() if self.cfg.secure_noise else self._streams.rng(stream, round_index)
 
     # ---------------------------------------------------- secure aggregation
     def secagg_release(self) -> SecAggRelease:
@@ -500,14 +510,14 @@ class DPServer:
         w_new, self.momentum = momentum_step(self._w, self.momentum, a, beta, self.cfg.server_momentum)
         mean_norm = frac_clipped = snr = float("nan")
         if len(norms) and not self.cfg.secure_noise:  # un-noised statistics of client data: seeded research mode only
-            norms_arr = np.asarray(norms)
-            mean_norm = float(norms_arr.mean())
+            norms_arr = np.asarray(norms, dtype=np.float64)
+            mean_norm = float(np.add.reduce(norms_arr) / len(norms_arr))  # np.mean's sum and division
             if self.adaptive is None:  # adaptive-clip releases the private b_k instead
-                frac_clipped = float(np.mean(norms_arr > self.cfg.clip))
+                frac_clipped = int(np.count_nonzero(norms_arr > self.cfg.clip)) / len(norms_arr)
         if clean_total is not None:
             clean_mean = clean_total / denominator
-            noise_norm = float(np.linalg.norm(a - clean_mean))
-            snr = float(np.linalg.norm(clean_mean)) / noise_norm if noise_norm > 0 else float("inf")
+            noise_norm = _norm(a - clean_mean)
+            snr = _norm(clean_mean) / noise_norm if noise_norm > 0 else float("inf")
         epsilon = float("nan")
         if self.accountant is not None:
             event = self.round_event(num_sampled, num_received)

@@ -381,6 +381,8 @@ class RunSession:
         except OSError as err:
             raise self._results_error(f"round {server_round}'s row of metrics.csv", err) from None
         self.last_row = server_round
+        if not logger.isEnabledFor(logging.INFO):  # a sweep's runs: the line is not shown
+            return metrics
         shown = " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()) or "not evaluated"
         if stats is None:
             logger.info("round %d/%d | %s", server_round, self.cfg.num_rounds, shown)

@@ -91,6 +91,8 @@ def add_gaussian(
     if normals is None:
         return g
     zeta = np.multiply(normals, std, out=normals if scale_in_place else None)
+    if isinstance(g, np.ndarray) and zeta is not normals and zeta.shape == g.shape and zeta.dtype == g.dtype:
+        return np.add(g, zeta, out=zeta)  # the same sums, into zeta's fresh block (no second block of d values)
     return g + on_device_of(zeta, g)
 
 

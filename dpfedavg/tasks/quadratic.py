@@ -225,8 +225,9 @@ class QuadraticTask:
             else:
                 v = np.matmul(w, basis_flat).reshape(len(w), len(ids), RANK).transpose(1, 0, 2) - star_proj[:, None]
             gain = fed.gain(ids_key, eigenvalues, lrs, num_steps)  # (B, R, RANK)
-            u = np.matmul(gain * v, basis_t)  # (B, R, d)
-            return u.transpose(1, 0, 2)
+            u = np.empty((len(w), len(ids), self.dim))  # (R, B, d), C-ordered: the bound's passes run along rows
+            np.matmul(gain * v, basis_t, out=u.transpose(1, 0, 2))  # the (B, R, d) products, written in place
+            return u
 
         return update
 

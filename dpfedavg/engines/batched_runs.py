@@ -255,8 +255,9 @@ def _run_batch(
 
 
 def _finish(run: _Run, on_run_done: Callable[[RunConfig, Path], None] | None) -> None:
-    run.session.recorder.flush_rows()  # finish() reads metrics.csv back
-    run.directory = run.session.finish(run.w, run.stopped_before_round, checkpoint=False, plot=False).directory
+    run.session.recorder.flush_rows()
+    run.session.write_final(run.w, run.stopped_before_round, checkpoint=False, plot=False)
+    run.directory = run.session.directory
     if on_run_done is not None:
         on_run_done(run.cfg, run.directory)
 

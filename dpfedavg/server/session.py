@@ -435,7 +435,7 @@ class RunSession:
         failed: str | None = None,
     ) -> RunResult:
         """Write the final checkpoint, ``model.npz``, then ``config.json``'s summary (last: a run is finished once it is
-        there) and ``metrics.png``; the run's result.
+        there) and ``metrics.png`` (`write_final()`); the run's result, with ``metrics.csv`` read back.
 
         ``checkpoint`` / ``plot``: also the final ``checkpoint.npz`` (with ``checkpoint-every``) and ``metrics.png``;
         a sweep's batch (`dpfedavg.engines.batched_runs`) writes neither (a cell reruns whole, figures
@@ -445,6 +445,33 @@ class RunSession:
         A failed write of the model, the trajectory or ``config.json`` is one `ResultsError`: the run reads
         as unfinished, and ``resume=true`` from the final checkpoint writes them (no round is run again).
         """
+        w_random, k_random, epsilon, level = self.write_final(
+            w_final, stopped_before_round, checkpoint=checkpoint, plot=plot, failed=failed
+        )
+        return RunResult(
+            weights=np.asarray(w_final, dtype=np.float64),
+            random_iterate=np.asarray(w_random, dtype=np.float64),
+            random_round=k_random,
+            epsilon=epsilon,
+            delta=self.plan.delta,
+            guarantee=level,
+            history=read_metrics(self.recorder.metrics_path),
+            directory=self.directory,
+            stopped_by_budget_before_round=stopped_before_round,
+            audit=self.audit,
+        )
+
+    def write_final(
+        self,
+        w_final: Vector,
+        stopped_before_round: int | None = None,
+        *,
+        checkpoint: bool = True,
+        plot: bool = True,
+        failed: str | None = None,
+    ) -> tuple[Vector, int, float, str]:
+        """`finish()`'s files and log lines without its result (a sweep's batch reads none):
+        ``(w_{k~}, k~, epsilon, guarantee level)``."""
         server = self.server
         w_random = server.random_iterate if server.random_iterate is not None else w_final
         k_random = server.random_round if server.random_round is not None else 0
@@ -479,16 +506,5 @@ class RunSession:
         logger.info("Done after %d rounds: (epsilon, delta) = (%.4g, %g)%s%s; metrics in %s, model in %s", completed,
                     epsilon, self.plan.delta, label, audit_clause(self.audit), self.recorder.metrics_path,
                     self.recorder.model_path)  # fmt: skip
-        return RunResult(
-            weights=np.asarray(w_final, dtype=np.float64),
-            random_iterate=np.asarray(w_random, dtype=np.float64),
-            random_round=k_random,
-            epsilon=epsilon,
-            delta=self.plan.delta,
-            guarantee=level,
-            history=read_metrics(self.recorder.metrics_path),
-            directory=self.directory,
-            stopped_by_budget_before_round=stopped_before_round,
-            audit=self.audit,
-        )
+        return w_random, k_random, epsilon, level
 

@@ -761,7 +761,7 @@ def test_default_mechanism_is_four_cyclic_groups_within_the_target() -> None:
         schedule.append(mech.select(k))
         mech.admit(k, schedule[-1])
         assert len(schedule[-1]) == 25
-        mech.server_noise(k, make_rng(0, Stream.SERVER_NOISE, k))
+        mech.server_noise(k, lambda k=k: make_rng(0, Stream.SERVER_NOISE, k))
         accountant.step(ROUND)
     assert rounds_apart(schedule, 4, 50)
     assert accountant.epsilon == pytest.approx(record["epsilon"], rel=1e-12)
@@ -779,7 +779,7 @@ def test_mechanism_checkpoint_resumes_bit_identically() -> None:
         for k in rounds:
             cohort = mech.select(k, make_rng(1, Stream.SAMPLING, k), avail[k])
             mech.admit(k, cohort)
-            out.append((cohort.tolist(), mech.server_noise(k, make_rng(1, Stream.SERVER_NOISE, k))))
+            out.append((cohort.tolist(), mech.server_noise(k, lambda k=k: make_rng(1, Stream.SERVER_NOISE, k))))
         return out
 
     straight = run(make(), range(40))

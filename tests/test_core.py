@@ -345,3 +345,23 @@ def test_round_streams_draw_what_make_rng_draws_in_any_order() -> None:
         np.testing.assert_array_equal(a.rng(stream, k).random(5), first)  # again from the start, not continued
     other_seed = RoundStreams(4).rng(Stream.SAMPLING, 0).random(5)
     assert not np.array_equal(other_seed, make_rng(3, Stream.SAMPLING, 0).random(5))
+
+
+def test_round_streams_share_a_seeds_draw_once() -> None:
+    """RoundStreams.draw computes a (seed, stream, k, key) draw once and shares it read-only; other keys draw anew."""
+    from dpfedavg.core.seeding import RoundStreams, Stream, make_rng
+    from dpfedavg.core.server import poisson_sample
+
+    calls = []
+
+    def sample(rng: np.random.Generator) -> np.ndarray:
+        calls.append(1)
+        return poisson_sample(50, 0.3, rng)
+
+    first = RoundStreams(11).draw(Stream.SAMPLING, 4, ("poisson", 50, 0.3), sample)
+    again = RoundStreams(11).draw(Stream.SAMPLING, 4, ("poisson", 50, 0.3), sample)
+    np.testing.assert_array_equal(first, poisson_sample(50, 0.3, make_rng(11, Stream.SAMPLING, 4)))
+    assert again is first and len(calls) == 1 and not first.flags.writeable
+    RoundStreams(11).draw(Stream.SAMPLING, 4, ("poisson", 60, 0.3), sample)  # another n: its own draw
+    RoundStreams(12).draw(Stream.SAMPLING, 4, ("poisson", 50, 0.3), sample)  # another seed
+    assert len(calls) == 3

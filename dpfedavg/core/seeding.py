@@ -11,8 +11,11 @@ vectors for both). Stateless derivation also makes resuming a run trivial.
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from enum import IntEnum
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +49,11 @@ def _initial_state(seed: int, stream: Stream, round_index: int) -> dict:
     return make_rng(seed, stream, round_index).bit_generator.state
 
 
+#: `RoundStreams.draw()`'s values by ``(seed, stream, k, key)``, oldest first (at most `_MAX_DRAWS`).
+_draws: OrderedDict[tuple, Any] = OrderedDict()
+_MAX_DRAWS = 8192
+
+
 class RoundStreams:
     """A seeded run's per-round generators, ``make_rng(seed, stream, k)``, without building one per call.
 
@@ -68,6 +76,27 @@ class RoundStreams:
             generator = self._generators[stream] = np.random.Generator(np.random.PCG64(0))
         generator.bit_generator.state = _initial_state(self.seed, stream, int(round_index))
         return generator
+
+    def draw(self, stream: Stream, round_index: int, key: Hashable, fn: Callable[[np.random.Generator], Any]) -> Any:
+        """``fn(rng(stream, round_index))``, computed once per process for ``(seed, stream, round_index, key)``.
+
+        For a draw that only the generator and ``key`` determine (a Poisson sample of ``n`` clients at ``q``,
+        the random iterate's coin): the runs of a batch with one seed get the same value without drawing it
+        again. An array comes back read-only (it is shared).
+        """
+        full = (self.seed, int(stream), int(round_index), key)
+        value = _draws.get(full, _MISSING)
+        if value is _MISSING:
+            value = fn(self.rng(stream, round_index))
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+            _draws[full] = value
+            if len(_draws) > _MAX_DRAWS:
+                _draws.popitem(last=False)
+        return value
+
+
+_MISSING = object()
 
 
 @lru_cache(maxsize=4096)

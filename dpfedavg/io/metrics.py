@@ -46,8 +46,10 @@ class RoundStats:
     METRICS_AFTER = "beta"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "rejected_reasons", tuple(self.rejected_reasons))
-        object.__setattr__(self, "failed_reasons", tuple(self.failed_reasons))
+        if type(self.rejected_reasons) is not tuple:
+            object.__setattr__(self, "rejected_reasons", tuple(self.rejected_reasons))
+        if type(self.failed_reasons) is not tuple:
+            object.__setattr__(self, "failed_reasons", tuple(self.failed_reasons))
 
     @classmethod
     def columns(cls, metric_names: tuple[str, ...] = ()) -> tuple[str, ...]:

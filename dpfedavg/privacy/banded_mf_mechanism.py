@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,6 +254,7 @@ class BandedMFMechanism:
     record_key = "banded_mf"
     #: The cohort depends on who is connected (``min-separation`` asks the eligible, connected clients).
     selects_from_available = True
+    selection_key = None  # the cohort depends on the participation history
 
     def __init__(
         self, spec: BandedMFSpec, noise_std: float, dim: int, *, clip: float, delta: float, accountant: str
@@ -291,14 +292,14 @@ class BandedMFMechanism:
         """Record round ``k``'s cohort in the participation history (`ParticipationTracker.admit()`)."""
         self.tracker.admit(round_index, cohort)
 
-    def server_noise(self, round_index: int, rng: np.random.Generator, top_up_std: float = 0.0) -> Vector:
+    def server_noise(self, round_index: int, rng: Callable[[], np.random.Generator], top_up_std: float = 0.0) -> Vector:
         """``(C^{-1} Z)_k`` for the server to add to round ``k``'s sum (every round, also an empty or skipped one).
 
         ``top_up_std`` is the independent mechanism's; the server placement's is ``sigma`` itself, so the
         correlated noise replaces it.
         """
         del top_up_std
-        return self.stream.next(round_index, rng)
+        return self.stream.next(round_index, rng())
 
     # --------------------------------------------------------------------------------------- records, state
     def record(self) -> dict[str, Any]:

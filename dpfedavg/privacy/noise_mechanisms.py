@@ -26,7 +26,7 @@ Two ship:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -56,6 +56,9 @@ class RoundMechanism(Protocol):
     record_key: str | None
     #: Whether `select()` reads who is connected (the engines then pass it).
     selects_from_available: bool
+    #: What determines `select()`'s cohort besides the generator (the runs of a batch with one seed then share
+    #: one draw, `dpfedavg.core.seeding.RoundStreams.draw`); ``None``: it also depends on the mechanism's state.
+    selection_key: Hashable | None
 
     @property
     def denominator(self) -> float:
@@ -67,8 +70,11 @@ class RoundMechanism(Protocol):
     def admit(self, round_index: int, cohort: np.ndarray) -> None:
         """Record round ``k``'s cohort, once the round is sure to run (after the budget check)."""
 
-    def server_noise(self, round_index: int, rng: np.random.Generator, top_up_std: float = 0.0) -> Vector | None:
-        """What the server adds to round ``k``'s sum (``top_up_std``: the placement's share for the server)."""
+    def server_noise(
+        self, round_index: int, rng: Callable[[], np.random.Generator], top_up_std: float = 0.0
+    ) -> Vector | None:
+        """What the server adds to round ``k``'s sum (``top_up_std``: the placement's share for the server);
+        ``rng()`` gives the round's generator, made only when something is drawn."""
 
     def record(self) -> dict[str, Any] | None:
         """The mechanism's numbers for ``config.json``."""
@@ -113,6 +119,7 @@ class IndependentRounds:
         #: ``sampling = "check-in"``: every client is asked; each node takes part by its own coin
         #: (`dpfedavg.core.check_in`), so the release is this mechanism's Poisson-sampled one all the same.
         self.check_in = check_in
+        self.selection_key = ("poisson", num_clients, clients_per_round, check_in)
 
     @property
     def denominator(self) -> float:
@@ -129,9 +136,11 @@ class IndependentRounds:
     def admit(self, round_index: int, cohort: np.ndarray) -> None:
         """Nothing to record: every round's Poisson draw is independent of the earlier ones."""
 
-    def server_noise(self, round_index: int, rng: np.random.Generator, top_up_std: float = 0.0) -> Vector | None:
+    def server_noise(
+        self, round_index: int, rng: Callable[[], np.random.Generator], top_up_std: float = 0.0
+    ) -> Vector | None:
         """``N(0, top_up_std^2 I)``: the server's share (all of ``(zC)^2`` for ``server`` placement)."""
-        return gaussian_noise(self.dim, top_up_std, rng) if top_up_std > 0 else None
+        return gaussian_noise(self.dim, top_up_std, rng()) if top_up_std > 0 else None
 
     def record(self) -> None:
         return None

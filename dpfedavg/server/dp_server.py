@@ -182,6 +182,7 @@ class DPServer:
             check_privacy_terms(self.secagg, self.secagg_release())
         self.momentum: Vector = np.zeros(dim)
         self._streams = RoundStreams(cfg.seed)
+        self._stds: dict[tuple[int, int], tuple[float, float]] = {}  # `noise_stds_for()` by counts (a fixed C)
         #: ``w_{k~}`` (Alg. 1 line 13), kept by reservoir sampling, and ``k~``.
         self.random_iterate: Vector | None = None
         self.random_round: int | None = None
@@ -244,11 +245,16 @@ class DPServer:
         """
         if not self.plan.dp:
             return 0.0, 0.0
-        z, c, r = self.plan.noise_multiplier, self.sensitivity, self.params.clients_per_round
-        return (
-            self.placement.client_std(z, c, r, num_sampled),
-            self.placement.server_std(z, c, r, num_sampled, num_included),
-        )
+        stds = self._stds.get((num_sampled, num_included)) if self.adaptive is None else None
+        if stds is None:
+            z, c, r = self.plan.noise_multiplier, self.sensitivity, self.params.clients_per_round
+            stds = (
+                self.placement.client_std(z, c, r, num_sampled),
+                self.placement.server_std(z, c, r, num_sampled, num_included),
+            )
+            if self.adaptive is None:  # a fixed C: the stds depend on the counts only (kept per run)
+                self._stds[(num_sampled, num_included)] = stds
+        return stds
 
     def _rng(self, stream: Stream, round_index: int) -> np.random.Generator:
         """The generator of ``stream`` in round ``k``: seeded, or from the OS CSPRNG with ``secure-noise``.
@@ -319,8 +325,11 @@ class DPServer:
         cohort among the ``available`` (connected) clients, ``None`` meaning all; nobody outside the rule.
         Not yet recorded: `begin_round()` admits the cohort once the round is sure to run.
         """
-        rng = self._rng(Stream.SAMPLING, server_round - 1)
-        return self.round_mechanism.select(server_round - 1, rng, available)
+        k, mechanism = server_round - 1, self.round_mechanism
+        key = mechanism.selection_key
+        if key is not None and not self.cfg.secure_noise:  # seeded: one draw for every run with this seed
+            return self._streams.draw(Stream.SAMPLING, k, key, lambda rng: mechanism.select(k, rng, available))
+        return mechanism.select(k, self._rng(Stream.SAMPLING, k), available)
 
     def instructions(self, server_round: int, num_sampled: int) -> RoundInstructions:
         """The train config of ``server_round``: ``eta_k``, ``E``, ``C``, noise std and seed."""
@@ -415,7 +424,7 @@ class DPServer:
         if self.release_log is not None:  # on disk before the round is sent: a crash cannot hide this release
             self.release_log.write(server_round)
         self.round_mechanism.admit(k, clients)  # recorded only for a round that runs
-        if keep_random_iterate(k, self._rng(Stream.ITERATE, k)):
+        if self._keeps_iterate(k):
             self.random_iterate, self.random_round = w.copy(), k
         self._w, self._round, self._num_sampled = w, server_round, len(clients)
         self._cohort = len(clients)
@@ -425,6 +434,12 @@ class DPServer:
             reason = f"secure aggregation needs at least {MIN_SECAGG_COHORT} clients, {len(clients)} sampled"
             return RoundStart(clients, None, self.close_round(server_round, RoundReplies(halted=reason)))
         return RoundStart(clients, self.instructions(server_round, len(clients)))
+
+    def _keeps_iterate(self, k: int) -> bool:
+        """Line 13's reservoir coin in round ``k`` (`keep_random_iterate`); seeded, drawn once per seed and round."""
+        if self.cfg.secure_noise:
+            return keep_random_iterate(k, self._rng(Stream.ITERATE, k))
+        return self._streams.draw(Stream.ITERATE, k, "keep", lambda rng: keep_random_iterate(k, rng))
 
     def connected_cohort(self, server_round: int, num_connected: int) -> RoundInstructions:
         """The open round's instructions for ``|S_k| = num_connected``: its sampled clients that can be reached.
@@ -495,7 +510,7 @@ class DPServer:
         # the server's share: all of (zC)^2 for `server` placement, the missing replies' share otherwise; with
         # banded-MF noise the round's (C^-1 Z)_k instead, every round
         server_std = self.noise_stds_for(self._cohort, num_received)[1]
-        noise = self.round_mechanism.server_noise(k, self._rng(Stream.SERVER_NOISE, k), server_std)
+        noise = self.round_mechanism.server_noise(k, lambda: self._rng(Stream.SERVER_NOISE, k), server_std)
         if noise is not None:
             total += noise
         clip = self.clip if self.bound.private else float("nan")

@@ -78,6 +78,8 @@ class RunSums:
     def update_norms(self, run: int) -> np.ndarray:
         """Run ``run``'s ``||u_i||`` of the clients that entered its sum, in client order."""
         parts = self.norms[run]
+        if len(parts) == 1:  # one block of clients (a small round): its norms as they are
+            return parts[0]
         return np.concatenate(parts) if parts else np.zeros(0)
 
 
@@ -152,7 +154,8 @@ def _accumulate(
         g = np.concatenate([g, count[:, :, None]], axis=2)  # (R, B, d + 1)
     # g_i + zeta_i by the one Gaussian addition: g + (z_i * std), z_i the client's standard normals
     rows = add_gaussian(g, stds[:, None, None], None if normals is None else normals[None, :, :release])
-    if not bool(finite.all()):  # a client whose training diverged sends nothing
+    all_finite = bool(finite.all())
+    if not all_finite:  # a client whose training diverged sends nothing
         keep = finite[:, :, None]
         rows = np.where(keep, rows, 0.0)
         g = np.where(keep, g, 0.0) if clean is not None else g
@@ -163,6 +166,9 @@ def _accumulate(
         into.noisy[r] = noisy[j]
         if clean is not None and wants_clean[j]:
             into.clean[r] = clean[j]
+        if all_finite:
+            into.norms[r].append(block.norms[j])
+            continue
         ok = finite[j]
         into.norms[r].append(block.norms[j][ok])
         if not ok.all():

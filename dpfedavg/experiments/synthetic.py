@@ -101,23 +101,24 @@ def synthetic_cells(
 def collect(cells: Sequence[Cell], path: Path) -> list[dict]:
     """Write ``synthetic.csv`` from the cells' ``metrics.csv``; returns the rows."""
     rows = []
+    nan = float("nan")
     for cell in cells:
         cfg = cell.cfg
         with (cell.directory / "metrics.csv").open() as fh:
-            for r in csv.DictReader(fh):
-                rows.append(
-                    {
-                        "algorithm": cfg.algorithm,
-                        "C": cfg.clip,
-                        "init": cfg.init,
-                        "eta": cfg.local_lr,
-                        "seed": cfg.seed,
-                        "round": int(r["round"]),
-                        "suboptimality": float(r["suboptimality"]),
-                        "snr": float(r["snr"]) if r["snr"] else float("nan"),
-                        "C_k": float(r["clip"]) if r.get("clip") else float("nan"),
-                    }
-                )
+            reader = csv.reader(fh)
+            header = next(reader)
+            at_round, at_sub, at_snr = header.index("round"), header.index("suboptimality"), header.index("snr")
+            at_clip = header.index("clip") if "clip" in header else None
+            run = {"algorithm": cfg.algorithm, "C": cfg.clip, "init": cfg.init, "eta": cfg.local_lr, "seed": cfg.seed}
+            for r in reader:
+                clip = r[at_clip] if at_clip is not None else ""
+                rows.append({
+                    **run,
+                    "round": int(r[at_round]),
+                    "suboptimality": float(r[at_sub]),
+                    "snr": float(r[at_snr]) if r[at_snr] else nan,
+                    "C_k": float(clip) if clip else nan,
+                })  # fmt: skip
     write_csv(path, SYNTHETIC_COLUMNS, rows)
     return rows
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
+from operator import attrgetter
 
 __all__ = ["MetricsRow", "RoundStats"]
 
@@ -73,11 +75,19 @@ class RoundStats:
         """The numeric columns for the MetricRecord / CSV."""
         return {name: getattr(self, name) for name in _STAT_COLUMNS}
 
+    def csv_parts(self) -> tuple[tuple, tuple]:
+        """The statistics of ``metrics.csv``'s row before and after the task's metrics (`columns()`' order)."""
+        return _HEAD(self), _TAIL(self)
+
 
 #: `RoundStats`'s field names, in order.
 _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(RoundStats))
 #: The numeric statistics `RoundStats.as_metrics()` gives (``columns()`` without ``round`` and ``elapsed_s``).
 _STAT_COLUMNS: tuple[str, ...] = RoundStats.columns()[1:-1]
+_CUT = _STAT_COLUMNS.index(RoundStats.METRICS_AFTER) + 1
+_HEAD, _TAIL = attrgetter(*_STAT_COLUMNS[:_CUT]), attrgetter(*_STAT_COLUMNS[_CUT:])
+#: `RoundStats.csv_parts()` of a row without statistics (round 0): every cell empty.
+NO_STATS: tuple[tuple, tuple] = ((math.nan,) * _CUT, (math.nan,) * (len(_STAT_COLUMNS) - _CUT))
 
 
 class MetricsRow(dict):

@@ -240,8 +240,13 @@ class RunRecorder:
         """Append the round's row to ``metrics.csv`` (or keep it for `flush_rows()` while rows are held)."""
         if not self._known.issuperset(row):
             raise KeyError(f"metrics row has columns not in metrics.csv: {sorted(set(row) - self._known)}")
-        get = row.get  # `_fmt()` inline: a sweep formats some ten thousand values a second
-        values = [(repr(v) if v == v else "") if isinstance(v := get(col, _NAN), float) else v for col in self.columns]
+        self.write_values([row.get(col, _NAN) for col in self.columns])
+
+    def write_values(self, values: Sequence[Any]) -> None:
+        """`write_row()` of the row's values in column order (a sweep's batch writes thousands a second)."""
+        if len(values) != len(self.columns):
+            raise ValueError(f"metrics row has {len(values)} values, metrics.csv {len(self.columns)} columns")
+        values = [(repr(v) if v == v else "") if isinstance(v, float) else v for v in values]  # `_fmt()` inline
         if self._held is not None:
             self._held.append(values)
             return

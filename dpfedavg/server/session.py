@@ -35,7 +35,7 @@ from dpfedavg.io.checkpoint import (
     privacy_signature,
     save_checkpoint,
 )
-from dpfedavg.io.metrics import RoundStats
+from dpfedavg.io.metrics import NO_STATS, RoundStats
 from dpfedavg.io.results import (
     RunRecorder,
     RunResult,
@@ -373,11 +373,11 @@ class RunSession:
             self.trajectory.append(np.asarray(w, dtype=np.float32))
         if metrics:
             self.evaluated[server_round] = metrics
-        row: dict[str, Any] = {"round": server_round, **metrics, "elapsed_s": round(time.monotonic() - self._t0, 3)}
-        if stats is not None:
-            row.update(stats.as_metrics())
+        head, tail = stats.csv_parts() if stats is not None else NO_STATS
+        row = [server_round, *head, *[metrics.get(name, math.nan) for name in self.metric_names], *tail,
+               round(time.monotonic() - self._t0, 3)]  # fmt: skip
         try:
-            self.recorder.write_row(row)
+            self.recorder.write_values(row)
         except OSError as err:
             raise self._results_error(f"round {server_round}'s row of metrics.csv", err) from None
         self.last_row = server_round

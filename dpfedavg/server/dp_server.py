@@ -183,6 +183,7 @@ class DPServer:
         self.momentum: Vector = np.zeros(dim)
         self._streams = RoundStreams(cfg.seed)
         self._stds: dict[tuple[int, int], tuple[float, float]] = {}  # `noise_stds_for()` by counts (a fixed C)
+        self._events: dict[tuple[int, int], RoundEvent] = {}  # `round_event()` by counts
         #: ``w_{k~}`` (Alg. 1 line 13), kept by reservoir sampling, and ``k~``.
         self.random_iterate: Vector | None = None
         self.random_round: int | None = None
@@ -353,10 +354,13 @@ class DPServer:
 
     def round_event(self, num_sampled: int, num_included: int) -> RoundEvent:
         """The privacy event of a round with these counts: the placement's accounted ``z_k`` (always ``z``)."""
-        z_k = self.placement.accounted_noise_multiplier(
-            self.plan.noise_multiplier, self.params.clients_per_round, num_sampled, num_included
-        )
-        return RoundEvent(self.params.q, z_k)
+        event = self._events.get((num_sampled, num_included))
+        if event is None:  # the placement and the plan are the run's: the event depends on the counts only
+            z_k = self.placement.accounted_noise_multiplier(
+                self.plan.noise_multiplier, self.params.clients_per_round, num_sampled, num_included
+            )
+            event = self._events[(num_sampled, num_included)] = RoundEvent(self.params.q, z_k)
+        return event
 
     # ------------------------------------------------------------ checkpoint
     def state(self) -> ServerState:

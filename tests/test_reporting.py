@@ -305,3 +305,35 @@ def test_dp_mod_sends_running_statistics_only_noised_and_says_so(caplog) -> None
     notes = [r.getMessage() for r in caplog.records if "buffers" in r.getMessage()]
     assert len(notes) == 1 and "bn.running_mean" in notes[0] and "noised" in notes[0], notes
     assert "bn.num_batches_tracked" in notes[0] and "never sent" in notes[0]
+
+
+def test_log_axes_are_labelled_in_plain_text_with_matplotlibs_ticks() -> None:
+    """io.log_axis writes matplotlib's own log labels without mathtext (whose parser dominated the figures' time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogFormatterSciNotation
+
+    from dpfedavg.io.log_axis import plain_log_labels, plain_text
+
+    assert plain_text(r"$\mathdefault{10^{-2}}$") == "10⁻²"
+    assert plain_text(r"$\mathdefault{2\times10^{-13}}$") == "2×10⁻¹³"
+    assert plain_text(r"$\mathdefault{-10^{3}}$") == "−10³"
+    assert plain_text(r"$\mathdefault{\alpha}$") == r"$\mathdefault{\alpha}$"  # not translatable: left as it was
+    assert plain_text("") == "" and plain_text("1e-05") == "1e-05"
+    labels = {}
+    for name in ("mathtext", "plain"):
+        fig, ax = plt.subplots()
+        ax.set_yscale("log")
+        ax.set_ylim(0.03, 0.7)  # under two decades: matplotlib labels minor ticks too
+        ax.plot([0, 1], [0.05, 0.5])
+        if name == "plain":
+            plain_log_labels(ax)
+        else:
+            assert isinstance(ax.yaxis.get_major_formatter(), LogFormatterSciNotation)
+        fig.canvas.draw()
+        labels[name] = [t.get_text() for t in ax.yaxis.get_majorticklabels() + ax.yaxis.get_minorticklabels()]
+        plt.close(fig)
+    assert [plain_text(t) for t in labels["mathtext"]] == labels["plain"]
+    assert "2×10⁻¹" in labels["plain"] and not any("$" in t for t in labels["plain"])

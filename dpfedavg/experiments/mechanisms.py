@@ -180,6 +180,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dpfedavg.io.log_axis import plain_log_labels
+
     stats = _summary(rows)
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 4), squeeze=False)
@@ -199,6 +201,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_xticks(sorted({r["epsilon"] for r in rows}), [f"{e:g}" for e in sorted({r["epsilon"] for r in rows})])
         if not higher:
             ax.set_yscale("log")
+            plain_log_labels(ax)
         ax.set_xlabel("epsilon")
         ax.set_ylabel(metric + (" (higher is better)" if higher else " (lower is better)"))
         ax.set_title(setting)

@@ -153,6 +153,8 @@ def plot(rows: list[dict], cells: Sequence[Cell], out: Path, z: float, snr_eta: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dpfedavg.io.log_axis import plain_log_labels
+
     clips = sorted({r["C"] for r in rows})
     inits = sorted({r["init"] for r in rows})
     etas = sorted({r["eta"] for r in rows})
@@ -176,6 +178,7 @@ def plot(rows: list[dict], cells: Sequence[Cell], out: Path, z: float, snr_eta: 
                         )
                         ax.plot(np.arange(len(y)), y, style, color=color, label=f"{name}({eta:g})", lw=1.3)
                 ax.set_yscale("log")
+                plain_log_labels(ax)
                 ax.set_title(f"{init}: C = {c:g}  (z = {z:.2f})", fontsize=10)
                 ax.set_xlabel("round k")
                 ax.set_ylabel(label)
@@ -304,6 +307,8 @@ def plot_adaptive(rows: list[dict], out: Path, z: float, eta: float) -> Path | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dpfedavg.io.log_axis import plain_log_labels
+
     clips = sorted({r["C"] for r in rows})
     inits = sorted({r["init"] for r in rows})
     curves, c_k = _curves(rows, "suboptimality"), _curves(rows, "C_k")
@@ -320,6 +325,7 @@ def plot_adaptive(rows: list[dict], out: Path, z: float, eta: float) -> Path | N
                 if y is not None:
                     ax.plot(np.arange(len(y)), y, style, color=color, label=name, lw=1.3)
             ax.set_yscale("log")
+            plain_log_labels(ax)
             ax.set_title(f"{init}: C (= C_0) = {c:g}, eta = {eta:g}", fontsize=10)
             ax.set_xlabel("round k")
             ax.set_ylabel("f(w_k) - f*")

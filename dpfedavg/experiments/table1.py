@@ -260,6 +260,8 @@ def plot_curves(curves: Sequence[Cell], best: dict, path: Path, dataset: str) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dpfedavg.io.log_axis import plain_log_labels
+
     epsilons = sorted({c.cfg.epsilon for c in curves}, reverse=True)
     accuracy: dict = defaultdict(list)
     for cell in curves:
@@ -286,6 +288,7 @@ def plot_curves(curves: Sequence[Cell], best: dict, path: Path, dataset: str) ->
         axes[0][j].set_ylabel("test accuracy (%)")
         axes[1][j].set_ylabel("C_k")
         axes[1][j].set_yscale("log")
+        plain_log_labels(axes[1][j])
         for ax in axes[:, j]:
             ax.set_xlabel("round k")
             ax.grid(alpha=0.3)

@@ -286,6 +286,8 @@ class RunRecorder:
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
+
+            from dpfedavg.io.log_axis import plain_log_labels
         except ImportError:
             logger.info("metrics.png not written: matplotlib is not installed (pip install matplotlib)")
             return None
@@ -299,6 +301,7 @@ class RunRecorder:
             values = [v for _, v in pts]
             if min(values) > 0 and max(values) / min(values) > 10:  # e.g. a suboptimality over decades
                 ax.set_yscale("log")
+                plain_log_labels(ax)
         ax.set_xlabel("round k")
         ax.set_ylabel(headline if headline in self.columns else f"{headline} (not computed)", color="tab:blue")
         if eps:

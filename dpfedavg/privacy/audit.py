@@ -611,6 +611,8 @@ def plot_roc(result: AuditResult, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dpfedavg.io.log_axis import plain_log_labels
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     s, delta = result.setting, result.setting.delta
@@ -625,6 +627,7 @@ def plot_roc(result: AuditResult, path: str | Path) -> Path:
         limit = np.minimum(1.0, np.minimum(math.exp(eps) * grid + delta, 1.0 - math.exp(-eps) * (1.0 - delta - grid)))
         ax.plot(grid, limit, style, label=label)
     ax.set_xscale("log")
+    plain_log_labels(ax, "x")
     ax.set_xlabel("false-positive rate")
     ax.set_ylabel("true-positive rate")
     ax.set_title(

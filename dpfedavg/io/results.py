@@ -219,7 +219,9 @@ class RunRecorder:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.columns = tuple(columns)
         self._known = frozenset(self.columns)
-        self._held: list[list[Any]] | None = None  # rows kept for flush_rows() (hold_rows()); None: written at once
+        #: rows kept for flush_rows() (hold_rows()); None: written at once. Tuples of strings: the garbage collector
+        #: stops tracking them, so a batch's held rows do not lengthen its collections.
+        self._held: list[tuple[Any, ...]] | None = None
         self.metrics_path = self.directory / "metrics.csv"
         self.config_path = self.directory / "config.json"
         self.model_path = self.directory / "model.npz"
@@ -246,7 +248,7 @@ class RunRecorder:
         """`write_row()` of the row's values in column order (a sweep's batch writes thousands a second)."""
         if len(values) != len(self.columns):
             raise ValueError(f"metrics row has {len(values)} values, metrics.csv {len(self.columns)} columns")
-        values = [(repr(v) if v == v else "") if isinstance(v, float) else v for v in values]  # `_fmt()` inline
+        values = tuple([(repr(v) if v == v else "") if isinstance(v, float) else v for v in values])  # `_fmt()` inline
         if self._held is not None:
             self._held.append(values)
             return

@@ -365,3 +365,20 @@ def test_round_streams_share_a_seeds_draw_once() -> None:
     RoundStreams(11).draw(Stream.SAMPLING, 4, ("poisson", 60, 0.3), sample)  # another n: its own draw
     RoundStreams(12).draw(Stream.SAMPLING, 4, ("poisson", 50, 0.3), sample)  # another seed
     assert len(calls) == 3
+
+
+def test_round_streams_keep_few_draws_however_long_a_run(monkeypatch) -> None:
+    """The shared draws are a small cache (a batch's runs share one round's): bounded in entries and in bytes."""
+    from dpfedavg.core import seeding
+    from dpfedavg.core.seeding import RoundStreams, Stream
+
+    monkeypatch.setattr(seeding, "_draws", type(seeding._draws)())
+    monkeypatch.setattr(seeding, "_draw_bytes", 0)
+    monkeypatch.setattr(seeding, "_MAX_DRAW_BYTES", 10 * 8 * 1000)  # ten cohorts of every one of 1000 clients
+    streams = RoundStreams(0)
+    for k in range(300):  # a long check-in run: every client every round
+        streams.draw(Stream.SAMPLING, k, ("all", 1000), lambda rng: np.arange(1000))
+    assert len(seeding._draws) == 10 and seeding._draw_bytes == 10 * 8 * 1000
+    for k in range(1000):
+        streams.draw(Stream.ITERATE, k, "keep", lambda rng: bool(rng.random() < 0.5))
+    assert len(seeding._draws) == seeding._MAX_DRAWS

@@ -11,6 +11,7 @@ vectors for both). Stateless derivation also makes resuming a run trivial.
 from __future__ import annotations
 
 import secrets
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from enum import IntEnum
@@ -49,9 +50,15 @@ def _initial_state(seed: int, stream: Stream, round_index: int) -> dict:
     return make_rng(seed, stream, round_index).bit_generator.state
 
 
-#: `RoundStreams.draw()`'s values by ``(seed, stream, k, key)``, oldest first (at most `_MAX_DRAWS`).
-_draws: OrderedDict[tuple, Any] = OrderedDict()
-_MAX_DRAWS = 8192
+#: `RoundStreams.draw()`'s values by ``(seed, stream, k, key)``, oldest first, with their sizes in bytes. Only the
+#: runs of one round share a draw (a batch's runs call `draw()` for the same round one after the other), so a few
+#: entries suffice: at most `_MAX_DRAWS` of them and `_MAX_DRAW_BYTES` of arrays (a cohort of every one of
+#: 50,000 clients is 400 kB).
+_draws: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+_MAX_DRAWS = 256
+_MAX_DRAW_BYTES = 16 * 2**20
+_draw_bytes = 0
+_draws_lock = threading.Lock()
 
 
 class RoundStreams:
@@ -84,19 +91,24 @@ class RoundStreams:
         the random iterate's coin): the runs of a batch with one seed get the same value without drawing it
         again. An array comes back read-only (it is shared).
         """
+        global _draw_bytes
         full = (self.seed, int(stream), int(round_index), key)
-        value = _draws.get(full, _MISSING)
-        if value is _MISSING:
-            value = fn(self.rng(stream, round_index))
-            if isinstance(value, np.ndarray):
-                value.flags.writeable = False
-            _draws[full] = value
-            if len(_draws) > _MAX_DRAWS:
-                _draws.popitem(last=False)
+        hit = _draws.get(full)
+        if hit is not None:
+            return hit[0]
+        value = fn(self.rng(stream, round_index))
+        size = 0
+        if isinstance(value, np.ndarray):
+            value.flags.writeable = False
+            size = value.nbytes
+        with _draws_lock:  # servers in several threads of a process (the draw itself is deterministic)
+            if full not in _draws:
+                _draws[full] = (value, size)
+                _draw_bytes += size
+            while _draws and (len(_draws) > _MAX_DRAWS or _draw_bytes > _MAX_DRAW_BYTES):
+                _draw_bytes -= _draws.popitem(last=False)[1][1]
         return value
 
-
-_MISSING = object()
 
 
 @lru_cache(maxsize=4096)

@@ -107,9 +107,15 @@ def write_text(path: Path, text: str) -> None:
 def write_csv(path: Path, columns: Sequence[str], rows: Iterable[Mapping[str, object]]) -> None:
     """Replace ``path`` with a CSV of ``rows`` under the header ``columns``, atomically (a sweep's summary)."""
     text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=list(columns))
-    writer.writeheader()
-    writer.writerows(rows)
+    writer = csv.writer(text)
+    columns = list(columns)
+    known = frozenset(columns)
+    writer.writerow(columns)
+    for row in rows:  # csv.DictWriter's rows (a missing column is empty, an unknown one an error), faster
+        if not known.issuperset(row):
+            extra = ", ".join(map(repr, sorted(row.keys() - known)))
+            raise ValueError(f"dict contains fields not in fieldnames: {extra}")
+        writer.writerow([row.get(column, "") for column in columns])
     write_text(path, text.getvalue())
 
 

@@ -245,14 +245,14 @@ def _plot_trajectories(cells: Sequence[Cell], out: Path, z: float, plt) -> Path 
 def summarize(rows: list[dict], z: float, tail: int = 50) -> str:
     """Markdown: final suboptimality (mean of the last ``tail`` rounds and seeds) and SNR comparison."""
     by = defaultdict(list)
-    snr = defaultdict(dict)
+    snr = defaultdict(lambda: defaultdict(dict))  # (C, init, eta) -> (seed, round) -> algorithm -> SNR_k
     last_round = max(r["round"] for r in rows)
     for r in rows:
         key = (r["C"], r["init"], r["eta"])
         if r["round"] > last_round - tail:
             by[(r["algorithm"], *key)].append(r["suboptimality"])
         if r["round"] > 0:
-            snr[(*key, r["seed"], r["round"])][r["algorithm"]] = r["snr"]
+            snr[key][(r["seed"], r["round"])][r["algorithm"]] = r["snr"]
     lines = [
         f"Noise multiplier z = {z:.4f} (PLD, (5, 1e-6) over {last_round} rounds, q = 1).",
         "",
@@ -261,9 +261,7 @@ def summarize(rows: list[dict], z: float, tail: int = 50) -> str:
     ]
     for c, init, eta in sorted({k[1:] for k in by}):
         clip_v, norm_v = np.mean(by[("clip", c, init, eta)]), np.mean(by[("norm", c, init, eta)])
-        pairs = [
-            v for (cc, ii, ee, _, _), v in snr.items() if (cc, ii, ee) == (c, init, eta) and {"clip", "norm"} <= set(v)
-        ]
+        pairs = [v for v in snr[(c, init, eta)].values() if {"clip", "norm"} <= set(v)]
         share = np.mean([v["norm"] >= v["clip"] * (1 - 1e-9) for v in pairs]) if pairs else float("nan")
         lines.append(
             f"| {init} | {c:g} | {eta:g} | {clip_v:.4g} | {norm_v:.4g} | {clip_v / norm_v:.3g} | {100 * share:.1f}% |"

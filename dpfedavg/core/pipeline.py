@@ -11,6 +11,13 @@ A SuperNode hosting several virtual clients replies with each client's own ``g +
 `block_rows()` runs the same bound and noise (the code it shares with `round_block_sum()`) and keeps the rows;
 the block crosses to the host as one array (`BlockRows.to_host()`).
 
+Precision: the pipeline runs in ``u``'s dtype. A float64 ``u`` (the default of the torch tasks) gives the float64
+reference; a float32 ``u`` (``torch-compile`` with ``torch-dtype = float32``) is bounded, noised and summed over its
+block in float32, and the blocks' sums are added in float64. The noise is the same draws either way (float64 on the
+host, cast once). Against the float64 pipeline on the same ``u``, the round's noisy sum agrees to
+`FLOAT32_TOLERANCE` relative to its largest entry (float32's rounding of the bound, the noise and a block's sum;
+``tests/test_fast_torch_path.py`` checks trajectories of the whole fast path against the eager float64 path).
+
 The noise is each client's own stream ``noise_rng(noise_seed, i)`` (`client_normals()`): the same
 standard normals `dpfedavg.core.noise.GaussianLaw.add()` draws for that client, added by the same function
 (`dpfedavg.core.noise.add_gaussian()`), so ``g + std * z`` here is, element for element, what the ClientApp
@@ -37,6 +44,7 @@ from dpfedavg.core.threads import cpu_share
 from dpfedavg.core.types import ClientResult, RoundInstructions
 
 __all__ = [
+    "FLOAT32_TOLERANCE",
     "NOISE_THREADS",
     "NOISE_THREAD_MIN_DIM",
     "BlockRows",
@@ -48,6 +56,11 @@ __all__ = [
     "noise_threads",
     "round_block_sum",
 ]
+
+#: A float32 pipeline's round sum is within this of the float64 pipeline's on the same ``u``, relative to the sum's
+#: largest entry (``tests/test_fast_torch_path.py``; float32's unit roundoff is 6e-8, a block's sum of B rows adds at
+#: most about ``sqrt(B)`` of them in practice).
+FLOAT32_TOLERANCE = 1e-5
 
 #: Threads drawing a block's noise rows, at most (and at most the process's `cpu_share()`).
 NOISE_THREADS = 4
@@ -107,6 +120,12 @@ def client_normals(noise_seed: int, client_ids: Sequence[int] | np.ndarray, dim:
     chunks = [range(lo, min(lo + step, len(client_ids))) for lo in range(0, len(client_ids), step)]
     list(_noise_pool().map(fill, chunks))
     return out
+
+
+def _wide(x: Any) -> Any:
+    """A block's sum in float64 (a float32 block's sum is cast: the round's sum over blocks adds in float64)."""
+    xp = namespace(x)
+    return x if x.dtype == xp.float64 else astype(x, xp.float64)
 
 
 @dataclass
@@ -192,10 +211,10 @@ def round_block_sum(
         noisy = xp.where(finite[:, None], noisy, 0.0)
         g = xp.where(finite[:, None], g, 0.0) if keep_clean else g
     into = into if into is not None else BlockSums(norms=[], finite=[])
-    block_noisy = xp.sum(noisy, axis=0)
+    block_noisy = _wide(xp.sum(noisy, axis=0))
     into.noisy = block_noisy if into.noisy is None else into.noisy + block_noisy
     if keep_clean:
-        block_clean = xp.sum(g, axis=0)
+        block_clean = _wide(xp.sum(g, axis=0))
         into.clean = block_clean if into.clean is None else into.clean + block_clean
     into.norms.append(block.norms)
     into.finite.append(finite)
@@ -252,7 +271,7 @@ class BlockRows:
         dim = self.noisy.shape[1]
         columns = [self.noisy] + ([] if self.clean is None else [self.clean])
         flags = astype(self.finite, self.noisy.dtype)
-        packed = to_host(concat([*columns, self.norms[:, None], flags[:, None]], axis=1))
+        packed = to_host(concat([*columns, self.norms[:, None], flags[:, None]], axis=1)).astype(np.float64, copy=False)
         clean = None if self.clean is None else packed[:, dim : 2 * dim]
         return HostRows(noisy=packed[:, :dim], clean=clean, norms=packed[:, -2], finite=packed[:, -1] > 0)
 

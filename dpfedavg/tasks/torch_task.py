@@ -17,7 +17,8 @@ parameter). Alg. 1 / Alg. 2 lines 5-9: ``E`` local gradient steps
   with different example counts are padded to the block's largest and masked. The iterates are
   kept in float64 and cast to the working dtype (``torch-dtype``) for each gradient, which is what
   the ClientApp path does, so the two engines agree to the rounding of one gradient;
-* `TorchTask.device_block_update()`: the same ``u`` left on the task's device as a float64 tensor; the
+* `TorchTask.device_block_update()`: the same ``u`` left on the task's device as a float64 tensor (with
+  ``torch-compile``: in ``torch-dtype``, the local steps compiled over chunks of a fixed size); the
   batched engine bounds, noises and sums it there (`dpfedavg.core.pipeline`, issue 37), so a round
   copies no block of updates to the host;
 * `TorchTask.evaluate()`: server-side test accuracy / loss and the training objective
@@ -75,6 +76,10 @@ EVAL_CHUNK = 4096
 #: The local steps take clients this many bytes of examples at a time through all E steps (each step is one vmapped
 #: call, about a millisecond of Python and dispatch: fewer, larger calls pay more than keeping a chunk in cache).
 CLIENT_CHUNK_BYTES = 32 * 1024**2
+#: Clients per chunk of the compiled local steps on the CPU (``torch-compile``, `TorchTask._compiled_chunk_steps`):
+#: a chunk's examples and iterates stay in the core's cache through a step (about 2 MiB of FMNIST examples). Measured
+#: on 2 cores for ``nn.Linear(784, 10)`` (the benchmarks page): 16, 32 and 64 clients.
+COMPILE_CHUNK_CLIENTS = 32
 #: The local steps fold ``-1 / lambda`` into the gradient (`TorchTask._chunk_steps`) from this weight decay up (below
 #: it, the scaled gradient could overflow float32; they scale by ``-eta`` and take a second pass).
 LERP_MIN_DECAY = 1e-8
@@ -83,6 +88,10 @@ EVAL_CLIENT_BLOCK = 256
 #: A sharded dataset is kept on the GPU when it takes at most this share of the device's free memory
 #: (`TorchTask._resident_shards`).
 RESIDENT_FRACTION = 0.25
+
+
+class _EagerFallback(Exception):
+    """Raised inside `TorchTask._runs_update` when a block's local steps run eagerly instead of compiled."""
 
 
 def _torch() -> Any:
@@ -622,50 +631,99 @@ class TorchTask:
         func = self.torch.func
         return func.vmap(func.grad(self._scaled_objective), in_dims=(0, 0, 0, 0, None))
 
-    #: The padded size of the blocks `_compiled_grad` is given (set per block by `_runs_update`).
-    _compile_pad: int = 0
+    #: Set when ``torch.compile`` failed on this task's step: the rest of the run is eager (`_compiled_step`).
+    _compile_failed: bool = False
 
     @cached_property
-    def _compiled_grad(self) -> Callable[..., Any]:
-        """`_clients_grad` through ``torch.compile`` (``torch-compile = true``), over blocks padded to few sizes.
+    def _compiled_step(self) -> Callable[..., Any]:
+        """One local step of a chunk of clients through ``torch.compile`` (``torch-compile = true``).
 
-        Dynamo specialises a vmapped ``grad`` on the batch size, so every sampled count would compile again; a
-        block is cut into chunks of one size (on the CPU) and each chunk of ``B`` clients is padded to
-        `compile_bucket()` of that size by repeating its first client (real data: no 0/0 in the padded rows);
-        the padded rows' gradients are dropped. ``scale`` comes as a 0-d tensor
-        (a Python float is a constant to Dynamo: a new step size would compile again). The first call compiles;
-        if it raises, one log line says so and the eager `_clients_grad` is used for the rest of the run.
+        ``(m, base, x, y, mask, alpha, weight, scale, lerp) -> m'``: the step of `_chunk_steps()` for one run, in one
+        compiled call: ``w_t = m_t + alpha w_k`` (``alpha = 1 + c_t``), the vmapped gradient of `_scaled_objective()`
+        and the update of ``m`` (``lerp`` with ``weight = eta lambda``, else ``(1 - weight) m + scale grad``), so
+        inductor fuses the elementwise passes into the products' loops. The numbers come as 0-d tensors (a Python
+        float is a constant to Dynamo: each step's ``alpha`` would compile again) and every chunk has one shape
+        (`_compiled_chunk_steps()`), so a run compiles once. If the first call raises, one log line says so, the
+        block runs eagerly (`_EagerFallback`), and so does the rest of the run.
         """
         torch = self.torch
-        compiled = torch.compile(self._clients_grad, dynamic=False)
-        eager = self._clients_grad
-        failed: list[bool] = []  # set once compiling raised: eager from then on
+        names = self.layout.names
+        grad = self._clients_grad
+        self._buffers  # noqa: B018 - cached here: a cached_property's first look-up inside the region breaks its graph
 
-        def pad(t: Any, size: int) -> Any:
-            extra = size - t.shape[0]
-            return t if extra == 0 else torch.cat([t, t[:1].expand(extra, *t.shape[1:])])
+        def step(m: list[Any], base: list[Any], x: Any, y: Any, mask: Any, alpha: Any, weight: Any, scale: Any,
+                 lerp: bool) -> list[Any]:  # fmt: skip
+            g = grad({n: mi + bi * alpha for n, mi, bi in zip(names, m, base, strict=True)}, x, y, mask, scale)
+            if lerp:
+                return [mi.lerp(g[n], weight) for n, mi in zip(names, m, strict=True)]
+            return [mi * (1.0 - weight) + g[n] for n, mi in zip(names, m, strict=True)]
 
-        def padded(params: dict[str, Any], x: Any, y: Any, mask: Any, scale: Any) -> dict[str, Any]:
-            b = x.shape[0]
-            size = self._compile_pad if b <= self._compile_pad else compile_bucket(b)
-            args = ({n: pad(v, size) for n, v in params.items()}, pad(x, size), pad(y, size), pad(mask, size), scale)
-            if not failed:
+        compiled = torch.compile(step, dynamic=False)
+
+        def call(*args: Any) -> list[Any]:
+            if not self._compile_failed:
                 try:
-                    return {n: g[:b] for n, g in compiled(*args).items()}
+                    return compiled(*args)
                 except Exception as err:  # noqa: BLE001 - any failure to compile: the eager steps
                     logger.warning("torch-compile: %s cannot be compiled (%s: %s); the local steps run eagerly",
                                    self.cfg.task, type(err).__name__, (str(err).splitlines() or [""])[0])  # fmt: skip
-                    failed.append(True)
-            return eager(params, x, y, mask, scale)
+                    self._compile_failed = True
+            raise _EagerFallback
 
-        return padded
+        return call
+
+    def _compile_size(self, clients: int) -> int:
+        """The compiled chunk's number of clients: `COMPILE_CHUNK_CLIENTS` on the CPU (every block cut into chunks
+        of that size), a block's `compile_bucket()` on an accelerator (the whole block one chunk)."""
+        return COMPILE_CHUNK_CLIENTS if self.device.type == "cpu" else compile_bucket(clients)
+
+    def _compiled_chunk_steps(
+        self,
+        start: dict[str, Any],
+        lrs: np.ndarray,
+        x: Any,
+        y: Any,
+        mask: Any,
+        batches: Callable[[], tuple[Any, Any, Any]] | None,
+        num_steps: int,
+        size: int,
+    ) -> dict[str, Any]:
+        """`_chunk_steps()` for one run through `_compiled_step`, the chunk padded to ``size`` clients.
+
+        The padded rows are copies of the chunk's first client (real data: no 0/0 in a masked mean) and are
+        dropped from the result; each step is one compiled call.
+        """
+        torch = self.torch
+        names = list(start)
+        clients = x.shape[0]
+
+        def pad(t: Any) -> Any:
+            extra = size - t.shape[0]
+            return t if extra == 0 else torch.cat([t, t[:1].expand(extra, *t.shape[1:])])
+
+        x, y, mask = pad(x), pad(y), pad(mask)
+        base = [start[n][0] for n in names]
+        decay = float(lrs[0]) * self.weight_decay  # a = eta lambda
+        lerp = self.weight_decay >= LERP_MIN_DECAY
+        number = lambda v: torch.tensor(v, dtype=self.dtype, device=self.device)  # noqa: E731
+        scale = number(-1.0 / self.weight_decay if lerp else -float(lrs[0]))
+        weight = number(decay)
+        m = [torch.zeros((size, *bi.shape[1:]), dtype=self.dtype, device=self.device) for bi in base]
+        c = 0.0
+        for _ in range(num_steps):
+            xb, yb, mb = (x, y, mask) if batches is None else (pad(t) for t in batches())
+            m = self._compiled_step(m, base, xb, yb, mb, number(1.0 + c), weight, scale, lerp)
+            c = (1.0 - decay) * c - decay
+        return {n: torch.add(mi[:clients], bi, alpha=c)[None] for n, mi, bi in zip(names, m, base, strict=True)}
 
     @cached_property
     def _runs_grad(self) -> Callable[..., Any]:
         """`_clients_grad` over an ``(R, B)`` block: clients inside, runs outside (data shared, one scale a run)."""
         return self.torch.func.vmap(self._clients_grad, in_dims=(0, None, None, None, 0))
 
-    def _runs_update(self, client_ids: np.ndarray, server_round: int = 0) -> Callable[[Any, np.ndarray, int], Any]:
+    def _runs_update(
+        self, client_ids: np.ndarray, server_round: int = 0, out_dtype: Any = None
+    ) -> Callable[[Any, np.ndarray, int], Any]:
         """``u`` of E local steps for ``R`` runs x ``B`` clients: ``(W_k (R, dim), eta_k (R,), E) -> (R, B, dim)``.
 
         Alg. 1/2 lines 5-9: ``w_{t+1} = w_t - eta_k (grad L_i(w_t) + lambda w_t)``, ``u = (w_k - w_{k,E}) / eta_k``
@@ -676,9 +734,11 @@ class TorchTask:
         with float32 ``u`` keeps float32's relative precision (the displacement is small next to ``w``; tested
         within 1e-5 of the float64 loop). On the CPU, clients are processed `CLIENT_CHUNK_BYTES` of data at a
         time through all E steps (which bounds a step's working set); on a GPU the whole block is one chunk
-        (one vmapped call per step). Each chunk's displacements are copied into the float64 result in place and
-        the result is divided by ``-eta_k`` once. ``server_round`` picks the round's mini-batches. The result is
-        a float64 tensor on the task's device.
+        (one vmapped call per step). With ``torch-compile`` (one run), each step of a chunk is one compiled call
+        instead (`_compiled_chunk_steps()`: chunks of `_compile_size()` clients, the last one padded). Each chunk's
+        displacements are copied into the result in place and the result is divided by ``-eta_k`` once.
+        ``server_round`` picks the round's mini-batches. The result is a tensor on the task's device, float64
+        unless ``out_dtype`` says otherwise.
         """
         torch = self.torch
         layout = self.layout  # builds the module before any torch.func transform
@@ -688,9 +748,6 @@ class TorchTask:
         full_mask = torch.as_tensor(np.arange(m_max)[None, :] < counts[:, None], device=self.device)
         per_client = max(1, x[0].numel() * x.element_size())
         chunk = len(ids) if self.device.type != "cpu" else max(1, min(len(ids), CLIENT_CHUNK_BYTES // per_client))
-        if self.cfg.torch_compile:  # chunks of one size, padded to one compiled size (`_compiled_grad`)
-            chunk = -(-len(ids) // -(-len(ids) // chunk))
-            self._compile_pad = compile_bucket(chunk)
         offsets = np.concatenate([[0], np.cumsum(layout.numels)]).tolist()
 
         def update(w: Any, lrs: np.ndarray, num_steps: int) -> Any:
@@ -707,15 +764,25 @@ class TorchTask:
                 start[name] = piece.reshape(runs, 1, *shape)
                 if layout.is_transposed(i):
                     start[name] = start[name].transpose(-1, -2).contiguous()
-            out = torch.empty((runs, len(ids), layout.dim), dtype=torch.float64, device=self.device)
-            with self._lock:
-                for lo in range(0, len(ids), chunk):
-                    hi = min(lo + chunk, len(ids))
+            out = torch.empty((runs, len(ids), layout.dim), dtype=out_dtype or torch.float64, device=self.device)
+
+            def chunks(size: int, steps: Callable[..., dict[str, Any]]) -> None:
+                for lo in range(0, len(ids), size):
+                    hi = min(lo + size, len(ids))
                     batches = self._minibatches(ids[lo:hi], counts[lo:hi], server_round, x[lo:hi], y[lo:hi])
-                    moved = self._chunk_steps(start, lrs, x[lo:hi], y[lo:hi], full_mask[lo:hi], batches, num_steps)
+                    moved = steps(start, lrs, x[lo:hi], y[lo:hi], full_mask[lo:hi], batches, num_steps)
                     for i, (name, shape) in enumerate(zip(layout.names, layout.flat_shapes(), strict=True)):
                         part = moved[name].transpose(-1, -2) if layout.is_transposed(i) else moved[name]
                         out[:, lo:hi, offsets[i] : offsets[i + 1]].view(runs, hi - lo, *shape).copy_(part)
+
+            with self._lock:
+                try:
+                    if runs > 1 or not self.cfg.torch_compile or self._compile_failed:
+                        raise _EagerFallback
+                    size = self._compile_size(len(ids))
+                    chunks(size, lambda *args: self._compiled_chunk_steps(*args, size=size))
+                except _EagerFallback:  # the eager steps (a sweep's runs, or a model inductor cannot compile)
+                    chunks(chunk, self._chunk_steps)
             return out.div_(-torch.as_tensor(lrs, device=self.device)[:, None, None])
 
         return update
@@ -729,12 +796,14 @@ class TorchTask:
         return lambda w, lrs, num_steps: update(w, lrs, num_steps).cpu().numpy()
 
     def device_block_update(self, client_ids: np.ndarray, server_round: int = 0) -> Callable[[Any, float, int], Any]:
-        """``(w_k, eta_k, E) -> u``, ``(B, dim)`` float64 left on the task's device (the batched engine's pipeline).
+        """``(w_k, eta_k, E) -> u``, ``(B, dim)`` left on the task's device (the batched engine's pipeline).
 
         `_runs_update()` for one run; ``w_k`` a numpy vector or a tensor on the device. The engine bounds,
-        noises and sums ``u`` there (`dpfedavg.core.pipeline.round_block_sum()`).
+        noises and sums ``u`` there (`dpfedavg.core.pipeline.round_block_sum()`), in ``u``'s dtype: float64, or
+        with ``torch-compile`` the working dtype (``torch-dtype``; float32 by default, which the pipeline then
+        runs in: within `dpfedavg.core.pipeline.FLOAT32_TOLERANCE` of float64).
         """
-        update = self._runs_update(client_ids, server_round)
+        update = self._runs_update(client_ids, server_round, self.dtype if self.cfg.torch_compile else None)
         return lambda w, lr, num_steps: update(w, np.array([lr]), num_steps)[0]
 
     def _chunk_steps(
@@ -767,8 +836,6 @@ class TorchTask:
         if runs == 1:  # one run: no vmap over runs
             grad_fn, lead, base = self._clients_grad, (clients,), [start[n][0] for n in names]
             scale, weight = float(np.atleast_1d(scale)[0]), float(decay[0])
-            if self.cfg.torch_compile:
-                grad_fn, scale = self._compiled_grad, torch.tensor(scale, dtype=self.dtype, device=self.device)
         else:
             grad_fn, lead, base = self._runs_grad, (runs, clients), [start[n] for n in names]
             scale = torch.as_tensor(np.full(runs, scale) if lerp else scale, dtype=self.dtype, device=self.device)

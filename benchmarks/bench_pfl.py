@@ -19,7 +19,10 @@ pfl 0.6.0 pins ``dp-accounting < 0.6`` and this project needs 0.6, so pfl lives 
 
     python3 -m venv /tmp/pfl-venv
     /tmp/pfl-venv/bin/pip install torch==2.13.0 "pfl[pytorch]==0.6.0"
-    python benchmarks/bench_pfl.py --pfl-python /tmp/pfl-venv/bin/python
+    python benchmarks/bench_pfl.py --pfl-python /tmp/pfl-venv/bin/python [--compile]
+
+``--compile`` adds dpfedavg's ``nn.Linear`` with ``torch-compile = true`` (the compiled local steps over chunks of
+clients and the float32 device pipeline; its first round holds the compilation).
 
 Each side reports the median seconds per round over rounds 2..K (round 1 holds one-off start-up); the table
 gives pfl's time over dpfedavg's.
@@ -144,11 +147,11 @@ def run_pfl(python: str, clients: int, rounds: int, workers: int, tmp: Path) -> 
 
 
 # ---------------------------------------------------------------------------------------- the dpfedavg side
-def run_dpfedavg(clients: int, rounds: int, tmp: Path, factory: str) -> dict:
+def run_dpfedavg(clients: int, rounds: int, tmp: Path, factory: str, extra: dict | None = None) -> dict:
     """The same workload on dpfedavg's generic torch path (the batched engine), in this process.
 
     ``factory``: ``user_linear`` (``nn.Linear(784, 10)``, pfl's model) or ``generic_logistic`` (the logistic
-    task's model), both from ``bench_torch.py``.
+    task's model), both from ``bench_torch.py``; ``extra``: more run-config keys (``torch-compile``).
     """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_engines import fmnist_workload, per_round
@@ -158,7 +161,7 @@ def run_dpfedavg(clients: int, rounds: int, tmp: Path, factory: str) -> dict:
 
     task = f"{Path(__file__).resolve().parent / 'bench_torch.py'}:{factory}"
     values = {**fmnist_workload(tmp, clients, rounds), "task": task, "torch-dtype": "float32",
-              "server-momentum": 0.8, "run-name": factory}  # fmt: skip
+              "server-momentum": 0.8, "run-name": factory, **(extra or {})}  # fmt: skip
     same = (values["clip"], values["local-lr"], values["clients-per-round"]) == (
         CLIP,
         LOCAL_LR,
@@ -176,6 +179,8 @@ def main() -> None:
     parser.add_argument("--pfl-workers", type=int, nargs="*", default=[1, 2], help="pfl process counts (default 1 2)")
     parser.add_argument("--clients", type=int, default=N_CLIENTS)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--compile", action="store_true", help="also run dpfedavg's nn.Linear with torch-compile = true "
+                        "(the compiled local steps and the float32 device pipeline)")  # fmt: skip
     parser.add_argument("--pfl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -187,8 +192,11 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-pfl-"))
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
     ours_name = "dpfedavg, `nn.Linear(784, 10)` (pfl's model), generic torch.func path"
+    compiled_name = "dpfedavg, `nn.Linear(784, 10)`, `torch-compile = true`"
     results = {
         ours_name: run_dpfedavg(args.clients, args.rounds, tmp, "user_linear"),
+        **({compiled_name: run_dpfedavg(args.clients, args.rounds, tmp, "user_linear", {"torch-compile": True})}
+           if args.compile else {}),  # fmt: skip
         "dpfedavg, the logistic task's model, generic torch.func path": run_dpfedavg(
             args.clients, args.rounds, tmp, "generic_logistic"
         ),
@@ -201,6 +209,11 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['per_round']:.3f} | {r['wall']:.1f} | {r['per_round'] / ours:.2f} |")
+    if args.compile:
+        fast = results[compiled_name]["per_round"]
+        for workers in args.pfl_workers:
+            ratio = results[f"pfl 0.6.0, {workers} process(es)"]["per_round"] / fast
+            print(f"pfl 0.6.0, {workers} process(es) / dpfedavg with torch-compile: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ Fashion-MNIST; the cost does not depend on the pixel values):
   ``task = "<this file>:generic_logistic"`` (a user's ``module:factory``);
 * the same model as a user writes it, ``nn.Sequential(nn.Linear(784, 10))`` through ``TorchTask``
   (``task = "<this file>:user_linear"``): PyTorch's ``(out, in)`` weight layout, the generic path;
+* the same with ``torch-compile = true`` (``torch-user-linear-compiled``): the compiled local steps over chunks of
+  clients and the float32 device pipeline;
 * ``mlp-fmnist``: the MLP 784-100-10 on torch (79,510 parameters), the generic path.
 
 The per-round time is the median of ``elapsed_s`` differences over rounds where the server does
@@ -28,7 +30,8 @@ time per round, the time per sampled client (it must fall or stay flat as n grow
     python benchmarks/bench_torch.py --gpu-table --device cuda --rounds 12 --sizes 1000 3000 15000 50000
 
     python benchmarks/bench_torch.py [--clients 3000] [--rounds 12] [--device auto|cpu|cuda] [--dtype float32]
-        [--torch-threads N] [--only numpy torch-logistic torch-logistic-vmap torch-user-linear torch-mlp]
+        [--torch-threads N] [--only numpy torch-logistic torch-logistic-vmap torch-user-linear
+        torch-user-linear-compiled torch-mlp]
         [--work-dir DIR] [--gpu-table [--sizes N ...]]
 """
 
@@ -143,6 +146,8 @@ def main() -> None:
         "torch-logistic": {"task": "fmnist", "backend": "torch", **torch_keys},
         "torch-logistic-vmap": {"task": f"{Path(__file__).resolve()}:generic_logistic", **torch_keys},
         "torch-user-linear": {"task": f"{Path(__file__).resolve()}:user_linear", **torch_keys},
+        "torch-user-linear-compiled": {"task": f"{Path(__file__).resolve()}:user_linear", "torch-compile": True,
+                                       **torch_keys},  # fmt: skip
         "torch-mlp": {"task": "mlp-fmnist", **torch_keys},
     }
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)", flush=True)
@@ -159,7 +164,8 @@ def main() -> None:
         where = {"numpy": "numpy closed form", "torch-logistic": "torch closed form"}.get(label, "torch.func vmap")
         if label != "numpy":
             where += f", {args.dtype}, {args.device}, {args.torch_threads or 'default'} torch threads"
-        names = {"torch-logistic-vmap": "fmnist (logistic, ours)", "torch-user-linear": "fmnist (`nn.Linear(784, 10)`)"}
+        names = {"torch-logistic-vmap": "fmnist (logistic, ours)", "torch-user-linear": "fmnist (`nn.Linear(784, 10)`)",
+                 "torch-user-linear-compiled": "fmnist (`nn.Linear(784, 10)`, `torch-compile`)"}  # fmt: skip
         name = names.get(label, "fmnist" if label.startswith(("numpy", "torch-logistic")) else cfg.task)
         print(f"| {name} | {where} | {s:.3f} | {1000 * s / (0.2 * n):.2f} | {wall:.1f} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f} (1 min)", flush=True)

@@ -59,7 +59,7 @@ __all__ = [
 
 #: A float32 pipeline's round sum (and its norms) is within this of the float64 pipeline's on the same ``u``, relative
 #: to the largest entry (``tests/test_fast_torch_path.py``: 40 clients, measured up to 1e-7; float32's unit roundoff
-#: is 6e-8, and torch sums a block's rows pairwise, so the error grows with the logarithm of the block's size).
+#: is 6e-8, and torch's sum of a block's rows is a cascade sum: the error grows slowly with the block's size).
 FLOAT32_TOLERANCE = 1e-6
 
 #: Threads drawing a block's noise rows, at most (and at most the process's `cpu_share()`).
@@ -67,8 +67,9 @@ NOISE_THREADS = 4
 #: Rows at least this long are drawn on several threads. A row's cost is setting the client's generator
 #: state (a few us, holding the GIL; `dpfedavg.core.seed_rows`) plus filling it (about 9 ns per value, the
 #: GIL released): at d = 200 threads only add their overhead (CPU per 100 rows: 1.08 ms on one thread,
-#: 1.37 ms with a pool created per call); from about 10^4 values the fill is 90 % of a row.
-NOISE_THREAD_MIN_DIM = 10_000
+#: 1.37 ms with a pool created per call). 600 rows on 2 cores (2026-11-28): d = 1024 6.7 ms on one thread and
+#: 5.0 on two, d = 2048 11.8 and 10.4, d = 4096 22.2 and 12.0, d = 7850 41 and 22.
+NOISE_THREAD_MIN_DIM = 4096
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()

@@ -179,8 +179,8 @@ def main() -> None:
     parser.add_argument("--pfl-workers", type=int, nargs="*", default=[1, 2], help="pfl process counts (default 1 2)")
     parser.add_argument("--clients", type=int, default=N_CLIENTS)
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--compile", action="store_true", help="also run dpfedavg's nn.Linear with torch-compile = true "
-                        "(the compiled local steps and the float32 device pipeline)")  # fmt: skip
+    parser.add_argument("--compile", action="store_true", help="also run dpfedavg's nn.Linear with "
+                        "torch-compile = true (the compiled local steps and the float32 device pipeline)")  # fmt: skip
     parser.add_argument("--pfl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -195,8 +195,11 @@ def main() -> None:
     compiled_name = "dpfedavg, `nn.Linear(784, 10)`, `torch-compile = true`"
     results = {
         ours_name: run_dpfedavg(args.clients, args.rounds, tmp, "user_linear"),
-        **({compiled_name: run_dpfedavg(args.clients, args.rounds, tmp, "user_linear", {"torch-compile": True})}
-           if args.compile else {}),  # fmt: skip
+        **(
+            {compiled_name: run_dpfedavg(args.clients, args.rounds, tmp, "user_linear", {"torch-compile": True})}
+            if args.compile
+            else {}
+        ),  # fmt: skip
         "dpfedavg, the logistic task's model, generic torch.func path": run_dpfedavg(
             args.clients, args.rounds, tmp, "generic_logistic"
         ),

@@ -146,8 +146,11 @@ def main() -> None:
         "torch-logistic": {"task": "fmnist", "backend": "torch", **torch_keys},
         "torch-logistic-vmap": {"task": f"{Path(__file__).resolve()}:generic_logistic", **torch_keys},
         "torch-user-linear": {"task": f"{Path(__file__).resolve()}:user_linear", **torch_keys},
-        "torch-user-linear-compiled": {"task": f"{Path(__file__).resolve()}:user_linear", "torch-compile": True,
-                                       **torch_keys},  # fmt: skip
+        "torch-user-linear-compiled": {
+            "task": f"{Path(__file__).resolve()}:user_linear",
+            "torch-compile": True,
+            **torch_keys,
+        },  # fmt: skip
         "torch-mlp": {"task": "mlp-fmnist", **torch_keys},
     }
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min)", flush=True)

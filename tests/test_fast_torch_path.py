@@ -90,4 +90,3 @@ def test_float32_pipeline_is_within_its_tolerance_and_keeps_the_noise_stream() -
     noisy = round_block_sum(torch.zeros((6, 50), dtype=torch.float32), ins, ids[:6]).to_host().noisy
     zeta = (client_normals(4, ids[:6], 50) * 0.5).astype(np.float32)
     np.testing.assert_array_equal(noisy, torch.as_tensor(zeta).sum(0).double().numpy())
-

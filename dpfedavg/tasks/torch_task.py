@@ -677,17 +677,9 @@ class TorchTask:
         of that size), a block's `compile_bucket()` on an accelerator (the whole block one chunk)."""
         return COMPILE_CHUNK_CLIENTS if self.device.type == "cpu" else compile_bucket(clients)
 
-    def _compiled_chunk_steps(
-        self,
-        start: dict[str, Any],
-        lrs: np.ndarray,
-        x: Any,
-        y: Any,
-        mask: Any,
-        batches: Callable[[], tuple[Any, Any, Any]] | None,
-        num_steps: int,
-        size: int,
-    ) -> dict[str, Any]:
+    def _compiled_chunk_steps(self, start: dict[str, Any], lrs: np.ndarray, x: Any, y: Any, mask: Any,
+                              batches: Callable[[], tuple[Any, Any, Any]] | None, num_steps: int, *, size: int,
+                              ) -> dict[str, Any]:  # fmt: skip
         """`_chunk_steps()` for one run through `_compiled_step`, the chunk padded to ``size`` clients.
 
         The padded rows are copies of the chunk's first client (real data: no 0/0 in a masked mean) and are

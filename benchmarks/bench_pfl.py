@@ -160,8 +160,10 @@ def run_dpfedavg(clients: int, rounds: int, tmp: Path, factory: str, extra: dict
     from dpfedavg.engines.batched import run_batched
 
     task = f"{Path(__file__).resolve().parent / 'bench_torch.py'}:{factory}"
+    extra = extra or {}
+    name = factory + ("-compiled" if extra.get("torch-compile") else "")
     values = {**fmnist_workload(tmp, clients, rounds), "task": task, "torch-dtype": "float32",
-              "server-momentum": 0.8, "run-name": factory, **(extra or {})}  # fmt: skip
+              "server-momentum": 0.8, "run-name": name, **extra}  # fmt: skip
     same = (values["clip"], values["local-lr"], values["clients-per-round"]) == (
         CLIP,
         LOCAL_LR,

@@ -643,8 +643,9 @@ class TorchTask:
         and the update of ``m`` (``lerp`` with ``weight = eta lambda``, else ``(1 - weight) m + scale grad``), so
         inductor fuses the elementwise passes into the products' loops. The numbers come as 0-d tensors (a Python
         float is a constant to Dynamo: each step's ``alpha`` would compile again) and every chunk has one shape
-        (`_compiled_chunk_steps()`), so a run compiles once. If the first call raises, one log line says so, the
-        block runs eagerly (`_EagerFallback`), and so does the rest of the run.
+        (`_compiled_chunk_steps()`), so a run compiles once. If a call raises (it compiles at its first call for a
+        shape), one log line says so, the whole block runs again eagerly (`_EagerFallback`), and so does the rest of
+        the run.
         """
         torch = self.torch
         names = self.layout.names

@@ -77,9 +77,9 @@ EVAL_CHUNK = 4096
 #: call, about a millisecond of Python and dispatch: fewer, larger calls pay more than keeping a chunk in cache).
 CLIENT_CHUNK_BYTES = 32 * 1024**2
 #: Clients per chunk of the compiled local steps on the CPU (``torch-compile``, `TorchTask._compiled_chunk_steps`):
-#: a chunk's examples and iterates stay in the core's cache through a step (about 2 MiB of FMNIST examples). Measured
-#: on 2 cores for ``nn.Linear(784, 10)`` (the benchmarks page): 16, 32 and 64 clients.
-COMPILE_CHUNK_CLIENTS = 32
+#: on two threads each core takes half a chunk, about 2 MiB of FMNIST examples, which stays in its cache through a
+#: step. Measured on 2 cores for ``nn.Linear(784, 10)`` (the benchmarks page): 16, 32, 64 and 128 clients.
+COMPILE_CHUNK_CLIENTS = 64
 #: The local steps fold ``-1 / lambda`` into the gradient (`TorchTask._chunk_steps`) from this weight decay up (below
 #: it, the scaled gradient could overflow float32; they scale by ``-eta`` and take a second pass).
 LERP_MIN_DECAY = 1e-8

@@ -425,29 +425,10 @@ class RunSession:
             final["audit"] = self.audit
         return summary, final
 
-    def finish(
-        self,
-        w_final: Vector,
-        stopped_before_round: int | None = None,
-        *,
-        checkpoint: bool = True,
-        plot: bool = True,
-        failed: str | None = None,
-    ) -> RunResult:
-        """Write the final checkpoint, ``model.npz``, then ``config.json``'s summary (last: a run is finished once it is
-        there) and ``metrics.png`` (`write_final()`); the run's result, with ``metrics.csv`` read back.
-
-        ``checkpoint`` / ``plot``: also the final ``checkpoint.npz`` (with ``checkpoint-every``) and ``metrics.png``;
-        a sweep's batch (`dpfedavg.engines.batched_runs`) writes neither (a cell reruns whole, figures
-        come from the sweep). ``failed``: why the run stopped early because its replies were unusable
-        (``config.json`` ``final.stopped_because``).
-
-        A failed write of the model, the trajectory or ``config.json`` is one `ResultsError`: the run reads
-        as unfinished, and ``resume=true`` from the final checkpoint writes them (no round is run again).
-        """
-        w_random, k_random, epsilon, level = self.write_final(
-            w_final, stopped_before_round, checkpoint=checkpoint, plot=plot, failed=failed
-        )
+    def finish(self, w_final: Vector, stopped_before_round: int | None = None, **options: Any) -> RunResult:
+        """`write_final()` (``options``: its ``checkpoint``, ``plot`` and ``failed``), then the run's result, with
+        ``metrics.csv`` read back."""
+        w_random, k_random, epsilon, level = self.write_final(w_final, stopped_before_round, **options)
         return RunResult(
             weights=np.asarray(w_final, dtype=np.float64),
             random_iterate=np.asarray(w_random, dtype=np.float64),
@@ -470,8 +451,18 @@ class RunSession:
         plot: bool = True,
         failed: str | None = None,
     ) -> tuple[Vector, int, float, str]:
-        """`finish()`'s files and log lines without its result (a sweep's batch reads none):
-        ``(w_{k~}, k~, epsilon, guarantee level)``."""
+        """Write the final checkpoint, ``model.npz``, then ``config.json``'s summary (last: a run is finished once it is
+        there) and ``metrics.png``, and log the run's last lines; ``(w_{k~}, k~, epsilon, guarantee level)``.
+
+        `finish()` is this plus the run's result; a sweep's batch reads no result and calls this alone.
+        ``checkpoint`` / ``plot``: also the final ``checkpoint.npz`` (with ``checkpoint-every``) and ``metrics.png``;
+        a sweep's batch (`dpfedavg.engines.batched_runs`) writes neither (a cell reruns whole, figures
+        come from the sweep). ``failed``: why the run stopped early because its replies were unusable
+        (``config.json`` ``final.stopped_because``).
+
+        A failed write of the model, the trajectory or ``config.json`` is one `ResultsError`: the run reads
+        as unfinished, and ``resume=true`` from the final checkpoint writes them (no round is run again).
+        """
         server = self.server
         w_random = server.random_iterate if server.random_iterate is not None else w_final
         k_random = server.random_round if server.random_round is not None else 0

@@ -110,7 +110,6 @@ class RoundStreams:
         return value
 
 
-
 @lru_cache(maxsize=4096)
 def round_noise_seed(seed: int, round_index: int) -> int:
     """The per-round noise seed the server sends to the sampled clients.

@@ -110,15 +110,6 @@ def package_versions() -> dict[str, str]:
     return dict(_versions())
 
 
-_NAN = float("nan")
-
-
-def _fmt(value: Any) -> Any:
-    if isinstance(value, float):
-        return repr(value) if value == value else ""  # NaN is the one float unequal to itself: an empty cell
-    return value
-
-
 def complete_rows(path: Path) -> list[list[str]]:
     """``metrics.csv``'s complete rows, header first: a last line without its terminator (a process killed while
     appending it) is dropped with a warning, and so is any row of the wrong width."""
@@ -218,7 +209,6 @@ class RunRecorder:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.columns = tuple(columns)
-        self._known = frozenset(self.columns)
         #: rows kept for flush_rows() (hold_rows()); None: written at once. Tuples of strings: the garbage collector
         #: stops tracking them, so a batch's held rows do not lengthen its collections.
         self._held: list[tuple[Any, ...]] | None = None
@@ -238,17 +228,13 @@ class RunRecorder:
     def write_config(self, payload: Mapping[str, Any]) -> None:
         write_config_json(self.config_path, payload)
 
-    def write_row(self, row: Mapping[str, Any]) -> None:
-        """Append the round's row to ``metrics.csv`` (or keep it for `flush_rows()` while rows are held)."""
-        if not self._known.issuperset(row):
-            raise KeyError(f"metrics row has columns not in metrics.csv: {sorted(set(row) - self._known)}")
-        self.write_values([row.get(col, _NAN) for col in self.columns])
-
     def write_values(self, values: Sequence[Any]) -> None:
-        """`write_row()` of the row's values in column order (a sweep's batch writes thousands a second)."""
+        """Append the round's row, its values in column order, to ``metrics.csv`` (or keep it for `flush_rows()`
+        while rows are held). A float is written as its ``repr`` (every bit), NaN as an empty cell."""
         if len(values) != len(self.columns):
             raise ValueError(f"metrics row has {len(values)} values, metrics.csv {len(self.columns)} columns")
-        values = tuple([(repr(v) if v == v else "") if isinstance(v, float) else v for v in values])  # `_fmt()` inline
+        # NaN is the one float unequal to itself: an empty cell
+        values = tuple([(repr(v) if v == v else "") if isinstance(v, float) else v for v in values])
         if self._held is not None:
             self._held.append(values)
             return
@@ -257,7 +243,7 @@ class RunRecorder:
         append_bytes(self.metrics_path, buf.getvalue().encode())
 
     def hold_rows(self) -> None:
-        """Keep the rows `write_row()` gets in memory until `flush_rows()`, which appends them in one write.
+        """Keep the rows `write_values()` gets in memory until `flush_rows()`, which appends them in one write.
 
         For a sweep's batch (`dpfedavg.engines.batched_runs`): thousands of rows a second, one file open each,
         and a cell that stops early is rerun whole, so its rows need not reach the disk one by one. The file's

@@ -14,12 +14,12 @@ engine runs such a *batch* of runs together, round by round:
   the noise and the sum of lines 9-12, through the same `bound_block()` as
   every engine);
 * runs with the same seed sample the same clients and share every client's noise stream, so the standard
-  normal draws of a round are made once (`shared_standard_normals()`) and scaled by each
-  run's own std: a run's noise is, to the last bit, the noise it draws alone;
+  normal draws of a round are made once (`shared_standard_normals()`), summed over the clients once, and
+  scaled by each run's own std: a run's noise is the sum of the draws it makes alone (rounded differently);
 * the server evaluates every run due in one call when the task has ``evaluate_runs`` (the quadratic).
 
-So a run gives what it gives alone, up to floating-point rounding in the products (tested to 1e-9 on
-``synthetic.csv`` and ``table1.csv``; ``tests/test_batched_runs.py``).
+So a run gives what it gives alone, up to floating-point rounding in the products and sums (tested to 1e-9
+on ``synthetic.csv`` and ``table1.csv``; ``tests/test_batched_runs.py``).
 
 A run can join a batch when `unbatchable_reason()` says nothing (not ``secure-noise``: its draws
 cannot be shared; not secure aggregation: the encoding is per run; not ``resume``) and its task has
@@ -298,13 +298,14 @@ def _round(task: Task, server_round: int, local_steps: int, group: list) -> None
         released_sums(u, ids, algorithms=algorithms, clips=clips, noise_stds=stds, count_scales=scales,
                       normals=normals, into=sums)  # fmt: skip
     for r, (run, _, _) in enumerate(group):
-        for client_id in sums.failed[r]:
+        failed = sums.failed[r]
+        for client_id in failed:
             logger.warning("%s: round %d: client %d: local training diverged (NaN/Inf)", run.cfg.run_name,
                            server_round, client_id)  # fmt: skip
         norms = sums.update_norms(r)
         run.close(server_round, RoundReplies(total=sums.noisy[r], num_summed=len(norms), norms=norms,
-                                             clean_total=sums.clean[r], num_failed=len(sums.failed[r]),
-                                             failed_reasons=diverged(sums.failed[r])))  # fmt: skip
+                                             clean_total=sums.clean[r], num_failed=len(failed),
+                                             failed_reasons=diverged(failed) if failed else ()))  # fmt: skip
 
 
 def _evaluate(evaluate_runs: Callable | None, server_round: int, runs: list[_Run]) -> None:

@@ -47,7 +47,9 @@ class RoundReplies:
 
     def __post_init__(self) -> None:
         for name in ("results", "failed_reasons", "rejected_reasons"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+            value = getattr(self, name)
+            if type(value) is not tuple:  # a list or generator given: kept as a tuple (frozen, like the rest)
+                object.__setattr__(self, name, tuple(value))
         if self.total is not None and self.results:
             raise ValueError("RoundReplies holds either the clients' results or their sum, not both")
 

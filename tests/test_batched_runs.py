@@ -162,9 +162,10 @@ def test_shared_draws_are_each_clients_own_noise() -> None:
 def test_released_sums_equal_the_client_pipeline() -> None:
     """Per run: private_block_update's noisy replies summed in client order, NaN rows left out.
 
-    The clean sums are the same bits; the noisy ones are ``sum g + s sum z`` (core.runs._accumulate), the same
-    sum rounded differently: equal to 1e-12 of their largest entry. Leaving a diverged client's normals in its
-    run's sum (or scaling a run's normals by another run's std) is off by about 1 (the std times a normal).
+    The sums are formed otherwise (``sum_i f_i u_i`` as a product, the noise as ``s sum_i z_i``:
+    core.runs._accumulate), so they are the same sums rounded differently: equal to 1e-12 of their largest entry.
+    Leaving a diverged client's row or normals in its run's sum, or scaling a run's normals by another run's std,
+    is off by about 1 (an update or the std times a normal).
     """
     rng = np.random.default_rng(0)
     runs, clients, d = 5, 6, 4
@@ -187,7 +188,7 @@ def test_released_sums_equal_the_client_pipeline() -> None:
                 total += upd.noisy
                 clean = clean + upd.clean
         np.testing.assert_allclose(sums.noisy[r], total, rtol=0, atol=1e-12 * np.abs(total).max())
-        np.testing.assert_array_equal(sums.clean[r], clean)
+        np.testing.assert_allclose(sums.clean[r], clean, rtol=0, atol=1e-12 * np.abs(clean).max())
         assert sums.failed[r] == {1: [4], 3: [8]}.get(r, [])  # client ids[2], ids[4]
         assert len(sums.update_norms(r)) == clients - (r in (1, 3))
 

@@ -24,7 +24,9 @@ __all__ = [
     "get_bound",
     "is_private_algorithm",
     "clip",
+    "clip_factor",
     "normalize",
+    "normalize_factor",
     "bound_sensitivity",
     "gaussian_noise",
     "server_noise_std",
@@ -41,6 +43,21 @@ def _row_norms(u: Vector) -> Vector:
     return row_norms(u, keepdims=True)
 
 
+def clip_factor(norm: Vector, c: float | np.ndarray) -> Vector:
+    """``min(1, C / ||u||)`` per row, from ``norm`` (``||u||`` with a trailing axis of size 1): `clip()` is ``u``
+    times it. ``c`` is a scalar or one ``C`` per run (shape ``(R, 1, 1)``)."""
+    _check_scale(c)
+    xp, c = namespace(norm), as_array_like(c, norm)
+    return xp.where(norm > c, c / xp.where(norm > c, norm, 1.0), 1.0)
+
+
+def normalize_factor(norm: Vector, c: float | np.ndarray) -> Vector:
+    """``C / ||u||`` per row (0 for ``u = 0``), from ``norm`` as in `clip_factor()`: `normalize()` is ``u`` times it."""
+    _check_scale(c)
+    xp, c = namespace(norm), as_array_like(c, norm)
+    return xp.where(norm > 0, c / xp.where(norm > 0, norm, 1.0), 0.0)
+
+
 def clip(u: Vector, c: float | np.ndarray, norm: Vector | None = None) -> Vector:
     """Clip ``u`` to norm at most ``c``: ``clip(u, C) = u * min(1, C / ||u||)``.
 
@@ -49,11 +66,7 @@ def clip(u: Vector, c: float | np.ndarray, norm: Vector | None = None) -> Vector
     (runs x clients) row by row too, with ``c`` a scalar or one ``C`` per run of shape ``(R, 1, 1)``.
     ``norm``: ``||u||`` per row with a trailing axis of size 1, when the caller has it (else computed here).
     """
-    _check_scale(c)
-    xp, c = namespace(u), as_array_like(c, u)
-    norm = _row_norms(u) if norm is None else norm
-    scale = xp.where(norm > c, c / xp.where(norm > c, norm, 1.0), 1.0)
-    return u * scale
+    return u * clip_factor(_row_norms(u) if norm is None else norm, c)
 
 
 def normalize(u: Vector, c: float | np.ndarray, norm: Vector | None = None) -> Vector:
@@ -66,11 +79,7 @@ def normalize(u: Vector, c: float | np.ndarray, norm: Vector | None = None) -> V
     whose local steps did not move (e.g. it already sits at its optimum). A
     2-D ``u`` is normalized row by row, and so is a ``(R, B, d)`` block (``c`` and ``norm`` as in `clip()`).
     """
-    _check_scale(c)
-    xp, c = namespace(u), as_array_like(c, u)
-    norm = _row_norms(u) if norm is None else norm
-    scale = xp.where(norm > 0, c / xp.where(norm > 0, norm, 1.0), 0.0)
-    return u * scale
+    return u * normalize_factor(_row_norms(u) if norm is None else norm, c)
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,9 @@ class SensitivityBound:
         The ``algorithm`` key's value.
     apply:
         ``(u, C[, norm]) -> g``, row-wise for a block of clients (``norm``: ``||u||`` per row, if known).
+    factor:
+        ``(norm, C) -> f``: ``g = u * f`` row by row (``f`` has ``norm``'s trailing axis of size 1); for a caller
+        that needs only a weighted sum of the rows (`dpfedavg.core.runs.released_sums()`).
     private:
         ``True`` when ``||g|| <= C`` for every ``u``: the sum then has sensitivity ``C`` and the run is
         differentially private with noise; ``False`` (``none``) means no DP.
@@ -96,6 +108,7 @@ class SensitivityBound:
 
     name: str
     apply: Callable[..., Vector]
+    factor: Callable[[Vector, float | np.ndarray], Vector]
     private: bool
     title: str
     adaptive: bool = False
@@ -105,15 +118,24 @@ def _identity(u: Vector, c: float, norm: Vector | None = None) -> Vector:
     return copy(u)
 
 
+def _unit_factor(norm: Vector, c: float | np.ndarray) -> Vector:
+    return namespace(norm).ones_like(norm)
+
+
 #: The algorithms (``algorithm`` key): adding one is one entry here.
 BOUNDS: dict[str, SensitivityBound] = {
     b.name: b
     for b in (
-        SensitivityBound("clip", clip, True, "DP-FedAvg (clipping, Alg. 1)"),
-        SensitivityBound("norm", normalize, True, "DP-NormFedAvg (Alg. 2)"),
-        SensitivityBound("none", _identity, False, "FedAvg (no DP)"),
+        SensitivityBound("clip", clip, clip_factor, True, "DP-FedAvg (clipping, Alg. 1)"),
+        SensitivityBound("norm", normalize, normalize_factor, True, "DP-NormFedAvg (Alg. 2)"),
+        SensitivityBound("none", _identity, _unit_factor, False, "FedAvg (no DP)"),
         SensitivityBound(
-            "adaptive-clip", clip, True, "DP-FedAvg with adaptive clipping (Andrew et al. 2021)", adaptive=True
+            "adaptive-clip",
+            clip,
+            clip_factor,
+            True,
+            "DP-FedAvg with adaptive clipping (Andrew et al. 2021)",
+            adaptive=True,
         ),
     )
 }

@@ -123,7 +123,10 @@ class BoundedBlock:
     Attributes
     ----------
     g:
-        The bounded updates, shape ``(..., B, d)`` like ``u``.
+        The bounded updates, shape ``(..., B, d)`` like ``u`` (``None`` when `bound_block()` was asked for
+        ``factor`` alone).
+    factor:
+        ``g = u * factor`` row by row, shape ``(..., B, 1)`` (`SensitivityBound.factor`); set with ``rows=False``.
     count:
         ``adaptive-clip``: each client's extra coordinate ``s (1[||u|| <= C] - 1/2)``, shape ``(..., B)``;
         ``None`` for the other algorithms.
@@ -131,10 +134,11 @@ class BoundedBlock:
         ``||u||`` before bounding and whether the row has no NaN/Inf, shape ``(..., B)``.
     """
 
-    g: np.ndarray
+    g: np.ndarray | None
     count: np.ndarray | None
     norms: np.ndarray
     finite: np.ndarray
+    factor: np.ndarray | None = None
 
 
 def bound_block(
@@ -143,6 +147,7 @@ def bound_block(
     algorithm: str,
     clip: float | np.ndarray,
     count_scale: float | np.ndarray = 0.0,
+    rows: bool = True,
 ) -> BoundedBlock:
     """Alg. 1 / Alg. 2 line 9 for a block of clients: ``g`` row by row, and adaptive clipping's count.
 
@@ -151,7 +156,8 @@ def bound_block(
     scalars or one value per run (shape ``u.shape[:-2]``). Every engine bounds through this function:
     `private_block_update()` (the ClientApp, the batched engine), `dpfedavg.core.runs.released_sums()` and
     `dpfedavg.core.pipeline.round_block_sum()`. ``u`` may be a torch tensor: the block is then bounded on its
-    device and every field of the result is a tensor there (`dpfedavg.core.arrays`).
+    device and every field of the result is a tensor there (`dpfedavg.core.arrays`). ``rows=False``: the
+    bound's per-row ``factor`` instead of ``g = u * factor`` (a caller that needs only sums of ``g``).
     """
     xp = namespace(u)
     u = np.asarray(u) if xp is np else u
@@ -169,12 +175,16 @@ def bound_block(
             finite = np.all(np.isfinite(u), axis=-1)
     else:  # on a device, without a sync to the host
         finite = xp.all(xp.isfinite(u), axis=-1)
-    g = bound_sensitivity(u, algorithm, c[..., None, None] if c.ndim else clip, norms[..., None])
+    row_clip = c[..., None, None] if c.ndim else clip
+    if rows:
+        g, factor = bound_sensitivity(u, algorithm, row_clip, norms[..., None]), None
+    else:
+        g, factor = None, get_bound(algorithm).factor(norms[..., None], row_clip)
     count = None
     if adaptive:
         rows_scale = scale[..., None] if scale.ndim else float(scale)
-        count = astype(count_coordinate(norms, c[..., None] if c.ndim else clip, rows_scale), g.dtype)
-    return BoundedBlock(g=g, count=count, norms=norms, finite=finite)
+        count = astype(count_coordinate(norms, c[..., None] if c.ndim else clip, rows_scale), u.dtype)
+    return BoundedBlock(g=g, count=count, norms=norms, finite=finite, factor=factor)
 
 
 def private_block_update(

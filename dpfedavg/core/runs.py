@@ -119,12 +119,13 @@ def released_sums(
         runs = np.flatnonzero(np.asarray(algorithms) == algorithm)
         # a contiguous range of runs is a view of u; otherwise numpy copies those runs
         pick = slice(runs[0], runs[-1] + 1) if runs[-1] - runs[0] + 1 == len(runs) else runs
-        block = bound_block(u[pick], algorithm=algorithm, clip=clips[pick], count_scale=scales[pick])
-        _accumulate(block, runs, client_ids, stds[pick], normals, into, dim)
+        block = bound_block(u[pick], algorithm=algorithm, clip=clips[pick], count_scale=scales[pick], rows=False)
+        _accumulate(u[pick], block, runs, client_ids, stds[pick], normals, into, dim)
     return into
 
 
 def _accumulate(
+    u: np.ndarray,
     block: BoundedBlock,
     runs: np.ndarray,
     client_ids: np.ndarray,
@@ -133,29 +134,31 @@ def _accumulate(
     into: RunSums,
     dim: int,
 ) -> None:
-    """Add one algorithm's runs of a bounded block to their sums: ``sum_i g_i`` and ``sum_i (g_i + zeta_i)``.
+    """Add one algorithm's runs of a block to their sums: ``sum_i g_i`` and ``sum_i (g_i + zeta_i)``.
 
-    Each run's clients share their standard normals ``z_i`` (the rows of ``normals``) and differ only in the
-    std ``s`` of the run, so ``sum_i (g_i + s z_i) = sum_i g_i + s sum_i z_i``: the clients' ``g`` are summed
-    once per run (in the order of ``client_ids``, the order `DPServer.close_round()` adds them in: the same
-    bits when the round is one block), the normals once per block, and the noise enters as one
-    `add_gaussian()` of ``s`` times their sum. It is the
-    same sum of the same draws as adding each client's ``g_i + zeta_i``; only the floating-point rounding of
-    the additions differs (at most a few units in the last place per round; tested against the client
-    pipeline to 1e-12 relative). No ``(R, B, d')`` block of noisy rows is formed. A client whose training
-    diverged (NaN/Inf in ``u``) sends nothing: its ``g`` and its normals leave that run's sums.
+    ``g_i = f_i u_i`` with the bound's per-row factor ``f_i`` (``block.factor``, `bound_block()` with
+    ``rows=False``), so each run's ``sum_i g_i`` is one product of its factors with its rows of ``u`` (no ``g``
+    block is formed); ``adaptive-clip``'s count coordinate is summed beside it. Each run's clients share their
+    standard normals ``z_i`` (the rows of ``normals``) and differ only in the std ``s`` of the run, so
+    ``sum_i (g_i + s z_i) = sum_i g_i + s sum_i z_i``: the normals are summed once per block and the noise
+    enters as one `add_gaussian()` of ``s`` times their sum. These are the sums of the values the clients would
+    send (`dpfedavg.core.local.private_block_update()`), rounded differently: the products and sums are
+    ordered otherwise (a few units in the last place per round; tested against the client pipeline to 1e-12
+    of the largest entry). A client whose training diverged (NaN/Inf in ``u``) sends nothing: its row and
+    its normals leave that run's sums.
     """
-    g, count, finite = block.g, block.count, block.finite
+    factor, count, finite = block.factor, block.count, block.finite
+    assert factor is not None, "bound_block(..., rows=False) gives the factors"
     release = dim + (1 if count is not None else 0)
     if into.noisy[runs[0]].shape[0] != release:
         raise ValueError(f"the sums have length {into.noisy[runs[0]].shape[0]}, the runs' vectors {release}")
-    if count is not None:
-        g = np.concatenate([g, count[:, :, None]], axis=2)  # (R, B, d + 1)
     all_finite = bool(finite.all())
-    if not all_finite:  # a client whose training diverged sends nothing
-        g = np.where(finite[:, :, None], g, 0.0)
-    # (R, d'): sum_i g_i, client after client (numpy reduces a C-ordered block over B row after row)
-    clean = np.add.reduce(np.ascontiguousarray(g), axis=1)
+    if not all_finite:  # a client whose training diverged sends nothing (its factor is finite, its row is not)
+        u = np.where(finite[:, :, None], u, 0.0)
+    clean = np.matmul(factor.transpose(0, 2, 1), u)[:, 0, :]  # (R, d): sum_i f_i u_i, each run one product
+    if count is not None:
+        counts = count if all_finite else np.where(finite, count, 0.0)
+        clean = np.concatenate([clean, np.add.reduce(counts, axis=1)[:, None]], axis=1)  # (R, d + 1)
     if normals is None:  # no run noises (every std is 0)
         noisy = clean
     else:

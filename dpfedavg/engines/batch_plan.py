@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 MAX_RUNS_PER_BATCH = 36
 #: Bytes per round a run keeps in memory (its round statistics, evaluated metrics): measured about 1 KiB.
 HISTORY_BYTES_PER_ROUND = 1536
-#: float64 arrays of a (run, client) row alive at once in a block: u, g, the noisy row, the shared draws.
+#: float64 arrays of a (run, client) row alive at once in a block, at most: u, its squares (the norms' pass), a
+#: masked copy of u when a client diverged, the shared draws (the sums need no g or noisy rows: core.runs).
 ROW_ARRAYS = 4
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,

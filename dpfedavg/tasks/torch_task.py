@@ -702,11 +702,16 @@ class TorchTask:
         scale = number(-1.0 / self.weight_decay if lerp else -float(lrs[0]))
         weight = number(decay)
         m = [torch.zeros((size, *bi.shape[1:]), dtype=self.dtype, device=self.device) for bi in base]
-        c = 0.0
+        steps, c = [], 0.0  # each step's 1 + c_t, computed on the host as before
         for _ in range(num_steps):
-            xb, yb, mb = (x, y, mask) if batches is None else (pad(t) for t in batches())
-            m = self._compiled_step(m, base, xb, yb, mb, number(1.0 + c), weight, scale, lerp)
+            steps.append(1.0 + c)
             c = (1.0 - decay) * c - decay
+        # one copy to the device for the E steps (a new tensor each step was a host-to-device copy, which on a GPU
+        # waits for the queued steps); each step takes a 0-d view, which does not recompile the step
+        steps_on_device = number(steps)
+        for step in range(num_steps):
+            xb, yb, mb = (x, y, mask) if batches is None else (pad(t) for t in batches())
+            m = self._compiled_step(m, base, xb, yb, mb, steps_on_device[step], weight, scale, lerp)
         return {n: torch.add(mi[:clients], bi, alpha=c)[None] for n, mi, bi in zip(names, m, base, strict=True)}
 
     @cached_property

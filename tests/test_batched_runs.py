@@ -177,8 +177,20 @@ def test_released_sums_equal_the_client_pipeline() -> None:
     clips, stds = np.array([1.0, 2.0, 3.0, 1.5, 4.0]), np.array([0.7, 0.0, 1.1, 0.9, 0.3])
     scales = np.array([0.0, 0.0, 0.0, 2.0, 5.0])
     normals = shared_standard_normals(99, ids, d + 1)
-    sums = released_sums(u, ids, algorithms=algorithms, clips=clips, noise_stds=stds, count_scales=scales,
-                         normals=normals, into=RunSums.zeros([d, d, d, d + 1, d + 1], [True] * runs))  # fmt: skip
+
+    def blocks(*cuts: int) -> RunSums:  # the round's clients in blocks, added to one `into` after the other
+        into = RunSums.zeros([d, d, d, d + 1, d + 1], [True] * runs)
+        for lo, hi in zip((0, *cuts), (*cuts, clients), strict=True):
+            released_sums(u[:, lo:hi], ids[lo:hi], algorithms=algorithms, clips=clips, noise_stds=stds,
+                          count_scales=scales, normals=normals[lo:hi], into=into)  # fmt: skip
+        return into
+
+    for sums in (blocks(), blocks(2, 5)):
+        _assert_equal_to_the_client_pipeline(sums, u, ids, algorithms, clips, stds, scales)
+
+
+def _assert_equal_to_the_client_pipeline(sums, u, ids, algorithms, clips, stds, scales) -> None:
+    runs, clients, d = u.shape
     for r in range(runs):
         updates = private_block_update(u[r], algorithm=algorithms[r], clip=clips[r], noise_std=stds[r],
                                        rngs=[noise_rng(99, int(i)) for i in ids], count_scale=scales[r])  # fmt: skip
@@ -191,6 +203,25 @@ def test_released_sums_equal_the_client_pipeline() -> None:
         np.testing.assert_allclose(sums.clean[r], clean, rtol=0, atol=1e-12 * np.abs(clean).max())
         assert sums.failed[r] == {1: [4], 3: [8]}.get(r, [])  # client ids[2], ids[4]
         assert len(sums.update_norms(r)) == clients - (r in (1, 3))
+
+
+def test_released_sums_take_runs_without_noise_beside_noised_ones_and_check_the_normals() -> None:
+    """An adaptive-clip run with server noise (std 0) beside a noised clip run: the round's normals are d long
+    (the noised vectors'), the adaptive run's d + 1 coordinates take none. Normals without a row per client
+    are refused (fewer rows would sum less noise)."""
+    rng = np.random.default_rng(4)
+    u, ids, d = rng.normal(size=(2, 3, 4)) * 3, np.array([2, 5, 6]), 4
+    args = dict(algorithms=["clip", "adaptive-clip"], clips=np.array([1.0, 2.0]), noise_stds=np.array([0.5, 0.0]),
+                count_scales=np.array([0.0, 2.0]))  # fmt: skip
+    sums = released_sums(u, ids, **args, normals=shared_standard_normals(7, ids, d),
+                         into=RunSums.zeros([d, d + 1], [True, True]))  # fmt: skip
+    np.testing.assert_array_equal(sums.noisy[1], sums.clean[1])  # no noise: its sum as it is
+    clean = sum(upd.clean for upd in private_block_update(u[0], algorithm="clip", clip=1.0, noise_std=0.5,
+                                                          rngs=[noise_rng(7, int(i)) for i in ids]))  # fmt: skip
+    assert np.abs(sums.noisy[0] - clean).max() > 0.1  # the clip run is noised
+    with pytest.raises(ValueError, match="one row of normals per client: 3 clients, 2 rows"):
+        released_sums(u, ids, **args, normals=shared_standard_normals(7, ids[:2], d),
+                      into=RunSums.zeros([d, d + 1], [True, True]))  # fmt: skip
 
 
 def test_bound_block_takes_one_c_per_run() -> None:

@@ -75,10 +75,12 @@ def add_gaussian(
 
     ``g`` is an array of any array-API library (a numpy vector or block on the host, a torch block on its
     device; ``(..., d)``). ``z`` are standard normals on the host, in float64: ``normals`` drawn beforehand
-    (a block's rows, one client's row, or the rows shared by a sweep's runs), or ``rng.standard_normal(d)``
-    from ``rng``. ``std`` is a float or host array broadcasting against ``z`` (one std per run of a sweep).
+    (a block's rows, one client's row, or the sum of the rows a sweep's runs share: `dpfedavg.core.runs`), or
+    ``rng.standard_normal(d)`` from ``rng``. ``std`` is a float or host array broadcasting against ``z`` (one
+    std per run of a sweep).
     ``zeta`` is formed on the host in float64, cast once to ``g``'s dtype and device, and added: every path
-    adds, element for element, the same numbers from the same draws.
+    adds, element for element, the same numbers from the same draws (the run axis adds ``s`` times their sum to
+    the sum of the ``g``: the same sum, rounded differently).
 
     With ``rng``, ``std = 0`` draws nothing and adds zeros (`dpfedavg.core.dp.gaussian_noise()`); without
     ``rng`` and ``normals`` (a round without client noise) ``g`` is returned as it is. ``scale_in_place``

@@ -10,7 +10,7 @@ of them (`shared_standard_normals()`, each client's row the one its own generato
 `released_sums()` then takes the client updates ``u`` of a ``(R, B, d)`` block (runs x clients),
 bounds them with `dpfedavg.core.local.bound_block()` (line 9, the function every engine uses) and forms
 each run's line-12 sum of ``g_i + zeta_i`` with ``zeta_i = s z_i`` (line 10) as ``sum_i g_i + s sum_i z_i``:
-``g`` summed in ascending client id (`DPServer.close_round()`'s order) and the noise as one
+``sum_i g_i`` as one product of the bound's per-row factors with the clients' rows of ``u`` and the noise as one
 `dpfedavg.core.noise.add_gaussian()` of the run's std times the clients' summed normals. That is the sum of
 the same values the clients would send, rounded differently (a few units in the last place; a run gives
 what it gives alone up to rounding, tested to 1e-9 over whole grids), without a ``(R, B, d)`` block of
@@ -102,8 +102,9 @@ def released_sums(
     its own algorithm and ``C`` (`bound_block()`; ``adaptive-clip`` appends the count
     coordinate with its ``s``) and noised with its own per-client std times the shared ``normals`` (``(B, D)``
     from `shared_standard_normals()`, ``D`` at least every run's vector length; ``None`` when every std
-    is 0); `_accumulate()` adds ``sum_i g_i`` (in the order of ``client_ids``, ascending) and ``s sum_i z_i``
-    to ``into``. Blocks of clients of one round are passed one after the other with the same ``into``.
+    is 0); `_accumulate()` adds ``sum_i g_i`` (one product of the bound's factors with the rows) and
+    ``s sum_i z_i`` to ``into``. Blocks of clients of one round are passed one after the other with the same
+    ``into``.
     """
     u = np.asarray(u)
     num_runs, num_clients, dim = u.shape
@@ -114,13 +115,16 @@ def released_sums(
     stds = np.asarray(noise_stds, dtype=np.float64)
     if normals is None and np.any(stds != 0):
         raise ValueError("noise stds > 0 need the round's standard normal draws")
+    if normals is not None and np.shape(normals)[0] != num_clients:  # a row per client: else less noise is summed
+        raise ValueError(f"one row of normals per client: {num_clients} clients, {np.shape(normals)[0]} rows")
     clips, scales = np.asarray(clips, dtype=np.float64), np.asarray(count_scales, dtype=np.float64)
     for algorithm in dict.fromkeys(algorithms):
         runs = np.flatnonzero(np.asarray(algorithms) == algorithm)
         # a contiguous range of runs is a view of u; otherwise numpy copies those runs
         pick = slice(runs[0], runs[-1] + 1) if runs[-1] - runs[0] + 1 == len(runs) else runs
-        block = bound_block(u[pick], algorithm=algorithm, clip=clips[pick], count_scale=scales[pick], rows=False)
-        _accumulate(u[pick], block, runs, client_ids, stds[pick], normals, into, dim)
+        picked = u[pick]
+        block = bound_block(picked, algorithm=algorithm, clip=clips[pick], count_scale=scales[pick], rows=False)
+        _accumulate(picked, block, runs, client_ids, stds[pick], normals, into, dim)
     return into
 
 
@@ -159,9 +163,11 @@ def _accumulate(
     if count is not None:
         counts = count if all_finite else np.where(finite, count, 0.0)
         clean = np.concatenate([clean, np.add.reduce(counts, axis=1)[:, None]], axis=1)  # (R, d + 1)
-    if normals is None:  # no run noises (every std is 0)
-        noisy = clean
+    if normals is None or not stds.any():  # none of these runs noises (e.g. an adaptive-clip run with server noise
+        noisy = clean  # beside noised clip runs: the round's normals are only as long as the noised vectors)
     else:
+        if normals.shape[1] < release:
+            raise ValueError(f"the normals have {normals.shape[1]} columns, the runs' noised vectors {release}")
         z = normals[:, :release]
         if all_finite:  # one sum of the clients' normals for every run: (1, d')
             z_sum = np.add.reduce(z, axis=0, keepdims=True)

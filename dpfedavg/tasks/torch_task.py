@@ -842,14 +842,18 @@ class TorchTask:
         m = [torch.zeros((*lead, *base[i].shape[len(lead) :]), dtype=self.dtype, device=self.device)
              for i in range(len(names))]  # fmt: skip
         w = [torch.empty_like(mi) for mi in m]  # w_t, rewritten each step
-        c = np.zeros(runs)
+        cs = [np.zeros(runs)]  # c_0 .. c_E, on the host
         for _ in range(num_steps):
+            cs.append((1.0 - decay) * cs[-1] - decay)
+        # several runs: every step's 1 + c_t (one per run) go to the device in one copy (a copy per step and
+        # parameter would be a host-to-device copy each, which on a GPU waits for the queued steps)
+        factors = torch.as_tensor(1.0 + np.stack(cs), dtype=self.dtype, device=self.device) if runs > 1 else None
+        for step in range(num_steps):
             for wi, mi, bi in zip(w, m, base, strict=True):
-                if runs == 1:
-                    torch.add(mi, bi, alpha=1.0 + float(c[0]), out=wi)
+                if factors is None:
+                    torch.add(mi, bi, alpha=1.0 + float(cs[step][0]), out=wi)
                 else:
-                    factor = torch.as_tensor(1.0 + c, dtype=self.dtype, device=self.device)
-                    torch.add(mi, bi * factor.reshape(per_run[: bi.dim()]), out=wi)
+                    torch.add(mi, bi * factors[step].reshape(per_run[: bi.dim()]), out=wi)
             xb, yb, mb = (x, y, mask) if batches is None else batches()
             grads = grad_fn(dict(zip(names, w, strict=True)), xb, yb, mb, scale)
             grads = [grads[n] for n in names]
@@ -861,7 +865,7 @@ class TorchTask:
                     for mi in m:
                         mi.mul_(1.0 - weight if runs == 1 else 1.0 - weight.reshape(per_run[: mi.dim()]))
                 torch._foreach_add_(m, grads)
-            c = (1.0 - decay) * c - decay
+        c = cs[-1]
         if runs == 1:
             return {n: torch.add(mi, bi, alpha=float(c[0]))[None] for n, mi, bi in zip(names, m, base, strict=True)}
         factor = torch.as_tensor(c, dtype=self.dtype, device=self.device)

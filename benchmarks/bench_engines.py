@@ -26,12 +26,12 @@ from dpfedavg.engines.batched import run_batched
 from dpfedavg.experiments.scale import make_fmnist_like
 
 
-def per_round(run_dir: Path) -> float:
-    """Median seconds of the rounds without a server-side evaluation, from ``metrics.csv``'s ``elapsed_s``."""
+def per_round(run_dir: Path, first: int = 1) -> float:
+    """Median seconds of rounds ``first``.. without a server-side evaluation, from ``metrics.csv``'s ``elapsed_s``."""
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     elapsed = [float(r["elapsed_s"]) for r in rows]
     plain = [b - a for k, (a, b) in enumerate(zip(elapsed, elapsed[1:], strict=False), start=1)
-             if rows[k]["test_accuracy"] == ""]  # fmt: skip
+             if k >= first and rows[k]["test_accuracy"] == ""]  # fmt: skip
     return statistics.median(plain)
 
 

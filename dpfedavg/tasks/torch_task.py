@@ -241,6 +241,15 @@ def linear_softmax_model(num_features: int, num_classes: int) -> Any:
     return LinearSoftmax()
 
 
+def decay_offsets(decay: float | np.ndarray, num_steps: int) -> list[Any]:
+    """``c_0 .. c_E`` of `TorchTask._chunk_steps()`'s split ``w_t - w_k = c_t w_k + m_t``: ``c_0 = 0`` and
+    ``c_{t+1} = (1 - a) c_t - a`` with ``a = eta lambda`` (a float, or one per run), on the host."""
+    offsets = [np.zeros_like(decay, dtype=np.float64)]
+    for _ in range(num_steps):
+        offsets.append((1.0 - decay) * offsets[-1] - decay)
+    return offsets
+
+
 def compile_bucket(b: int) -> int:
     """The padded block size of ``b`` clients under ``torch-compile``: ``b`` rounded up to a multiple of a
     quarter of its power of two (at most 25 % padding; a Poisson sample's counts fall into one or two sizes)."""
@@ -702,13 +711,11 @@ class TorchTask:
         scale = number(-1.0 / self.weight_decay if lerp else -float(lrs[0]))
         weight = number(decay)
         m = [torch.zeros((size, *bi.shape[1:]), dtype=self.dtype, device=self.device) for bi in base]
-        steps, c = [], 0.0  # each step's 1 + c_t, computed on the host as before
-        for _ in range(num_steps):
-            steps.append(1.0 + c)
-            c = (1.0 - decay) * c - decay
-        # one copy to the device for the E steps (a new tensor each step was a host-to-device copy, which on a GPU
-        # waits for the queued steps); each step takes a 0-d view, which does not recompile the step
-        steps_on_device = number(steps)
+        offsets = decay_offsets(decay, num_steps)
+        # each step's 1 + c_t in one copy to the device (a new tensor each step was a host-to-device copy, which on a
+        # GPU waits for the queued steps); each step takes a 0-d view, which does not recompile the step
+        steps_on_device = number([1.0 + float(c) for c in offsets[:-1]])
+        c = float(offsets[-1])
         for step in range(num_steps):
             xb, yb, mb = (x, y, mask) if batches is None else (pad(t) for t in batches())
             m = self._compiled_step(m, base, xb, yb, mb, steps_on_device[step], weight, scale, lerp)
@@ -842,9 +849,7 @@ class TorchTask:
         m = [torch.zeros((*lead, *base[i].shape[len(lead) :]), dtype=self.dtype, device=self.device)
              for i in range(len(names))]  # fmt: skip
         w = [torch.empty_like(mi) for mi in m]  # w_t, rewritten each step
-        cs = [np.zeros(runs)]  # c_0 .. c_E, on the host
-        for _ in range(num_steps):
-            cs.append((1.0 - decay) * cs[-1] - decay)
+        cs = decay_offsets(decay, num_steps)  # c_0 .. c_E, one per run
         # several runs: every step's 1 + c_t (one per run) go to the device in one copy (a copy per step and
         # parameter would be a host-to-device copy each, which on a GPU waits for the queued steps)
         factors = torch.as_tensor(1.0 + np.stack(cs), dtype=self.dtype, device=self.device) if runs > 1 else None

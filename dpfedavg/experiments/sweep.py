@@ -273,6 +273,19 @@ def _write_cell_files(cell: Cell, result: dict) -> None:
     atomic_write_bytes(directory / RAY_TASK_FILE, (json.dumps(result["where"], indent=2) + "\n").encode())
 
 
+def _nodes_in_turn(ray: Any) -> Callable[[int], Any]:
+    """Batch ``i``'s scheduling: the cluster's alive CPU nodes in turn (by node id), softly.
+
+    Ray's default packs a busy head node first, and ``SPREAD`` is best effort: short batches submitted together
+    could all run on the node that freed up first. Each batch goes to the next node instead; ``soft``: if that
+    node is gone (or dies before the batch runs), Ray runs the batch on another.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= 1)
+    return lambda i: NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True) if nodes else "SPREAD"
+
+
 def _run_cells_ray(units: Sequence[tuple[list[Cell], bool]], address: str, bar, failures: dict[str, str]) -> None:
     import ray
 
@@ -286,11 +299,12 @@ def _run_cells_ray(units: Sequence[tuple[list[Cell], bool]], address: str, bar, 
             log_to_driver=False,
         )
     try:
-        # SPREAD: the batches go round the cluster's nodes (Ray's default packs a busy head node first)
-        run = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES, scheduling_strategy="SPREAD")(_ray_cells)
+        run = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES)(_ray_cells)
+        node_for = _nodes_in_turn(ray)
         pending = {}
-        for cells, batched in units:  # one Ray task per batch of cells
-            pending[run.remote([cell.cfg.to_run_config() for cell in cells], batched)] = cells
+        for i, (cells, batched) in enumerate(units):  # one Ray task per batch of cells
+            task = run.options(scheduling_strategy=node_for(i))
+            pending[task.remote([cell.cfg.to_run_config() for cell in cells], batched)] = cells
         while pending:
             # a timeout, so that Ctrl-C reaches Python between waits (a blocking wait ignores it)
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.5)

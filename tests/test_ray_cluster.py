@@ -167,7 +167,8 @@ def _running_cell(pid: int) -> bool:
 
 
 def test_batches_go_to_the_alive_cpu_nodes_in_turn() -> None:
-    """`_nodes_in_turn`: batch i to the i-th alive node with a CPU (by id, softly), skipping dead and CPU-less ones."""
+    """`_nodes_in_turn`: the alive nodes in turn (by id, softly), each as often as it has CPUs; dead and CPU-less
+    nodes get nothing."""
     pytest.importorskip("ray")
     from dpfedavg.experiments.sweep import _nodes_in_turn
 
@@ -181,10 +182,10 @@ def test_batches_go_to_the_alive_cpu_nodes_in_turn() -> None:
     a, b, c, d = ("a" * 56, "b" * 56, "c" * 56, "d" * 56)  # node ids are hex strings
     node_for = _nodes_in_turn(FakeRay([
         {"NodeID": c, "Alive": True, "Resources": {"CPU": 1.0}},
-        {"NodeID": a, "Alive": True, "Resources": {"CPU": 4.0}},
+        {"NodeID": a, "Alive": True, "Resources": {"CPU": 3.0}},
         {"NodeID": b, "Alive": False, "Resources": {"CPU": 1.0}},
         {"NodeID": d, "Alive": True, "Resources": {"GPU": 1.0}},
     ]))  # fmt: skip
-    strategies = [node_for(i) for i in range(5)]
-    assert [s.node_id for s in strategies] == [a, c, a, c, a] and all(s.soft for s in strategies)
+    strategies = [node_for(i) for i in range(6)]
+    assert [s.node_id for s in strategies] == [a, c, a, a, a, c] and all(s.soft for s in strategies)
     assert _nodes_in_turn(FakeRay([]))(0) == "SPREAD"

@@ -274,16 +274,20 @@ def _write_cell_files(cell: Cell, result: dict) -> None:
 
 
 def _nodes_in_turn(ray: Any) -> Callable[[int], Any]:
-    """Batch ``i``'s scheduling: the cluster's alive CPU nodes in turn (by node id), softly.
+    """Batch ``i``'s scheduling: the cluster's alive nodes in turn, each as often as it has CPUs, softly.
 
     Ray's default packs a busy head node first, and ``SPREAD`` is best effort: short batches submitted together
-    could all run on the node that freed up first. Each batch goes to the next node instead; ``soft``: if that
-    node is gone (or dies before the batch runs), Ray runs the batch on another.
+    could all run on the node that freed up first. Each batch goes to the next of the nodes' CPU slots instead,
+    taken one node after the other (by node id: two nodes of 1 and 3 CPUs give ``a, b, b, b``; of 2 and 2,
+    ``a, b, a, b``); ``soft``: if that node is gone (or dies before the batch runs), Ray runs the batch on another.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= 1)
-    return lambda i: NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True) if nodes else "SPREAD"
+    cpus = {n["NodeID"]: int(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")}
+    slots: list[str] = []
+    for turn in range(max(cpus.values(), default=0)):
+        slots += [node for node in sorted(cpus) if cpus[node] > turn]
+    return lambda i: NodeAffinitySchedulingStrategy(slots[i % len(slots)], soft=True) if slots else "SPREAD"
 
 
 def _run_cells_ray(units: Sequence[tuple[list[Cell], bool]], address: str, bar, failures: dict[str, str]) -> None:

@@ -154,8 +154,9 @@ def _accumulate(
     factor, count, finite = block.factor, block.count, block.finite
     assert factor is not None, "bound_block(..., rows=False) gives the factors"
     release = dim + (1 if count is not None else 0)
-    if into.noisy[runs[0]].shape[0] != release:
-        raise ValueError(f"the sums have length {into.noisy[runs[0]].shape[0]}, the runs' vectors {release}")
+    lengths = sorted({into.noisy[r].shape[0] for r in runs})
+    if lengths != [release]:  # every run's sum, as the stacked sums were checked before
+        raise ValueError(f"the sums have length {', '.join(map(str, lengths))}, the runs' vectors {release}")
     all_finite = bool(finite.all())
     if not all_finite:  # a client whose training diverged sends nothing (its factor is finite, its row is not)
         u = np.where(finite[:, :, None], u, 0.0)
